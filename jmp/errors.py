@@ -1,0 +1,23 @@
+"""Exceptions a jmp user can hit. Each message says what was wrong, where, and what to do."""
+
+from __future__ import annotations
+
+
+class JmpError(Exception):
+    """Base class of every error jmp raises on purpose."""
+
+
+class ConversionError(JmpError):
+    """A torch module could not be converted to a Flax NNX module."""
+
+
+class UnsupportedOpError(JmpError, NotImplementedError):
+    """A torch op has no JAX lowering."""
+
+
+class LoweringError(JmpError):
+    """A lowered torch op failed on the values it was given."""
+
+
+class TracedControlFlowError(JmpError):
+    """Python needed a concrete value (bool, int, shape) from a traced array."""

@@ -1,0 +1,107 @@
+"""``convert``: a torch ``nn.Module`` tree -> a Flax NNX module tree with the same names."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from flax import nnx
+
+from jmp.errors import ConversionError
+from jmp.torch_bridge.interop import tensor_to_array
+from jmp.torch_bridge.module import GenericModule, TorchModule
+
+# torch module class -> NNX class that replaces it (standard layers, see layers/)
+LAYERS: dict[type, type[TorchModule]] = {}
+
+
+def register_layer(*torch_types: type) -> Callable[[type[TorchModule]], type[TorchModule]]:
+    """Class decorator: convert instances of ``torch_types`` (whose forward is not overridden) to the class."""
+
+    def decorate(cls: type[TorchModule]) -> type[TorchModule]:
+        for torch_type in torch_types:
+            LAYERS[torch_type] = cls
+        return cls
+
+    return decorate
+
+
+def layer_class(torch_module: torch.nn.Module) -> type[TorchModule]:
+    """The NNX class for a torch module: its standard layer if forward is the standard one, else generic."""
+    if "forward" not in torch_module.__dict__:
+        for klass in type(torch_module).__mro__:
+            if klass in LAYERS:
+                if type(torch_module).forward is klass.forward:
+                    return LAYERS[klass]
+                break
+    return GenericModule
+
+
+class Converter:
+    """One conversion: shares Variables between tied torch tensors and one random stream."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.rngs = rngs
+        self._variables: dict[int, nnx.Variable] = {}
+
+    def module(self, torch_module: torch.nn.Module, path: str) -> TorchModule:
+        _check_convertible(torch_module, path)
+        return layer_class(torch_module)(torch_module, path, self)
+
+    def variable(self, tensor: torch.Tensor, kind: type, path: str, name: str, **metadata: Any) -> nnx.Variable:
+        """The Variable for a torch tensor; the same tensor (tied weights) gives the same Variable."""
+        existing = self._variables.get(id(tensor))
+        if existing is not None:
+            return existing
+        if tensor.is_meta:
+            raise ConversionError(
+                f"'{_join(path, name)}' is on the meta device (no values). Materialise the module "
+                "(e.g. module.to_empty(device='cpu') and initialise it) before converting."
+            )
+        if kind is nnx.Param:
+            metadata["requires_grad"] = tensor.requires_grad
+        variable = kind(tensor_to_array(tensor), torch_dtype=tensor.dtype, **metadata)
+        self._variables[id(tensor)] = variable
+        return variable
+
+    @staticmethod
+    def check_name(module: TorchModule, name: str, path: str) -> None:
+        if name in _RESERVED or hasattr(type(module), name):
+            raise ConversionError(
+                f"'{_join(path, name)}': the name '{name}' is used by the converted module itself "
+                f"({type(module).__name__}.{name}); rename the torch attribute to convert it."
+            )
+
+
+_RESERVED = {"rngs", "deterministic", "use_running_average"}
+
+
+def _check_convertible(torch_module: Any, path: str) -> None:
+    where = f"'{path}'" if path else "the root module"
+    if not isinstance(torch_module, torch.nn.Module):
+        raise ConversionError(f"{where} is a {type(torch_module).__name__}, not a torch.nn.Module")
+    if isinstance(torch_module, torch.jit.ScriptModule):
+        raise ConversionError(
+            f"{where} is a TorchScript module; TorchScript is not supported. Convert the Python module instead."
+        )
+    if isinstance(torch_module, torch.nn.parallel.DistributedDataParallel):
+        raise ConversionError(
+            f"{where} is wrapped in DistributedDataParallel; pass the inner module (ddp.module): "
+            "jmp does data parallelism itself."
+        )
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def convert(module: torch.nn.Module, *, rngs: nnx.Rngs | int | None = None) -> TorchModule:
+    """Convert a torch module tree to Flax NNX, parameters and buffers copied exactly.
+
+    ``rngs`` seeds dropout and ``torch.rand*`` inside the model; by default it
+    follows torch's seed (``torch.manual_seed``), so a seeded torch script is
+    reproducible here too.
+    """
+    if not isinstance(rngs, nnx.Rngs):
+        rngs = nnx.Rngs(torch.initial_seed() % 2**32 if rngs is None else rngs)
+    return Converter(rngs).module(module, "")

@@ -1,0 +1,233 @@
+"""The interception layer: every torch call made by forward code on the
+bridge's tensors (or inside a bridge session, for factories) is looked up in
+the lowering registry and run as JAX.
+
+A *session* is active while a converted module runs torch code: it installs a
+``TorchFunctionMode`` (so factory functions such as ``torch.arange`` are seen
+too), makes ``torch.compiler.is_compiling()`` answer True (so Hugging Face
+models take their trace-friendly branches), and provides the random stream for
+dropout and ``torch.rand*``. A *scope* records which module is running, for
+error messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import linecache
+import os
+import sys
+from typing import Any, Iterator
+
+import jax
+import torch
+import torch.compiler
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from jmp.errors import JmpError, LoweringError, TracedControlFlowError, UnsupportedOpError
+from jmp.torch_bridge import registry
+from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wrap_tree
+
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_active", default=False)
+_RNGS: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_bridge_rngs", default=None)
+_SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("jmp_bridge_scope", default=())
+
+_T = torch.Tensor
+# Calls that only read metadata the wrapper already carries; torch answers them itself.
+_PASSTHROUGH_NAMES = (
+    "dim", "size", "numel", "nelement", "__len__", "is_floating_point", "is_complex", "element_size",
+    "is_contiguous", "stride", "get_device", "__hash__", "is_signed", "storage_offset",
+)
+_PASSTHROUGH_PROPS = (
+    "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "grad_fn", "grad", "is_cuda",
+    "is_cpu", "layout", "is_sparse", "is_quantized", "is_meta", "is_nested", "is_mkldnn", "itemsize",
+    "nbytes", "names", "is_xpu", "is_mps", "_base", "output_nr", "_version",
+)
+PASSTHROUGH = {getattr(_T, n) for n in _PASSTHROUGH_NAMES if hasattr(_T, n)} | {
+    getattr(_T, n).__get__ for n in _PASSTHROUGH_PROPS if hasattr(_T, n)
+} | {torch.is_tensor, torch.is_floating_point, torch.is_complex, torch.numel, torch.result_type}
+
+
+class BridgeMode(TorchFunctionMode):
+    """Routes every torch function call to the dispatcher while a session is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
+
+
+@contextlib.contextmanager
+def session(rngs: Any = None) -> Iterator[None]:
+    """Run torch code on JaxTensors; nested sessions only replace the random stream."""
+    rngs_token = _RNGS.set(rngs if rngs is not None else _RNGS.get())
+    if _ACTIVE.get():
+        try:
+            yield
+        finally:
+            _RNGS.reset(rngs_token)
+        return
+    active_token = _ACTIVE.set(True)
+    was_compiling = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        with BridgeMode():
+            yield
+    finally:
+        torch.compiler._is_compiling_flag = was_compiling
+        _ACTIVE.reset(active_token)
+        _RNGS.reset(rngs_token)
+
+
+@contextlib.contextmanager
+def scope(path: str, type_name: str) -> Iterator[None]:
+    """Mark that the module at ``path`` is running (for error messages)."""
+    token = _SCOPE.set(_SCOPE.get() + ((path, type_name),))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def current_rngs() -> Any:
+    return _RNGS.get()
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    entry = registry.lookup(func)
+    if entry is None:
+        return _not_lowered(func, args, kwargs)
+    try:
+        return _apply(entry, func, args, kwargs)
+    except JmpError:
+        raise
+    except (jax.errors.ConcretizationTypeError, jax.errors.NonConcreteBooleanIndexError) as error:
+        raise TracedControlFlowError(
+            f"{op_name(func)} needs a concrete value, but it got a traced array{where()}.\n"
+            "Under jax.jit / jax.grad, Python control flow and shapes cannot depend on tensor "
+            "values. Rewrite the branch with torch.where / masking, or compute the value from "
+            f"shapes and Python numbers.\n(JAX said: {str(error).splitlines()[0]})"
+        ) from None
+    except Exception as error:  # a lowering rejected its inputs: say which op, where
+        raise LoweringError(
+            f"{op_name(func)} failed while lowering to JAX{where()}: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _apply(entry: registry.Lowering, func: Any, args: tuple, kwargs: dict) -> Any:
+    out_target = kwargs.pop("out", None) if "out" in kwargs else None
+    if entry.raw:
+        result = entry.fn(*args, **kwargs)
+    else:
+        result = entry.fn(*unwrap_tree(args), **unwrap_tree(kwargs))
+    if not torch.is_grad_enabled():
+        result = jax.tree.map(_stop_gradient, result)
+    if entry.is_inplace_call(args, kwargs):
+        target = args[0]
+        target.set_value(result)
+        return target
+    if out_target is not None:
+        out_target.set_value(result)
+        return out_target
+    if args and isinstance(args[0], JaxTensor) and isinstance(result, jax.Array) and result is args[0]._value:
+        return args[0]  # a no-op (``x.float()`` on float, ``x.contiguous()``) returns self, like torch
+    wrapped = _wrap_result(result)
+    if args and isinstance(args[0], JaxTensor) and entry.is_view_call(args, kwargs):
+        _link_views(entry, args, kwargs, wrapped)
+    return wrapped
+
+
+def _wrap_result(result: Any) -> Any:
+    if isinstance(result, tuple) and hasattr(type(result), "n_fields"):  # torch.return_types.*
+        return type(result)(tuple(_wrap_result(r) for r in result))
+    return wrap_tree(result)
+
+
+def _link_views(entry: registry.Lowering, args: tuple, kwargs: dict, wrapped: Any) -> None:
+    base, rest = args[0], args[1:]
+    rest_values, kwarg_values = unwrap_tree(rest), unwrap_tree(kwargs)
+
+    def reader(index):
+        def read(base_value):
+            out = entry.fn(base_value, *rest_values, **kwarg_values)
+            return out if index is None else out[index]
+
+        return read
+
+    if isinstance(wrapped, JaxTensor):
+        wrapped.make_view_of(base, reader(None))
+    elif isinstance(wrapped, (tuple, list)):
+        for i, part in enumerate(wrapped):
+            if isinstance(part, JaxTensor):
+                part.make_view_of(base, reader(i))
+
+
+def _stop_gradient(x: Any) -> Any:
+    return jax.lax.stop_gradient(x) if isinstance(x, jax.Array) else x
+
+
+def _not_lowered(func: Any, args: tuple, kwargs: dict) -> Any:
+    if func in PASSTHROUGH:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if contains_tensor((args, kwargs), JaxTensor):
+        raise unsupported(func)
+    had_tensors = contains_tensor((args, kwargs))
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    if not had_tensors and contains_tensor(out):
+        # A factory without a lowering would bake a constant into the program.
+        raise unsupported(func)
+    return out
+
+
+def unsupported(func: Any) -> UnsupportedOpError:
+    name = op_name(func)
+    return UnsupportedOpError(
+        f"torch op {name} has no JAX lowering{where()}.\n"
+        f"Register one:\n    @jmp.torch_bridge.register_lowering({name})\n"
+        "    def my_lowering(*args, **kwargs):  # tensors arrive as jax.Arrays\n"
+        "        return ...  # jax.numpy / jax.lax computation"
+    )
+
+
+def unsupported_aten(func: Any) -> None:
+    raise UnsupportedOpError(
+        f"ATen op {func} was called on a JaxTensor below the torch-function level{where()}; "
+        "it has no lowering. Lower the torch function that calls it with "
+        "jmp.torch_bridge.register_lowering."
+    )
+
+
+def op_name(func: Any) -> str:
+    name = resolve_name(func)
+    if name is None:
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+        module = getattr(func, "__module__", None)
+        if module and not name.startswith(module):
+            name = f"{module}.{name}"
+    return name.removesuffix(".__get__")
+
+
+_INTERNAL_DIRS = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+_INTERNAL_FILES = {contextlib.__file__, functools.__file__}
+
+
+def _is_internal(filename: str) -> bool:
+    return filename.startswith(_INTERNAL_DIRS) or filename in _INTERNAL_FILES
+
+
+def where() -> str:
+    """' (in module 'a.b' (Type), at file:line: code)' for the innermost user frame."""
+    parts = []
+    scope_stack = _SCOPE.get()
+    if scope_stack:
+        path, type_name = scope_stack[-1]
+        parts.append(f"in module '{path or '<root>'}' ({type_name})")
+    frame = sys._getframe(1)
+    while frame is not None and _is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is not None:
+        filename, lineno = frame.f_code.co_filename, frame.f_lineno
+        code = linecache.getline(filename, lineno).strip()
+        parts.append(f"at {filename}:{lineno}: {code}")
+    return f" ({', '.join(parts)})" if parts else ""

@@ -1,0 +1,32 @@
+"""Copying values between torch tensors and JAX arrays."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import torch
+
+from jmp.torch_bridge.dtypes import to_jax_dtype
+
+
+def tensor_to_array(tensor: torch.Tensor) -> jax.Array:
+    """A JAX array holding a copy of a (real, CPU-readable) torch tensor."""
+    with torch._C.DisableTorchFunction():  # a plain copy, never a lowered op
+        tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        host = tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        host = tensor.numpy()
+    return jnp.asarray(host, dtype=to_jax_dtype(tensor.dtype))
+
+
+def array_to_tensor(array, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A torch tensor holding a copy of a JAX array, cast to ``dtype`` if given."""
+    host = np.asarray(jax.device_get(array))
+    if host.dtype == ml_dtypes.bfloat16:
+        tensor = torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(host.copy())
+    return tensor if dtype is None else tensor.to(dtype)

@@ -1,0 +1,15 @@
+"""Standard torch layers as Flax NNX modules (torch names and layouts, JAX forward).
+
+Importing this package registers them with the converter.
+"""
+
+from jmp.torch_bridge.layers import (  # noqa: F401  (imported for their registrations)
+    attention,
+    containers,
+    convolution,
+    dropout,
+    embedding,
+    functional,
+    linear,
+    normalization,
+)

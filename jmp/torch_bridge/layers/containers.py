@@ -1,0 +1,75 @@
+"""Sequential, ModuleList and ModuleDict."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from torch import nn
+
+from jmp.torch_bridge.convert import register_layer
+from jmp.torch_bridge.module import TorchModule
+
+
+@register_layer(nn.Sequential)
+class Sequential(TorchModule):
+    """Calls its children in order; each child's own call path (JAX or torch) is kept."""
+
+    def __call__(self, input: Any) -> Any:
+        for _, child in self.children_items():
+            input = child(input)
+        return input
+
+    def torch_call(self, input: Any) -> Any:
+        for _, child in self.children_items():
+            input = child.torch_call(input)
+        return input
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return _index(self, index)
+
+    def __len__(self) -> int:
+        return len(self._torch_children)
+
+    def __iter__(self) -> Iterator[TorchModule]:
+        return (child for _, child in self.children_items())
+
+
+@register_layer(nn.ModuleList)
+class ModuleList(TorchModule):
+    """Holds children under "0", "1", ... (torch's keys); torch code iterates the torch list."""
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return _index(self, index)
+
+    def __len__(self) -> int:
+        return len(self._torch_children)
+
+    def __iter__(self) -> Iterator[TorchModule]:
+        return (child for _, child in self.children_items())
+
+
+@register_layer(nn.ModuleDict)
+class ModuleDict(TorchModule):
+    def __getitem__(self, key: str) -> TorchModule:
+        if key not in self._torch_children:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __len__(self) -> int:
+        return len(self._torch_children)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._torch_children)
+
+    def keys(self) -> tuple[str, ...]:
+        return self._torch_children
+
+    def items(self) -> Iterator[tuple[str, TorchModule]]:
+        return self.children_items()
+
+
+def _index(container: TorchModule, index: int | slice) -> Any:
+    names = container._torch_children
+    if isinstance(index, slice):
+        return [getattr(container, n) for n in names[index]]
+    return getattr(container, names[index])

@@ -1,0 +1,18 @@
+"""The lowering families; importing this package fills the registry."""
+
+from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their registrations)
+    activations,
+    attention,
+    conversions,
+    convolution,
+    elementwise,
+    factories,
+    indexing,
+    linalg,
+    losses,
+    nn_functional,
+    normalization,
+    random,
+    reductions,
+    shape,
+)

@@ -1,0 +1,121 @@
+"""Dtype and device conversions, and reading Python values out of tensors.
+
+Devices are JAX's business (sharding decides placement), so ``.to(device)``,
+``.cpu()`` and ``.cuda()`` keep the value where it is.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jmp.torch_bridge.dtypes import to_jax_dtype
+from jmp.torch_bridge.registry import getter, method, register_lowering
+
+T = torch.Tensor
+
+
+def _astype(x, dtype):
+    dtype = to_jax_dtype(dtype)
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+@register_lowering(T.to)
+def to(input, *args, **kwargs):
+    dtype = kwargs.get("dtype")
+    for arg in args:
+        if isinstance(arg, torch.dtype):
+            dtype = arg
+        elif hasattr(arg, "dtype") and hasattr(arg, "shape"):  # .to(other_tensor)
+            return _astype(input, arg.dtype)
+    return input if dtype is None else _astype(input, dtype)
+
+
+@register_lowering(T.type)
+def type(input, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None:
+        raise TypeError("tensor.type() without a dtype returns a type name, which has no JAX meaning")
+    if isinstance(dtype, str):
+        dtype = _LEGACY_TYPE_NAMES[dtype.rsplit(".", 1)[-1]]
+    return _astype(input, dtype)
+
+
+_LEGACY_TYPE_NAMES = {
+    "FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
+    "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
+    "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8,
+    "BoolTensor": torch.bool,
+}
+
+
+@register_lowering(T.type_as)
+def type_as(input, other):
+    return _astype(input, other.dtype)
+
+
+def _cast_method(dtype):
+    def lowering(input, memory_format=None):
+        return _astype(input, dtype)
+
+    return lowering
+
+
+for _name, _dtype in {
+    "float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16,
+    "int": torch.int32, "long": torch.int64, "short": torch.int16, "char": torch.int8,
+    "byte": torch.uint8, "bool": torch.bool, "cfloat": torch.complex64, "cdouble": torch.complex128,
+}.items():
+    register_lowering(method(_name))(_cast_method(_dtype))
+
+
+@register_lowering(T.cpu, method("cuda"), method("pin_memory"))
+def same_place(input, *args, **kwargs):
+    return input
+
+
+@register_lowering(torch.real, getter("real"))
+def real(input):
+    return jnp.real(input)
+
+
+@register_lowering(torch.imag, getter("imag"))
+def imag(input):
+    return jnp.imag(input)
+
+
+@register_lowering(T.item)
+def item(input):
+    if input.size != 1:
+        raise ValueError(f"item() needs a tensor with one element, not {input.size}")
+    return np.asarray(input).reshape(()).item()
+
+
+@register_lowering(T.tolist)
+def tolist(input):
+    return np.asarray(input).tolist()
+
+
+@register_lowering(T.__bool__)
+def to_bool(input):
+    return bool(input)
+
+
+@register_lowering(T.__int__)
+def to_int(input):
+    return int(input)
+
+
+@register_lowering(T.__index__)
+def to_index(input):
+    return int(input)
+
+
+@register_lowering(T.__float__)
+def to_float(input):
+    return float(input)
+
+
+@register_lowering(T.__complex__)
+def to_complex(input):
+    return complex(input)

@@ -1,0 +1,205 @@
+"""Loss functions, following ATen's formulas (reductions, weights, ``ignore_index``, smoothing)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import torch.nn.functional as F
+
+from jmp.torch_bridge.lowering.arguments import reduction as reduction_mode
+from jmp.torch_bridge.registry import register_lowering
+
+
+def _reduce(loss, reduction):
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return jnp.sum(loss)
+    if reduction == "mean":
+        return jnp.mean(loss)
+    raise ValueError(f"reduction must be 'none', 'mean' or 'sum', not {reduction!r}")
+
+
+def _class_axis(input):
+    return 1 if input.ndim > 1 else 0
+
+
+@register_lowering(F.nll_loss)
+def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
+    reduction = reduction_mode(reduction, size_average, reduce)
+    ax = _class_axis(input)
+    ignored = target == ignore_index
+    safe = jnp.where(ignored, 0, target)
+    picked = jnp.squeeze(jnp.take_along_axis(input, jnp.expand_dims(safe, ax), axis=ax), ax)
+    w = jnp.ones((), input.dtype) if weight is None else weight.astype(input.dtype)[safe]
+    w = jnp.where(ignored, jnp.zeros((), input.dtype), w)
+    loss = -w * picked
+    if reduction == "mean":
+        return jnp.sum(loss) / jnp.sum(jnp.broadcast_to(w, loss.shape))
+    return _reduce(loss, reduction)
+
+
+@register_lowering(F.cross_entropy)
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                  reduction="mean", label_smoothing=0.0):
+    reduction = reduction_mode(reduction, size_average, reduce)
+    ax = _class_axis(input)
+    n_classes = input.shape[ax]
+    logp = jax.nn.log_softmax(input, axis=ax)
+    w_shape = [1] * input.ndim
+    w_shape[ax] = n_classes
+    if jnp.issubdtype(target.dtype, jnp.floating):  # class probabilities
+        if label_smoothing > 0:
+            target = target * (1 - label_smoothing) + label_smoothing / n_classes
+        terms = logp * target
+        if weight is not None:
+            terms = terms * weight.reshape(w_shape)
+        if reduction == "mean":
+            return -jnp.sum(terms) / (input.size / n_classes)
+        if reduction == "sum":
+            return -jnp.sum(terms)
+        return -jnp.sum(terms, axis=ax)
+    nll = nll_loss(logp, target, weight, ignore_index=ignore_index, reduction=reduction)
+    if label_smoothing <= 0:
+        return nll
+    ignored = target == ignore_index
+    weighted = logp if weight is None else logp * weight.reshape(w_shape)
+    smooth = jnp.where(ignored, 0.0, -jnp.sum(weighted, axis=ax))
+    if reduction == "mean":
+        if weight is None:
+            denominator = jnp.sum(~ignored)
+        else:
+            denominator = jnp.sum(jnp.where(ignored, 0.0, weight[jnp.where(ignored, 0, target)]))
+        smooth = jnp.sum(smooth) / denominator
+    elif reduction == "sum":
+        smooth = jnp.sum(smooth)
+    return (1 - label_smoothing) * nll + smooth * (label_smoothing / n_classes)
+
+
+@register_lowering(F.mse_loss)
+def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    loss = jnp.square(input - target)
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+
+
+@register_lowering(F.l1_loss)
+def l1_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    loss = jnp.abs(input - target)
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+
+
+@register_lowering(F.smooth_l1_loss)
+def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
+    diff = jnp.abs(input - target)
+    loss = diff if beta == 0 else jnp.where(diff < beta, 0.5 * diff * diff / beta, diff - 0.5 * beta)
+    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+
+
+@register_lowering(F.huber_loss)
+def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
+    diff = jnp.abs(input - target)
+    loss = jnp.where(diff <= delta, 0.5 * diff * diff, delta * (diff - 0.5 * delta))
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction)
+
+
+@register_lowering(F.binary_cross_entropy)
+def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
+    log_x = jnp.maximum(jnp.log(input), -100.0)
+    log_1mx = jnp.maximum(jnp.log1p(-input), -100.0)
+    loss = -(target * log_x + (1 - target) * log_1mx)
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+
+
+@register_lowering(F.binary_cross_entropy_with_logits)
+def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None,
+                                     reduction="mean", pos_weight=None):
+    softplus_neg = jnp.log1p(jnp.exp(-jnp.abs(input))) + jnp.maximum(-input, 0)
+    if pos_weight is not None:
+        log_weight = 1 + (pos_weight - 1) * target
+        loss = (1 - target) * input + log_weight * softplus_neg
+    else:
+        loss = (1 - target) * input + softplus_neg
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+
+
+@register_lowering(F.kl_div)
+def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
+    if log_target:
+        loss = jnp.exp(target) * (target - input)
+    else:
+        loss = jax.scipy.special.xlogy(target, target) - target * input
+    reduction = reduction_mode(reduction, size_average, reduce)
+    if reduction == "batchmean":
+        return jnp.sum(loss) / (input.shape[0] if input.ndim else 1)
+    return _reduce(loss, reduction)
+
+
+@register_lowering(F.soft_margin_loss)
+def soft_margin_loss(input, target, size_average=None, reduce=None, reduction="mean"):
+    return _reduce(jnp.log1p(jnp.exp(-target * input)), reduction_mode(reduction, size_average, reduce))
+
+
+@register_lowering(F.margin_ranking_loss)
+def margin_ranking_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
+    loss = jnp.maximum(0.0, -target * (input1 - input2) + margin)
+    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+
+
+@register_lowering(F.hinge_embedding_loss)
+def hinge_embedding_loss(input, target, margin=1.0, size_average=None, reduce=None, reduction="mean"):
+    margin_part = jnp.where(target != 1, jnp.maximum(margin - input, 0.0), 0.0)
+    self_part = jnp.where(target != -1, input, 0.0)
+    return _reduce(margin_part + self_part, reduction_mode(reduction, size_average, reduce))
+
+
+@register_lowering(F.poisson_nll_loss)
+def poisson_nll_loss(input, target, log_input=True, full=False, size_average=None, eps=1e-8, reduce=None,
+                     reduction="mean"):
+    loss = jnp.exp(input) - target * input if log_input else input - target * jnp.log(input + eps)
+    if full:
+        stirling = target * jnp.log(target) - target + 0.5 * jnp.log(2 * math.pi * target)
+        loss = loss + jnp.where(target > 1, stirling, 0.0)
+    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+
+
+@register_lowering(F.gaussian_nll_loss)
+def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    if jnp.shape(var) != input.shape and jnp.shape(var) == input.shape[:-1]:
+        var = var[..., None]  # one variance per sample, shared by its last dimension
+    var = var + jax.lax.stop_gradient(jnp.maximum(var, eps) - var)  # clamped under no_grad in torch
+    loss = 0.5 * (jnp.log(var) + jnp.square(input - target) / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return _reduce(loss, reduction)
+
+
+@register_lowering(F.multilabel_soft_margin_loss)
+def multilabel_soft_margin_loss(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
+    loss = -(target * jax.nn.log_sigmoid(input) + (1 - target) * jax.nn.log_sigmoid(-input))
+    if weight is not None:
+        loss = loss * weight
+    loss = jnp.sum(loss, axis=-1) / input.shape[-1]
+    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+
+
+@register_lowering(F.cosine_embedding_loss)
+def cosine_embedding_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
+    eps = 1e-12
+    prod = jnp.sum(input1 * input2, axis=-1)
+    mag1 = jnp.sum(input1 * input1, axis=-1) + eps
+    mag2 = jnp.sum(input2 * input2, axis=-1) + eps
+    cos = prod / jnp.sqrt(mag1 * mag2)
+    loss = jnp.where(target == 1, 1 - cos, jnp.where(target == -1, jnp.maximum(cos - margin, 0.0), 0.0))
+    return _reduce(loss, reduction_mode(reduction, size_average, reduce))

@@ -1,0 +1,380 @@
+"""Reductions, scans, softmax, sorting and top-k."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.nn.functional as F
+
+from jmp.torch_bridge.dtypes import default_float, is_floating, to_jax_dtype
+from jmp.torch_bridge.lowering.arguments import axis, dims, on_scalars_as_vectors
+from jmp.torch_bridge.registry import register_lowering
+
+T = torch.Tensor
+_INT = to_jax_dtype(torch.int64)
+
+
+def _accumulate_dtype(x, dtype):
+    """Torch sums integers and bools as int64, others in their own dtype."""
+    if dtype is not None:
+        return to_jax_dtype(dtype)
+    if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+        return _INT
+    return x.dtype
+
+
+@register_lowering(torch.sum, T.sum)
+def sum(input, dim=None, keepdim=False, *, dtype=None):
+    return jnp.sum(input, axis=dims(dim, input.ndim), keepdims=keepdim,
+                   dtype=_accumulate_dtype(input, dtype))
+
+
+@register_lowering(torch.nansum, T.nansum)
+def nansum(input, dim=None, keepdim=False, *, dtype=None):
+    return jnp.nansum(input, axis=dims(dim, input.ndim), keepdims=keepdim,
+                      dtype=_accumulate_dtype(input, dtype))
+
+
+@register_lowering(torch.prod, T.prod)
+def prod(input, dim=None, keepdim=False, *, dtype=None):
+    return jnp.prod(input, axis=dims(dim, input.ndim), keepdims=keepdim,
+                    dtype=_accumulate_dtype(input, dtype))
+
+
+@register_lowering(torch.mean, T.mean)
+def mean(input, dim=None, keepdim=False, *, dtype=None):
+    x = input if dtype is None else input.astype(to_jax_dtype(dtype))
+    return jnp.mean(x, axis=dims(dim, input.ndim), keepdims=keepdim)
+
+
+@register_lowering(torch.nanmean, T.nanmean)
+def nanmean(input, dim=None, keepdim=False, *, dtype=None):
+    x = input if dtype is None else input.astype(to_jax_dtype(dtype))
+    return jnp.nanmean(x, axis=dims(dim, input.ndim), keepdims=keepdim)
+
+
+def _correction(args, kwargs):
+    """Torch's var/std argument forms: (dim, unbiased, keepdim), (unbiased,), or correction=."""
+    dim, keepdim, correction = None, kwargs.pop("keepdim", False), 1
+    if args and isinstance(args[0], bool):
+        correction = int(args[0])
+        args = args[1:]
+    elif args:
+        dim, args = args[0], args[1:]
+        if args and isinstance(args[0], bool):
+            correction, args = int(args[0]), args[1:]
+        if args:
+            keepdim = args[0]
+    dim = kwargs.pop("dim", dim)
+    if "unbiased" in kwargs:
+        correction = int(kwargs.pop("unbiased"))
+    if kwargs.get("correction") is not None:
+        correction = kwargs.pop("correction")
+    kwargs.pop("correction", None)
+    if kwargs:
+        raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+    return dim, correction, keepdim
+
+
+@register_lowering(torch.var, T.var)
+def var(input, *args, **kwargs):
+    dim, correction, keepdim = _correction(args, dict(kwargs))
+    return jnp.var(input, axis=dims(dim, input.ndim), ddof=correction, keepdims=keepdim)
+
+
+@register_lowering(torch.std, T.std)
+def std(input, *args, **kwargs):
+    dim, correction, keepdim = _correction(args, dict(kwargs))
+    return jnp.std(input, axis=dims(dim, input.ndim), ddof=correction, keepdims=keepdim)
+
+
+@register_lowering(torch.var_mean)
+def var_mean(input, *args, **kwargs):
+    dim, correction, keepdim = _correction(args, dict(kwargs))
+    axes = dims(dim, input.ndim)
+    return (jnp.var(input, axis=axes, ddof=correction, keepdims=keepdim),
+            jnp.mean(input, axis=axes, keepdims=keepdim))
+
+
+@register_lowering(torch.std_mean)
+def std_mean(input, *args, **kwargs):
+    dim, correction, keepdim = _correction(args, dict(kwargs))
+    axes = dims(dim, input.ndim)
+    return (jnp.std(input, axis=axes, ddof=correction, keepdims=keepdim),
+            jnp.mean(input, axis=axes, keepdims=keepdim))
+
+
+def _extremum(jnp_fn, jnp_arg, return_type, pairwise):
+    def lowering(input, dim=None, keepdim=False):
+        if isinstance(dim, jax.Array):  # torch.max(input, other)
+            return pairwise(input, dim)
+        if dim is None:
+            return jnp_fn(input)
+        if input.ndim == 0:
+            return return_type((input, jnp.zeros((), _INT)))
+        ax = axis(dim, input.ndim)
+        values = jnp_fn(input, axis=ax, keepdims=keepdim)
+        indices = jnp_arg(input, axis=ax, keepdims=keepdim).astype(_INT)
+        return return_type((values, indices))
+
+    return lowering
+
+
+register_lowering(torch.max, T.max)(_extremum(jnp.max, jnp.argmax, torch.return_types.max, jnp.maximum))
+register_lowering(torch.min, T.min)(_extremum(jnp.min, jnp.argmin, torch.return_types.min, jnp.minimum))
+
+
+@register_lowering(torch.amax, T.amax)
+def amax(input, dim=(), keepdim=False):
+    return jnp.max(input, axis=dims(dim, input.ndim), keepdims=keepdim)
+
+
+@register_lowering(torch.amin, T.amin)
+def amin(input, dim=(), keepdim=False):
+    return jnp.min(input, axis=dims(dim, input.ndim), keepdims=keepdim)
+
+
+@register_lowering(torch.aminmax, T.aminmax)
+def aminmax(input, *, dim=None, keepdim=False):
+    axes = dims(dim, input.ndim)
+    return torch.return_types.aminmax((jnp.min(input, axis=axes, keepdims=keepdim),
+                                       jnp.max(input, axis=axes, keepdims=keepdim)))
+
+
+@register_lowering(torch.argmax, T.argmax)
+@on_scalars_as_vectors
+def argmax(input, dim=None, keepdim=False):
+    if dim is None:
+        out = jnp.argmax(input.reshape(-1))
+        return (out.reshape((1,) * input.ndim) if keepdim else out).astype(_INT)
+    return jnp.argmax(input, axis=axis(dim, input.ndim), keepdims=keepdim).astype(_INT)
+
+
+@register_lowering(torch.argmin, T.argmin)
+@on_scalars_as_vectors
+def argmin(input, dim=None, keepdim=False):
+    if dim is None:
+        out = jnp.argmin(input.reshape(-1))
+        return (out.reshape((1,) * input.ndim) if keepdim else out).astype(_INT)
+    return jnp.argmin(input, axis=axis(dim, input.ndim), keepdims=keepdim).astype(_INT)
+
+
+@register_lowering(torch.all, T.all)
+def all(input, dim=None, keepdim=False):
+    return jnp.all(input, axis=dims(dim, input.ndim), keepdims=keepdim)
+
+
+@register_lowering(torch.any, T.any)
+def any(input, dim=None, keepdim=False):
+    return jnp.any(input, axis=dims(dim, input.ndim), keepdims=keepdim)
+
+
+@register_lowering(torch.count_nonzero, T.count_nonzero)
+def count_nonzero(input, dim=None):
+    return jnp.count_nonzero(input, axis=dims(dim, input.ndim)).astype(_INT)
+
+
+@register_lowering(torch.logsumexp, T.logsumexp, torch.special.logsumexp)
+@on_scalars_as_vectors
+def logsumexp(input, dim, keepdim=False):
+    x = input if is_floating(input.dtype) else input.astype(default_float())
+    return jax.nn.logsumexp(x, axis=dims(dim, input.ndim), keepdims=keepdim)
+
+
+@register_lowering(torch.norm, T.norm)
+def norm(input, p="fro", dim=None, keepdim=False, dtype=None):
+    x = input if dtype is None else input.astype(to_jax_dtype(dtype))
+    if p == "fro" or p is None:
+        p = 2
+    if p == "nuc":
+        return jnp.linalg.norm(x, ord="nuc", axis=dims(dim, x.ndim), keepdims=keepdim)
+    return vector_norm(x, p, dim, keepdim)
+
+
+@register_lowering(torch.linalg.vector_norm)
+def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    x = x if dtype is None else x.astype(to_jax_dtype(dtype))
+    if not is_floating(x.dtype) and not jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = x.astype(default_float())
+    axes = dims(dim, x.ndim)
+    absx = jnp.abs(x)
+    if ord == float("inf"):
+        return jnp.max(absx, axis=axes, keepdims=keepdim)
+    if ord == float("-inf"):
+        return jnp.min(absx, axis=axes, keepdims=keepdim)
+    if ord == 0:
+        return jnp.sum((absx != 0).astype(absx.dtype), axis=axes, keepdims=keepdim)
+    if ord == 1:
+        return jnp.sum(absx, axis=axes, keepdims=keepdim)
+    if ord == 2:
+        return jnp.sqrt(jnp.sum(jnp.square(absx), axis=axes, keepdims=keepdim))
+    return jnp.sum(absx**ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+
+
+@register_lowering(torch.linalg.norm)
+def linalg_norm(input, ord=None, dim=None, keepdim=False, *, dtype=None):
+    x = input if dtype is None else input.astype(to_jax_dtype(dtype))
+    axes = dims(dim, x.ndim)
+    if ord is None:
+        return vector_norm(x, 2, None if axes is None else dim, keepdim)
+    return jnp.linalg.norm(x, ord=ord, axis=axes, keepdims=keepdim)
+
+
+def _scan(jnp_fn):
+    def lowering(input, dim, *, dtype=None):
+        x = input.astype(_accumulate_dtype(input, dtype))
+        if x.ndim == 0:
+            return x
+        return jnp_fn(x, axis=axis(dim, x.ndim))
+
+    return lowering
+
+
+register_lowering(torch.cumsum, T.cumsum, inplace=(T.cumsum_,))(_scan(jnp.cumsum))
+register_lowering(torch.cumprod, T.cumprod, inplace=(T.cumprod_,))(_scan(jnp.cumprod))
+
+
+@register_lowering(torch.logcumsumexp, T.logcumsumexp)
+def logcumsumexp(input, dim):
+    if input.ndim == 0:
+        return input
+    return jax.lax.cumlogsumexp(input, axis=axis(dim, input.ndim))
+
+
+def _cumulative_extremum(reducer, return_type):
+    def lowering(input, dim):
+        if input.ndim == 0:
+            return return_type((input, jnp.zeros((), _INT)))
+        ax = axis(dim, input.ndim)
+        values = reducer(input, axis=ax)
+        positions = jnp.broadcast_to(
+            jnp.arange(input.shape[ax]).reshape([-1 if i == ax else 1 for i in range(input.ndim)]),
+            input.shape)
+        # index of the last position holding the running extremum (torch's tie rule)
+        hits = jnp.where(input == values, positions, -1)
+        indices = jax.lax.cummax(hits, axis=ax)
+        return return_type((values, indices.astype(_INT)))
+
+    return lowering
+
+
+register_lowering(torch.cummax, T.cummax)(_cumulative_extremum(jax.lax.cummax, torch.return_types.cummax))
+register_lowering(torch.cummin, T.cummin)(_cumulative_extremum(jax.lax.cummin, torch.return_types.cummin))
+
+
+def _softmax_input(input, dtype):
+    if dtype is not None:
+        return input.astype(to_jax_dtype(dtype))
+    return input if is_floating(input.dtype) else input.astype(default_float())
+
+
+@register_lowering(F.softmax, torch.softmax, T.softmax, torch.special.softmax)
+@on_scalars_as_vectors
+def softmax(input, dim=None, _stacklevel=3, dtype=None):
+    x = _softmax_input(input, dtype)
+    return jax.nn.softmax(x, axis=_implicit_dim(dim, x.ndim))
+
+
+@register_lowering(F.log_softmax, torch.log_softmax, T.log_softmax, torch.special.log_softmax)
+@on_scalars_as_vectors
+def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
+    x = _softmax_input(input, dtype)
+    return jax.nn.log_softmax(x, axis=_implicit_dim(dim, x.ndim))
+
+
+@register_lowering(F.softmin)
+@on_scalars_as_vectors
+def softmin(input, dim=None, _stacklevel=3, dtype=None):
+    x = _softmax_input(input, dtype)
+    return jax.nn.softmax(-x, axis=_implicit_dim(dim, x.ndim))
+
+
+def _implicit_dim(dim, ndim):
+    if dim is None:  # torch's legacy implicit choice
+        dim = 0 if ndim in (0, 1, 3) else 1
+    return axis(dim, ndim)
+
+
+@register_lowering(torch.topk, T.topk)
+@on_scalars_as_vectors
+def topk(input, k, dim=-1, largest=True, sorted=True):
+    ax = axis(dim, input.ndim)
+    x = jnp.moveaxis(input, ax, -1)
+    if largest:
+        values, indices = jax.lax.top_k(x, k)
+    else:
+        _, indices = jax.lax.top_k(_order_key(x, descending=True), k)
+        values = jnp.take_along_axis(x, indices, axis=-1)
+    return torch.return_types.topk((jnp.moveaxis(values, -1, ax),
+                                    jnp.moveaxis(indices, -1, ax).astype(_INT)))
+
+
+def _order_key(x, descending):
+    """A key whose descending order is x's ascending order, for any dtype."""
+    if x.dtype == jnp.bool_:
+        return ~x
+    if jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+        return jnp.iinfo(x.dtype).max - x
+    return -x
+
+
+@register_lowering(torch.sort, T.sort)
+def sort(input, dim=-1, descending=False, stable=False):
+    if input.ndim == 0:
+        return torch.return_types.sort((input, jnp.zeros((), _INT)))
+    ax = axis(dim, input.ndim)
+    indices = jnp.argsort(input, axis=ax, stable=True, descending=descending)
+    values = jnp.take_along_axis(input, indices, axis=ax)
+    return torch.return_types.sort((values, indices.astype(_INT)))
+
+
+@register_lowering(torch.argsort, T.argsort)
+def argsort(input, dim=-1, descending=False, stable=False):
+    return sort(input, dim, descending, stable)[1]
+
+
+@register_lowering(torch.msort, T.msort)
+def msort(input):
+    return sort(input, 0)[0]
+
+
+@register_lowering(torch.median, T.median)
+@on_scalars_as_vectors
+def median(input, dim=None, keepdim=False):
+    """Torch's median is the lower of the two middle values (not their mean)."""
+    if dim is None:
+        flat = jnp.sort(input.reshape(-1))
+        return flat[(flat.shape[0] - 1) // 2]
+    ax = axis(dim, input.ndim)
+    order = jnp.argsort(input, axis=ax, stable=True)
+    middle = (input.shape[ax] - 1) // 2
+    index = jax.lax.index_in_dim(order, middle, axis=ax, keepdims=keepdim)
+    values = jnp.take_along_axis(input, index if keepdim else jnp.expand_dims(index, ax), axis=ax)
+    if not keepdim:
+        values = jnp.squeeze(values, ax)
+    return torch.return_types.median((values, index.astype(_INT)))
+
+
+@register_lowering(torch.histc, T.histc)
+def histc(input, bins=100, min=0, max=0):
+    x = input if is_floating(input.dtype) else input.astype(default_float())
+    lo, hi = min, max
+    if lo == hi:  # torch: use the data's range, widened by one if it is a single value
+        lo, hi = jnp.min(x), jnp.max(x)
+        same = lo == hi
+        lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
+    index = jnp.floor((x - lo) * bins / (hi - lo)).astype(jnp.int32)
+    index = jnp.where(x == hi, bins - 1, index)  # the last bin is closed
+    inside = (x >= lo) & (x <= hi)
+    return jnp.zeros((bins,), x.dtype).at[jnp.where(inside, index, bins)].add(1, mode="drop")
+
+
+@register_lowering(torch.bincount, T.bincount)
+def bincount(input, weights=None, minlength=0):
+    return jnp.bincount(input, weights=weights, minlength=minlength, length=None)
+
+
+@register_lowering(torch.diff, T.diff)
+def diff(input, n=1, dim=-1, prepend=None, append=None):
+    return jnp.diff(input, n=n, axis=axis(dim, input.ndim), prepend=prepend, append=append)

@@ -1,0 +1,247 @@
+"""Converted modules: Flax NNX modules that mirror torch modules name for name.
+
+``TorchModule`` holds a torch module's parameters (``nnx.Param``) and buffers
+(``Buffer``) under the torch attribute names, and its converted children under
+theirs, so ``nnx.state(converted)`` paths equal torch ``state_dict`` keys.
+
+Two ways in:
+- ``module(*jax_arrays)``: the JAX-facing call (jit / grad friendly);
+- ``module.torch_call(*jax_tensors)``: the call torch code makes when a parent's
+  forward calls this module.
+
+Standard layers implement ``forward`` in JAX directly (``layers/``).
+``GenericModule`` runs the torch module's own ``forward`` on JaxTensors, after
+binding the NNX state to the torch module tree (``bound_state``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+from flax import nnx
+
+from jmp.torch_bridge import dispatch
+from jmp.torch_bridge.tensor import JaxTensor, unwrap, unwrap_tree, wrap_tree
+
+
+class Buffer(nnx.Variable):
+    """A torch buffer: module state that is not trained (running stats, position tables)."""
+
+
+class TorchModule(nnx.Module):
+    """A Flax NNX module mirroring one torch module (same attribute names, same layouts)."""
+
+    def __init__(self, torch_module: torch.nn.Module, path: str, converter: Any):
+        self._torch_module = torch_module
+        self._torch_path = path
+        self.deterministic = not torch_module.training
+        names = []
+        for name, tensor in torch_module._parameters.items():
+            converter.check_name(self, name, path)
+            setattr(self, name, None if tensor is None else converter.variable(tensor, nnx.Param, path, name))
+            if tensor is not None:
+                names.append(name)
+        non_persistent = torch_module._non_persistent_buffers_set
+        for name, tensor in torch_module._buffers.items():
+            converter.check_name(self, name, path)
+            variable = None if tensor is None else converter.variable(
+                tensor, Buffer, path, name, persistent=name not in non_persistent)
+            setattr(self, name, variable)
+            if tensor is not None:
+                names.append(name)
+        self._torch_state_names = tuple(names)
+        children = []
+        for name, child in torch_module._modules.items():
+            converter.check_name(self, name, path)
+            setattr(self, name, None if child is None else converter.module(child, _join(path, name)))
+            children.append(name)
+        self._torch_children = tuple(children)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call with JAX arrays where torch takes tensors; returns the torch structure with JAX arrays."""
+        with dispatch.session(getattr(self, "rngs", None)):
+            out = self.torch_call(*wrap_tree(args), **wrap_tree(kwargs))
+        return to_jax_output(out)
+
+    def torch_call(self, *args: Any, **kwargs: Any) -> Any:
+        """The call torch code makes (JaxTensors in and out)."""
+        with dispatch.scope(self._torch_path, type(self._torch_module).__name__):
+            return wrap_tree(self.forward(*unwrap_tree(args), **unwrap_tree(kwargs)))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{type(self._torch_module).__name__} at '{self._torch_path}' is not callable")
+
+    def train(self, mode: bool = True, **attributes: Any) -> None:
+        """Torch-style: ``train()`` / ``train(False)``; NNX-style attributes pass through."""
+        if mode:
+            super().train(**attributes)
+        else:
+            super().eval(**attributes)
+
+    @property
+    def torch_module(self) -> torch.nn.Module:
+        """The torch module this one mirrors (its structure and code, not its values)."""
+        return self._torch_module
+
+    def children_items(self) -> Iterator[tuple[str, "TorchModule"]]:
+        for name in self._torch_children:
+            child = getattr(self, name)
+            if child is not None:
+                yield name, child
+
+
+class ArrayModule(TorchModule):
+    """A standard layer whose ``forward`` is written in JAX: called directly, no torch involved."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+
+class GenericModule(TorchModule):
+    """A module without a JAX twin: its own torch ``forward`` runs, lowered op by op."""
+
+    def __init__(self, torch_module: torch.nn.Module, path: str, converter: Any):
+        super().__init__(torch_module, path, converter)
+        self.rngs = converter.rngs
+        # A forward set on the instance (rare) replaces the class's, as in torch.
+        self._instance_forward = torch_module.__dict__.get("forward")
+
+    def torch_call(self, *args: Any, **kwargs: Any) -> Any:
+        torch_module = self._torch_module
+        with dispatch.scope(self._torch_path, type(torch_module).__name__), \
+                dispatch.session(self.rngs), bound_state(self):
+            if self._instance_forward is not None:
+                return self._instance_forward(*args, **kwargs)
+            return type(torch_module).forward(torch_module, *args, **kwargs)
+
+
+class _Redirect:
+    """Installed as a torch module's ``forward`` so that torch calls reach its NNX twin."""
+
+    def __init__(self, module: TorchModule):
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.torch_call(*args, **kwargs)
+
+
+def walk(module: TorchModule) -> Iterator[TorchModule]:
+    yield module
+    for _, child in module.children_items():
+        yield from walk(child)
+
+
+_NO_FORWARD = object()
+
+
+@contextlib.contextmanager
+def bound_state(root: TorchModule) -> Iterator[None]:
+    """Bind the NNX state of ``root``'s subtree to its torch modules for one forward.
+
+    Parameters and buffers become JaxTensors of the current NNX values, every
+    descendant's ``forward`` is redirected to its NNX twin, and ``training``
+    follows the NNX modules. On exit, buffers that forward updated in place or
+    reassigned are written back to their NNX variables, and the torch modules
+    are restored.
+    """
+    bindings = []
+    modules = []
+    for module in walk(root):
+        torch_module = module._torch_module
+        modules.append((module, torch_module, torch_module.training,
+                        torch_module.__dict__.get("forward", _NO_FORWARD)))
+        torch_module.training = not module.deterministic
+        if module is not root:
+            torch_module.__dict__["forward"] = _Redirect(module)
+        for name in module._torch_state_names:
+            slots = torch_module._parameters if name in torch_module._parameters else torch_module._buffers
+            variable = getattr(module, name)
+            previous = slots[name]
+            if isinstance(previous, JaxTensor) and previous._jmp_version > 0:
+                variable[...] = unwrap(previous)  # an enclosing forward updated it before calling us
+            tensor = JaxTensor(variable[...], variable.get_metadata("torch_dtype", None))
+            slots[name] = tensor
+            bindings.append((slots, name, previous, tensor, variable))
+    try:
+        yield
+    finally:
+        for slots, name, previous, tensor, variable in reversed(bindings):
+            current = slots[name]
+            changed = current is not tensor or tensor._jmp_version > 0
+            if changed and isinstance(current, torch.Tensor):
+                variable[...] = unwrap(current)
+            slots[name] = previous
+            if changed and isinstance(previous, JaxTensor):
+                previous._value = variable[...]
+                previous._jmp_version += 1
+        for module, torch_module, training, forward in reversed(modules):
+            torch_module.training = training
+            if forward is _NO_FORWARD:
+                torch_module.__dict__.pop("forward", None)
+            else:
+                torch_module.__dict__["forward"] = forward
+
+
+def to_jax_output(out: Any) -> Any:
+    """Unwrap a forward's result into JAX arrays, making its containers JAX pytrees too."""
+    out = unwrap_tree(out)
+    _register_containers(out)
+    return out
+
+
+_REGISTERED: set[type] = set()
+
+
+def _register_containers(tree: Any) -> None:
+    """Register torch-pytree container types (e.g. Hugging Face ModelOutput) with JAX."""
+    _, spec = torch_pytree.tree_flatten(tree)
+    stack = [spec]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children_specs)
+        kind = node.type
+        if kind is None or kind in _REGISTERED or _jax_knows(kind):
+            continue
+        handler = torch_pytree.SUPPORTED_NODES.get(kind)
+        if handler is None:
+            continue
+        jax.tree_util.register_pytree_node(
+            kind,
+            lambda node_, h=handler: _freeze(h.flatten_fn(node_)),
+            lambda context, children, h=handler: h.unflatten_fn(list(children), _thaw(context)),
+        )
+        _REGISTERED.add(kind)
+
+
+def _jax_knows(kind: type) -> bool:
+    return kind in (tuple, list, dict, type(None)) or (issubclass(kind, tuple) and hasattr(kind, "_fields"))
+
+
+class _Context:
+    """A hashable wrapper of a torch-pytree context (JAX needs hashable aux data)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __hash__(self) -> int:
+        return hash(repr(self.value))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Context) and repr(self.value) == repr(other.value)
+
+
+def _freeze(flat: tuple) -> tuple:
+    children, context = flat
+    return list(children), _Context(context)
+
+
+def _thaw(context: _Context) -> Any:
+    return context.value
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name

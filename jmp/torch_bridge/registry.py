@@ -1,0 +1,101 @@
+"""The lowering table: torch callable -> JAX function.
+
+A lowering takes the torch call's arguments with every tensor replaced by its
+``jax.Array`` and returns arrays (or tuples of them, or Python values). Flags
+on the entry tell the dispatcher how the result relates to the inputs:
+``inplace`` writes it into the first argument (``add_``, ``__setitem__``),
+``inplace_flag`` names a boolean argument that does the same (``F.relu``'s
+``inplace``), and ``view`` marks results that alias the first argument (a bool, or a predicate on
+the call's arguments).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    fn: Callable[..., Any]
+    inplace: bool = False
+    inplace_flag: str | None = None
+    view: bool | Callable[[tuple, dict], bool] = False
+    raw: bool = False  # receives JaxTensors (to update arguments in place itself)
+
+    def is_inplace_call(self, args: tuple, kwargs: dict) -> bool:
+        if self.inplace:
+            return True
+        if self.inplace_flag is None:
+            return False
+        bound = _signature(self.fn).bind_partial(*args, **kwargs)
+        return bool(bound.arguments.get(self.inplace_flag, False))
+
+    def is_view_call(self, args: tuple, kwargs: dict) -> bool:
+        return self.view(args, kwargs) if callable(self.view) else self.view
+
+
+LOWERINGS: dict[Any, Lowering] = {}
+_SIGNATURES: dict[Callable, inspect.Signature] = {}
+
+
+def _signature(fn: Callable) -> inspect.Signature:
+    if fn not in _SIGNATURES:
+        _SIGNATURES[fn] = inspect.signature(fn)
+    return _SIGNATURES[fn]
+
+
+def register_lowering(
+    *torch_fns: Any,
+    inplace: tuple = (),
+    inplace_flag: str | None = None,
+    view: bool | Callable[[tuple, dict], bool] = False,
+    raw: bool = False,
+) -> Callable:
+    """Decorator: lower each of ``torch_fns`` (and in-place ``inplace`` variants) to the function.
+
+    A custom op can be named by its qualified name ("namespace::name") before its
+    library is loaded.
+
+    Users extend the bridge the same way::
+
+        @jmp.torch_bridge.register_lowering(torch.special.erfcx)
+        def erfcx(input):
+            return jax.scipy.special.erfcx(input)  # hypothetical
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        for torch_fn in torch_fns:
+            if torch_fn is not None:
+                LOWERINGS[torch_fn] = Lowering(fn, inplace_flag=inplace_flag, view=view, raw=raw)
+        for torch_fn in inplace:
+            if torch_fn is not None:
+                LOWERINGS[torch_fn] = Lowering(fn, inplace=True)
+        return fn
+
+    return decorate
+
+
+def lookup(torch_fn: Any) -> Lowering | None:
+    """The lowering of a torch callable; custom ops (``torch.ops.ns.name``) also match "ns::name"."""
+    entry = LOWERINGS.get(torch_fn)
+    if entry is None and isinstance(torch_fn, torch._ops.OpOverload):
+        torch_fn = torch_fn.overloadpacket
+        entry = LOWERINGS.get(torch_fn)
+    if entry is None and isinstance(torch_fn, torch._ops.OpOverloadPacket):
+        entry = LOWERINGS.get(torch_fn._qualified_op_name)
+    return entry
+
+
+def method(name: str) -> Any:
+    """``torch.Tensor.<name>`` if this torch build has it (None otherwise, which registration skips)."""
+    return getattr(torch.Tensor, name, None)
+
+
+def getter(name: str) -> Any:
+    """The function torch reports for reading the ``torch.Tensor.<name>`` property."""
+    prop = getattr(torch.Tensor, name, None)
+    return None if prop is None else prop.__get__

@@ -1,0 +1,36 @@
+"""Torch names for a converted module's values, and export as a torch ``state_dict``."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterator
+
+import torch
+from flax import nnx
+
+from jmp.torch_bridge.interop import array_to_tensor
+from jmp.torch_bridge.module import TorchModule
+
+
+def named_variables(module: TorchModule, prefix: str = "") -> Iterator[tuple[str, nnx.Variable]]:
+    """(torch key, Variable) for every parameter and buffer, in torch's ``state_dict`` order.
+
+    A tied parameter is listed under each of its names (NNX itself holds it once,
+    under the path its traversal meets first).
+    """
+    for name in module._torch_state_names:
+        yield prefix + name, getattr(module, name)
+    for name, child in module.children_items():
+        yield from named_variables(child, f"{prefix}{name}.")
+
+
+def to_state_dict(module: TorchModule, prefix: str = "") -> "OrderedDict[str, torch.Tensor]":
+    """Torch tensors under torch's key names and order, loadable with ``load_state_dict(strict=True)``.
+
+    Non-persistent buffers are left out, as in torch. Values are gathered to the host.
+    """
+    return OrderedDict(
+        (key, array_to_tensor(variable[...], variable.get_metadata("torch_dtype", None)))
+        for key, variable in named_variables(module, prefix)
+        if variable.get_metadata("persistent", True)
+    )

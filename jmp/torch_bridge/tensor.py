@@ -1,0 +1,131 @@
+"""``JaxTensor``: a torch tensor whose value is a ``jax.Array``.
+
+Torch code that receives a JaxTensor runs unchanged: every torch call on it
+reaches ``__torch_function__`` and is lowered to JAX by the dispatcher. The
+tensor carries torch metadata (shape, dtype, device) so that shape arithmetic
+and dtype checks in forward code answer like torch.
+
+Views follow torch's aliasing rules: a view remembers its base and the view
+function, an in-place update of a view writes through to its base, and a view
+whose base was updated in place re-reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.utils._pytree as torch_pytree
+
+from jmp.torch_bridge.dtypes import to_jax_dtype, to_torch_dtype
+from jmp.torch_bridge.interop import tensor_to_array
+
+
+@dataclasses.dataclass
+class _ViewLink:
+    base: "JaxTensor"
+    read: Callable[[jax.Array], jax.Array]  # base value -> view value
+    base_version: int
+
+
+class JaxTensor(torch.Tensor):
+    """A torch.Tensor wrapping a jax.Array; torch ops on it lower to JAX."""
+
+    _value: jax.Array
+    _jmp_version: int
+    _view_link: _ViewLink | None
+
+    @staticmethod
+    def __new__(cls, value: jax.Array, torch_dtype: torch.dtype | None = None):
+        dtype = torch_dtype if torch_dtype is not None else to_torch_dtype(value.dtype)
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(value.shape), dtype=dtype, device="cpu", requires_grad=False
+        )
+        tensor._value = value
+        tensor._jmp_version = 0
+        tensor._view_link = None
+        return tensor
+
+    def __init__(self, value: jax.Array, torch_dtype: torch.dtype | None = None):
+        super().__init__()
+
+    @property
+    def value(self) -> jax.Array:
+        """The current value, re-read from the base if this view's base changed."""
+        link = self._view_link
+        if link is not None and link.base_version != link.base._jmp_version:
+            self._value = link.read(link.base.value)
+            link.base_version = link.base._jmp_version
+        return self._value
+
+    def set_value(self, new: jax.Array) -> None:
+        """In-place update (torch semantics: keeps shape and dtype, writes through views)."""
+        new = jnp.asarray(new)
+        if new.shape != self._value.shape:
+            new = jnp.broadcast_to(new, self._value.shape)
+        new = new.astype(self._value.dtype)
+        self._value = new
+        self._jmp_version += 1
+        link = self._view_link
+        if link is not None:
+            base = link.base
+            base_value = base.value
+            positions = link.read(jnp.arange(base_value.size).reshape(base_value.shape))
+            flat = base_value.reshape(-1).at[positions.reshape(-1)].set(new.reshape(-1))
+            base.set_value(flat.reshape(base_value.shape))
+            link.base_version = base._jmp_version
+
+    def make_view_of(self, base: "JaxTensor", read: Callable[[jax.Array], jax.Array]) -> None:
+        self._view_link = _ViewLink(base, read, base._jmp_version)
+
+    def __repr__(self) -> str:
+        return f"JaxTensor({self._value!r}, torch_dtype={self.dtype})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _dispatch.dispatch(func, args, kwargs or {})
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Reached only when torch calls an ATen op directly, bypassing
+        # __torch_function__; that op has no lowering.
+        return _dispatch.unsupported_aten(func)
+
+
+def wrap(value: Any, torch_dtype: torch.dtype | None = None) -> Any:
+    """A JaxTensor for a jax.Array (other values are returned unchanged)."""
+    if isinstance(value, jax.Array):
+        return JaxTensor(value, torch_dtype)
+    return value
+
+
+def unwrap(value: Any) -> Any:
+    """The jax.Array behind a JaxTensor; a plain torch tensor becomes a constant array."""
+    if isinstance(value, JaxTensor):
+        return value.value
+    if isinstance(value, torch.Tensor):
+        return tensor_to_array(value)
+    return value
+
+
+def wrap_tree(tree: Any) -> Any:
+    return torch_pytree.tree_map(wrap, tree)
+
+
+def unwrap_tree(tree: Any) -> Any:
+    return torch_pytree.tree_map(unwrap, tree)
+
+
+def contains_tensor(tree: Any, kind: type = torch.Tensor) -> bool:
+    return any(isinstance(leaf, kind) for leaf in torch_pytree.tree_leaves(tree))
+
+
+def as_array(value: Any, dtype=None) -> jax.Array:
+    """``value`` (array, Python scalar, nested list) as a jax.Array of torch ``dtype``."""
+    return jnp.asarray(value, dtype=to_jax_dtype(dtype))
+
+
+from jmp.torch_bridge import dispatch as _dispatch  # noqa: E402  (cycle: dispatch uses JaxTensor)
