@@ -19,7 +19,8 @@ def tensor_to_array(tensor: torch.Tensor) -> jax.Array:
         host = tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     else:
         host = tensor.numpy()
-    return jnp.asarray(host, dtype=to_jax_dtype(tensor.dtype))
+    # Copy: JAX may alias host memory, and torch may later update the tensor in place.
+    return jnp.asarray(host.copy(), dtype=to_jax_dtype(tensor.dtype))
 
 
 def array_to_tensor(array, dtype: torch.dtype | None = None) -> torch.Tensor:

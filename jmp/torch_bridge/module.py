@@ -202,7 +202,7 @@ def _register_containers(tree: Any) -> None:
     stack = [spec]
     while stack:
         node = stack.pop()
-        stack.extend(node.children_specs)
+        stack.extend(node.children())
         kind = node.type
         if kind is None or kind in _REGISTERED or _jax_knows(kind):
             continue

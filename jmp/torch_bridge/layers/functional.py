@@ -80,8 +80,8 @@ _FUNCTIONAL: dict[type, tuple[Any, tuple[str, ...], dict[str, Any]]] = {
     nn.CircularPad3d: (F.pad, ("padding",), {"mode": "circular"}),
 }
 
-# torch attribute name -> the function's parameter name, where they differ
-_RENAMED = {"unflattened_size": "sizes", "padding": "pad"}
+# torch function -> {layer attribute: the function's parameter name}, where they differ
+_RENAMED = {F.pad: {"padding": "pad"}, torch.unflatten: {"unflattened_size": "sizes"}}
 
 
 def _hashable(value: Any) -> Any:
@@ -97,7 +97,8 @@ class Functional(TorchModule):
         function, attributes, fixed = next(
             _FUNCTIONAL[k] for k in type(torch_module).__mro__ if k in _FUNCTIONAL)
         self.function = function
-        options = {_RENAMED.get(a, a): _hashable(getattr(torch_module, a)) for a in attributes}
+        renamed = _RENAMED.get(function, {})
+        options = {renamed.get(a, a): _hashable(getattr(torch_module, a)) for a in attributes}
         self.options = tuple(sorted({**options, **fixed}.items()))
 
     def __call__(self, input: Any) -> Any:

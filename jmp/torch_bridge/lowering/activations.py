@@ -20,7 +20,7 @@ def relu(input, inplace=False):
 
 @register_lowering(F.relu6, inplace_flag="inplace")
 def relu6(input, inplace=False):
-    return jnp.clip(input, 0, 6)
+    return hardtanh(input, 0.0, 6.0)
 
 
 @register_lowering(F.gelu)
@@ -91,7 +91,8 @@ def softsign(input):
 
 @register_lowering(F.hardtanh, inplace_flag="inplace", inplace=(F.hardtanh_,))
 def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
-    return jnp.clip(input, min_val, max_val)
+    inside = (input > min_val) & (input < max_val)  # torch: no gradient at the bounds
+    return jnp.where(inside, input, jax.lax.stop_gradient(jnp.clip(input, min_val, max_val)))
 
 
 @register_lowering(F.hardswish, inplace_flag="inplace")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -109,17 +110,49 @@ def max_pool(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=F
     x, unbatched = _batched(input, nd)
     kernel, stride, padding, dilation = _pool_args(x, kernel_size, stride, padding, dilation, nd)
     pads = _pool_geometry(x.shape[2:], kernel, stride, padding, dilation, ceil_mode)
-    window = dict(window_dimensions=(1, 1) + kernel, window_strides=(1, 1) + stride,
-                  padding=[(0, 0), (0, 0)] + pads, window_dilation=(1, 1) + dilation)
-    lowest = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
-    out = jax.lax.reduce_window(x, jnp.asarray(lowest, x.dtype), jax.lax.max, **window)
+    window = ((1, 1) + kernel, (1, 1) + stride, tuple([(0, 0), (0, 0)] + pads), (1, 1) + dilation)
+    out = _max_pool_first(x, window)
     if not return_indices:
         return out[0] if unbatched else out
-    indices = _argmax_window(jax.lax.stop_gradient(x), lowest, window)
+    indices = _argmax_window(jax.lax.stop_gradient(x), window).astype(_INDEX)
     return (out[0], indices[0]) if unbatched else (out, indices)
 
 
-def _argmax_window(x, lowest, window):
+def _lowest(dtype):
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _window_kwargs(window):
+    dimensions, strides, padding, dilation = window
+    return dict(window_dimensions=dimensions, window_strides=strides, padding=padding, window_dilation=dilation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _max_pool_first(x, window):
+    """Max pooling whose gradient goes to each window's first maximum, as torch's does.
+
+    (XLA's own gradient picks an arbitrary one among ties, which are everywhere in
+    images with flat backgrounds.)
+    """
+    return jax.lax.reduce_window(x, np.asarray(_lowest(x.dtype), x.dtype), jax.lax.max, **_window_kwargs(window))
+
+
+def _max_pool_first_forward(x, window):
+    return _max_pool_first(x, window), (_argmax_window(x, window), x.shape)
+
+
+def _max_pool_first_backward(window, residuals, grad):
+    indices, shape = residuals
+    rows = shape[0] * shape[1]
+    flat = jnp.zeros((rows, int(np.prod(shape[2:]))), grad.dtype)
+    flat = flat.at[jnp.arange(rows)[:, None], indices.reshape(rows, -1)].add(grad.reshape(rows, -1))
+    return (flat.reshape(shape),)
+
+
+_max_pool_first.defvjp(_max_pool_first_forward, _max_pool_first_backward)
+
+
+def _argmax_window(x, window):
     """Torch's pooling indices: the flat spatial position of each window's first maximum."""
     spatial = x.shape[2:]
     positions = jnp.broadcast_to(jnp.arange(int(np.prod(spatial)), dtype=jnp.int32).reshape(spatial), x.shape)
@@ -129,9 +162,9 @@ def _argmax_window(x, lowest, window):
         take_b = (vb > va) | ((vb == va) & (ib < ia))
         return jnp.where(take_b, vb, va), jnp.where(take_b, ib, ia)
 
-    init = (jnp.asarray(lowest, x.dtype), jnp.asarray(np.iinfo(np.int32).max, jnp.int32))
-    _, indices = jax.lax.reduce_window((x, positions), init, first_max, **window)
-    return indices.astype(_INDEX)
+    init = (jnp.asarray(_lowest(x.dtype), x.dtype), jnp.asarray(np.iinfo(np.int32).max, jnp.int32))
+    _, indices = jax.lax.reduce_window((x, positions), init, first_max, **_window_kwargs(window))
+    return indices
 
 
 def _max_pool_nd(nd):
@@ -163,7 +196,7 @@ def avg_pool(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_
     pads = _pool_geometry(x.shape[2:], kernel, stride, padding, (1,) * nd, ceil_mode)
     window = dict(window_dimensions=(1, 1) + kernel, window_strides=(1, 1) + stride)
     all_pads = [(0, 0), (0, 0)] + pads
-    total = jax.lax.reduce_window(x, jnp.asarray(0, x.dtype), jax.lax.add, padding=all_pads, **window)
+    total = jax.lax.reduce_window(x, np.asarray(0, x.dtype), jax.lax.add, padding=all_pads, **window)
     if divisor_override:
         divisor = divisor_override
     else:
@@ -222,7 +255,7 @@ def adaptive_max_pool(input, output_size, nd, return_indices=False):
     spatial = input.shape[-nd:]
     outs = [s if o is None else int(o) for s, o in zip(spatial, ntuple_optional(output_size, nd))]
     lead = input.shape[:-nd]
-    lowest = -jnp.inf if jnp.issubdtype(input.dtype, jnp.floating) else jnp.iinfo(input.dtype).min
+    lowest = _lowest(input.dtype)
     windows = input
     positions = np.arange(int(np.prod(spatial))).reshape(spatial)
     for i, (size, out) in enumerate(zip(spatial, outs)):
@@ -241,12 +274,12 @@ def adaptive_max_pool(input, output_size, nd, return_indices=False):
     order = tuple(range(len(lead))) + tuple(len(lead) + 2 * i for i in range(nd)) + tuple(
         len(lead) + 2 * i + 1 for i in range(nd))
     windows = jnp.transpose(windows, order).reshape(lead + tuple(outs) + (-1,))
-    values = jnp.max(windows, axis=-1)
+    best = jnp.argmax(jax.lax.stop_gradient(windows), axis=-1)  # first maximum: torch's gradient target
+    values = jnp.take_along_axis(windows, best[..., None], axis=-1)[..., 0]
     if not return_indices:
         return values
     flat_positions = np.transpose(positions, tuple(range(0, 2 * nd, 2)) + tuple(range(1, 2 * nd, 2)))
     flat_positions = jnp.asarray(flat_positions.reshape(tuple(outs) + (-1,)))
-    best = jnp.argmax(jax.lax.stop_gradient(windows), axis=-1)
     indices = jnp.take_along_axis(jnp.broadcast_to(flat_positions, windows.shape), best[..., None], axis=-1)
     return values, indices[..., 0].astype(_INDEX)
 

@@ -375,10 +375,13 @@ def clamp(input, min=None, max=None):
     operands = [input] + [b for b in (min, max) if b is not None]
     dtype = result_dtype(*operands)
     x = cast(input, dtype)
+    # selects, not maximum/minimum: at a bound torch passes the whole gradient to the input
     if min is not None:
-        x = jnp.maximum(x, cast(min, dtype))
+        low = cast(min, dtype)
+        x = jnp.where(x < low, low, x)
     if max is not None:
-        x = jnp.minimum(x, cast(max, dtype))
+        high = cast(max, dtype)
+        x = jnp.where(x > high, high, x)
     return x
 
 

@@ -114,9 +114,11 @@ def _extremum(jnp_fn, jnp_arg, return_type, pairwise):
         if input.ndim == 0:
             return return_type((input, jnp.zeros((), _INT)))
         ax = axis(dim, input.ndim)
-        values = jnp_fn(input, axis=ax, keepdims=keepdim)
-        indices = jnp_arg(input, axis=ax, keepdims=keepdim).astype(_INT)
-        return return_type((values, indices))
+        indices = jnp_arg(jax.lax.stop_gradient(input), axis=ax, keepdims=True)
+        values = jnp.take_along_axis(input, indices, axis=ax)  # the gradient goes to the returned index
+        if not keepdim:
+            values, indices = jnp.squeeze(values, ax), jnp.squeeze(indices, ax)
+        return return_type((values, indices.astype(_INT)))
 
     return lowering
 
