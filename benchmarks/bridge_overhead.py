@@ -46,9 +46,18 @@ def timed(step, steps: int, warmup: int = 3) -> list[float]:
 
 
 def hf_model() -> torch.nn.Module:
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQUENCE, n_embd=D_MODEL, n_layer=LAYERS,
-                                     n_head=HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQUENCE,
+        n_embd=D_MODEL,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).train()
 
@@ -112,12 +121,26 @@ def main() -> None:
         samples["handwritten_nnx"] += timed(run_reference, 1, warmup=0 if samples["handwritten_nnx"] else 3)
     medians = {name: statistics.median(times) for name, times in samples.items()}
     result = {
-        "config": dict(layers=LAYERS, d_model=D_MODEL, heads=HEADS, vocab=VOCAB, sequence=SEQUENCE, batch=BATCH,
-                       optimizer="AdamW", steps=args.steps),
-        "machine": dict(platform=platform.platform(), cpus=os.cpu_count(), jax_backend=jax.default_backend(),
-                        jax=jax.__version__, torch=torch.__version__),
-        "first_step_loss": dict(converted_jax=converted_first, torch_eager=torch_first,
-                                handwritten_nnx=reference_first),
+        "config": dict(
+            layers=LAYERS,
+            d_model=D_MODEL,
+            heads=HEADS,
+            vocab=VOCAB,
+            sequence=SEQUENCE,
+            batch=BATCH,
+            optimizer="AdamW",
+            steps=args.steps,
+        ),
+        "machine": dict(
+            platform=platform.platform(),
+            cpus=os.cpu_count(),
+            jax_backend=jax.default_backend(),
+            jax=jax.__version__,
+            torch=torch.__version__,
+        ),
+        "first_step_loss": dict(
+            converted_jax=converted_first, torch_eager=torch_first, handwritten_nnx=reference_first
+        ),
         "median_step_seconds": medians,
         "ratios": {
             "converted_over_handwritten": medians["converted_jax"] / medians["handwritten_nnx"],

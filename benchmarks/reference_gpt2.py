@@ -32,8 +32,16 @@ class Block(nnx.Module):
 
 
 class GPT2(nnx.Module):
-    def __init__(self, vocab: int, positions: int, d_model: int, layers: int, heads: int, eps: float = 1e-5,
-                 rngs: nnx.Rngs | None = None):
+    def __init__(
+        self,
+        vocab: int,
+        positions: int,
+        d_model: int,
+        layers: int,
+        heads: int,
+        eps: float = 1e-5,
+        rngs: nnx.Rngs | None = None,
+    ):
         rngs = rngs or nnx.Rngs(0)
         self.wte = nnx.Embed(vocab, d_model, rngs=rngs)
         self.wpe = nnx.Embed(positions, d_model, rngs=rngs)

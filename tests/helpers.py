@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch

@@ -71,7 +71,8 @@ def lock_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor
         torch_loss = F.nll_loss(model(images[batch]), labels[batch])
         torch_loss.backward()
         torch_opt.step()
-        jax_loss = jax_step(converted, optimizer, jnp.asarray(images[batch].numpy()), jnp.asarray(labels[batch].numpy()))
+        x, y = jnp.asarray(images[batch].numpy()), jnp.asarray(labels[batch].numpy())
+        jax_loss = jax_step(converted, optimizer, x, y)
         pairs.append((float(torch_loss), float(jax_loss)))
     return pairs
 
@@ -92,7 +93,7 @@ def train(converted, train_images, train_labels, epochs: int, batch_size: int = 
         order = np.random.default_rng(epoch).permutation(len(y_all))
         total, start = 0.0, time.perf_counter()
         for i in range(steps):
-            idx = order[i * batch_size:(i + 1) * batch_size]
+            idx = order[i * batch_size : (i + 1) * batch_size]
             total += float(step(converted, optimizer, x_all[idx], y_all[idx]))
             _progress(epoch, epochs, i + 1, steps, total / (i + 1))
         print(f"  ({time.perf_counter() - start:.1f}s)")
@@ -100,8 +101,7 @@ def train(converted, train_images, train_labels, epochs: int, batch_size: int = 
 
 def _progress(epoch, epochs, done, steps, loss):
     filled = int(20 * done / steps)
-    sys.stdout.write(f"\r  epoch {epoch}/{epochs} [{'#' * filled}{'.' * (20 - filled)}] {done}/{steps} "
-                     f"loss {loss:.4f}")
+    sys.stdout.write(f"\r  epoch {epoch}/{epochs} [{'#' * filled}{'.' * (20 - filled)}] {done}/{steps} loss {loss:.4f}")
     sys.stdout.flush()
 
 
@@ -130,8 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     # A random batch: digit images have flat backgrounds whose max-pool ties are broken by
     # 1-ulp differences between the two convolution implementations, which moves gradients.
     out_diff, grad_diff = check_parity(GroupedNet(), torch.randn(64, 1, 28, 28), train_labels[:64])
-    print(f"1. parity with PyTorch on a random batch: max |output diff| {out_diff:.2e}, "
-          f"max relative gradient diff {grad_diff:.2e}")
+    print(
+        f"1. parity with PyTorch on a random batch: max |output diff| {out_diff:.2e}, "
+        f"max relative gradient diff {grad_diff:.2e}"
+    )
 
     print("2. five SGD steps in lock-step (torch loss / JAX loss):")
     for i, (torch_loss, jax_loss) in enumerate(lock_step(GroupedNet(), train_images, train_labels), 1):

@@ -1,8 +1,8 @@
 """PyTorch ``nn.Module`` -> Flax NNX, with torch ops lowered to JAX.
 
-    converted = jmp.torch_bridge.convert(torch_module)
-    logits = converted(jnp.asarray(x))          # jax.jit / nnx.grad friendly
-    torch_module.load_state_dict(jmp.torch_bridge.to_state_dict(converted))
+converted = jmp.torch_bridge.convert(torch_module)
+logits = converted(jnp.asarray(x))          # jax.jit / nnx.grad friendly
+torch_module.load_state_dict(jmp.torch_bridge.to_state_dict(converted))
 """
 
 from jmp.torch_bridge import layers as _layers  # noqa: F401  (registers the standard layers)

@@ -18,7 +18,8 @@ import functools
 import linecache
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import torch
@@ -36,17 +37,52 @@ _SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("jmp_bridge_scope
 _T = torch.Tensor
 # Calls that only read metadata the wrapper already carries; torch answers them itself.
 _PASSTHROUGH_NAMES = (
-    "dim", "size", "numel", "nelement", "__len__", "is_floating_point", "is_complex", "element_size",
-    "is_contiguous", "stride", "get_device", "__hash__", "is_signed", "storage_offset",
+    "dim",
+    "size",
+    "numel",
+    "nelement",
+    "__len__",
+    "is_floating_point",
+    "is_complex",
+    "element_size",
+    "is_contiguous",
+    "stride",
+    "get_device",
+    "__hash__",
+    "is_signed",
+    "storage_offset",
 )
 _PASSTHROUGH_PROPS = (
-    "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "grad_fn", "grad", "is_cuda",
-    "is_cpu", "layout", "is_sparse", "is_quantized", "is_meta", "is_nested", "is_mkldnn", "itemsize",
-    "nbytes", "names", "is_xpu", "is_mps", "_base", "output_nr", "_version",
+    "shape",
+    "dtype",
+    "device",
+    "ndim",
+    "requires_grad",
+    "is_leaf",
+    "grad_fn",
+    "grad",
+    "is_cuda",
+    "is_cpu",
+    "layout",
+    "is_sparse",
+    "is_quantized",
+    "is_meta",
+    "is_nested",
+    "is_mkldnn",
+    "itemsize",
+    "nbytes",
+    "names",
+    "is_xpu",
+    "is_mps",
+    "_base",
+    "output_nr",
+    "_version",
 )
-PASSTHROUGH = {getattr(_T, n) for n in _PASSTHROUGH_NAMES if hasattr(_T, n)} | {
-    getattr(_T, n).__get__ for n in _PASSTHROUGH_PROPS if hasattr(_T, n)
-} | {torch.is_tensor, torch.is_floating_point, torch.is_complex, torch.numel, torch.result_type}
+PASSTHROUGH = (
+    {getattr(_T, n) for n in _PASSTHROUGH_NAMES if hasattr(_T, n)}
+    | {getattr(_T, n).__get__ for n in _PASSTHROUGH_PROPS if hasattr(_T, n)}
+    | {torch.is_tensor, torch.is_floating_point, torch.is_complex, torch.numel, torch.result_type}
+)
 
 
 class BridgeMode(TorchFunctionMode):

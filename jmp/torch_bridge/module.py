@@ -17,7 +17,8 @@ binding the NNX state to the torch module tree (``bound_state``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import torch
@@ -48,8 +49,11 @@ class TorchModule(nnx.Module):
         non_persistent = torch_module._non_persistent_buffers_set
         for name, tensor in torch_module._buffers.items():
             converter.check_name(self, name, path)
-            variable = None if tensor is None else converter.variable(
-                tensor, Buffer, path, name, persistent=name not in non_persistent)
+            variable = (
+                None
+                if tensor is None
+                else converter.variable(tensor, Buffer, path, name, persistent=name not in non_persistent)
+            )
             setattr(self, name, variable)
             if tensor is not None:
                 names.append(name)
@@ -87,7 +91,7 @@ class TorchModule(nnx.Module):
         """The torch module this one mirrors (its structure and code, not its values)."""
         return self._torch_module
 
-    def children_items(self) -> Iterator[tuple[str, "TorchModule"]]:
+    def children_items(self) -> Iterator[tuple[str, TorchModule]]:
         for name in self._torch_children:
             child = getattr(self, name)
             if child is not None:
@@ -112,8 +116,11 @@ class GenericModule(TorchModule):
 
     def torch_call(self, *args: Any, **kwargs: Any) -> Any:
         torch_module = self._torch_module
-        with dispatch.scope(self._torch_path, type(torch_module).__name__), \
-                dispatch.session(self.rngs), bound_state(self):
+        with (
+            dispatch.scope(self._torch_path, type(torch_module).__name__),
+            dispatch.session(self.rngs),
+            bound_state(self),
+        ):
             if self._instance_forward is not None:
                 return self._instance_forward(*args, **kwargs)
             return type(torch_module).forward(torch_module, *args, **kwargs)
@@ -152,8 +159,7 @@ def bound_state(root: TorchModule) -> Iterator[None]:
     modules = []
     for module in walk(root):
         torch_module = module._torch_module
-        modules.append((module, torch_module, torch_module.training,
-                        torch_module.__dict__.get("forward", _NO_FORWARD)))
+        modules.append((torch_module, torch_module.training, torch_module.__dict__.get("forward", _NO_FORWARD)))
         torch_module.training = not module.deterministic
         if module is not root:
             torch_module.__dict__["forward"] = _Redirect(module)
@@ -178,7 +184,7 @@ def bound_state(root: TorchModule) -> Iterator[None]:
             if changed and isinstance(previous, JaxTensor):
                 previous._value = variable[...]
                 previous._jmp_version += 1
-        for module, torch_module, training, forward in reversed(modules):
+        for torch_module, training, forward in reversed(modules):
             torch_module.training = training
             if forward is _NO_FORWARD:
                 torch_module.__dict__.pop("forward", None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from flax import nnx
@@ -24,7 +24,7 @@ def named_variables(module: TorchModule, prefix: str = "") -> Iterator[tuple[str
         yield from named_variables(child, f"{prefix}{name}.")
 
 
-def to_state_dict(module: TorchModule, prefix: str = "") -> "OrderedDict[str, torch.Tensor]":
+def to_state_dict(module: TorchModule, prefix: str = "") -> OrderedDict[str, torch.Tensor]:
     """Torch tensors under torch's key names and order, loadable with ``load_state_dict(strict=True)``.
 
     Non-persistent buffers are left out, as in torch. Values are gathered to the host.

@@ -13,7 +13,8 @@ whose base was updated in place re-reads it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from jmp.torch_bridge.interop import tensor_to_array
 
 @dataclasses.dataclass
 class _ViewLink:
-    base: "JaxTensor"
+    base: JaxTensor
     read: Callable[[jax.Array], jax.Array]  # base value -> view value
     base_version: int
 
@@ -78,7 +79,7 @@ class JaxTensor(torch.Tensor):
             base.set_value(flat.reshape(base_value.shape))
             link.base_version = base._jmp_version
 
-    def make_view_of(self, base: "JaxTensor", read: Callable[[jax.Array], jax.Array]) -> None:
+    def make_view_of(self, base: JaxTensor, read: Callable[[jax.Array], jax.Array]) -> None:
         self._view_link = _ViewLink(base, read, base._jmp_version)
 
     def __repr__(self) -> str:

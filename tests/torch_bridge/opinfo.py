@@ -18,11 +18,36 @@ from jmp.torch_bridge import dispatch, registry
 from jmp.torch_bridge.interop import tensor_to_array
 from jmp.torch_bridge.tensor import JaxTensor, unwrap
 
-_RANDOM = {"bernoulli", "multinomial", "normal", "rand_like", "randn_like", "randint_like", "randint", "uniform",
-           "nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d", "nn.functional.alpha_dropout",
-           "nn.functional.feature_alpha_dropout", "nn.functional.rrelu", "randn", "rand", "randperm", "empty",
-           "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted", "exponential",
-           "geometric", "cauchy", "log_normal", "normal_"}
+_RANDOM = {
+    "bernoulli",
+    "multinomial",
+    "normal",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "randint",
+    "uniform",
+    "nn.functional.dropout",
+    "nn.functional.dropout2d",
+    "nn.functional.dropout3d",
+    "nn.functional.alpha_dropout",
+    "nn.functional.feature_alpha_dropout",
+    "nn.functional.rrelu",
+    "randn",
+    "rand",
+    "randperm",
+    "empty",
+    "empty_like",
+    "new_empty",
+    "empty_strided",
+    "new_empty_strided",
+    "empty_permuted",
+    "exponential",
+    "geometric",
+    "cauchy",
+    "log_normal",
+    "normal_",
+}
 
 
 @dataclasses.dataclass

@@ -37,20 +37,30 @@ def _parity(module, *inputs, rtol=1e-5, output_index=None):
 LAYERS = {
     "linear": (lambda: nn.Linear(6, 5), lambda: (torch.randn(3, 4, 6),)),
     "linear_no_bias": (lambda: nn.Linear(6, 5, bias=False), lambda: (torch.randn(3, 6),)),
-    "conv1d_same_reflect": (lambda: nn.Conv1d(3, 4, 3, padding="same", padding_mode="reflect"),
-                            lambda: (torch.randn(2, 3, 9),)),
-    "conv2d_strided_grouped": (lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=1, groups=2),
-                               lambda: (torch.randn(2, 4, 9, 9),)),
-    "conv_transpose2d": (lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2),
-                         lambda: (torch.randn(2, 4, 5, 5),)),
-    "embedding_padding_idx": (lambda: nn.Embedding(10, 4, padding_idx=0),
-                              lambda: (torch.tensor([[0, 3, 5], [0, 9, 1]]),)),
+    "conv1d_same_reflect": (
+        lambda: nn.Conv1d(3, 4, 3, padding="same", padding_mode="reflect"),
+        lambda: (torch.randn(2, 3, 9),),
+    ),
+    "conv2d_strided_grouped": (
+        lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=1, groups=2),
+        lambda: (torch.randn(2, 4, 9, 9),),
+    ),
+    "conv_transpose2d": (
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2),
+        lambda: (torch.randn(2, 4, 5, 5),),
+    ),
+    "embedding_padding_idx": (
+        lambda: nn.Embedding(10, 4, padding_idx=0),
+        lambda: (torch.tensor([[0, 3, 5], [0, 9, 1]]),),
+    ),
     "layer_norm": (lambda: nn.LayerNorm((5,)), lambda: (torch.randn(2, 3, 5),)),
     "rms_norm": (lambda: nn.RMSNorm(5, eps=1e-6), lambda: (torch.randn(2, 3, 5),)),
     "group_norm": (lambda: nn.GroupNorm(2, 4), lambda: (torch.randn(2, 4, 3, 3),)),
     "max_pool_ceil": (lambda: nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), lambda: (torch.randn(2, 2, 8, 8),)),
-    "avg_pool_ceil": (lambda: nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
-                      lambda: (torch.randn(2, 2, 8, 8),)),
+    "avg_pool_ceil": (
+        lambda: nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
+        lambda: (torch.randn(2, 2, 8, 8),),
+    ),
     "adaptive_avg_pool": (lambda: nn.AdaptiveAvgPool2d((3, 5)), lambda: (torch.randn(2, 2, 7, 9),)),
     "adaptive_max_pool": (lambda: nn.AdaptiveMaxPool1d(4), lambda: (torch.randn(2, 3, 10),)),
     "upsample_bilinear": (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), lambda: (torch.randn(1, 2, 3, 4),)),
@@ -187,3 +197,14 @@ def test_batchnorm_train_gradients_match_torch():
     converted = jmp.torch_bridge.convert(module)
     x = torch.randn(4, 3, 8, 8)
     assert_grad_parity(module, converted, lambda m: m(x).square().mean(), lambda m: jnp.mean(m(to_jax(x)) ** 2))
+
+
+def test_max_pool_gradient_goes_to_the_first_maximum_like_torch():
+    # flat regions tie inside every window; torch routes the gradient to the first maximum
+    x = torch.zeros(1, 1, 4, 6)
+    x[0, 0, 1, 1] = 1.0
+    x.requires_grad_(True)
+    torch.nn.functional.max_pool2d(x, 2).sum().backward()
+    converted = jmp.torch_bridge.convert(nn.MaxPool2d(2))
+    grad = jax.grad(lambda a: jnp.sum(converted(a)))(to_jax(x))
+    np.testing.assert_array_equal(grad, x.grad.numpy())

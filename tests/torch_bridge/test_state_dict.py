@@ -46,8 +46,15 @@ def test_tied_weights_export_under_both_names_and_buffers_keep_their_dtype():
 
 
 def test_non_persistent_buffers_are_not_exported():
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config)
     converted = jmp.torch_bridge.convert(model)
     state = jmp.torch_bridge.to_state_dict(converted)

@@ -21,15 +21,30 @@ VOCAB = 96
 def _config(name):
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=None)
     if name == "gpt2":
-        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
-                                       embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        return transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common
+        )
     if name == "llama":  # grouped-query attention (4 query heads, 2 key/value heads), RoPE
-        return transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=32, **common)
-    return transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,  # top-2 MoE
-                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                      num_experts_per_tok=2, max_position_embeddings=32, **common)
+        return transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            **common,
+        )
+    return transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,  # top-2 MoE
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        **common,
+    )
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "mixtral"])

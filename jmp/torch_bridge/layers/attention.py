@@ -48,8 +48,17 @@ class MultiheadAttention(ArrayModule):
             weights = [self.q_proj_weight[...], self.k_proj_weight[...], self.v_proj_weight[...]]
         return weights, bias or [None] * 3
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
         unbatched = query.ndim == 2
         if unbatched:
             query, key, value = query[:, None], key[:, None], value[:, None]

@@ -45,13 +45,13 @@ class ConvTranspose(ArrayModule):
     def forward(self, input, output_size=None):
         output_padding = self.output_padding
         if output_size is not None:  # torch derives output_padding from the requested size
-            spatial = input.shape[-len(self.stride):]
-            wanted = tuple(output_size)[-len(self.stride):]
+            spatial = input.shape[-len(self.stride) :]
+            wanted = tuple(output_size)[-len(self.stride) :]
             output_padding = tuple(
                 w - ((n - 1) * s - 2 * p + d * (k - 1) + 1)
-                for w, n, s, p, d, k in zip(wanted, spatial, self.stride, self.padding, self.dilation,
-                                            self.kernel_size)
+                for w, n, s, p, d, k in zip(wanted, spatial, self.stride, self.padding, self.dilation, self.kernel_size)
             )
         bias = None if self.bias is None else self.bias[...]
-        return conv_transpose(input, self.weight[...], bias, self.stride, self.padding, output_padding,
-                              self.groups, self.dilation)
+        return conv_transpose(
+            input, self.weight[...], bias, self.stride, self.padding, output_padding, self.groups, self.dilation
+        )

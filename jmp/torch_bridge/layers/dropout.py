@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 import jax.numpy as jnp
 from torch import nn
 
@@ -40,5 +39,3 @@ class Dropout(ArrayModule):
             a = (keep + alpha * alpha * keep * self.rate) ** -0.5
             return a * jnp.where(mask, input, alpha) + (-a * alpha * self.rate)
         return jnp.where(mask, input / keep, jnp.zeros((), input.dtype))
-
-

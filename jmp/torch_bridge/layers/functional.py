@@ -50,10 +50,16 @@ _FUNCTIONAL: dict[type, tuple[Any, tuple[str, ...], dict[str, Any]]] = {
     nn.MaxPool2d: (F.max_pool2d, ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"), {}),
     nn.MaxPool3d: (F.max_pool3d, ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"), {}),
     nn.AvgPool1d: (F.avg_pool1d, ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"), {}),
-    nn.AvgPool2d: (F.avg_pool2d, ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
-                                  "divisor_override"), {}),
-    nn.AvgPool3d: (F.avg_pool3d, ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
-                                  "divisor_override"), {}),
+    nn.AvgPool2d: (
+        F.avg_pool2d,
+        ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
+        {},
+    ),
+    nn.AvgPool3d: (
+        F.avg_pool3d,
+        ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
+        {},
+    ),
     nn.AdaptiveAvgPool1d: (F.adaptive_avg_pool1d, ("output_size",), {}),
     nn.AdaptiveAvgPool2d: (F.adaptive_avg_pool2d, ("output_size",), {}),
     nn.AdaptiveAvgPool3d: (F.adaptive_avg_pool3d, ("output_size",), {}),
@@ -94,8 +100,7 @@ class Functional(TorchModule):
 
     def __init__(self, torch_module: nn.Module, path: str, converter: Any):
         super().__init__(torch_module, path, converter)
-        function, attributes, fixed = next(
-            _FUNCTIONAL[k] for k in type(torch_module).__mro__ if k in _FUNCTIONAL)
+        function, attributes, fixed = next(_FUNCTIONAL[k] for k in type(torch_module).__mro__ if k in _FUNCTIONAL)
         self.function = function
         renamed = _RENAMED.get(function, {})
         options = {renamed.get(a, a): _hashable(getattr(torch_module, a)) for a in attributes}

@@ -88,8 +88,13 @@ class BatchNorm(ArrayModule):
                 if factor is None:  # cumulative moving average
                     factor = 1.0 / tracked.astype(self.running_mean[...].dtype)
             new_mean, new_var = updated_running_stats(
-                self.running_mean[...], self.running_var[...], jax.lax.stop_gradient(mean),
-                jax.lax.stop_gradient(var), input.size // input.shape[1], 0.0 if factor is None else factor)
+                self.running_mean[...],
+                self.running_var[...],
+                jax.lax.stop_gradient(mean),
+                jax.lax.stop_gradient(var),
+                input.size // input.shape[1],
+                0.0 if factor is None else factor,
+            )
             self.running_mean[...] = new_mean
             self.running_var[...] = new_var
         return batch_norm_apply(input, mean, var, weight, bias, self.eps)

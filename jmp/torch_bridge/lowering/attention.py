@@ -31,8 +31,9 @@ def _as_4d(x):
 
 
 @register_lowering(F.scaled_dot_product_attention)
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False):
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     """Torch layout (..., heads, seq, dim); JAX's is (batch, seq, heads, dim)."""
     if query.ndim != 4 or dropout_p > 0.0:
         return _attention_by_formula(query, key, value, attn_mask, dropout_p, is_causal, scale)
@@ -43,10 +44,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask = causal if mask is None else mask & causal
         is_causal = False
     out = jax.nn.dot_product_attention(
-        q, k, v,
+        q,
+        k,
+        v,
         bias=None if bias is None else _as_4d(bias).astype(q.dtype),
         mask=None if mask is None else _as_4d(mask),
-        scale=scale, is_causal=is_causal,
+        scale=scale,
+        is_causal=is_causal,
     )
     return jnp.swapaxes(out, 1, 2)
 

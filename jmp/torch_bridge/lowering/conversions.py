@@ -42,9 +42,15 @@ def type(input, dtype=None, non_blocking=False, **kwargs):
 
 
 _LEGACY_TYPE_NAMES = {
-    "FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
-    "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
-    "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8,
+    "FloatTensor": torch.float32,
+    "DoubleTensor": torch.float64,
+    "HalfTensor": torch.float16,
+    "BFloat16Tensor": torch.bfloat16,
+    "LongTensor": torch.int64,
+    "IntTensor": torch.int32,
+    "ShortTensor": torch.int16,
+    "CharTensor": torch.int8,
+    "ByteTensor": torch.uint8,
     "BoolTensor": torch.bool,
 }
 
@@ -62,9 +68,18 @@ def _cast_method(dtype):
 
 
 for _name, _dtype in {
-    "float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16,
-    "int": torch.int32, "long": torch.int64, "short": torch.int16, "char": torch.int8,
-    "byte": torch.uint8, "bool": torch.bool, "cfloat": torch.complex64, "cdouble": torch.complex128,
+    "float": torch.float32,
+    "double": torch.float64,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int": torch.int32,
+    "long": torch.int64,
+    "short": torch.int16,
+    "char": torch.int8,
+    "byte": torch.uint8,
+    "bool": torch.bool,
+    "cfloat": torch.complex64,
+    "cdouble": torch.complex128,
 }.items():
     register_lowering(method(_name))(_cast_method(_dtype))
 

@@ -47,8 +47,13 @@ def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     else:
         pads = [(p, p) for p in ntuple(padding, nd)]
     out = jax.lax.conv_general_dilated(
-        x, weight.astype(x.dtype), window_strides=stride, padding=pads, rhs_dilation=dilation,
-        dimension_numbers=_LAYOUTS[nd], feature_group_count=groups,
+        x,
+        weight.astype(x.dtype),
+        window_strides=stride,
+        padding=pads,
+        rhs_dilation=dilation,
+        dimension_numbers=_LAYOUTS[nd],
+        feature_group_count=groups,
     )
     if bias is not None:
         out = out + bias.astype(out.dtype).reshape((1, -1) + (1,) * nd)
@@ -69,21 +74,30 @@ def conv_transpose(input, weight, bias=None, stride=1, padding=0, output_padding
     w = weight.reshape((groups, c_in // groups, c_out_group) + kernel)
     w = jnp.swapaxes(w, 1, 2).reshape((groups * c_out_group, c_in // groups) + kernel)
     w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
-    pads = [
-        (d * (k - 1) - p, d * (k - 1) - p + op)
-        for d, k, p, op in zip(dilation, kernel, padding, output_padding)
-    ]
+    pads = [(d * (k - 1) - p, d * (k - 1) - p + op) for d, k, p, op in zip(dilation, kernel, padding, output_padding)]
     out = jax.lax.conv_general_dilated(
-        x, w.astype(x.dtype), window_strides=(1,) * nd, padding=pads, lhs_dilation=stride,
-        rhs_dilation=dilation, dimension_numbers=_LAYOUTS[nd], feature_group_count=groups,
+        x,
+        w.astype(x.dtype),
+        window_strides=(1,) * nd,
+        padding=pads,
+        lhs_dilation=stride,
+        rhs_dilation=dilation,
+        dimension_numbers=_LAYOUTS[nd],
+        feature_group_count=groups,
     )
     if bias is not None:
         out = out + bias.astype(out.dtype).reshape((1, -1) + (1,) * nd)
     return out[0] if unbatched else out
 
 
-register_lowering(F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
-                  torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)(conv_transpose)
+register_lowering(
+    F.conv_transpose1d,
+    F.conv_transpose2d,
+    F.conv_transpose3d,
+    torch.conv_transpose1d,
+    torch.conv_transpose2d,
+    torch.conv_transpose3d,
+)(conv_transpose)
 
 
 def _pool_geometry(spatial, kernel, stride, padding, dilation, ceil_mode):
@@ -105,8 +119,7 @@ def _pool_args(input, kernel_size, stride, padding, dilation, nd):
     return kernel, stride, ntuple(padding, nd), ntuple(dilation, nd)
 
 
-def max_pool(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False,
-             nd=2):
+def max_pool(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False, nd=2):
     x, unbatched = _batched(input, nd)
     kernel, stride, padding, dilation = _pool_args(x, kernel_size, stride, padding, dilation, nd)
     pads = _pool_geometry(x.shape[2:], kernel, stride, padding, dilation, ceil_mode)
@@ -189,8 +202,9 @@ register_lowering(F.max_pool2d_with_indices)(_max_pool_with_indices_nd(2))
 register_lowering(F.max_pool3d_with_indices)(_max_pool_with_indices_nd(3))
 
 
-def avg_pool(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
-             divisor_override=None, nd=2):
+def avg_pool(
+    input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None, nd=2
+):
     x, unbatched = _batched(input, nd)
     kernel, stride, padding, _ = _pool_args(x, kernel_size, stride, padding, 1, nd)
     pads = _pool_geometry(x.shape[2:], kernel, stride, padding, (1,) * nd, ceil_mode)
@@ -216,8 +230,9 @@ def avg_pool(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_
 
 
 def _avg_pool_nd(nd):
-    def lowering(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
-                 divisor_override=None):
+    def lowering(
+        input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None
+    ):
         return avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, nd)
 
     return lowering
@@ -265,14 +280,19 @@ def adaptive_max_pool(input, output_size, nd, return_indices=False):
         valid = np.array([[start + j < end for j in range(width)] for start, end in bins])
         ax = len(lead) + 2 * i  # each earlier dimension became (out, width)
         windows = jnp.take(windows, gather.reshape(-1), axis=ax).reshape(
-            windows.shape[:ax] + (out, width) + windows.shape[ax + 1:])
+            windows.shape[:ax] + (out, width) + windows.shape[ax + 1 :]
+        )
         shape = [1] * windows.ndim
         shape[ax], shape[ax + 1] = out, width
         windows = jnp.where(valid.reshape(shape), windows, lowest)
         positions = np.take(positions, gather.reshape(-1), axis=2 * i).reshape(
-            positions.shape[:2 * i] + (out, width) + positions.shape[2 * i + 1:])
-    order = tuple(range(len(lead))) + tuple(len(lead) + 2 * i for i in range(nd)) + tuple(
-        len(lead) + 2 * i + 1 for i in range(nd))
+            positions.shape[: 2 * i] + (out, width) + positions.shape[2 * i + 1 :]
+        )
+    order = (
+        tuple(range(len(lead)))
+        + tuple(len(lead) + 2 * i for i in range(nd))
+        + tuple(len(lead) + 2 * i + 1 for i in range(nd))
+    )
     windows = jnp.transpose(windows, order).reshape(lead + tuple(outs) + (-1,))
     best = jnp.argmax(jax.lax.stop_gradient(windows), axis=-1)  # first maximum: torch's gradient target
     values = jnp.take_along_axis(windows, best[..., None], axis=-1)[..., 0]

@@ -8,7 +8,6 @@ import torch
 
 from jmp.torch_bridge.dtypes import is_floating, to_jax_dtype
 from jmp.torch_bridge.lowering.promotion import (
-    ALWAYS_BOOL,
     INT_TO_FLOAT,
     cast,
     promoted,
@@ -29,8 +28,7 @@ def add(input, other, *, alpha=1):
     return a + _scaled(b, alpha)
 
 
-@register_lowering(torch.sub, torch.subtract, T.sub, T.subtract, T.__sub__,
-                   inplace=(T.sub_, T.subtract_, T.__isub__))
+@register_lowering(torch.sub, torch.subtract, T.sub, T.subtract, T.__sub__, inplace=(T.sub_, T.subtract_, T.__isub__))
 def sub(input, other, *, alpha=1):
     a, b = promoted(input, other)
     return a - _scaled(b, alpha)
@@ -42,15 +40,15 @@ def rsub(input, other, *, alpha=1):
     return b - _scaled(a, alpha)
 
 
-@register_lowering(torch.mul, torch.multiply, T.mul, T.multiply, T.__mul__, T.__rmul__,
-                   inplace=(T.mul_, T.multiply_, T.__imul__))
+@register_lowering(
+    torch.mul, torch.multiply, T.mul, T.multiply, T.__mul__, T.__rmul__, inplace=(T.mul_, T.multiply_, T.__imul__)
+)
 def mul(input, other):
     a, b = promoted(input, other)
     return a * b
 
 
-@register_lowering(torch.div, torch.divide, T.div, T.divide, T.__truediv__,
-                   inplace=(T.div_, T.divide_, T.__itruediv__))
+@register_lowering(torch.div, torch.divide, T.div, T.divide, T.__truediv__, inplace=(T.div_, T.divide_, T.__itruediv__))
 def div(input, other, *, rounding_mode=None):
     if rounding_mode is None:
         a, b = promoted(input, other, kind=INT_TO_FLOAT)
@@ -78,8 +76,7 @@ def rtruediv(input, other):
     return div(other, input)
 
 
-@register_lowering(torch.floor_divide, T.floor_divide, T.__floordiv__,
-                   inplace=(T.floor_divide_, T.__ifloordiv__))
+@register_lowering(torch.floor_divide, T.floor_divide, T.__floordiv__, inplace=(T.floor_divide_, T.__ifloordiv__))
 def floor_divide(input, other):
     return div(input, other, rounding_mode="floor")
 
@@ -115,8 +112,12 @@ def pow(input, exponent):
 
 
 def _small_integral(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and float(value).is_integer() and abs(value) <= 16
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and float(value).is_integer()
+        and abs(value) <= 16
+    )
 
 
 @register_lowering(T.__rpow__)
@@ -139,8 +140,9 @@ def _binary_math(jnp_fn, *torch_fns, kind=None, inplace=()):
     register_lowering(*torch_fns, inplace=inplace)(lowering)
 
 
-_binary_math(jnp.arctan2, torch.atan2, torch.arctan2, T.atan2, T.arctan2, kind=INT_TO_FLOAT,
-             inplace=(T.atan2_, T.arctan2_))
+_binary_math(
+    jnp.arctan2, torch.atan2, torch.arctan2, T.atan2, T.arctan2, kind=INT_TO_FLOAT, inplace=(T.atan2_, T.arctan2_)
+)
 _binary_math(jnp.maximum, torch.maximum, T.maximum)
 _binary_math(jnp.minimum, torch.minimum, T.minimum)
 _binary_math(jnp.fmax, torch.fmax, T.fmax)
@@ -150,16 +152,16 @@ _binary_math(jnp.copysign, torch.copysign, T.copysign, kind=INT_TO_FLOAT, inplac
 _binary_math(jnp.logaddexp, torch.logaddexp, T.logaddexp)
 _binary_math(jnp.logaddexp2, torch.logaddexp2, T.logaddexp2)
 _binary_math(jnp.nextafter, torch.nextafter, T.nextafter)
-_binary_math(jnp.bitwise_and, torch.bitwise_and, T.bitwise_and, T.__and__, T.__rand__,
-             inplace=(T.bitwise_and_, T.__iand__))
-_binary_math(jnp.bitwise_or, torch.bitwise_or, T.bitwise_or, T.__or__, T.__ror__,
-             inplace=(T.bitwise_or_, T.__ior__))
-_binary_math(jnp.bitwise_xor, torch.bitwise_xor, T.bitwise_xor, T.__xor__, T.__rxor__,
-             inplace=(T.bitwise_xor_, T.__ixor__))
+_binary_math(
+    jnp.bitwise_and, torch.bitwise_and, T.bitwise_and, T.__and__, T.__rand__, inplace=(T.bitwise_and_, T.__iand__)
+)
+_binary_math(jnp.bitwise_or, torch.bitwise_or, T.bitwise_or, T.__or__, T.__ror__, inplace=(T.bitwise_or_, T.__ior__))
+_binary_math(
+    jnp.bitwise_xor, torch.bitwise_xor, T.bitwise_xor, T.__xor__, T.__rxor__, inplace=(T.bitwise_xor_, T.__ixor__)
+)
 _binary_math(jnp.left_shift, torch.bitwise_left_shift, T.bitwise_left_shift, T.__lshift__)
 _binary_math(jnp.right_shift, torch.bitwise_right_shift, T.bitwise_right_shift, T.__rshift__)
-_binary_math(jnp.greatest_common_divisor if hasattr(jnp, "greatest_common_divisor") else jnp.gcd,
-             torch.gcd, T.gcd)
+_binary_math(jnp.greatest_common_divisor if hasattr(jnp, "greatest_common_divisor") else jnp.gcd, torch.gcd, T.gcd)
 _binary_math(jnp.lcm, torch.lcm, T.lcm)
 
 
@@ -183,8 +185,7 @@ _comparison(jnp.not_equal, torch.ne, torch.not_equal, T.ne, T.not_equal, T.__ne_
 _comparison(jnp.less, torch.lt, torch.less, T.lt, T.less, T.__lt__, inplace=(T.lt_,))
 _comparison(jnp.less_equal, torch.le, torch.less_equal, T.le, T.less_equal, T.__le__, inplace=(T.le_,))
 _comparison(jnp.greater, torch.gt, torch.greater, T.gt, T.greater, T.__gt__, inplace=(T.gt_,))
-_comparison(jnp.greater_equal, torch.ge, torch.greater_equal, T.ge, T.greater_equal, T.__ge__,
-            inplace=(T.ge_,))
+_comparison(jnp.greater_equal, torch.ge, torch.greater_equal, T.ge, T.greater_equal, T.__ge__, inplace=(T.ge_,))
 
 
 def _logical(jnp_fn, *torch_fns, inplace=()):
@@ -238,24 +239,56 @@ def _both(name):
 
 
 for _name, _fn in {
-    "exp": jnp.exp, "exp2": jnp.exp2, "expm1": jnp.expm1, "log": jnp.log, "log2": jnp.log2,
-    "log10": jnp.log10, "log1p": jnp.log1p, "sqrt": jnp.sqrt, "rsqrt": jax.lax.rsqrt,
-    "sin": jnp.sin, "cos": jnp.cos, "tan": jnp.tan, "asin": jnp.arcsin, "acos": jnp.arccos,
-    "atan": jnp.arctan, "sinh": jnp.sinh, "cosh": jnp.cosh, "tanh": jnp.tanh,
-    "asinh": jnp.arcsinh, "acosh": jnp.arccosh, "atanh": jnp.arctanh, "arcsin": jnp.arcsin,
-    "arccos": jnp.arccos, "arctan": jnp.arctan, "arcsinh": jnp.arcsinh, "arccosh": jnp.arccosh,
-    "arctanh": jnp.arctanh, "sigmoid": jax.nn.sigmoid, "erf": jax.scipy.special.erf,
-    "erfc": jax.scipy.special.erfc, "erfinv": jax.scipy.special.erfinv,
-    "lgamma": jax.scipy.special.gammaln, "digamma": jax.scipy.special.digamma,
-    "reciprocal": jnp.reciprocal, "deg2rad": jnp.deg2rad, "rad2deg": jnp.rad2deg,
-    "sinc": jnp.sinc, "i0": jnp.i0,
+    "exp": jnp.exp,
+    "exp2": jnp.exp2,
+    "expm1": jnp.expm1,
+    "log": jnp.log,
+    "log2": jnp.log2,
+    "log10": jnp.log10,
+    "log1p": jnp.log1p,
+    "sqrt": jnp.sqrt,
+    "rsqrt": jax.lax.rsqrt,
+    "sin": jnp.sin,
+    "cos": jnp.cos,
+    "tan": jnp.tan,
+    "asin": jnp.arcsin,
+    "acos": jnp.arccos,
+    "atan": jnp.arctan,
+    "sinh": jnp.sinh,
+    "cosh": jnp.cosh,
+    "tanh": jnp.tanh,
+    "asinh": jnp.arcsinh,
+    "acosh": jnp.arccosh,
+    "atanh": jnp.arctanh,
+    "arcsin": jnp.arcsin,
+    "arccos": jnp.arccos,
+    "arctan": jnp.arctan,
+    "arcsinh": jnp.arcsinh,
+    "arccosh": jnp.arccosh,
+    "arctanh": jnp.arctanh,
+    "sigmoid": jax.nn.sigmoid,
+    "erf": jax.scipy.special.erf,
+    "erfc": jax.scipy.special.erfc,
+    "erfinv": jax.scipy.special.erfinv,
+    "lgamma": jax.scipy.special.gammaln,
+    "digamma": jax.scipy.special.digamma,
+    "reciprocal": jnp.reciprocal,
+    "deg2rad": jnp.deg2rad,
+    "rad2deg": jnp.rad2deg,
+    "sinc": jnp.sinc,
+    "i0": jnp.i0,
 }.items():
     _fns, _inplace = _both(_name)
     _unary(_fn, *_fns, inplace=_inplace)
 
 for _name, _fn in {
-    "neg": jnp.negative, "negative": jnp.negative, "abs": jnp.abs, "absolute": jnp.abs,
-    "sign": jnp.sign, "square": jnp.square, "positive": jnp.positive,
+    "neg": jnp.negative,
+    "negative": jnp.negative,
+    "abs": jnp.abs,
+    "absolute": jnp.abs,
+    "sign": jnp.sign,
+    "square": jnp.square,
+    "positive": jnp.positive,
     "bitwise_not": jnp.invert,
 }.items():
     _fns, _inplace = _both(_name)

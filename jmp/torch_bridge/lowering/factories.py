@@ -41,8 +41,9 @@ def arange(start, end=None, step=1, *, dtype=None, **placement):
         start, end = 0, start
     values = [start, end, step]
     if dtype is None:
-        integral = all(isinstance(v, int) or (isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.integer))
-                       for v in values)
+        integral = all(
+            isinstance(v, int) or (isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.integer)) for v in values
+        )
         dtype = to_jax_dtype(torch.int64) if integral else default_float()
     else:
         dtype = to_jax_dtype(dtype)

@@ -37,8 +37,7 @@ def _index(index):
 def _is_basic(index) -> bool:
     """Basic indices (ints, slices, None, ...) give views in torch; tensors and lists give copies."""
     parts = index if isinstance(index, tuple) else (index,)
-    return all(p is None or p is Ellipsis or isinstance(p, (slice, int)) and not isinstance(p, bool)
-               for p in parts)
+    return all(p is None or p is Ellipsis or isinstance(p, (slice, int)) and not isinstance(p, bool) for p in parts)
 
 
 def _getitem_is_view(args, kwargs):
@@ -196,10 +195,11 @@ def take_along_dim(input, indices, dim=None):
     if dim is None:
         return jnp.take_along_axis(input.reshape(-1), indices.reshape(-1), axis=0)
     ax = axis(dim, input.ndim)
-    shape = jnp.broadcast_shapes(input.shape[:ax] + (1,) + input.shape[ax + 1:],
-                                 indices.shape[:ax] + (1,) + indices.shape[ax + 1:])
-    x = jnp.broadcast_to(input, shape[:ax] + (input.shape[ax],) + shape[ax + 1:])
-    i = jnp.broadcast_to(indices, shape[:ax] + (indices.shape[ax],) + shape[ax + 1:])
+    shape = jnp.broadcast_shapes(
+        input.shape[:ax] + (1,) + input.shape[ax + 1 :], indices.shape[:ax] + (1,) + indices.shape[ax + 1 :]
+    )
+    x = jnp.broadcast_to(input, shape[:ax] + (input.shape[ax],) + shape[ax + 1 :])
+    i = jnp.broadcast_to(indices, shape[:ax] + (indices.shape[ax],) + shape[ax + 1 :])
     return jnp.take_along_axis(x, i, axis=ax)
 
 
@@ -258,5 +258,3 @@ def searchsorted(sorted_sequence, input, *, out_int32=False, right=False, side=N
 def bucketize(input, boundaries, *, out_int32=False, right=False):
     out = jnp.searchsorted(boundaries, input, side="right" if right else "left")
     return out.astype(jnp.int32 if out_int32 else _INT)
-
-

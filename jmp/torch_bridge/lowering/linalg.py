@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 import torch
 
@@ -132,5 +131,3 @@ def cdist(x1, x2, p=2.0, compute_mode=None):
     if p == 0:
         return jnp.sum((diff != 0).astype(diff.dtype), axis=-1)
     return jnp.sum(jnp.abs(diff) ** p, axis=-1) ** (1.0 / p)
-
-

@@ -42,8 +42,9 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
 
 
 @register_lowering(F.cross_entropy)
-def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                  reduction="mean", label_smoothing=0.0):
+def cross_entropy(
+    input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0
+):
     reduction = reduction_mode(reduction, size_average, reduce)
     ax = _class_axis(input)
     n_classes = input.shape[ax]
@@ -121,8 +122,9 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
 
 
 @register_lowering(F.binary_cross_entropy_with_logits)
-def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None,
-                                     reduction="mean", pos_weight=None):
+def binary_cross_entropy_with_logits(
+    input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None
+):
     softplus_neg = jnp.log1p(jnp.exp(-jnp.abs(input))) + jnp.maximum(-input, 0)
     if pos_weight is not None:
         log_weight = 1 + (pos_weight - 1) * target
@@ -165,8 +167,9 @@ def hinge_embedding_loss(input, target, margin=1.0, size_average=None, reduce=No
 
 
 @register_lowering(F.poisson_nll_loss)
-def poisson_nll_loss(input, target, log_input=True, full=False, size_average=None, eps=1e-8, reduce=None,
-                     reduction="mean"):
+def poisson_nll_loss(
+    input, target, log_input=True, full=False, size_average=None, eps=1e-8, reduce=None, reduction="mean"
+):
     loss = jnp.exp(input) - target * input if log_input else input - target * jnp.log(input + eps)
     if full:
         stirling = target * jnp.log(target) - target + 0.5 * jnp.log(2 * math.pi * target)

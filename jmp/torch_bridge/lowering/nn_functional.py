@@ -40,8 +40,7 @@ def embedding_lookup(input, weight, padding_idx=None):
 
 
 @register_lowering(F.embedding)
-def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
-              sparse=False):
+def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
     if max_norm is not None:
         raise ValueError("embedding with max_norm renormalises weights in place; it is not supported")
     if scale_grad_by_freq:
@@ -161,6 +160,7 @@ def pairwise_distance(x1, x2, p=2.0, eps=1e-6, keepdim=False):
 
 def _cubic_weights(t: float, a: float = -0.75) -> list[float]:
     """Torch's cubic convolution weights for the 4 taps around a source position."""
+
     def near(x):
         return ((a + 2) * x - (a + 3)) * x * x + 1
 
@@ -204,16 +204,26 @@ def _per_dim(value, nd):
 
 
 @register_lowering(F.interpolate, F.upsample)
-def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
-                recompute_scale_factor=None, antialias=False):
+def interpolate(
+    input,
+    size=None,
+    scale_factor=None,
+    mode="nearest",
+    align_corners=None,
+    recompute_scale_factor=None,
+    antialias=False,
+):
     nd = input.ndim - 2
     if mode in ("bilinear", "trilinear"):
         mode = "linear"
     if mode == "bicubic":
         mode = "cubic"
     if mode == "area" and not antialias:
-        target = size if size is not None else tuple(
-            int(np.floor(s * f)) for s, f in zip(input.shape[2:], _per_dim(scale_factor, nd)))
+        target = (
+            size
+            if size is not None
+            else tuple(int(np.floor(s * f)) for s, f in zip(input.shape[2:], _per_dim(scale_factor, nd)))
+        )
         return adaptive_avg_pool(input, target, nd)
     if mode not in ("nearest", "nearest-exact", "linear", "cubic") or antialias:
         raise ValueError(f"interpolate mode {mode!r} (antialias={antialias}) is not supported by the JAX lowering")

@@ -81,8 +81,9 @@ def updated_running_stats(running_mean, running_var, mean, var, count, momentum)
 
 
 @register_lowering(F.batch_norm, torch.batch_norm, raw=True)
-def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
-               eps=1e-5, cudnn_enabled=True):
+def batch_norm(
+    input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5, cudnn_enabled=True
+):
     x = unwrap(input)
     weight, bias = unwrap(weight), unwrap(bias)
     if not training:
@@ -92,16 +93,30 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if running_mean is not None and running_var is not None:
         count = x.size // x.shape[1]
         new_mean, new_var = updated_running_stats(
-            unwrap(running_mean), unwrap(running_var), jax.lax.stop_gradient(mean),
-            jax.lax.stop_gradient(var), count, momentum)
+            unwrap(running_mean),
+            unwrap(running_var),
+            jax.lax.stop_gradient(mean),
+            jax.lax.stop_gradient(var),
+            count,
+            momentum,
+        )
         running_mean.set_value(new_mean)
         running_var.set_value(new_var)
     return batch_norm_apply(x, mean, var, weight, bias, eps)
 
 
 @register_lowering(F.instance_norm, torch.instance_norm, raw=True)
-def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
-                  momentum=0.1, eps=1e-5, cudnn_enabled=True):
+def instance_norm(
+    input,
+    running_mean=None,
+    running_var=None,
+    weight=None,
+    bias=None,
+    use_input_stats=True,
+    momentum=0.1,
+    eps=1e-5,
+    cudnn_enabled=True,
+):
     x = unwrap(input)
     weight, bias = unwrap(weight), unwrap(bias)
     if not use_input_stats:
@@ -114,8 +129,13 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         # torch: one batch-norm update per instance, averaged over the batch
         count = max(x.size // (x.shape[0] * x.shape[1]), 1)
         new_mean, new_var = updated_running_stats(
-            unwrap(running_mean), unwrap(running_var), jax.lax.stop_gradient(mean.reshape(x.shape[:2])),
-            jax.lax.stop_gradient(var.reshape(x.shape[:2])), count, momentum)
+            unwrap(running_mean),
+            unwrap(running_var),
+            jax.lax.stop_gradient(mean.reshape(x.shape[:2])),
+            jax.lax.stop_gradient(var.reshape(x.shape[:2])),
+            count,
+            momentum,
+        )
         running_mean.set_value(jnp.mean(new_mean, axis=0))
         running_var.set_value(jnp.mean(new_var, axis=0))
     y = (x.astype(stats_dtype) - mean) * jax.lax.rsqrt(var + eps)
@@ -126,6 +146,7 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
 def local_response_norm(input, size, alpha=1e-4, beta=0.75, k=1.0):
     sq = jnp.square(input)
     pad = [(0, 0), (size // 2, (size - 1) // 2)] + [(0, 0)] * (input.ndim - 2)
-    summed = jax.lax.reduce_window(jnp.pad(sq, pad), 0.0, jax.lax.add,
-                                   (1, size) + (1,) * (input.ndim - 2), (1,) * input.ndim, "VALID")
+    summed = jax.lax.reduce_window(
+        jnp.pad(sq, pad), 0.0, jax.lax.add, (1, size) + (1,) * (input.ndim - 2), (1,) * input.ndim, "VALID"
+    )
     return input / (k + alpha / size * summed) ** beta

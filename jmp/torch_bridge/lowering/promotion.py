@@ -32,7 +32,7 @@ def _signature(operand: Any) -> Any:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _promote(signatures: tuple, kind: Kind) -> Any:
     examples = []
     for sig in signatures:

@@ -26,20 +26,17 @@ def _accumulate_dtype(x, dtype):
 
 @register_lowering(torch.sum, T.sum)
 def sum(input, dim=None, keepdim=False, *, dtype=None):
-    return jnp.sum(input, axis=dims(dim, input.ndim), keepdims=keepdim,
-                   dtype=_accumulate_dtype(input, dtype))
+    return jnp.sum(input, axis=dims(dim, input.ndim), keepdims=keepdim, dtype=_accumulate_dtype(input, dtype))
 
 
 @register_lowering(torch.nansum, T.nansum)
 def nansum(input, dim=None, keepdim=False, *, dtype=None):
-    return jnp.nansum(input, axis=dims(dim, input.ndim), keepdims=keepdim,
-                      dtype=_accumulate_dtype(input, dtype))
+    return jnp.nansum(input, axis=dims(dim, input.ndim), keepdims=keepdim, dtype=_accumulate_dtype(input, dtype))
 
 
 @register_lowering(torch.prod, T.prod)
 def prod(input, dim=None, keepdim=False, *, dtype=None):
-    return jnp.prod(input, axis=dims(dim, input.ndim), keepdims=keepdim,
-                    dtype=_accumulate_dtype(input, dtype))
+    return jnp.prod(input, axis=dims(dim, input.ndim), keepdims=keepdim, dtype=_accumulate_dtype(input, dtype))
 
 
 @register_lowering(torch.mean, T.mean)
@@ -93,16 +90,14 @@ def std(input, *args, **kwargs):
 def var_mean(input, *args, **kwargs):
     dim, correction, keepdim = _correction(args, dict(kwargs))
     axes = dims(dim, input.ndim)
-    return (jnp.var(input, axis=axes, ddof=correction, keepdims=keepdim),
-            jnp.mean(input, axis=axes, keepdims=keepdim))
+    return (jnp.var(input, axis=axes, ddof=correction, keepdims=keepdim), jnp.mean(input, axis=axes, keepdims=keepdim))
 
 
 @register_lowering(torch.std_mean)
 def std_mean(input, *args, **kwargs):
     dim, correction, keepdim = _correction(args, dict(kwargs))
     axes = dims(dim, input.ndim)
-    return (jnp.std(input, axis=axes, ddof=correction, keepdims=keepdim),
-            jnp.mean(input, axis=axes, keepdims=keepdim))
+    return (jnp.std(input, axis=axes, ddof=correction, keepdims=keepdim), jnp.mean(input, axis=axes, keepdims=keepdim))
 
 
 def _extremum(jnp_fn, jnp_arg, return_type, pairwise):
@@ -140,8 +135,9 @@ def amin(input, dim=(), keepdim=False):
 @register_lowering(torch.aminmax, T.aminmax)
 def aminmax(input, *, dim=None, keepdim=False):
     axes = dims(dim, input.ndim)
-    return torch.return_types.aminmax((jnp.min(input, axis=axes, keepdims=keepdim),
-                                       jnp.max(input, axis=axes, keepdims=keepdim)))
+    return torch.return_types.aminmax(
+        (jnp.min(input, axis=axes, keepdims=keepdim), jnp.max(input, axis=axes, keepdims=keepdim))
+    )
 
 
 @register_lowering(torch.argmax, T.argmax)
@@ -251,8 +247,8 @@ def _cumulative_extremum(reducer, return_type):
         ax = axis(dim, input.ndim)
         values = reducer(input, axis=ax)
         positions = jnp.broadcast_to(
-            jnp.arange(input.shape[ax]).reshape([-1 if i == ax else 1 for i in range(input.ndim)]),
-            input.shape)
+            jnp.arange(input.shape[ax]).reshape([-1 if i == ax else 1 for i in range(input.ndim)]), input.shape
+        )
         # index of the last position holding the running extremum (torch's tie rule)
         hits = jnp.where(input == values, positions, -1)
         indices = jax.lax.cummax(hits, axis=ax)
@@ -308,8 +304,7 @@ def topk(input, k, dim=-1, largest=True, sorted=True):
     else:
         _, indices = jax.lax.top_k(_order_key(x, descending=True), k)
         values = jnp.take_along_axis(x, indices, axis=-1)
-    return torch.return_types.topk((jnp.moveaxis(values, -1, ax),
-                                    jnp.moveaxis(indices, -1, ax).astype(_INT)))
+    return torch.return_types.topk((jnp.moveaxis(values, -1, ax), jnp.moveaxis(indices, -1, ax).astype(_INT)))
 
 
 def _order_key(x, descending):

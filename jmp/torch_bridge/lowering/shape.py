@@ -45,7 +45,7 @@ def flatten(input, start_dim=0, end_dim=-1):
     if input.ndim == 0:
         return input.reshape(1)
     start, end = axis(start_dim, input.ndim), axis(end_dim, input.ndim)
-    shape = input.shape[:start] + (-1,) + input.shape[end + 1:]
+    shape = input.shape[:start] + (-1,) + input.shape[end + 1 :]
     return input.reshape(shape) if start <= end else input
 
 
@@ -57,7 +57,7 @@ def ravel(input):
 @register_lowering(torch.unflatten, T.unflatten, view=True)
 def unflatten(input, dim, sizes):
     ax = axis(dim, input.ndim)
-    return input.reshape(input.shape[:ax] + tuple(sizes) + input.shape[ax + 1:])
+    return input.reshape(input.shape[:ax] + tuple(sizes) + input.shape[ax + 1 :])
 
 
 @register_lowering(torch.squeeze, T.squeeze, view=True)
@@ -78,8 +78,7 @@ def permute(input, *dims_):
     return jnp.transpose(input, tuple(axis(d, input.ndim) for d in sizes(dims_)))
 
 
-@register_lowering(torch.transpose, T.transpose, torch.swapaxes, T.swapaxes, torch.swapdims, T.swapdims,
-                   view=True)
+@register_lowering(torch.transpose, T.transpose, torch.swapaxes, T.swapaxes, torch.swapdims, T.swapdims, view=True)
 def transpose(input, dim0, dim1):
     if input.ndim < 2:
         return input
@@ -109,8 +108,7 @@ def matrix_adjoint(input):
 @register_lowering(torch.movedim, T.movedim, torch.moveaxis, T.moveaxis, view=True)
 def movedim(input, source, destination):
     src = dims(source, input.ndim) if isinstance(source, (tuple, list)) else (axis(source, input.ndim),)
-    dst = dims(destination, input.ndim) if isinstance(destination, (tuple, list)) \
-        else (axis(destination, input.ndim),)
+    dst = dims(destination, input.ndim) if isinstance(destination, (tuple, list)) else (axis(destination, input.ndim),)
     return jnp.moveaxis(input, src, dst)
 
 
@@ -252,8 +250,9 @@ def chunk(input, chunks, dim=0):
 def tensor_split(input, indices_or_sections, dim=0):
     ax = axis(dim, input.ndim)
     if isinstance(indices_or_sections, jax.Array):
-        indices_or_sections = int(indices_or_sections) if indices_or_sections.ndim == 0 \
-            else [int(i) for i in indices_or_sections]
+        indices_or_sections = (
+            int(indices_or_sections) if indices_or_sections.ndim == 0 else [int(i) for i in indices_or_sections]
+        )
     if isinstance(indices_or_sections, int):
         return tuple(jnp.array_split(input, indices_or_sections, axis=ax))
     return _split_at(input, ax, [int(i) for i in indices_or_sections])
@@ -262,8 +261,7 @@ def tensor_split(input, indices_or_sections, dim=0):
 @register_lowering(torch.unbind, T.unbind, view=True)
 def unbind(input, dim=0):
     ax = axis(dim, input.ndim)
-    return tuple(jnp.squeeze(p, ax) for p in jnp.split(input, input.shape[ax], axis=ax)) \
-        if input.shape[ax] else ()
+    return tuple(jnp.squeeze(p, ax) for p in jnp.split(input, input.shape[ax], axis=ax)) if input.shape[ax] else ()
 
 
 @register_lowering(T.__iter__)
@@ -283,14 +281,16 @@ def narrow(input, dim, start, length):
 @register_lowering(torch.select, T.select, view=True)
 def select(input, dim, index):
     ax = axis(dim, input.ndim)
-    return jnp.take(input, index, axis=ax) if isinstance(index, jax.Array) \
+    return (
+        jnp.take(input, index, axis=ax)
+        if isinstance(index, jax.Array)
         else jax.lax.index_in_dim(input, int(index) % input.shape[ax], axis=ax, keepdims=False)
+    )
 
 
 @register_lowering(torch.flip, T.flip)
 def flip(input, *dims_, dims=None):
-    axes = dims if dims is not None else dims_[0] if len(dims_) == 1 and isinstance(dims_[0], (tuple, list)) \
-        else dims_
+    axes = dims if dims is not None else dims_[0] if len(dims_) == 1 and isinstance(dims_[0], (tuple, list)) else dims_
     return jnp.flip(input, tuple(axis(d, input.ndim) for d in axes))
 
 
