@@ -150,13 +150,16 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _apply(entry: registry.Lowering, func: Any, args: tuple, kwargs: dict) -> Any:
-    out_target = kwargs.pop("out", None) if "out" in kwargs else None
+    out_target = None
+    if "out" in kwargs:
+        kwargs = dict(kwargs)
+        out_target = kwargs.pop("out")
     if entry.raw:
         result = entry.fn(*args, **kwargs)
     else:
         result = entry.fn(*unwrap_tree(args), **unwrap_tree(kwargs))
-    if not torch.is_grad_enabled():
-        result = jax.tree.map(_stop_gradient, result)
+    if not torch.is_grad_enabled():  # tensors made under no_grad carry no gradient
+        result = _map_arrays(jax.lax.stop_gradient, result)
     if entry.is_inplace_call(args, kwargs):
         target = args[0]
         target.set_value(result)
@@ -173,9 +176,18 @@ def _apply(entry: registry.Lowering, func: Any, args: tuple, kwargs: dict) -> An
 
 
 def _wrap_result(result: Any) -> Any:
+    return _map_arrays(lambda array: wrap_tree(array), result)
+
+
+def _map_arrays(fn: Any, result: Any) -> Any:
+    """``fn`` on each jax.Array in a lowering's result (arrays, tuples, lists, torch.return_types)."""
+    if isinstance(result, jax.Array):
+        return fn(result)
     if isinstance(result, tuple) and hasattr(type(result), "n_fields"):  # torch.return_types.*
-        return type(result)(tuple(_wrap_result(r) for r in result))
-    return wrap_tree(result)
+        return type(result)(tuple(_map_arrays(fn, r) for r in result))
+    if isinstance(result, (tuple, list)):
+        return type(result)(_map_arrays(fn, r) for r in result)
+    return result
 
 
 def _link_views(entry: registry.Lowering, args: tuple, kwargs: dict, wrapped: Any) -> None:
@@ -195,10 +207,6 @@ def _link_views(entry: registry.Lowering, args: tuple, kwargs: dict, wrapped: An
         for i, part in enumerate(wrapped):
             if isinstance(part, JaxTensor):
                 part.make_view_of(base, reader(i))
-
-
-def _stop_gradient(x: Any) -> Any:
-    return jax.lax.stop_gradient(x) if isinstance(x, jax.Array) else x
 
 
 def _not_lowered(func: Any, args: tuple, kwargs: dict) -> Any:

@@ -52,10 +52,12 @@ def to_jax_dtype(dtype: torch.dtype | None):
 def to_torch_dtype(dtype) -> torch.dtype:
     """The torch dtype reported for a JAX array of ``dtype``."""
     dtype = np.dtype(dtype)
-    if not x64_enabled():
-        if dtype == np.int32:
-            return torch.int64
-    return _JAX_TO_TORCH[dtype]
+    if not x64_enabled() and dtype == np.int32:
+        return torch.int64
+    try:
+        return _JAX_TO_TORCH[dtype]
+    except KeyError:
+        raise TypeError(f"JAX dtype {dtype} has no torch equivalent") from None
 
 
 def default_float():

@@ -6,6 +6,7 @@ Devices are JAX's business (sharding decides placement), so ``.to(device)``,
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -129,6 +130,14 @@ def to_index(input):
 @register_lowering(T.__float__)
 def to_float(input):
     return float(input)
+
+
+@register_lowering(T.__format__)
+def format_(input, format_spec):
+    if isinstance(input, jax.core.Tracer):
+        return f"JaxTensor(shape={tuple(input.shape)}, dtype={input.dtype}, traced)"
+    value = np.asarray(input)
+    return format(value.item() if value.size == 1 and value.ndim == 0 else value, format_spec)
 
 
 @register_lowering(T.__complex__)

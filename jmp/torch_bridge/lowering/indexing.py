@@ -49,7 +49,7 @@ def getitem(input, index):
     return input[_index(index)]
 
 
-@register_lowering(T.__setitem__, inplace=(T.__setitem__,))
+@register_lowering(inplace=(T.__setitem__,))
 def setitem(input, index, value):
     index = _index(index)
     if isinstance(index, jax.Array) and index.dtype == jnp.bool_ and jnp.ndim(value) == 0:

@@ -17,7 +17,11 @@ from jmp.torch_bridge.registry import getter, register_lowering
 T = torch.Tensor
 
 
-@register_lowering(T.view, view=True)
+def _is_reshape(args, kwargs):
+    return not (len(args) == 2 and isinstance(args[1], torch.dtype))  # a dtype view reinterprets bits
+
+
+@register_lowering(T.view, view=_is_reshape)
 def view(input, *shape):
     if len(shape) == 1 and isinstance(shape[0], torch.dtype):
         return _bitcast(input, to_jax_dtype(shape[0]))
@@ -264,11 +268,12 @@ def unbind(input, dim=0):
     return tuple(jnp.squeeze(p, ax) for p in jnp.split(input, input.shape[ax], axis=ax)) if input.shape[ax] else ()
 
 
-@register_lowering(T.__iter__)
+@register_lowering(T.__iter__, raw=True)
 def iterate(input):
-    if input.ndim == 0:
+    """Iterating a tensor yields its rows, as views (torch: ``iter(self.unbind(0))``)."""
+    if input.dim() == 0:
         raise TypeError("iteration over a 0-d tensor")
-    return iter(unbind(input, 0))
+    return iter(input.unbind(0))
 
 
 @register_lowering(torch.narrow, T.narrow, view=True)
