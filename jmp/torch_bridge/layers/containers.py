@@ -11,8 +11,24 @@ from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.module import TorchModule
 
 
+class _ChildList(TorchModule):
+    """Children under "0", "1", ... (torch's keys), indexable like the torch container."""
+
+    def __getitem__(self, index: int | slice) -> Any:
+        names = self._torch_children
+        if isinstance(index, slice):
+            return [getattr(self, n) for n in names[index]]
+        return getattr(self, names[index])
+
+    def __len__(self) -> int:
+        return len(self._torch_children)
+
+    def __iter__(self) -> Iterator[TorchModule]:
+        return (child for _, child in self.children_items())
+
+
 @register_layer(nn.Sequential)
-class Sequential(TorchModule):
+class Sequential(_ChildList):
     """Calls its children in order; each child's own call path (JAX or torch) is kept."""
 
     def __call__(self, input: Any) -> Any:
@@ -25,28 +41,10 @@ class Sequential(TorchModule):
             input = child.torch_call(input)
         return input
 
-    def __getitem__(self, index: int | slice) -> Any:
-        return _index(self, index)
-
-    def __len__(self) -> int:
-        return len(self._torch_children)
-
-    def __iter__(self) -> Iterator[TorchModule]:
-        return (child for _, child in self.children_items())
-
 
 @register_layer(nn.ModuleList)
-class ModuleList(TorchModule):
-    """Holds children under "0", "1", ... (torch's keys); torch code iterates the torch list."""
-
-    def __getitem__(self, index: int | slice) -> Any:
-        return _index(self, index)
-
-    def __len__(self) -> int:
-        return len(self._torch_children)
-
-    def __iter__(self) -> Iterator[TorchModule]:
-        return (child for _, child in self.children_items())
+class ModuleList(_ChildList):
+    """No forward of its own: torch code iterates the torch list, whose calls reach these children."""
 
 
 @register_layer(nn.ModuleDict)
@@ -67,10 +65,3 @@ class ModuleDict(TorchModule):
 
     def items(self) -> Iterator[tuple[str, TorchModule]]:
         return self.children_items()
-
-
-def _index(container: TorchModule, index: int | slice) -> Any:
-    names = container._torch_children
-    if isinstance(index, slice):
-        return [getattr(container, n) for n in names[index]]
-    return getattr(container, names[index])

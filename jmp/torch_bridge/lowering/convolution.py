@@ -46,18 +46,19 @@ def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
             raise ValueError(f"padding must be 'valid', 'same' or numbers, not {padding!r}")
     else:
         pads = [(p, p) for p in ntuple(padding, nd)]
-    out = jax.lax.conv_general_dilated(
-        x,
-        weight.astype(x.dtype),
-        window_strides=stride,
-        padding=pads,
-        rhs_dilation=dilation,
-        dimension_numbers=_LAYOUTS[nd],
-        feature_group_count=groups,
+    out = _convolve(
+        x, weight, bias, window_strides=stride, padding=pads, rhs_dilation=dilation, feature_group_count=groups
     )
+    return out[0] if unbatched else out
+
+
+def _convolve(x, weight, bias, **conv_args):
+    """``lax.conv_general_dilated`` in torch's layout, plus the per-channel bias."""
+    nd = weight.ndim - 2
+    out = jax.lax.conv_general_dilated(x, weight.astype(x.dtype), dimension_numbers=_LAYOUTS[nd], **conv_args)
     if bias is not None:
         out = out + bias.astype(out.dtype).reshape((1, -1) + (1,) * nd)
-    return out[0] if unbatched else out
+    return out
 
 
 register_lowering(F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)(conv)
@@ -75,18 +76,16 @@ def conv_transpose(input, weight, bias=None, stride=1, padding=0, output_padding
     w = jnp.swapaxes(w, 1, 2).reshape((groups * c_out_group, c_in // groups) + kernel)
     w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
     pads = [(d * (k - 1) - p, d * (k - 1) - p + op) for d, k, p, op in zip(dilation, kernel, padding, output_padding)]
-    out = jax.lax.conv_general_dilated(
+    out = _convolve(
         x,
-        w.astype(x.dtype),
+        w,
+        bias,
         window_strides=(1,) * nd,
         padding=pads,
         lhs_dilation=stride,
         rhs_dilation=dilation,
-        dimension_numbers=_LAYOUTS[nd],
         feature_group_count=groups,
     )
-    if bias is not None:
-        out = out + bias.astype(out.dtype).reshape((1, -1) + (1,) * nd)
     return out[0] if unbatched else out
 
 

@@ -290,6 +290,14 @@ for _name, _fn in {
     "square": jnp.square,
     "positive": jnp.positive,
     "bitwise_not": jnp.invert,
+    "logical_not": jnp.logical_not,
+    "signbit": jnp.signbit,
+    "isnan": jnp.isnan,
+    "isinf": jnp.isinf,
+    "isposinf": jnp.isposinf,
+    "isneginf": jnp.isneginf,
+    "isfinite": jnp.isfinite,
+    "isreal": jnp.isreal,
 }.items():
     _fns, _inplace = _both(_name)
     _unary(_fn, *_fns, to_float=False, inplace=_inplace)
@@ -346,46 +354,6 @@ def frac(input):
 @register_lowering(torch.sgn, T.sgn, inplace=(T.sgn_,))
 def sgn(input):
     return jnp.sign(input)
-
-
-@register_lowering(torch.signbit, T.signbit)
-def signbit(input):
-    return jnp.signbit(input)
-
-
-@register_lowering(torch.logical_not, T.logical_not, inplace=(T.logical_not_,))
-def logical_not(input):
-    return jnp.logical_not(input)
-
-
-@register_lowering(torch.isnan, T.isnan)
-def isnan(input):
-    return jnp.isnan(input)
-
-
-@register_lowering(torch.isinf, T.isinf)
-def isinf(input):
-    return jnp.isinf(input)
-
-
-@register_lowering(torch.isposinf, T.isposinf)
-def isposinf(input):
-    return jnp.isposinf(input)
-
-
-@register_lowering(torch.isneginf, T.isneginf)
-def isneginf(input):
-    return jnp.isneginf(input)
-
-
-@register_lowering(torch.isfinite, T.isfinite)
-def isfinite(input):
-    return jnp.isfinite(input)
-
-
-@register_lowering(torch.isreal, T.isreal)
-def isreal(input):
-    return jnp.isreal(input)
 
 
 @register_lowering(torch.nan_to_num, T.nan_to_num, inplace=(T.nan_to_num_,))

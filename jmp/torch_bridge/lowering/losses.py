@@ -79,20 +79,18 @@ def cross_entropy(
     return (1 - label_smoothing) * nll + smooth * (label_smoothing / n_classes)
 
 
-@register_lowering(F.mse_loss)
-def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
-    loss = jnp.square(input - target)
-    if weight is not None:
-        loss = loss * weight
-    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+def _pointwise_loss(elementwise):
+    def lowering(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+        loss = elementwise(input - target)
+        if weight is not None:
+            loss = loss * weight
+        return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+
+    return lowering
 
 
-@register_lowering(F.l1_loss)
-def l1_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
-    loss = jnp.abs(input - target)
-    if weight is not None:
-        loss = loss * weight
-    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+register_lowering(F.mse_loss)(_pointwise_loss(jnp.square))
+register_lowering(F.l1_loss)(_pointwise_loss(jnp.abs))
 
 
 @register_lowering(F.smooth_l1_loss)

@@ -140,22 +140,19 @@ def aminmax(input, *, dim=None, keepdim=False):
     )
 
 
-@register_lowering(torch.argmax, T.argmax)
-@on_scalars_as_vectors
-def argmax(input, dim=None, keepdim=False):
-    if dim is None:
-        out = jnp.argmax(input.reshape(-1))
-        return (out.reshape((1,) * input.ndim) if keepdim else out).astype(_INT)
-    return jnp.argmax(input, axis=axis(dim, input.ndim), keepdims=keepdim).astype(_INT)
+def _arg_extremum(jnp_arg):
+    @on_scalars_as_vectors
+    def lowering(input, dim=None, keepdim=False):
+        if dim is None:
+            out = jnp_arg(input.reshape(-1))
+            return (out.reshape((1,) * input.ndim) if keepdim else out).astype(_INT)
+        return jnp_arg(input, axis=axis(dim, input.ndim), keepdims=keepdim).astype(_INT)
+
+    return lowering
 
 
-@register_lowering(torch.argmin, T.argmin)
-@on_scalars_as_vectors
-def argmin(input, dim=None, keepdim=False):
-    if dim is None:
-        out = jnp.argmin(input.reshape(-1))
-        return (out.reshape((1,) * input.ndim) if keepdim else out).astype(_INT)
-    return jnp.argmin(input, axis=axis(dim, input.ndim), keepdims=keepdim).astype(_INT)
+register_lowering(torch.argmax, T.argmax)(_arg_extremum(jnp.argmax))
+register_lowering(torch.argmin, T.argmin)(_arg_extremum(jnp.argmin))
 
 
 @register_lowering(torch.all, T.all)
