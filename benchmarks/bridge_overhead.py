@@ -1,6 +1,6 @@
 """Training-step time of a converted Hugging Face GPT-2 against PyTorch eager and hand-written Flax NNX.
 
-    python benchmarks/bridge_overhead.py [--steps 15] [--out benchmarks/results/bridge_overhead.json]
+    python benchmarks/bridge_overhead.py [--steps 20] [--out benchmarks/results/bridge_overhead.json]
 
 GPT-2 with 4 layers, d_model 256, 4 heads, vocab 2048; batch 8 x sequence 128;
 one step = forward, backward and AdamW update. The three are measured side by
@@ -74,7 +74,7 @@ def nnx_train_step(loss_of_module):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/bridge_overhead.json")
     args = parser.parse_args()
 

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from jmp.errors import JmpError, LoweringError, TracedControlFlowError, UnsupportedOpError
 from jmp.torch_bridge import registry
-from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wrap_tree
+from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wrap
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_active", default=False)
 _RNGS: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_bridge_rngs", default=None)
@@ -176,7 +176,7 @@ def _apply(entry: registry.Lowering, func: Any, args: tuple, kwargs: dict) -> An
 
 
 def _wrap_result(result: Any) -> Any:
-    return _map_arrays(lambda array: wrap_tree(array), result)
+    return _map_arrays(wrap, result)
 
 
 def _map_arrays(fn: Any, result: Any) -> Any:
