@@ -41,19 +41,9 @@ class TorchModule(nnx.Module):
         self._torch_path = path
         self.deterministic = not torch_module.training
         names = []
-        for name, tensor in torch_module._parameters.items():
+        for name, tensor, kind, metadata in _state_entries(torch_module):
             converter.check_name(self, name, path)
-            setattr(self, name, None if tensor is None else converter.variable(tensor, nnx.Param, path, name))
-            if tensor is not None:
-                names.append(name)
-        non_persistent = torch_module._non_persistent_buffers_set
-        for name, tensor in torch_module._buffers.items():
-            converter.check_name(self, name, path)
-            variable = (
-                None
-                if tensor is None
-                else converter.variable(tensor, Buffer, path, name, persistent=name not in non_persistent)
-            )
+            variable = None if tensor is None else converter.variable(tensor, kind, path, name, **metadata)
             setattr(self, name, variable)
             if tensor is not None:
                 names.append(name)
@@ -96,6 +86,14 @@ class TorchModule(nnx.Module):
             child = getattr(self, name)
             if child is not None:
                 yield name, child
+
+
+def _state_entries(torch_module: torch.nn.Module) -> Iterator[tuple[str, Any, type, dict]]:
+    """(name, tensor, Variable kind, metadata) for a module's own parameters, then its buffers."""
+    for name, tensor in torch_module._parameters.items():
+        yield name, tensor, nnx.Param, {}
+    for name, tensor in torch_module._buffers.items():
+        yield name, tensor, Buffer, {"persistent": name not in torch_module._non_persistent_buffers_set}
 
 
 class ArrayModule(TorchModule):
