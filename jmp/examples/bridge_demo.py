@@ -100,6 +100,8 @@ def train(converted, train_images, train_labels, epochs: int, batch_size: int = 
 
 
 def _progress(epoch, epochs, done, steps, loss):
+    if done != steps and not sys.stdout.isatty():
+        return  # in a log, one line per epoch
     filled = int(20 * done / steps)
     sys.stdout.write(f"\r  epoch {epoch}/{epochs} [{'#' * filled}{'.' * (20 - filled)}] {done}/{steps} loss {loss:.4f}")
     sys.stdout.flush()
