@@ -64,3 +64,16 @@ def assert_grad_parity(module: torch.nn.Module, converted: nnx.Module, torch_los
     for name, grad in expected.items():
         assert name in actual, f"no JAX gradient for {name}"
         assert_close(actual[name], grad, rtol, floor=0.1 * largest)
+
+
+def jitted_stateful_call(converted: nnx.Module):
+    """(call, state): ``call(state, *args) -> (output, new_state)`` runs ``converted`` under ``jax.jit``,
+    threading its NNX state (buffers, random stream) through explicitly."""
+    graphdef, state = nnx.split(converted)
+
+    @jax.jit
+    def call(state, *args):
+        module = nnx.merge(graphdef, state)
+        return module(*args), nnx.state(module)
+
+    return call, state

@@ -9,7 +9,7 @@ from flax import nnx
 from torch import nn
 
 import jmp
-from tests.helpers import assert_close, assert_grad_parity, to_jax
+from tests.helpers import assert_close, assert_grad_parity, jitted_stateful_call, to_jax
 
 
 def _parity(module, *inputs, rtol=1e-5, output_index=None):
@@ -142,12 +142,7 @@ def test_functional_dropout_in_custom_forward_follows_training_flag():
 
 def test_dropout_under_jit_advances_the_random_stream():
     converted = jmp.torch_bridge.convert(nn.Dropout(0.5).train(), rngs=0)
-    graphdef, state = nnx.split(converted)
-
-    @jax.jit
-    def step(state, x):
-        module = nnx.merge(graphdef, state)
-        return module(x), nnx.state(module)
+    step, state = jitted_stateful_call(converted)
 
     x = jnp.ones((8, 8))
     first, state = step(state, x)
@@ -170,12 +165,7 @@ class BatchNormNet(nn.Module):
 def test_batchnorm_train_updates_running_buffers_like_torch(momentum):
     module = BatchNormNet(momentum).train()
     converted = jmp.torch_bridge.convert(module)
-    graphdef, state = nnx.split(converted)
-
-    @jax.jit
-    def forward(state, x):
-        m = nnx.merge(graphdef, state)
-        return m(x), nnx.state(m)
+    forward, state = jitted_stateful_call(converted)
 
     for _ in range(3):
         x = torch.randn(5, 3, 8, 8)

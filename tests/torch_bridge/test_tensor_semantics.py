@@ -1,6 +1,5 @@
 """Torch semantics that forward code relies on, kept when it runs on JAX values."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -8,7 +7,7 @@ from flax import nnx
 from torch import nn
 
 import jmp
-from tests.helpers import assert_close, assert_grad_parity, to_jax
+from tests.helpers import assert_close, assert_grad_parity, jitted_stateful_call, to_jax
 
 
 class InPlace(nn.Module):
@@ -47,12 +46,7 @@ class Counter(nn.Module):
 
 def test_buffers_updated_in_forward_become_nnx_state():
     converted = jmp.torch_bridge.convert(Counter())
-    graphdef, state = nnx.split(converted)
-
-    @jax.jit
-    def step(state, x):
-        module = nnx.merge(graphdef, state)
-        return module(x), nnx.state(module)
+    step, state = jitted_stateful_call(converted)
 
     x = jnp.ones((2, 3))
     _, state = step(state, x)
