@@ -1,21 +1,82 @@
-"""jmp: SageMaker-style model parallelism for PyTorch models, on JAX/XLA."""
+"""jmp: SageMaker-style model parallelism for PyTorch models, on JAX/XLA.
+
+import jmp as smp
+smp.init({"microbatches": 4})
+model = smp.DistributedModel(torch_module)
+optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.module.parameters()))
+
+@smp.step
+def train_step(model, data, target):
+    loss = F.cross_entropy(model(data), target)
+    model.backward(loss)
+    return loss
+"""
 
 from jmp import torch_bridge
 from jmp.errors import (
+    ConfigError,
     ConversionError,
     JmpError,
     LoweringError,
+    StepError,
     TracedControlFlowError,
     UnsupportedOpError,
 )
+from jmp.model import DistributedModel
+from jmp.optimizer import DistributedOptimizer
+from jmp.state import (
+    dp_rank,
+    dp_size,
+    get_config,
+    get_mesh,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mp_rank,
+    mp_size,
+    pp_rank,
+    pp_size,
+    rank,
+    rdp_rank,
+    rdp_size,
+    size,
+    tp_rank,
+    tp_size,
+)
+from jmp.step import StepOutput, step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConfigError",
     "ConversionError",
+    "DistributedModel",
+    "DistributedOptimizer",
     "JmpError",
     "LoweringError",
+    "StepError",
+    "StepOutput",
     "TracedControlFlowError",
     "UnsupportedOpError",
+    "dp_rank",
+    "dp_size",
+    "get_config",
+    "get_mesh",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "mp_rank",
+    "mp_size",
+    "pp_rank",
+    "pp_size",
+    "rank",
+    "rdp_rank",
+    "rdp_size",
+    "size",
+    "step",
     "torch_bridge",
+    "tp_rank",
+    "tp_size",
 ]

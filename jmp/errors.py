@@ -7,6 +7,10 @@ class JmpError(Exception):
     """Base class of every error jmp raises on purpose."""
 
 
+class ConfigError(JmpError, ValueError):
+    """An smp configuration key or value is invalid."""
+
+
 class ConversionError(JmpError):
     """A torch module could not be converted to a Flax NNX module."""
 
@@ -21,3 +25,7 @@ class LoweringError(JmpError):
 
 class TracedControlFlowError(JmpError):
     """Python needed a concrete value (bool, int, shape) from a traced array."""
+
+
+class StepError(JmpError):
+    """A step function, its inputs or the model/optimizer calls around it are misused."""

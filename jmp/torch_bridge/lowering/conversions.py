@@ -107,6 +107,12 @@ def item(input):
     return np.asarray(input).reshape(()).item()
 
 
+@register_lowering(T.__array__, method("numpy"))
+def to_numpy(input, dtype=None, *args, **kwargs):
+    """A host copy (concrete values only: under jit this raises a TracedControlFlowError)."""
+    return np.asarray(input, dtype=dtype)
+
+
 @register_lowering(T.tolist)
 def tolist(input):
     return np.asarray(input).tolist()

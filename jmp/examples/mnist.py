@@ -1,0 +1,117 @@
+"""The seed script, run with ``import jmp as smp``: GroupedNet on MNIST-shaped digits, data parallel.
+
+    python -m jmp.examples.mnist [--epochs 3] [--batch-size 64] [--microbatches 4]
+
+Adadelta (lr 4.0), batch 64 with ``drop_last=True``, as in SageMaker's example;
+scikit-learn's bundled digits stand in for MNIST (no download). On a machine
+without accelerators it emulates 8 devices, so the batch is split over 8
+data-parallel devices and 4 microbatches, gradients averaged by XLA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# JAX reads XLA_FLAGS when it first creates its CPU backend, which has not happened yet
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torch.optim as optim  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import jmp as smp  # noqa: E402
+from jmp.examples.data import digits  # noqa: E402
+from jmp.examples.models import GroupedNet  # noqa: E402
+
+
+@smp.step
+def train_step(model, data, target):
+    output = model(data)
+    loss = F.nll_loss(output, target, reduction="mean")
+    model.backward(loss)
+    return output, loss
+
+
+@smp.step
+def eval_step(model, data, target):
+    output = model(data)
+    correct = (output.argmax(dim=1) == target).sum()
+    return F.nll_loss(output, target, reduction="sum"), correct
+
+
+def train(model, train_loader, optimizer, epoch: int, epochs: int) -> float:
+    model.train()
+    total, start = 0.0, time.perf_counter()
+    for batch_idx, (data, target) in enumerate(train_loader, 1):
+        optimizer.zero_grad()
+        _, loss_mb = train_step(model, data, target)
+        loss = loss_mb.reduce_mean()  # average the loss across microbatches
+        optimizer.step()
+        total += float(loss)
+        _progress(epoch, epochs, batch_idx, len(train_loader), total / batch_idx, time.perf_counter() - start)
+    return total / len(train_loader)
+
+
+def evaluate(model, test_loader) -> tuple[float, float]:
+    model.eval()
+    loss, correct, count = 0.0, 0, 0
+    for data, target in test_loader:
+        loss_mb, correct_mb = eval_step(model, data, target)
+        loss += float(loss_mb.reduce_sum())
+        correct += int(correct_mb.reduce_sum())
+        count += len(target)
+    return loss / count, correct / count
+
+
+def _progress(epoch, epochs, done, steps, loss, seconds):
+    if done != steps and not sys.stdout.isatty():
+        return  # in a log, one line per epoch
+    filled = int(20 * done / steps)
+    end = "\n" if done == steps else ""
+    sys.stdout.write(
+        f"\repoch {epoch}/{epochs} [{'#' * filled}{'.' * (20 - filled)}] {done}/{steps} "
+        f"loss {loss:.4f} ({seconds:.1f}s){end}"
+    )
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> float:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=4)
+    args = parser.parse_args(argv)
+
+    smp.init({"microbatches": args.microbatches, "ddp": True})
+    torch.manual_seed(smp.get_config().random_seed)
+    train_images, train_labels, test_images, test_labels = digits()
+    # one process loads the whole global batch here; with several, each loads its shard
+    if smp.dp_size() > 1:
+        keep = torch.arange(smp.dp_rank(), len(train_labels), smp.dp_size())
+        train_images, train_labels = train_images[keep], train_labels[keep]
+    train_loader = DataLoader(
+        TensorDataset(train_images, train_labels), batch_size=args.batch_size, shuffle=True, drop_last=True
+    )
+    test_loader = DataLoader(TensorDataset(test_images, test_labels), batch_size=args.batch_size, drop_last=True)
+
+    model = GroupedNet()
+    optimizer = optim.Adadelta(model.parameters(), lr=4.0)
+    model = smp.DistributedModel(model)
+    optimizer = smp.DistributedOptimizer(optimizer)
+    mesh = dict(smp.get_mesh().shape)
+    print(f"GroupedNet on {len(train_labels)} digits; mesh {mesh}, {args.microbatches} microbatches per step")
+
+    for epoch in range(1, args.epochs + 1):
+        train(model, train_loader, optimizer, epoch, args.epochs)
+        test_loss, accuracy = evaluate(model, test_loader)
+        print(f"  held-out: loss {test_loss:.4f}, accuracy {accuracy:.2%}")
+    return accuracy
+
+
+if __name__ == "__main__":
+    main()

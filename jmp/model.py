@@ -1,0 +1,208 @@
+"""``DistributedModel``: a torch module converted to Flax NNX, its state placed on the mesh.
+
+The model's state lives here as three pieces: the NNX ``graphdef`` (structure
+and train/eval mode), ``params`` (``nnx.Param`` values) and the rest (buffers,
+random stream). ``@smp.step`` traces the user's step function against them;
+``DistributedOptimizer`` updates ``params`` from ``grads``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jmp import state
+from jmp.errors import ConfigError, StepError
+from jmp.torch_bridge import JaxTensor, TorchModule, convert, named_variables, to_state_dict
+from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
+
+_LATEST: list[weakref.ref] = []  # the model DistributedOptimizer attaches to, as in smp
+
+
+class _Trace:
+    """What a step function did with the model while being traced."""
+
+    def __init__(self, module: TorchModule):
+        self.module = module
+        self.loss: JaxTensor | None = None
+
+
+_TRACE: contextvars.ContextVar[_Trace | None] = contextvars.ContextVar("jmp_model_trace", default=None)
+
+# Config keys whose features later work will add; until then a model refuses them rather than ignoring them.
+_NOT_YET = {
+    "pipeline_parallel_degree": 1,
+    "tensor_parallel_degree": 1,
+    "expert_parallel_degree": 1,
+    "sharded_data_parallel_degree": 1,
+    "shard_optimizer_state": False,
+    "offload_activations": False,
+    "delayed_parameter_initialization": False,
+    "fp16": False,
+    "bf16": False,
+}
+
+
+class DistributedModel:
+    """Wraps a torch ``nn.Module``: converted to Flax NNX, parameters replicated over the data-parallel devices."""
+
+    def __init__(self, module: torch.nn.Module):
+        if isinstance(module, DistributedModel):
+            raise StepError("the module is already a DistributedModel")
+        config = state.get_config()
+        for key, default in _NOT_YET.items():
+            if getattr(config, key) != default:
+                raise ConfigError(
+                    f"config key '{key}' = {getattr(config, key)!r} is not supported by DistributedModel yet; "
+                    "remove it (data parallelism over all devices is available)."
+                )
+        self.module = module
+        converted = convert(module, rngs=nnx.Rngs(config.random_seed))
+        self._graphdef, params, rest = nnx.split(converted, nnx.Param, ...)
+        replicated = NamedSharding(state.get_mesh(), PartitionSpec())
+        self._params = jax.device_put(params, replicated)
+        self._rest = jax.device_put(rest, replicated)
+        self.grads: nnx.State | None = None  # accumulated over step calls until optimizer.zero_grad()
+        self._loss_scale = 1.0  # set by DistributedOptimizer(static_loss_scale=...)
+        self._step_programs: dict = {}  # compiled step functions for this model (see jmp.step)
+        _LATEST[:] = [weakref.ref(self)]
+
+    # --- inside a step function -------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        trace = _TRACE.get()
+        if trace is None:
+            raise StepError(
+                "DistributedModel is called outside a step function; put the forward pass (and "
+                "model.backward(loss)) in a function decorated with @smp.step and call that."
+            )
+        return trace.module.torch_call(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: Any) -> None:
+        """Mark ``loss`` (a scalar computed in this step function) as what the step differentiates."""
+        trace = _TRACE.get()
+        if trace is None:
+            raise StepError("model.backward(loss) must be called inside an @smp.step function")
+        if not isinstance(loss, JaxTensor):
+            raise StepError(
+                f"model.backward needs the loss tensor computed from the model's outputs, not {type(loss).__name__}"
+            )
+        if loss.dim() != 0:
+            raise StepError(f"model.backward needs a scalar loss; got shape {tuple(loss.shape)} (reduce it first)")
+        if trace.loss is not None:
+            raise StepError("model.backward was called twice in one step function; call it once per step")
+        trace.loss = loss
+
+    def _add_grads(self, grads: nnx.State) -> None:
+        self.grads = grads if self.grads is None else _add_trees(self.grads, grads)
+
+    @contextlib.contextmanager
+    def _tracing(self, module: TorchModule) -> Iterator[_Trace]:
+        trace = _Trace(module)
+        token = _TRACE.set(trace)
+        try:
+            yield trace
+        finally:
+            _TRACE.reset(token)
+
+    # --- modes and state ----------------------------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> DistributedModel:
+        module = self.flax_module
+        module.train(mode)
+        self.module.train(mode)
+        self._graphdef = nnx.graphdef(module)
+        return self
+
+    def eval(self) -> DistributedModel:
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    @property
+    def flax_module(self) -> TorchModule:
+        """The converted module with the current values: a snapshot (change weights with load_state_dict).
+
+        Its arrays are the model's own, which the next optimizer step donates; copy what you keep.
+        """
+        return nnx.merge(self._graphdef, self._params, self._rest, copy=True)
+
+    @property
+    def params(self) -> nnx.State:
+        """The parameters: an ``nnx.State`` of sharded ``jax.Array``s, paths as torch names."""
+        return self._params
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameters and persistent buffers as torch tensors under torch's names (gathered)."""
+        return dict(to_state_dict(self.flax_module))
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This process's part of each parameter and buffer (all of it on one host; the local shards on many)."""
+        out = {}
+        for name, variable in named_variables(self.flax_module):
+            if not variable.get_metadata("persistent", True):
+                continue
+            value = variable[...]
+            shard = value.addressable_shards[0].data if isinstance(value, jax.Array) else value
+            out[name] = array_to_tensor(shard, variable.get_metadata("torch_dtype", None))
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load torch tensors by torch name; with ``strict``, missing or unexpected keys are an error."""
+        module = self.flax_module
+        variables = {n: v for n, v in named_variables(module) if v.get_metadata("persistent", True)}
+        missing = sorted(set(variables) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(variables))
+        mismatched = [
+            f"{n}: checkpoint {tuple(state_dict[n].shape)} vs model {tuple(variables[n][...].shape)}"
+            for n in sorted(set(variables) & set(state_dict))
+            if tuple(state_dict[n].shape) != tuple(variables[n][...].shape)
+        ]
+        if mismatched or (strict and (missing or unexpected)):
+            problems = []
+            if missing:
+                problems.append(f"missing keys: {', '.join(missing)}")
+            if unexpected:
+                problems.append(f"unexpected keys: {', '.join(unexpected)}")
+            if mismatched:
+                problems.append(f"shape mismatches: {'; '.join(mismatched)}")
+            raise StepError("load_state_dict failed (" + " | ".join(problems) + ")")
+        for name, tensor in state_dict.items():
+            if name in variables:
+                current = variables[name][...]
+                value = tensor_to_array(tensor).astype(current.dtype)
+                variables[name][...] = jax.device_put(value, current.sharding)
+        _, self._params, self._rest = nnx.split(module, nnx.Param, ...)
+
+    def parameter_named(self, path: tuple) -> torch.nn.Parameter:
+        """The torch parameter an NNX parameter path stands for."""
+        return dict(self.module.named_parameters(remove_duplicate=False))[".".join(str(p) for p in path)]
+
+    def __repr__(self) -> str:
+        count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self._params))
+        return (
+            f"DistributedModel({type(self.module).__name__}, {count:,} parameters, mesh {dict(state.get_mesh().shape)})"
+        )
+
+
+_add_trees = jax.jit(lambda a, b: jax.tree.map(jax.numpy.add, a, b), donate_argnums=(0,))
+
+
+def latest_model() -> DistributedModel:
+    model = _LATEST[0]() if _LATEST else None
+    if model is None:
+        raise StepError("create the smp.DistributedModel before the smp.DistributedOptimizer")
+    return model

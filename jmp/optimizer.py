@@ -1,0 +1,316 @@
+"""``DistributedOptimizer``: the user's ``torch.optim`` optimizer (or an optax transformation), run by optax.
+
+The torch optimizer stays the source of hyper-parameters: param groups, their
+learning rates and whatever LR schedulers write into ``param_groups`` are read
+at every ``step()`` and fed to the compiled update as values, so a changed
+learning rate needs no recompilation. The optimizer state is an optax state
+laid out like the parameters on the mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jmp import state, torch_optimizers
+from jmp.errors import StepError
+from jmp.model import DistributedModel, latest_model
+from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
+
+_FROZEN = "frozen"  # label of parameters the torch optimizer does not own
+
+
+def _label(group: int) -> str:
+    return f"group{group}"
+
+
+class DistributedOptimizer:
+    """Wraps a ``torch.optim.Optimizer`` built on the original module's parameters, or an optax transformation."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer | optax.GradientTransformation,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_scale: bool = False,
+        **unused_smp_options: Any,
+    ):
+        if dynamic_loss_scale:
+            raise StepError(
+                "dynamic_loss_scale is for fp16 training, which jmp does not offer yet; "
+                "train in float32 (or use static_loss_scale)"
+            )
+        if static_loss_scale <= 0:
+            raise StepError(f"static_loss_scale must be positive, not {static_loss_scale}")
+        self.model: DistributedModel = latest_model()
+        self.model._loss_scale = float(static_loss_scale)
+        self.torch_optimizer: torch.optim.Optimizer | None = None
+        self._clip_norm: float | None = None
+        self._last_hyperparams: tuple[dict, dict] = ({}, {})
+        params = self.model._params
+        if isinstance(optimizer, optax.GradientTransformation):
+            self.tx = optimizer
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            self.torch_optimizer = optimizer
+            self.rule = torch_optimizers.rule_for(optimizer)
+            self._check_torch_options(optimizer)
+            self.tx = optax.multi_transform(
+                {
+                    _label(i): torch_optimizers.group_transform(self.rule, g)
+                    for i, g in enumerate(optimizer.param_groups)
+                }
+                | {_FROZEN: optax.set_to_zero()},
+                self._group_labels(params),
+            )
+        else:
+            raise StepError(
+                f"DistributedOptimizer takes a torch.optim.Optimizer or an optax.GradientTransformation, "
+                f"not {type(optimizer).__name__}"
+            )
+        replicated = NamedSharding(state.get_mesh(), PartitionSpec())  # laid out like the parameters
+        self.opt_state = jax.jit(self.tx.init, out_shardings=replicated)(params)
+        self._replicated = replicated
+        # loss scale and clip norm are settings, not data: baked in (a new value compiles once more)
+        self._update = jax.jit(self._apply, static_argnames=("loss_scale", "clip_norm"), donate_argnums=(0, 2))
+
+    # --- torch mapping ---------------------------------------------------------------------------------------
+
+    def _check_torch_options(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            if group.get("decoupled_weight_decay"):
+                self.rule = torch_optimizers.RULES[torch.optim.AdamW]
+            for option in ("fused", "capturable", "differentiable"):
+                if group.get(option):
+                    raise StepError(f"{type(optimizer).__name__}({option}=True) is a CUDA option; remove it")
+
+    def _group_of(self) -> dict[int, int]:
+        return {id(p): i for i, g in enumerate(self.torch_optimizer.param_groups) for p in g["params"]}
+
+    def _group_labels(self, params: nnx.State) -> Any:
+        """A tree like ``params`` holding each parameter's param-group index (or "frozen")."""
+        group_of = self._group_of()
+        by_name = dict(self.model.module.named_parameters(remove_duplicate=False))
+        unknown = [
+            p
+            for g in self.torch_optimizer.param_groups
+            for p in g["params"]
+            if id(p) not in {id(q) for q in by_name.values()}
+        ]
+        if unknown:
+            raise StepError(
+                f"the torch optimizer holds {len(unknown)} tensor(s) that are not parameters of the "
+                "DistributedModel's module; build the optimizer on model.module.parameters()"
+            )
+
+        def label(path, _):
+            group = group_of.get(id(by_name[_torch_name(path)]))
+            return _FROZEN if group is None else _label(group)
+
+        return jax.tree_util.tree_map_with_path(label, params)
+
+    def _hyperparams(self) -> dict:
+        """Each group's numeric hyper-parameters as read from torch's param_groups right now."""
+        if self.torch_optimizer is None:
+            return {}
+        values = {i: self.rule.hyperparams(g)[0] for i, g in enumerate(self.torch_optimizer.param_groups)}
+        if values != self._last_hyperparams[0]:  # new values (a scheduler stepped): new device scalars
+            arrays = jax.device_put(  # placed where the update runs, so no call re-copies them
+                {i: {k: np.float32(v) for k, v in group.items()} for i, group in values.items()}, self._replicated
+            )
+            self._last_hyperparams = (values, arrays)
+        return self._last_hyperparams[1]
+
+    # --- the update --------------------------------------------------------------------------------------------
+
+    def _apply(self, params, grads, opt_state, hyperparams, loss_scale, clip_norm):
+        if loss_scale != 1.0:
+            grads = jax.tree.map(lambda g: g / loss_scale, grads)
+        if clip_norm is not None:
+            norm = optax.global_norm(grads)
+            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip_norm / (norm + 1e-6)), grads)
+        opt_state = _set_hyperparams(opt_state, hyperparams)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def step(self, closure: Any = None) -> None:
+        """Apply the gradients of the last step call(s); parameters without gradients are left alone."""
+        if closure is not None:
+            raise StepError("optimizer.step(closure) is not supported: run the step function, then call step()")
+        model = self.model
+        if model.grads is None:
+            return  # as in torch: no gradients, no update
+        model._params, self.opt_state = self._update(
+            model._params,
+            model.grads,
+            self.opt_state,
+            self._hyperparams(),
+            loss_scale=model._loss_scale,
+            clip_norm=self._clip_norm,
+        )
+        model.grads = None
+        if self.torch_optimizer is not None:
+            self.torch_optimizer._opt_called = True  # what torch's LR schedulers check before stepping
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.grads = None
+
+    def clip_master_grads(self, max_norm: float) -> None:
+        """Clip the gradients by global norm (over all parameters) before each update."""
+        self._clip_norm = float(max_norm)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.torch_optimizer.param_groups if self.torch_optimizer is not None else []
+
+    # --- state ---------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """torch's format for a torch optimizer ({"state": {index: {...}}, "param_groups": [...]})."""
+        if self.torch_optimizer is None:
+            return {"optax_state": jax.tree.map(np.asarray, self.opt_state)}
+        saved = self.torch_optimizer.state_dict()
+        index = self._param_index()
+        per_param: dict[int, dict[str, torch.Tensor]] = {}
+        for group, inject_state in _group_states(self.opt_state):
+            for state_type, fields in self.rule.state_fields.items():
+                for found in _find_states(inject_state.inner_state, state_type):
+                    for field, torch_name in fields.items():
+                        if torch_name != "step":
+                            _collect_field(getattr(found, field), torch_name, index, per_param)
+            if self.rule.factory is not torch_optimizers.sgd:  # torch's SGD keeps no step count
+                step = torch.tensor(float(inject_state.count), dtype=torch.float32)
+                for i in self._group_indices(group):
+                    per_param.setdefault(i, {})["step"] = step.clone()
+        saved["state"] = per_param
+        return saved
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.torch_optimizer is None:
+            self.opt_state = jax.tree.map(
+                lambda old, new: jax.device_put(jnp.asarray(new, old.dtype), old.sharding),
+                self.opt_state,
+                state_dict["optax_state"],
+            )
+            return
+        self.torch_optimizer.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        index = self._param_index()
+        tensors = state_dict["state"]
+        replaced = {}
+        for group, inject_state in _group_states(self.opt_state):
+            inner = inject_state.inner_state
+            for state_type, fields in self.rule.state_fields.items():
+                inner = _replace_states(inner, state_type, fields, index, tensors)
+            steps = [float(tensors[i]["step"]) for i in self._group_indices(group) if "step" in tensors.get(i, {})]
+            count = jnp.asarray(int(steps[0]) if steps else 0, jnp.int32)
+            inner = _set_counts(inner, count)
+            replaced[group] = inject_state._replace(inner_state=inner, count=jnp.array(count))
+        self.opt_state = _with_group_states(self.opt_state, replaced)
+
+    def _positions(self) -> dict[int, int]:
+        """id(torch parameter) -> its index in torch's optimizer state_dict (param_groups order)."""
+        order = (p for g in self.torch_optimizer.param_groups for p in g["params"])
+        return {id(p): i for i, p in enumerate(order)}
+
+    def _param_index(self) -> dict[str, int]:
+        """torch parameter name (tied names too) -> its index in torch's optimizer state_dict."""
+        positions = self._positions()
+        named = self.model.module.named_parameters(remove_duplicate=False)
+        return {name: positions[id(p)] for name, p in named if id(p) in positions}
+
+    def _group_indices(self, group: int) -> list[int]:
+        positions = self._positions()
+        return [positions[id(p)] for p in self.torch_optimizer.param_groups[group]["params"]]
+
+
+def _torch_name(path: tuple) -> str:
+    """The torch name of a parameter from its key path in an nnx.State (the Variable's own key dropped)."""
+    return ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _set_hyperparams(opt_state: Any, hyperparams: dict) -> Any:
+    if not hyperparams:
+        return opt_state
+    return _with_group_states(
+        opt_state,
+        {
+            group: inject._replace(hyperparams={**inject.hyperparams, **hyperparams[group]})
+            for group, inject in _group_states(opt_state)
+        },
+    )
+
+
+def _group_states(opt_state: Any):
+    """(group index, InjectStatefulHyperparamsState) of each torch param group in a multi_transform state."""
+    for label, masked in opt_state.inner_states.items():
+        if label != _FROZEN:
+            yield int(label.removeprefix("group")), masked.inner_state
+
+
+def _with_group_states(opt_state: Any, replaced: dict) -> Any:
+    inner = dict(opt_state.inner_states)
+    for group, inject in replaced.items():
+        inner[_label(group)] = inner[_label(group)]._replace(inner_state=inject)
+    return opt_state._replace(inner_states=inner)
+
+
+def _find_states(tree: Any, state_type: type) -> list:
+    if isinstance(tree, state_type):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [found for item in tree for found in _find_states(item, state_type)]
+    return []
+
+
+def _replace_states(tree: Any, state_type: type, fields: dict, index: dict, tensors: dict) -> Any:
+    if isinstance(tree, state_type):
+        updates = {}
+        for field, torch_name in fields.items():
+            updates[field] = _loaded_field(getattr(tree, field), torch_name, index, tensors)
+        if "started" in tree._fields:  # a loaded momentum buffer is a started one
+            updates["started"] = jnp.ones([], jnp.bool_)
+        return tree._replace(**updates)
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(_replace_states(item, state_type, fields, index, tensors) for item in tree)
+    return tree
+
+
+def _per_param_leaves(field: Any):
+    """(torch name, array) for each parameter leaf of a params-shaped state field (masked-out ones skipped)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(field)[0]:
+        yield _torch_name(path), leaf
+
+
+def _collect_field(field: Any, torch_name: str, index: dict, per_param: dict) -> None:
+    if not hasattr(field, "items") and not isinstance(field, nnx.State):
+        return  # a scalar field such as count: handled as "step"
+    for name, leaf in _per_param_leaves(field):
+        if name in index and isinstance(leaf, jax.Array):
+            per_param.setdefault(index[name], {})[torch_name] = array_to_tensor(leaf)
+
+
+def _loaded_field(field: Any, torch_name: str, index: dict, tensors: dict) -> Any:
+    if not isinstance(field, nnx.State):
+        return field
+
+    def load(path, leaf):
+        entry = tensors.get(index.get(_torch_name(path)), {})
+        if torch_name not in entry or not isinstance(leaf, jax.Array):
+            return leaf
+        return jax.device_put(tensor_to_array(entry[torch_name]).astype(leaf.dtype), leaf.sharding)
+
+    return jax.tree_util.tree_map_with_path(load, field)
+
+
+def _set_counts(tree: Any, count: jax.Array) -> Any:
+    """Give every step counter inside a group's state the loaded step (Adam's bias correction uses it)."""
+    if hasattr(tree, "_fields") and "count" in tree._fields:
+        return tree._replace(count=jnp.array(count, tree.count.dtype))  # own buffer: the state is donated
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(_set_counts(item, count) for item in tree)
+    return tree

@@ -1,0 +1,362 @@
+"""``@smp.step``: the user's step function traced into one compiled program per input shape.
+
+Inside the program the batch is split into ``microbatches``; each microbatch runs
+the user's function (forward, loss, ``model.backward(loss)``) on JaxTensors,
+gradients are averaged over microbatches, and the batch is sharded over the
+data-parallel mesh axes, so XLA inserts the cross-device gradient reduction.
+Every value the function returns comes back as a ``StepOutput`` holding the
+per-microbatch values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.utils._pytree as torch_pytree
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jmp import state
+from jmp.errors import StepError
+from jmp.model import DistributedModel, latest_model
+from jmp.torch_bridge import JaxTensor, dispatch
+from jmp.torch_bridge.dtypes import to_torch_dtype
+from jmp.torch_bridge.interop import tensor_to_array
+from jmp.torch_bridge.tensor import unwrap
+
+_MODEL = object()  # marks the DistributedModel among the flattened arguments
+
+
+class StepOutput:
+    """One returned value of a step function: its value for each microbatch."""
+
+    def __init__(self, stacked: jax.Array, torch_dtype: torch.dtype, data_shards: int):
+        self._stacked = stacked  # [microbatches, ...]
+        self._torch_dtype = torch_dtype
+        self._data_shards = data_shards
+
+    def _wrap(self, value: jax.Array) -> JaxTensor:
+        return JaxTensor(value, self._torch_dtype)
+
+    @property
+    def outputs(self) -> list[JaxTensor]:
+        """The value of each microbatch, in order."""
+        return [self._wrap(v) for v in self._stacked]
+
+    def reduce_mean(self) -> JaxTensor:
+        return self._wrap(_mean_over_microbatches(self._stacked))
+
+    def reduce_sum(self) -> JaxTensor:
+        return self._wrap(_sum_over_microbatches(self._stacked))
+
+    def stack(self) -> JaxTensor:
+        return self._wrap(self._stacked)
+
+    def concat(self) -> JaxTensor:
+        """Microbatch values joined along dim 0, rows back in the order of the input batch."""
+        stacked, shards = self._stacked, self._data_shards
+        if stacked.ndim < 2:
+            raise StepError("concat() needs per-microbatch tensors with a batch dimension; use stack()")
+        microbatches, rows = stacked.shape[:2]
+        if rows % shards:
+            return self._wrap(stacked.reshape((microbatches * rows,) + stacked.shape[2:]))
+        # each microbatch holds an equal slice of every data shard (see _split_microbatches)
+        per_shard = stacked.reshape((microbatches, shards, rows // shards) + stacked.shape[2:])
+        ordered = jnp.swapaxes(per_shard, 0, 1).reshape((microbatches * rows,) + stacked.shape[2:])
+        return self._wrap(ordered)
+
+    def __len__(self) -> int:
+        return self._stacked.shape[0]
+
+    def __repr__(self) -> str:
+        return f"StepOutput({len(self)} microbatches of shape {tuple(self._stacked.shape[1:])})"
+
+
+# one compiled program each instead of op-by-op dispatch: these run after every step
+_mean_over_microbatches = jax.jit(functools.partial(jnp.mean, axis=0))
+_sum_over_microbatches = jax.jit(functools.partial(jnp.sum, axis=0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """How one flattened argument enters the program."""
+
+    kind: str  # "array" | "model" | "static"
+    split_axis: int | None = None
+    torch_dtype: torch.dtype | None = None
+    static: Any = None
+
+
+@dataclasses.dataclass
+class _Traced:
+    """What tracing a step function revealed (kept per compiled variant)."""
+
+    has_backward: bool = False
+    output_spec: Any = None
+    output_dtypes: tuple = ()
+
+
+class StepFunction:
+    """A step function compiled per input signature; call it like the undecorated function."""
+
+    def __init__(
+        self,
+        fn: Callable,
+        non_split_inputs: Sequence[str] | None = None,
+        input_split_axes: dict[str, int] | None = None,
+    ):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.signature = inspect.signature(fn)
+        self.non_split_inputs = set(non_split_inputs or ())
+        self.input_split_axes = dict(input_split_axes or {})
+        unknown = (self.non_split_inputs | set(self.input_split_axes)) - set(self.signature.parameters)
+        if unknown:
+            raise StepError(f"@smp.step of {fn.__name__}: {sorted(unknown)} are not arguments of the function")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model, key, leaves, arrays = self._prepare(args, kwargs)
+        program, traced = self._program(model, key, leaves)
+        outputs, rest, grads = program(model._params, model._rest, arrays)
+        model._rest = rest
+        if traced.has_backward:
+            model._add_grads(grads)
+        shards = _data_shards()
+        results = [StepOutput(out, dtype, shards) for out, dtype in zip(outputs, traced.output_dtypes)]
+        return torch_pytree.tree_unflatten(results, traced.output_spec) if traced.output_spec else results
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """JAX's ahead-of-time ``Lowered`` of the program this call would run (``.compile().memory_analysis()``)."""
+        model, key, leaves, arrays = self._prepare(args, kwargs)
+        program, _ = self._program(model, key, leaves)
+        return program.lower(model._params, model._rest, arrays)
+
+    # --- inputs ---------------------------------------------------------------------------------------------
+
+    def _prepare(self, args: tuple, kwargs: dict):
+        bound = self.signature.bind(*args, **kwargs)
+        mesh = state.get_mesh()
+        microbatches = state.get_config().microbatches
+        shards = _data_shards()
+        leaves: list[_Leaf] = []
+        arrays: list[jax.Array] = []
+        models = []
+        flat, spec = torch_pytree.tree_flatten((bound.args, bound.kwargs))
+        names = _argument_names(bound, spec)
+        for value, name in zip(flat, names):
+            if isinstance(value, DistributedModel):
+                models.append(value)
+                leaves.append(_Leaf("model"))
+            elif isinstance(value, (torch.Tensor, np.ndarray, jax.Array)):
+                array, dtype = _host_or_device_array(value)
+                axis = None if name in self.non_split_inputs else self.input_split_axes.get(name, 0)
+                if axis is not None and array.ndim == 0:
+                    axis = None  # a scalar has no batch to split
+                if axis is not None:
+                    _check_divisible(name, array.shape, axis, microbatches, shards)
+                    sharding = NamedSharding(mesh, PartitionSpec(*([None] * axis), state.DATA_AXES))
+                else:
+                    sharding = NamedSharding(mesh, PartitionSpec())
+                arrays.append(jax.device_put(array, sharding))
+                leaves.append(_Leaf("array", axis, dtype))
+            else:
+                _check_hashable(name, value)
+                leaves.append(_Leaf("static", static=value))
+        if len({id(m) for m in models}) > 1:
+            raise StepError("a step function takes one DistributedModel")
+        model = models[0] if models else latest_model()
+        # the graphdef changes with train()/eval(); its id is a cheap key (the program keeps it alive)
+        key = (spec, tuple(leaves), microbatches, shards, id(model._graphdef), id(self), model._loss_scale)
+        return model, key, leaves, arrays
+
+    # --- the program ----------------------------------------------------------------------------------------
+
+    def _program(self, model: DistributedModel, key: Any, leaves: list[_Leaf]):
+        """The compiled program for this call's signature, kept on the model (it lives as long as the model)."""
+        programs = model._step_programs
+        if key not in programs:
+            traced = _Traced()
+            program = jax.jit(
+                functools.partial(
+                    self._run, model, model._graphdef, key[0], tuple(leaves), key[2], key[3], key[6], traced
+                ),
+                donate_argnums=(1,),
+            )
+            programs[key] = (program, traced)
+        return programs[key]
+
+    def _run(self, model, graphdef, spec, leaves, microbatches, shards, scale, traced, params, rest, arrays):
+        split = [leaf.split_axis for leaf in leaves if leaf.kind == "array"]
+        pieces = [
+            _split_microbatches(a, axis, microbatches, shards) if axis is not None else a
+            for a, axis in zip(arrays, split)
+        ]
+
+        def microbatch(index):
+            return [p[index] if axis is not None else p for p, axis in zip(pieces, split)]
+
+        def forward(params, rest, mb_arrays):
+            module = nnx.merge(graphdef, params, rest, copy=True)  # Variables of this trace level
+            call_args, call_kwargs = _rebuild(spec, leaves, mb_arrays, model)
+            with model._tracing(module) as trace, dispatch.session(getattr(module, "rngs", None)):
+                returned = self.fn(*call_args, **call_kwargs)
+            flat, out_spec = torch_pytree.tree_flatten(returned)
+            traced.output_spec = out_spec
+            traced.output_dtypes = tuple(_output_dtype(v) for v in flat)
+            traced.has_backward = trace.loss is not None
+            outputs = [_output_array(v) for v in flat]
+            loss = unwrap(trace.loss) if trace.loss is not None else jnp.zeros((), jnp.float32)
+            loss = loss * scale if scale != 1.0 else loss
+            return loss, (outputs, nnx.split(module, nnx.Param, ...)[2])
+
+        def with_grads(rest, mb_arrays):
+            (_, (outputs, rest)), grads = jax.value_and_grad(forward, has_aux=True)(params, rest, mb_arrays)
+            return outputs, rest, grads
+
+        if microbatches == 1:
+            outputs, rest, grads = with_grads(rest, microbatch(0))
+            stacked = [o[None] for o in outputs]
+            return stacked, rest, (grads if traced.has_backward else None)
+
+        jax.eval_shape(forward, params, rest, microbatch(0))  # learn whether the function calls backward
+        mb_stack = [p if axis is not None else None for p, axis in zip(pieces, split)]
+
+        def arrays_of(mb):
+            return [m if axis is not None else p for m, p, axis in zip(mb, pieces, split)]
+
+        if traced.has_backward:
+
+            def body(carry, mb):
+                rest, total = carry
+                outputs, rest, grads = with_grads(rest, arrays_of(mb))
+                return (rest, jax.tree.map(jnp.add, total, grads)), outputs
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (rest, total), stacked = jax.lax.scan(body, (rest, zeros), mb_stack)
+            return stacked, rest, jax.tree.map(lambda g: g / microbatches, total)
+
+        def eval_body(rest, mb):
+            _, (outputs, rest) = forward(params, rest, arrays_of(mb))
+            return rest, outputs
+
+        rest, stacked = jax.lax.scan(eval_body, rest, mb_stack)
+        return stacked, rest, None
+
+
+def step(
+    fn: Callable | None = None,
+    *,
+    non_split_inputs: Sequence[str] | None = None,
+    input_split_axes: dict[str, int] | None = None,
+):
+    """Decorator: ``@smp.step`` or ``@smp.step(non_split_inputs=[...], input_split_axes={name: axis})``."""
+    if fn is None:
+        return lambda f: StepFunction(f, non_split_inputs, input_split_axes)
+    return StepFunction(fn, non_split_inputs, input_split_axes)
+
+
+# --- helpers -------------------------------------------------------------------------------------------------
+
+
+def _data_shards() -> int:
+    mesh = state.get_mesh()
+    return int(np.prod([mesh.shape[a] for a in state.DATA_AXES]))
+
+
+def _split_microbatches(x: jax.Array, axis: int, microbatches: int, shards: int) -> jax.Array:
+    """[.., B, ..] -> [microbatches, .., B / microbatches, ..], each microbatch an equal slice of every shard.
+
+    As in SMP, where every data-parallel rank splits its own part of the batch,
+    so every device stays busy on every microbatch.
+    """
+    size = x.shape[axis]
+    per = size // (shards * microbatches)
+    x = x.reshape(x.shape[:axis] + (shards, microbatches, per) + x.shape[axis + 1 :])
+    x = jnp.moveaxis(x, axis + 1, 0)
+    return x.reshape((microbatches,) + x.shape[1 : axis + 1] + (shards * per,) + x.shape[axis + 3 :])
+
+
+def _rebuild(spec, leaves, arrays, model):
+    values = iter(arrays)
+    flat = []
+    for leaf in leaves:
+        if leaf.kind == "array":
+            flat.append(JaxTensor(next(values), leaf.torch_dtype))
+        elif leaf.kind == "model":
+            flat.append(model)
+        else:
+            flat.append(leaf.static)
+    return torch_pytree.tree_unflatten(flat, spec)
+
+
+def _argument_names(bound: inspect.BoundArguments, spec) -> list[str]:
+    """The step function's argument name for each flattened leaf."""
+    names = []
+    for name, value in bound.arguments.items():
+        parameter = bound.signature.parameters[name]
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            names.extend([name] * sum(len(torch_pytree.tree_leaves(v)) for v in value))
+        elif parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            names.extend([f"{name}.{k}" for k, v in value.items() for _ in torch_pytree.tree_leaves(v)])
+        else:
+            names.extend([name] * len(torch_pytree.tree_leaves(value)))
+    return names
+
+
+def _host_or_device_array(value: Any) -> tuple[Any, torch.dtype]:
+    """The value to device_put (a numpy copy of a torch tensor goes to the devices in one transfer)."""
+    if isinstance(value, JaxTensor):
+        return value.value, value.dtype
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bfloat16:
+            return tensor_to_array(value), value.dtype
+        with torch._C.DisableTorchFunction():
+            host = value.detach().cpu().numpy()
+        # a copy: the devices may alias host memory, and the caller may reuse the tensor
+        return host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=True), value.dtype
+    array = np.asarray(value) if not isinstance(value, jax.Array) else value
+    return array, to_torch_dtype(jax.dtypes.canonicalize_dtype(array.dtype))
+
+
+def _check_divisible(name: str, shape: tuple, axis: int, microbatches: int, shards: int) -> None:
+    if axis >= len(shape):
+        raise StepError(f"step input '{name}' has {len(shape)} dimensions; it cannot be split on axis {axis}")
+    if shape[axis] % (microbatches * shards):
+        raise StepError(
+            f"step input '{name}' has batch size {shape[axis]} (axis {axis}), which does not divide into "
+            f"{microbatches} microbatches x {shards} data-parallel shards = {microbatches * shards}. Use a batch "
+            "size that is a multiple of that (DataLoader(..., drop_last=True) drops the short last batch), or "
+            "list the argument in non_split_inputs."
+        )
+
+
+def _check_hashable(name: str, value: Any) -> None:
+    try:
+        hash(value)
+    except TypeError:
+        raise StepError(
+            f"step argument '{name}' is a {type(value).__name__}; non-tensor arguments become compile-time "
+            "constants and must be hashable"
+        ) from None
+
+
+def _output_dtype(value: Any) -> torch.dtype:
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    return to_torch_dtype(jnp.asarray(value).dtype)
+
+
+def _output_array(value: Any) -> jax.Array:
+    if isinstance(value, JaxTensor):
+        return value.value
+    if isinstance(value, torch.Tensor):
+        return tensor_to_array(value)
+    return jnp.asarray(value)

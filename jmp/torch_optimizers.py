@@ -1,0 +1,258 @@
+"""``torch.optim`` optimizers as optax transformations with PyTorch's exact update rules.
+
+Each supported optimizer is a chain of small optax pieces, reusing optax's own
+where it computes what torch computes (``scale_by_adam``, ``scale_by_adadelta``,
+``scale_by_rms`` / ``scale_by_stddev`` with eps outside the square root,
+``trace``, ``add_decayed_weights``) and a few torch-specific pieces where torch
+differs (momentum whose first step is undamped, AMSGrad on the raw second
+moment, Adagrad with ``lr_decay`` and eps outside the root).
+
+Numeric hyper-parameters are injected (``optax.inject_hyperparams``), so values
+that torch LR schedulers write into ``param_groups`` take effect on the next
+step without recompiling; settings that change the structure (``nesterov``,
+``amsgrad``, ``centered``, ``maximize``, momentum on/off) are fixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+import torch
+
+from jmp.errors import StepError
+
+# --- torch-specific pieces --------------------------------------------------------------------------------
+
+
+class TorchMomentumState(NamedTuple):
+    momentum_buffer: Any
+    started: jax.Array  # torch creates the buffer from the first gradient, undamped
+
+
+def torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.GradientTransformation:
+    def init(params):
+        return TorchMomentumState(optax.tree.zeros_like(params), jnp.zeros([], jnp.bool_))
+
+    def update(updates, state, params=None):
+        buffer = jax.tree.map(
+            lambda g, b: jnp.where(state.started, momentum * b + (1 - dampening) * g, g),
+            updates,
+            state.momentum_buffer,
+        )
+        if nesterov:
+            updates = jax.tree.map(lambda g, b: g + momentum * b, updates, buffer)
+        else:
+            updates = buffer
+        return updates, TorchMomentumState(buffer, jnp.ones([], jnp.bool_))
+
+    return optax.GradientTransformation(init, update)
+
+
+class TorchAMSGradState(NamedTuple):
+    count: jax.Array
+    exp_avg: Any
+    exp_avg_sq: Any
+    max_exp_avg_sq: Any
+
+
+def torch_amsgrad(beta1: float, beta2: float, eps: float) -> optax.GradientTransformation:
+    """Adam with AMSGrad as torch computes it: the maximum of the raw second moments, then bias correction."""
+
+    def init(params):
+        zeros = optax.tree.zeros_like(params)
+        return TorchAMSGradState(jnp.zeros([], jnp.int32), zeros, zeros, zeros)
+
+    def update(updates, state, params=None):
+        count = state.count + 1
+        mu = optax.tree.update_moment(updates, state.exp_avg, beta1, 1)
+        nu = optax.tree.update_moment_per_elem_norm(updates, state.exp_avg_sq, beta2, 2)
+        nu_max = jax.tree.map(jnp.maximum, state.max_exp_avg_sq, nu)
+        correction1 = 1 - beta1**count
+        correction2_sqrt = jnp.sqrt(1 - beta2**count)
+        updates = jax.tree.map(lambda m, v: (m / correction1) / (jnp.sqrt(v) / correction2_sqrt + eps), mu, nu_max)
+        return updates, TorchAMSGradState(count, mu, nu, nu_max)
+
+    return optax.GradientTransformation(init, update)
+
+
+class TorchAdagradState(NamedTuple):
+    count: jax.Array
+    sum: Any
+
+
+def torch_adagrad(lr_decay: float, eps: float, initial_accumulator_value: float) -> optax.GradientTransformation:
+    """Adagrad as torch computes it; the step size decay ``1 / (1 + (step - 1) * lr_decay)`` is folded in."""
+
+    def init(params):
+        return TorchAdagradState(jnp.zeros([], jnp.int32), optax.tree.full_like(params, initial_accumulator_value))
+
+    def update(updates, state, params=None):
+        count = state.count + 1
+        total = jax.tree.map(lambda s, g: s + g * g, state.sum, updates)
+        decay = 1.0 / (1.0 + (count - 1) * lr_decay)
+        updates = jax.tree.map(lambda g, s: decay * g / (jnp.sqrt(s) + eps), updates, total)
+        return updates, TorchAdagradState(count, total)
+
+    return optax.GradientTransformation(init, update)
+
+
+# --- torch optimizers ---------------------------------------------------------------------------------------
+
+
+def _steps(*pieces: optax.GradientTransformation | None) -> optax.GradientTransformation:
+    return optax.chain(*(p for p in pieces if p is not None))
+
+
+def _ascent(maximize: bool) -> optax.GradientTransformation | None:
+    return optax.scale(-1.0) if maximize else None
+
+
+def sgd(lr, momentum, dampening, weight_decay, *, nesterov, maximize, has_momentum):
+    return _steps(
+        _ascent(maximize),
+        optax.add_decayed_weights(weight_decay),
+        torch_momentum(momentum, dampening, nesterov) if has_momentum else None,
+        optax.scale(-lr),
+    )
+
+
+def _adam_direction(beta1, beta2, eps, amsgrad):
+    return torch_amsgrad(beta1, beta2, eps) if amsgrad else optax.scale_by_adam(beta1, beta2, eps)
+
+
+def adam(lr, beta1, beta2, eps, weight_decay, *, amsgrad, maximize):
+    return _steps(
+        _ascent(maximize),
+        optax.add_decayed_weights(weight_decay),  # L2 on the gradient
+        _adam_direction(beta1, beta2, eps, amsgrad),
+        optax.scale(-lr),
+    )
+
+
+def adamw(lr, beta1, beta2, eps, weight_decay, *, amsgrad, maximize):
+    return _steps(
+        _ascent(maximize),
+        _adam_direction(beta1, beta2, eps, amsgrad),
+        optax.add_decayed_weights(weight_decay),  # decoupled: scaled by lr with the update
+        optax.scale(-lr),
+    )
+
+
+def adadelta(lr, rho, eps, weight_decay, *, maximize):
+    return _steps(
+        _ascent(maximize),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_adadelta(rho, eps),
+        optax.scale(-lr),
+    )
+
+
+def adagrad(lr, lr_decay, weight_decay, eps, *, initial_accumulator_value, maximize):
+    return _steps(
+        _ascent(maximize),
+        optax.add_decayed_weights(weight_decay),
+        torch_adagrad(lr_decay, eps, initial_accumulator_value),
+        optax.scale(-lr),
+    )
+
+
+def rmsprop(lr, alpha, eps, weight_decay, momentum, *, centered, maximize, has_momentum):
+    scale = optax.scale_by_stddev if centered else optax.scale_by_rms
+    return _steps(
+        _ascent(maximize),
+        optax.add_decayed_weights(weight_decay),
+        scale(decay=alpha, eps=eps, eps_in_sqrt=False),
+        optax.trace(decay=momentum) if has_momentum else None,
+        optax.scale(-lr),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How one torch optimizer class maps to optax."""
+
+    factory: Callable[..., optax.GradientTransformation]
+    numeric: tuple[str, ...]  # injected hyper-parameters (factory names)
+    static: tuple[str, ...]  # structure-setting ones
+    # torch state name for each optax state field, by state type
+    state_fields: dict = dataclasses.field(default_factory=dict)
+
+    def hyperparams(self, group: dict) -> tuple[dict[str, float], dict[str, Any]]:
+        values = dict(group)
+        if "betas" in values:
+            values["beta1"], values["beta2"] = values["betas"]
+        values["has_momentum"] = bool(values.get("momentum", 0))
+        numeric = {name: float(values[name]) for name in self.numeric}
+        static = {name: values.get(name, False) for name in self.static}
+        return numeric, static
+
+
+_ADAM_FIELDS = {
+    optax.ScaleByAdamState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"},
+    TorchAMSGradState: {
+        "count": "step",
+        "exp_avg": "exp_avg",
+        "exp_avg_sq": "exp_avg_sq",
+        "max_exp_avg_sq": "max_exp_avg_sq",
+    },
+}
+RULES: dict[type, Rule] = {
+    torch.optim.SGD: Rule(
+        sgd,
+        ("lr", "momentum", "dampening", "weight_decay"),
+        ("nesterov", "maximize", "has_momentum"),
+        {TorchMomentumState: {"momentum_buffer": "momentum_buffer"}},
+    ),
+    torch.optim.Adam: Rule(
+        adam, ("lr", "beta1", "beta2", "eps", "weight_decay"), ("amsgrad", "maximize"), _ADAM_FIELDS
+    ),
+    torch.optim.AdamW: Rule(
+        adamw, ("lr", "beta1", "beta2", "eps", "weight_decay"), ("amsgrad", "maximize"), _ADAM_FIELDS
+    ),
+    torch.optim.Adadelta: Rule(
+        adadelta,
+        ("lr", "rho", "eps", "weight_decay"),
+        ("maximize",),
+        {optax.ScaleByAdaDeltaState: {"e_g": "square_avg", "e_x": "acc_delta"}},
+    ),
+    torch.optim.Adagrad: Rule(
+        adagrad,
+        ("lr", "lr_decay", "weight_decay", "eps"),
+        ("initial_accumulator_value", "maximize"),
+        {TorchAdagradState: {"count": "step", "sum": "sum"}},
+    ),
+    torch.optim.RMSprop: Rule(
+        rmsprop,
+        ("lr", "alpha", "eps", "weight_decay", "momentum"),
+        ("centered", "maximize", "has_momentum"),
+        {
+            optax.ScaleByRmsState: {"nu": "square_avg"},
+            optax.ScaleByRStdDevState: {"mu": "grad_avg", "nu": "square_avg"},
+            optax.TraceState: {"trace": "momentum_buffer"},
+        },
+    ),
+}
+UNSUPPORTED_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
+    rule = RULES.get(type(optimizer))
+    if rule is None:
+        supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in RULES)
+        raise StepError(
+            f"{type(optimizer).__module__}.{type(optimizer).__name__} is not supported by DistributedOptimizer. "
+            f"Supported: {supported}, or pass an optax.GradientTransformation."
+        )
+    return rule
+
+
+def group_transform(rule: Rule, group: dict) -> optax.GradientTransformation:
+    """One param group's transformation, its numeric hyper-parameters injected (changeable per step)."""
+    numeric, static = rule.hyperparams(group)
+    injected = optax.inject_hyperparams(rule.factory, static_args=tuple(static))
+    return injected(**numeric, **static)

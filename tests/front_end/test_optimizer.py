@@ -1,0 +1,158 @@
+"""DistributedOptimizer: torch.optim update rules reproduced exactly, state in torch's format, clipping."""
+
+import copy
+
+import numpy as np
+import optax
+import pytest
+import torch
+import torch.nn.functional as F
+
+import jmp as smp
+from jmp.errors import StepError
+from tests.front_end.helpers import SmallNet, batches, torch_losses
+
+
+@smp.step
+def train_step(model, data, target):
+    loss = F.cross_entropy(model(data), target)
+    model.backward(loss)
+    return loss
+
+
+def run(model, optimizer, data, clip=None):
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = train_step(model, x, y)
+        if clip:
+            optimizer.clip_master_grads(clip)
+        optimizer.step()
+        losses.append(float(loss.reduce_mean()))
+    return losses
+
+
+def setup(module, make_optimizer, config=None):
+    smp.init(config)
+    module = copy.deepcopy(module)
+    model = smp.DistributedModel(module)
+    torch_optimizer = make_optimizer(module)
+    return model, smp.DistributedOptimizer(torch_optimizer), torch_optimizer
+
+
+RULES = {
+    "sgd_dampening_weight_decay": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01
+    ),
+    "sgd_nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+    "sgd_maximize": lambda m: torch.optim.SGD(m.parameters(), lr=0.01, maximize=True),
+    "adam_amsgrad_l2": lambda m: torch.optim.Adam(m.parameters(), lr=3e-3, amsgrad=True, weight_decay=0.05),
+    "adam_decoupled": lambda m: torch.optim.Adam(
+        m.parameters(), lr=3e-3, weight_decay=0.1, decoupled_weight_decay=True
+    ),
+    "adamw_amsgrad": lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.8, 0.99), amsgrad=True),
+    "adagrad": lambda m: torch.optim.Adagrad(
+        m.parameters(), lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1
+    ),
+    "rmsprop_centered_momentum": lambda m: torch.optim.RMSprop(
+        m.parameters(), lr=3e-3, momentum=0.5, centered=True, weight_decay=0.01
+    ),
+    "rmsprop": lambda m: torch.optim.RMSprop(m.parameters(), lr=3e-3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_update_rules_match_torch(name):
+    module, data = SmallNet(), batches(6)
+    expected = torch_losses(module, RULES[name], data)
+    model, optimizer, _ = setup(module, RULES[name])
+    np.testing.assert_allclose(run(model, optimizer, data), expected, rtol=1e-4)
+
+
+def test_state_dict_is_torchs_and_training_resumes_from_it_in_jmp_and_in_torch():
+    make = RULES["adam_amsgrad_l2"]
+    module, data = SmallNet(), batches(8)
+    model, optimizer, _ = setup(module, make)
+    run(model, optimizer, data[:5])
+
+    reference = copy.deepcopy(module)  # the same 5 steps in torch
+    reference_optimizer = make(reference)
+    _continue(reference, reference_optimizer, data[:5])
+    saved, expected_state = optimizer.state_dict(), reference_optimizer.state_dict()
+    assert saved["param_groups"] == expected_state["param_groups"]
+    assert saved["state"].keys() == expected_state["state"].keys()
+    for index, entry in expected_state["state"].items():
+        assert saved["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            np.testing.assert_allclose(saved["state"][index][key], value, rtol=1e-4, atol=1e-7, err_msg=key)
+
+    # resume in a fresh jmp run from the saved model and optimizer state
+    weights = model.state_dict()
+    fresh_module = SmallNet()
+    fresh_model = smp.DistributedModel(fresh_module)
+    fresh_model.load_state_dict(weights)
+    fresh_optimizer = smp.DistributedOptimizer(make(fresh_module))
+    fresh_optimizer.load_state_dict(saved)
+    resumed = run(fresh_model, fresh_optimizer, data[5:])
+    continued = run(model, optimizer, data[5:])
+    np.testing.assert_allclose(resumed, continued, rtol=1e-6)
+
+    # and in plain torch from the same files
+    torch_module = SmallNet()
+    torch_module.load_state_dict(weights)
+    torch_optimizer = make(torch_module)
+    torch_optimizer.load_state_dict(saved)
+    np.testing.assert_allclose(_continue(torch_module, torch_optimizer, data[5:]), continued, rtol=1e-4)
+
+
+def _continue(module, optimizer, data):
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(module(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+def test_clip_master_grads_is_global_norm_clipping():
+    module, data = SmallNet(), batches(5)
+    make = RULES["sgd_nesterov"]
+
+    reference = copy.deepcopy(module)
+    reference_optimizer = make(reference)
+    expected = []
+    for x, y in data:
+        reference_optimizer.zero_grad()
+        loss = F.cross_entropy(reference(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+        reference_optimizer.step()
+        expected.append(float(loss))
+    model, optimizer, _ = setup(module, make)
+    np.testing.assert_allclose(run(model, optimizer, data, clip=0.1), expected, rtol=1e-4)
+
+
+def test_an_optax_transformation_works_directly_and_round_trips_its_state():
+    module, data = SmallNet(), batches(4)
+    smp.init()
+    model = smp.DistributedModel(copy.deepcopy(module))
+    optimizer = smp.DistributedOptimizer(optax.adam(1e-3))
+    run(model, optimizer, data[:2])
+    saved = optimizer.state_dict()
+    clone = smp.DistributedModel(copy.deepcopy(module))
+    clone.load_state_dict(model.state_dict())
+    clone_optimizer = smp.DistributedOptimizer(optax.adam(1e-3))
+    clone_optimizer.load_state_dict(saved)
+    np.testing.assert_allclose(run(clone, clone_optimizer, data[2:]), run(model, optimizer, data[2:]), rtol=1e-6)
+
+
+def test_unsupported_optimizers_are_named_with_the_supported_ones():
+    smp.init()
+    module = SmallNet()
+    model = smp.DistributedModel(module)  # noqa: F841  (the optimizer attaches to the latest model)
+    with pytest.raises(StepError, match="torch.optim.lbfgs.LBFGS is not supported.*Supported: torch.optim.SGD"):
+        smp.DistributedOptimizer(torch.optim.LBFGS(module.parameters()))
+    with pytest.raises(StepError, match="not parameters of the DistributedModel"):
+        smp.DistributedOptimizer(torch.optim.SGD(SmallNet().parameters(), lr=0.1))
