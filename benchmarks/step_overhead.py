@@ -113,10 +113,16 @@ def main() -> None:
     medians = {name: statistics.median(times) for name, times in samples.items()}
     paired = [a / b for a, b in zip(samples["smp_step"], samples["handwritten_jit"])]
     result = {
-        "config": dict(batch=BATCH, width=WIDTH, depth=DEPTH, optimizer="SGD momentum", steps=args.steps,
-                       mesh=dict(mesh.shape)),
-        "machine": dict(platform=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__,
-                        devices=jax.device_count(), backend=jax.default_backend()),
+        "config": dict(
+            batch=BATCH, width=WIDTH, depth=DEPTH, optimizer="SGD momentum", steps=args.steps, mesh=dict(mesh.shape)
+        ),
+        "machine": dict(
+            platform=platform.platform(),
+            cpus=os.cpu_count(),
+            jax=jax.__version__,
+            devices=jax.device_count(),
+            backend=jax.default_backend(),
+        ),
         "median_step_seconds": medians,
         "ratio_smp_over_handwritten": medians["smp_step"] / medians["handwritten_jit"],
         "median_of_paired_ratios": statistics.median(paired),

@@ -31,8 +31,13 @@ def _label(group: int) -> str:
     return f"group{group}"
 
 
-class DistributedOptimizer:
-    """Wraps a ``torch.optim.Optimizer`` built on the original module's parameters, or an optax transformation."""
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps a ``torch.optim.Optimizer`` built on the original module's parameters, or an optax transformation.
+
+    It is a ``torch.optim.Optimizer`` to torch's LR schedulers (which read and
+    write ``param_groups``), but the update runs in JAX: ``torch.optim``'s own
+    machinery (``__init__``, hooks, ``state``) is not used.
+    """
 
     def __init__(
         self,
@@ -167,6 +172,19 @@ class DistributedOptimizer:
     @property
     def param_groups(self) -> list[dict]:
         return self.torch_optimizer.param_groups if self.torch_optimizer is not None else []
+
+    @property
+    def defaults(self) -> dict:
+        return self.torch_optimizer.defaults if self.torch_optimizer is not None else {}
+
+    @property
+    def state(self) -> dict:
+        """Per-parameter state in torch's format (as ``state_dict()["state"]``, keyed by index)."""
+        return self.state_dict().get("state", {})
+
+    def __repr__(self) -> str:
+        inner = type(self.torch_optimizer).__name__ if self.torch_optimizer is not None else "optax"
+        return f"DistributedOptimizer({inner}, {len(self.param_groups)} param group(s))"
 
     # --- state ---------------------------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ def torch_losses(module: nn.Module, make_optimizer, data, make_scheduler=None) -
         optimizer.step()
         if scheduler:
             scheduler.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 

@@ -112,7 +112,7 @@ def _continue(module, optimizer, data):
         loss = F.cross_entropy(module(x), y)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 

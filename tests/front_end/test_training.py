@@ -97,6 +97,26 @@ def test_lr_schedulers_take_effect_without_recompiling():
         assert compiled[1] == compiled[-1], "a new learning rate must not recompile anything"
 
 
+def test_lr_schedulers_accept_the_distributed_optimizer_itself():
+    module, data = SmallNet(), batches(6)
+    make_scheduler = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.1)  # noqa: E731
+    expected = torch_losses(module, OPTIMIZERS["adamw"], data, make_scheduler)
+    smp.init()
+    module = copy.deepcopy(module)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(OPTIMIZERS["adamw"](module))
+    scheduler = make_scheduler(optimizer)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        _, loss = train_step(model, x, y)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss.reduce_mean()))
+    np.testing.assert_allclose(losses, expected, rtol=1e-4)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.1**3)
+
+
 def test_param_groups_keep_their_own_hyperparameters():
     def make(m):
         return torch.optim.SGD(
