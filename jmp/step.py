@@ -131,7 +131,7 @@ class StepFunction:
             model._add_grads(grads)
         shards = _data_shards()
         results = [StepOutput(out, dtype, shards) for out, dtype in zip(outputs, traced.output_dtypes)]
-        return torch_pytree.tree_unflatten(results, traced.output_spec) if traced.output_spec else results
+        return torch_pytree.tree_unflatten(results, traced.output_spec)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """JAX's ahead-of-time ``Lowered`` of the program this call would run (``.compile().memory_analysis()``)."""

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import jmp as smp
+
 
 class SmallNet(nn.Module):
     def __init__(self):
@@ -31,9 +33,14 @@ def batches(count: int, batch: int = 32, seed: int = 1):
 
 
 def torch_losses(module: nn.Module, make_optimizer, data, make_scheduler=None) -> list[float]:
+    """A copy of ``module`` trained on ``data`` by a fresh torch optimizer: the loss of each step."""
     module = copy.deepcopy(module)
     optimizer = make_optimizer(module)
-    scheduler = make_scheduler(optimizer) if make_scheduler else None
+    return torch_train(module, optimizer, data, make_scheduler(optimizer) if make_scheduler else None)
+
+
+def torch_train(module: nn.Module, optimizer, data, scheduler=None) -> list[float]:
+    """Plain PyTorch training of ``module`` in place: the loss of each step."""
     losses = []
     for x, y in data:
         optimizer.zero_grad()
@@ -44,6 +51,15 @@ def torch_losses(module: nn.Module, make_optimizer, data, make_scheduler=None) -
             scheduler.step()
         losses.append(loss.item())
     return losses
+
+
+@smp.step
+def train_step(model, data, target):
+    """The seed's step function, with cross-entropy."""
+    output = model(data)
+    loss = F.cross_entropy(output, target)
+    model.backward(loss)
+    return output, loss
 
 
 def named_grads(grads) -> dict[str, np.ndarray]:

@@ -9,15 +9,7 @@ from torch import nn
 
 import jmp as smp
 from jmp.errors import StepError
-from tests.front_end.helpers import SmallNet, batches, compilations
-
-
-@smp.step
-def train_step(model, data, target):
-    output = model(data)
-    loss = F.cross_entropy(output, target)
-    model.backward(loss)
-    return output, loss
+from tests.front_end.helpers import SmallNet, batches, compilations, train_step
 
 
 @smp.step

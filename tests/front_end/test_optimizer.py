@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import jmp as smp
 from jmp.errors import StepError
-from tests.front_end.helpers import SmallNet, batches, torch_losses
+from tests.front_end.helpers import SmallNet, batches, torch_losses, torch_train
 
 
 @smp.step
@@ -77,7 +77,7 @@ def test_state_dict_is_torchs_and_training_resumes_from_it_in_jmp_and_in_torch()
 
     reference = copy.deepcopy(module)  # the same 5 steps in torch
     reference_optimizer = make(reference)
-    _continue(reference, reference_optimizer, data[:5])
+    torch_train(reference, reference_optimizer, data[:5])
     saved, expected_state = optimizer.state_dict(), reference_optimizer.state_dict()
     assert saved["param_groups"] == expected_state["param_groups"]
     assert saved["state"].keys() == expected_state["state"].keys()
@@ -102,18 +102,7 @@ def test_state_dict_is_torchs_and_training_resumes_from_it_in_jmp_and_in_torch()
     torch_module.load_state_dict(weights)
     torch_optimizer = make(torch_module)
     torch_optimizer.load_state_dict(saved)
-    np.testing.assert_allclose(_continue(torch_module, torch_optimizer, data[5:]), continued, rtol=1e-4)
-
-
-def _continue(module, optimizer, data):
-    losses = []
-    for x, y in data:
-        optimizer.zero_grad()
-        loss = F.cross_entropy(module(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    np.testing.assert_allclose(torch_train(torch_module, torch_optimizer, data[5:]), continued, rtol=1e-4)
 
 
 def test_clip_master_grads_is_global_norm_clipping():

@@ -9,21 +9,13 @@ import torch
 import torch.nn.functional as F
 
 import jmp as smp
-from tests.front_end.helpers import SmallNet, batches, compilations, named_grads, torch_losses
+from tests.front_end.helpers import SmallNet, batches, compilations, named_grads, torch_losses, train_step
 
 OPTIMIZERS = {
     "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1),
     "adadelta": lambda m: torch.optim.Adadelta(m.parameters(), lr=4.0),
 }
-
-
-@smp.step
-def train_step(model, data, target):
-    output = model(data)
-    loss = F.cross_entropy(output, target)
-    model.backward(loss)
-    return output, loss
 
 
 def jmp_losses(module, make_optimizer, data, config=None, devices=None, make_scheduler=None, compiled=None):
