@@ -9,6 +9,7 @@ laid out like the parameters on the mesh.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -56,7 +57,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model: DistributedModel = latest_model()
         self.model._loss_scale = float(static_loss_scale)
         self.torch_optimizer: torch.optim.Optimizer | None = None
-        self._clip_norm: float | None = None
         self._last_hyperparams: tuple[dict, dict] = ({}, {})
         params = self.model._params
         if isinstance(optimizer, optax.GradientTransformation):
@@ -81,8 +81,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         replicated = NamedSharding(state.get_mesh(), PartitionSpec())  # laid out like the parameters
         self.opt_state = jax.jit(self.tx.init, out_shardings=replicated)(params)
         self._replicated = replicated
-        # loss scale and clip norm are settings, not data: baked in (a new value compiles once more)
-        self._update = jax.jit(self._apply, static_argnames=("loss_scale", "clip_norm"), donate_argnums=(0, 2))
+        # the loss scale is a setting, not data: baked in
+        self._update = jax.jit(self._apply, static_argnames=("loss_scale",), donate_argnums=(0, 2))
 
     # --- torch mapping ---------------------------------------------------------------------------------------
 
@@ -133,18 +133,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # --- the update --------------------------------------------------------------------------------------------
 
-    def _apply(self, params, grads, opt_state, hyperparams, loss_scale, clip_norm):
+    def _apply(self, params, grads, opt_state, hyperparams, loss_scale):
         if loss_scale != 1.0:
             grads = jax.tree.map(lambda g: g / loss_scale, grads)
-        if clip_norm is not None:
-            norm = optax.global_norm(grads)
-            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip_norm / (norm + 1e-6)), grads)
         opt_state = _set_hyperparams(opt_state, hyperparams)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
     def step(self, closure: Any = None) -> None:
-        """Apply the gradients of the last step call(s); parameters without gradients are left alone."""
+        """Apply the gradients accumulated since ``zero_grad()`` (none: no update, as in torch)."""
         if closure is not None:
             raise StepError("optimizer.step(closure) is not supported: run the step function, then call step()")
         model = self.model
@@ -156,18 +153,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.opt_state,
             self._hyperparams(),
             loss_scale=model._loss_scale,
-            clip_norm=self._clip_norm,
         )
-        model.grads = None
         if self.torch_optimizer is not None:
             self.torch_optimizer._opt_called = True  # what torch's LR schedulers check before stepping
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.grads = None
 
-    def clip_master_grads(self, max_norm: float) -> None:
-        """Clip the gradients by global norm (over all parameters) before each update."""
-        self._clip_norm = float(max_norm)
+    def clip_master_grads(self, max_norm: float) -> jax.Array:
+        """Scale the current gradients so their global norm is at most ``max_norm``; returns the norm before.
+
+        Like ``torch.nn.utils.clip_grad_norm_`` over all parameters (the norm is global across devices).
+        """
+        if self.model.grads is None:
+            return jnp.zeros((), jnp.float32)
+        norm, self.model.grads = _clip_by_global_norm(self.model.grads, max_norm, self.model._loss_scale)
+        return norm
 
     @property
     def param_groups(self) -> list[dict]:
@@ -244,6 +245,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _group_indices(self, group: int) -> list[int]:
         positions = self._positions()
         return [positions[id(p)] for p in self.torch_optimizer.param_groups[group]["params"]]
+
+
+@functools.partial(jax.jit, static_argnames=("loss_scale",))
+def _clip_by_global_norm(grads: Any, max_norm: float, loss_scale: float) -> tuple[jax.Array, Any]:
+    """(norm, clipped grads), torch's ``clip_grad_norm_`` rule; gradients are kept multiplied by the loss scale."""
+    norm = optax.global_norm(grads) / loss_scale
+    factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return norm, jax.tree.map(lambda g: g * factor, grads)
 
 
 def _torch_name(path: tuple) -> str:

@@ -123,8 +123,7 @@ class StepFunction:
             raise StepError(f"@smp.step of {fn.__name__}: {sorted(unknown)} are not arguments of the function")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        model, key, leaves, arrays = self._prepare(args, kwargs)
-        program, traced = self._program(model, key, leaves)
+        model, arrays, program, traced = self._prepare(args, kwargs)
         outputs, rest, grads = program(model._params, model._rest, arrays)
         model._rest = rest
         if traced.has_backward:
@@ -135,8 +134,7 @@ class StepFunction:
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """JAX's ahead-of-time ``Lowered`` of the program this call would run (``.compile().memory_analysis()``)."""
-        model, key, leaves, arrays = self._prepare(args, kwargs)
-        program, _ = self._program(model, key, leaves)
+        model, arrays, program, _ = self._prepare(args, kwargs)
         return program.lower(model._params, model._rest, arrays)
 
     # --- inputs ---------------------------------------------------------------------------------------------
@@ -150,7 +148,7 @@ class StepFunction:
         arrays: list[jax.Array] = []
         models = []
         flat, spec = torch_pytree.tree_flatten((bound.args, bound.kwargs))
-        names = _argument_names(bound, spec)
+        names = _argument_names(bound)
         for value, name in zip(flat, names):
             if isinstance(value, DistributedModel):
                 models.append(value)
@@ -173,25 +171,22 @@ class StepFunction:
         if len({id(m) for m in models}) > 1:
             raise StepError("a step function takes one DistributedModel")
         model = models[0] if models else latest_model()
-        # the graphdef changes with train()/eval(); its id is a cheap key (the program keeps it alive)
-        key = (spec, tuple(leaves), microbatches, shards, id(model._graphdef), id(self), model._loss_scale)
-        return model, key, leaves, arrays
+        program, traced = self._program(model, spec, tuple(leaves), microbatches, shards)
+        return model, arrays, program, traced
 
     # --- the program ----------------------------------------------------------------------------------------
 
-    def _program(self, model: DistributedModel, key: Any, leaves: list[_Leaf]):
+    def _program(self, model: DistributedModel, spec: Any, leaves: tuple, microbatches: int, shards: int):
         """The compiled program for this call's signature, kept on the model (it lives as long as the model)."""
-        programs = model._step_programs
-        if key not in programs:
+        # the graphdef changes with train()/eval(); its id is a cheap key (the program keeps it alive)
+        key = (id(self), spec, leaves, microbatches, shards, id(model._graphdef), model._loss_scale)
+        if key not in model._step_programs:
             traced = _Traced()
-            program = jax.jit(
-                functools.partial(
-                    self._run, model, model._graphdef, key[0], tuple(leaves), key[2], key[3], key[6], traced
-                ),
-                donate_argnums=(1,),
+            run = functools.partial(
+                self._run, model, model._graphdef, spec, leaves, microbatches, shards, model._loss_scale, traced
             )
-            programs[key] = (program, traced)
-        return programs[key]
+            model._step_programs[key] = (jax.jit(run, donate_argnums=(1,)), traced)
+        return model._step_programs[key]
 
     def _run(self, model, graphdef, spec, leaves, microbatches, shards, scale, traced, params, rest, arrays):
         split = [leaf.split_axis for leaf in leaves if leaf.kind == "array"]
@@ -297,7 +292,7 @@ def _rebuild(spec, leaves, arrays, model):
     return torch_pytree.tree_unflatten(flat, spec)
 
 
-def _argument_names(bound: inspect.BoundArguments, spec) -> list[str]:
+def _argument_names(bound: inspect.BoundArguments) -> list[str]:
     """The step function's argument name for each flattened leaf."""
     names = []
     for name, value in bound.arguments.items():

@@ -131,3 +131,31 @@ def test_parameters_the_optimizer_does_not_hold_stay_frozen():
     actual, model = jmp_losses(module, lambda m: torch.optim.SGD(m.fc2.parameters(), lr=0.1), data)
     np.testing.assert_array_equal(model.state_dict()["fc1.weight"], module.fc1.weight.detach())
     assert not np.allclose(model.state_dict()["fc2.weight"], module.fc2.weight.detach())
+
+
+def test_gradients_accumulate_until_zero_grad_as_in_torch():
+    module, data = SmallNet(), batches(4)
+    make = OPTIMIZERS["sgd_momentum"]
+    reference = copy.deepcopy(module)
+    reference_optimizer = make(reference)
+    expected = []
+    for i, (x, y) in enumerate(data):
+        if i % 2 == 0:
+            reference_optimizer.zero_grad()  # two backward passes per update
+        loss = F.cross_entropy(reference(x), y)
+        loss.backward()
+        if i % 2 == 1:
+            reference_optimizer.step()
+        expected.append(loss.item())
+    smp.init()
+    module = copy.deepcopy(module)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(make(module))
+    actual = []
+    for i, (x, y) in enumerate(data):
+        if i % 2 == 0:
+            optimizer.zero_grad()
+        actual.append(float(train_step(model, x, y)[1].reduce_mean()))
+        if i % 2 == 1:
+            optimizer.step()
+    np.testing.assert_allclose(actual, expected, rtol=1e-5)
