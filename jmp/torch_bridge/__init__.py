@@ -8,16 +8,18 @@ torch_module.load_state_dict(jmp.torch_bridge.to_state_dict(converted))
 from jmp.torch_bridge import layers as _layers  # noqa: F401  (registers the standard layers)
 from jmp.torch_bridge import lowering as _lowering  # noqa: F401  (fills the lowering registry)
 from jmp.torch_bridge.convert import convert, register_layer
-from jmp.torch_bridge.module import Buffer, GenericModule, TorchModule
+from jmp.torch_bridge.module import Buffer, CallHook, GenericModule, TorchModule, call_hooks
 from jmp.torch_bridge.registry import register_lowering
 from jmp.torch_bridge.state_dict import named_variables, to_state_dict
 from jmp.torch_bridge.tensor import JaxTensor
 
 __all__ = [
     "Buffer",
+    "CallHook",
     "GenericModule",
     "JaxTensor",
     "TorchModule",
+    "call_hooks",
     "convert",
     "named_variables",
     "register_layer",

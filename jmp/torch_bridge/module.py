@@ -17,7 +17,8 @@ binding the NNX state to the torch module tree (``bound_state``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -27,6 +28,30 @@ from flax import nnx
 
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.tensor import JaxTensor, unwrap, unwrap_tree, wrap_tree
+
+
+# A call hook wraps one module's calls during a trace: hook(module, call, *args, **kwargs) -> output,
+# where ``call`` runs the module (and any inner hooks). Parallelism and rematerialisation use them.
+CallHook = Callable[..., Any]
+_CALL_HOOKS: contextvars.ContextVar[Mapping[str, tuple[CallHook, ...]]] = contextvars.ContextVar(
+    "jmp_call_hooks", default={}
+)
+
+
+@contextlib.contextmanager
+def call_hooks(hooks: Mapping[str, CallHook]) -> Iterator[None]:
+    """Within the block, calls of the modules at these torch paths go through their hooks.
+
+    Hooks nest: one installed here runs inside any hook an enclosing block installed for the same path.
+    """
+    merged = dict(_CALL_HOOKS.get())
+    for path, hook in hooks.items():
+        merged[path] = merged.get(path, ()) + (hook,)
+    token = _CALL_HOOKS.set(merged)
+    try:
+        yield
+    finally:
+        _CALL_HOOKS.reset(token)
 
 
 class Buffer(nnx.Variable):
@@ -62,7 +87,13 @@ class TorchModule(nnx.Module):
         return to_jax_output(out)
 
     def torch_call(self, *args: Any, **kwargs: Any) -> Any:
-        """The call torch code makes (JaxTensors in and out)."""
+        """The call torch code makes (JaxTensors in and out), through any call hooks on this module."""
+        call = self._torch_forward
+        for hook in reversed(_CALL_HOOKS.get().get(self._torch_path, ())):
+            call = _hooked(hook, self, call)
+        return call(*args, **kwargs)
+
+    def _torch_forward(self, *args: Any, **kwargs: Any) -> Any:
         with dispatch.scope(self._torch_path, type(self._torch_module).__name__):
             return wrap_tree(self.forward(*unwrap_tree(args), **unwrap_tree(kwargs)))
 
@@ -112,7 +143,7 @@ class GenericModule(TorchModule):
         # A forward set on the instance (rare) replaces the class's, as in torch.
         self._instance_forward = torch_module.__dict__.get("forward")
 
-    def torch_call(self, *args: Any, **kwargs: Any) -> Any:
+    def _torch_forward(self, *args: Any, **kwargs: Any) -> Any:
         torch_module = self._torch_module
         with (
             dispatch.scope(self._torch_path, type(torch_module).__name__),
@@ -132,6 +163,10 @@ class _Redirect:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.torch_call(*args, **kwargs)
+
+
+def _hooked(hook: CallHook, module: TorchModule, call: Callable) -> Callable:
+    return lambda *args, **kwargs: hook(module, call, *args, **kwargs)
 
 
 def walk(module: TorchModule) -> Iterator[TorchModule]:

@@ -36,7 +36,7 @@ class Sequential(_ChildList):
             input = child(input)
         return input
 
-    def torch_call(self, input: Any) -> Any:
+    def _torch_forward(self, input: Any) -> Any:
         for _, child in self.children_items():
             input = child.torch_call(input)
         return input

@@ -111,6 +111,6 @@ class Functional(TorchModule):
         options.pop("inplace", None)  # JAX values are immutable
         return registry.lookup(self.function).fn(input, **options)
 
-    def torch_call(self, input: Any) -> Any:
+    def _torch_forward(self, input: Any) -> Any:
         with dispatch.scope(self._torch_path, type(self._torch_module).__name__):
             return dispatch.dispatch(self.function, (input,), dict(self.options))

@@ -27,5 +27,5 @@ class Identity(TorchModule):
     def __call__(self, input: Any, *args: Any, **kwargs: Any) -> Any:
         return input
 
-    def torch_call(self, input: Any, *args: Any, **kwargs: Any) -> Any:
+    def _torch_forward(self, input: Any, *args: Any, **kwargs: Any) -> Any:
         return input
