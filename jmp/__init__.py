@@ -24,6 +24,7 @@ from jmp.errors import (
 )
 from jmp.model import DistributedModel
 from jmp.optimizer import DistributedOptimizer
+from jmp.sharding import set_tensor_parallelism, tensor_parallelism
 from jmp.state import (
     dp_rank,
     dp_size,
@@ -74,8 +75,10 @@ __all__ = [
     "rank",
     "rdp_rank",
     "rdp_size",
+    "set_tensor_parallelism",
     "size",
     "step",
+    "tensor_parallelism",
     "torch_bridge",
     "tp_rank",
     "tp_size",

@@ -26,6 +26,7 @@ class Config:
     default_partition: int | None = None
     tensor_parallel_degree: int = 1
     expert_parallel_degree: int = 1
+    expert_capacity_factor: float | None = None  # jmp: None sends every token to its experts (none dropped)
     sharded_data_parallel_degree: int = 1
     ddp: bool = False
     placement_strategy: str = "cluster"
@@ -129,6 +130,9 @@ def _check_value(name: str, value: Any) -> None:
     elif name == "memory_weight":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
             raise ConfigError(f"config key 'memory_weight' must be a number in [0, 1], not {value!r}")
+    elif name == "expert_capacity_factor":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ConfigError(f"config key 'expert_capacity_factor' must be a positive number or None, not {value!r}")
     elif name == "random_seed":
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"config key 'random_seed' must be a non-negative integer, not {value!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -20,10 +21,13 @@ import torch
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp import state
+from jmp import sharding, state
 from jmp.errors import ConfigError, StepError
-from jmp.torch_bridge import JaxTensor, TorchModule, convert, named_variables, to_state_dict
+from jmp.sharding import experts
+from jmp.torch_bridge import JaxTensor, TorchModule, convert, named_variables, to_state_dict, torch_name
 from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
+
+logger = logging.getLogger("jmp")
 
 _LATEST: list[weakref.ref] = []  # the model DistributedOptimizer attaches to, as in smp
 
@@ -41,10 +45,6 @@ _TRACE: contextvars.ContextVar[_Trace | None] = contextvars.ContextVar("jmp_mode
 # Config keys whose features later work will add; until then a model refuses them rather than ignoring them.
 _NOT_YET = {
     "pipeline_parallel_degree": 1,
-    "tensor_parallel_degree": 1,
-    "expert_parallel_degree": 1,
-    "sharded_data_parallel_degree": 1,
-    "shard_optimizer_state": False,
     "offload_activations": False,
     "delayed_parameter_initialization": False,
     "fp16": False,
@@ -53,9 +53,16 @@ _NOT_YET = {
 
 
 class DistributedModel:
-    """Wraps a torch ``nn.Module``: converted to Flax NNX, parameters replicated over the data-parallel devices."""
+    """Wraps a torch ``nn.Module``: converted to Flax NNX, its parameters placed on the mesh.
 
-    def __init__(self, module: torch.nn.Module):
+    Parameters are split as the config asks (sharded data, tensor and expert
+    parallelism; see ``jmp.sharding``) and replicated otherwise.
+    ``sharding_rules`` (a jmp extension) maps regular expressions on torch
+    parameter names to ``PartitionSpec``s over the mesh axes; a matching rule
+    places that parameter exactly as given.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, sharding_rules: dict[str, Any] | None = None):
         if isinstance(module, DistributedModel):
             raise StepError("the module is already a DistributedModel")
         config = state.get_config()
@@ -68,9 +75,17 @@ class DistributedModel:
         self.module = module
         converted = convert(module, rngs=nnx.Rngs(config.random_seed))
         self._graphdef, params, rest = nnx.split(converted, nnx.Param, ...)
-        replicated = NamedSharding(state.get_mesh(), PartitionSpec())
-        self._params = jax.device_put(params, replicated)
-        self._rest = jax.device_put(rest, replicated)
+        mesh = state.get_mesh()
+        shapes = {torch_name(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+        self._param_specs = sharding.parameter_specs(module, shapes, mesh, sharding_rules)
+        self._param_shapes = shapes
+        self._param_shardings = sharding.named_shardings(params, self._param_specs, mesh)
+        self._params = jax.device_put(params, self._param_shardings)
+        self._rest = jax.device_put(rest, NamedSharding(mesh, PartitionSpec()))
+        self._call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
+        self._may_drop_tokens = bool(self._call_hooks) and config.expert_capacity_factor is not None
+        self._dropped_tokens: jax.Array | None = None
+        _log_layout(self._param_specs, mesh)
         self.grads: nnx.State | None = None  # accumulated over step calls until optimizer.zero_grad()
         self._loss_scale = 1.0  # set by DistributedOptimizer(static_loss_scale=...)
         self._step_programs: dict = {}  # compiled step functions for this model (see jmp.step)
@@ -156,8 +171,9 @@ class DistributedModel:
             if not variable.get_metadata("persistent", True):
                 continue
             value = variable[...]
-            shard = value.addressable_shards[0].data if isinstance(value, jax.Array) else value
-            out[name] = array_to_tensor(shard, variable.get_metadata("torch_dtype", None))
+            if isinstance(value, jax.Array) and not value.is_fully_addressable:
+                value = value.addressable_shards[0].data  # one of this process's pieces
+            out[name] = array_to_tensor(value, variable.get_metadata("torch_dtype", None))
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -187,6 +203,11 @@ class DistributedModel:
                 variables[name][...] = jax.device_put(value, current.sharding)
         _, self._params, self._rest = nnx.split(module, nnx.Param, ...)
 
+    @property
+    def dropped_tokens(self) -> int:
+        """Token-expert assignments the last step dropped for lack of expert capacity (0 without experts)."""
+        return 0 if self._dropped_tokens is None else int(self._dropped_tokens)
+
     def parameter_named(self, path: tuple) -> torch.nn.Parameter:
         """The torch parameter an NNX parameter path stands for."""
         return dict(self.module.named_parameters(remove_duplicate=False))[".".join(str(p) for p in path)]
@@ -195,6 +216,18 @@ class DistributedModel:
         count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self._params))
         return (
             f"DistributedModel({type(self.module).__name__}, {count:,} parameters, mesh {dict(state.get_mesh().shape)})"
+        )
+
+
+def _log_layout(specs: dict[str, PartitionSpec], mesh: Any) -> None:
+    split = {name: spec for name, spec in specs.items() if any(e is not None for e in spec)}
+    if split:
+        logger.info(
+            "Parameter layout on mesh %s: %d of %d parameters split (%s)",
+            dict(mesh.shape),
+            len(split),
+            len(specs),
+            ", ".join(f"{n}: {tuple(s)}" for n, s in list(split.items())[:8]) + (", ..." if len(split) > 8 else ""),
         )
 
 

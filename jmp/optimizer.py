@@ -20,9 +20,10 @@ import torch
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp import state, torch_optimizers
+from jmp import sharding, state, torch_optimizers
 from jmp.errors import StepError
 from jmp.model import DistributedModel, latest_model
+from jmp.torch_bridge import torch_name as _name_of
 from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
 
 _FROZEN = "frozen"  # label of parameters the torch optimizer does not own
@@ -78,11 +79,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"DistributedOptimizer takes a torch.optim.Optimizer or an optax.GradientTransformation, "
                 f"not {type(optimizer).__name__}"
             )
-        replicated = NamedSharding(state.get_mesh(), PartitionSpec())  # laid out like the parameters
-        self.opt_state = jax.jit(self.tx.init, out_shardings=replicated)(params)
+        mesh = state.get_mesh()
+        replicated = NamedSharding(mesh, PartitionSpec())
         self._replicated = replicated
+        self._state_shardings = self._layout(params, mesh)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self._state_shardings)(params)
         # the loss scale is a setting, not data: baked in
-        self._update = jax.jit(self._apply, static_argnames=("loss_scale",), donate_argnums=(0, 2))
+        self._update = jax.jit(
+            self._apply,
+            static_argnames=("loss_scale",),
+            donate_argnums=(0, 2),
+            out_shardings=(self.model._param_shardings, self._state_shardings),
+        )
+
+    def _layout(self, params: nnx.State, mesh: Any) -> Any:
+        """Shardings of the optimizer state: like the parameters, or split over ``dp`` too (shard_optimizer_state)."""
+        model = self.model
+        specs = sharding.optimizer_specs(
+            model._param_specs, model._param_shapes, mesh, state.get_config().shard_optimizer_state
+        )
+        per_param = sharding.named_shardings(params, specs, mesh)
+        return optax.tree_utils.tree_map_params(
+            self.tx,
+            lambda _, placed: placed,
+            jax.eval_shape(self.tx.init, params),
+            per_param,
+            transform_non_params=lambda _: self._replicated,
+        )
 
     # --- torch mapping ---------------------------------------------------------------------------------------
 
@@ -114,7 +137,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
 
         def label(path, _):
-            group = group_of.get(id(by_name[_torch_name(path)]))
+            group = group_of.get(id(by_name[_name_of(path)]))
             return _FROZEN if group is None else _label(group)
 
         return jax.tree_util.tree_map_with_path(label, params)
@@ -255,11 +278,6 @@ def _clip_by_global_norm(grads: Any, max_norm: float, loss_scale: float) -> tupl
     return norm, jax.tree.map(lambda g: g * factor, grads)
 
 
-def _torch_name(path: tuple) -> str:
-    """The torch name of a parameter from its key path in an nnx.State (the Variable's own key dropped)."""
-    return ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-
-
 def _set_hyperparams(opt_state: Any, hyperparams: dict) -> Any:
     if not hyperparams:
         return opt_state
@@ -310,7 +328,7 @@ def _replace_states(tree: Any, state_type: type, fields: dict, index: dict, tens
 def _per_param_leaves(field: Any):
     """(torch name, array) for each parameter leaf of a params-shaped state field (masked-out ones skipped)."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(field)[0]:
-        yield _torch_name(path), leaf
+        yield _name_of(path), leaf
 
 
 def _collect_field(field: Any, torch_name: str, index: dict, per_param: dict) -> None:
@@ -326,7 +344,7 @@ def _loaded_field(field: Any, torch_name: str, index: dict, tensors: dict) -> An
         return field
 
     def load(path, leaf):
-        entry = tensors.get(index.get(_torch_name(path)), {})
+        entry = tensors.get(index.get(_name_of(path)), {})
         if torch_name not in entry or not isinstance(leaf, jax.Array):
             return leaf
         return jax.device_put(tensor_to_array(entry[torch_name]).astype(leaf.dtype), leaf.sharding)

@@ -21,7 +21,7 @@ from jmp.config import Config, parse
 from jmp.errors import ConfigError, JmpError
 
 AXES = ("pp", "dp", "fsdp", "ep", "tp")
-DATA_AXES = ("dp", "fsdp")  # the batch is split over these
+DATA_AXES = ("dp", "fsdp", "ep")  # the batch is split over these (experts take tokens from all)
 MODEL_AXES = ("pp", "ep", "tp")
 
 _config: Config | None = None

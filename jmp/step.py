@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,10 +28,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jmp import state
 from jmp.errors import StepError
 from jmp.model import DistributedModel, latest_model
-from jmp.torch_bridge import JaxTensor, dispatch
+from jmp.sharding import experts
+from jmp.torch_bridge import JaxTensor, call_hooks, dispatch
 from jmp.torch_bridge.dtypes import to_torch_dtype
 from jmp.torch_bridge.interop import tensor_to_array
 from jmp.torch_bridge.tensor import unwrap
+
+logger = logging.getLogger("jmp")
 
 _MODEL = object()  # marks the DistributedModel among the flattened arguments
 
@@ -124,8 +128,9 @@ class StepFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, arrays, program, traced = self._prepare(args, kwargs)
-        outputs, rest, grads = program(model._params, model._rest, arrays)
+        outputs, rest, grads, dropped = program(model._params, model._rest, arrays)
         model._rest = rest
+        model._dropped_tokens = dropped
         if traced.has_backward:
             model._add_grads(grads)
         shards = _data_shards()
@@ -201,7 +206,12 @@ class StepFunction:
         def forward(params, rest, mb_arrays):
             module = nnx.merge(graphdef, params, rest, copy=True)  # Variables of this trace level
             call_args, call_kwargs = _rebuild(spec, leaves, mb_arrays, model)
-            with model._tracing(module) as trace, dispatch.session(getattr(module, "rngs", None)):
+            with (
+                model._tracing(module) as trace,
+                dispatch.session(getattr(module, "rngs", None)),
+                call_hooks(model._call_hooks),
+                experts.counting_dropped() as dropped,
+            ):
                 returned = self.fn(*call_args, **call_kwargs)
             flat, out_spec = torch_pytree.tree_flatten(returned)
             traced.output_spec = out_spec
@@ -210,16 +220,18 @@ class StepFunction:
             outputs = [_output_array(v) for v in flat]
             loss = unwrap(trace.loss) if trace.loss is not None else jnp.zeros((), jnp.float32)
             loss = loss * scale if scale != 1.0 else loss
-            return loss, (outputs, nnx.split(module, nnx.Param, ...)[2])
+            dropped = sum(dropped, jnp.zeros((), jnp.int32))
+            return loss, (outputs, nnx.split(module, nnx.Param, ...)[2], dropped)
 
         def with_grads(rest, mb_arrays):
-            (_, (outputs, rest)), grads = jax.value_and_grad(forward, has_aux=True)(params, rest, mb_arrays)
-            return outputs, rest, grads
+            (_, (outputs, rest, dropped)), grads = jax.value_and_grad(forward, has_aux=True)(params, rest, mb_arrays)
+            # gradients live where their parameters do (sharded data parallel: reduce-scattered)
+            return outputs, rest, jax.lax.with_sharding_constraint(grads, model._param_shardings), dropped
 
         if microbatches == 1:
-            outputs, rest, grads = with_grads(rest, microbatch(0))
+            outputs, rest, grads, dropped = with_grads(rest, microbatch(0))
             stacked = [o[None] for o in outputs]
-            return stacked, rest, (grads if traced.has_backward else None)
+            return stacked, rest, (grads if traced.has_backward else None), _reported(dropped, model._may_drop_tokens)
 
         jax.eval_shape(forward, params, rest, microbatch(0))  # learn whether the function calls backward
         mb_stack = [p if axis is not None else None for p, axis in zip(pieces, split)]
@@ -230,20 +242,23 @@ class StepFunction:
         if traced.has_backward:
 
             def body(carry, mb):
-                rest, total = carry
-                outputs, rest, grads = with_grads(rest, arrays_of(mb))
-                return (rest, jax.tree.map(jnp.add, total, grads)), outputs
+                rest, total, dropped = carry
+                outputs, rest, grads, mb_dropped = with_grads(rest, arrays_of(mb))
+                return (rest, jax.tree.map(jnp.add, total, grads), dropped + mb_dropped), outputs
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            (rest, total), stacked = jax.lax.scan(body, (rest, zeros), mb_stack)
-            return stacked, rest, jax.tree.map(lambda g: g / microbatches, total)
+            zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), model._param_shardings)
+            carry = (rest, zeros, jnp.zeros((), jnp.int32))
+            (rest, total, dropped), stacked = jax.lax.scan(body, carry, mb_stack)
+            grads = jax.tree.map(lambda g: g / microbatches, total)
+            return stacked, rest, grads, _reported(dropped, model._may_drop_tokens)
 
-        def eval_body(rest, mb):
-            _, (outputs, rest) = forward(params, rest, arrays_of(mb))
-            return rest, outputs
+        def eval_body(carry, mb):
+            rest, dropped = carry
+            _, (outputs, rest, mb_dropped) = forward(params, rest, arrays_of(mb))
+            return (rest, dropped + mb_dropped), outputs
 
-        rest, stacked = jax.lax.scan(eval_body, rest, mb_stack)
-        return stacked, rest, None
+        (rest, dropped), stacked = jax.lax.scan(eval_body, (rest, jnp.zeros((), jnp.int32)), mb_stack)
+        return stacked, rest, None, _reported(dropped, model._may_drop_tokens)
 
 
 def step(
@@ -259,6 +274,22 @@ def step(
 
 
 # --- helpers -------------------------------------------------------------------------------------------------
+
+
+def _reported(dropped: jax.Array, may_drop: bool) -> jax.Array:
+    """The step's dropped expert rows, logged (without waiting for the step) when there are any."""
+    if may_drop:
+        jax.debug.callback(_warn_if_dropped, dropped)
+    return dropped
+
+
+def _warn_if_dropped(dropped: Any) -> None:
+    if int(dropped) > 0:
+        logger.warning(
+            "expert parallelism dropped %d token-expert assignments in this step (they add nothing to the "
+            "output); raise expert_capacity_factor, or leave it unset so that none are dropped",
+            int(dropped),
+        )
 
 
 def _data_shards() -> int:

@@ -1,6 +1,20 @@
 """Parallel layouts on the ``("pp", "dp", "fsdp", "ep", "tp")`` mesh: sharding rules and pipeline schedules.
 
-Built by the sharding and pipeline issues on top of ``jmp.torch_bridge``'s
-converted modules, whose parameter paths equal torch ``state_dict`` keys so that
-rules can be written with torch names.
+Rules are data keyed by torch parameter names (the converted modules' paths
+equal torch ``state_dict`` keys): ``layout`` combines tensor-parallel
+(``tensor_parallel``), expert-parallel (``experts``), user and sharded-data rules
+into one ``PartitionSpec`` per parameter; XLA's SPMD partitioner inserts the
+collectives, except the expert dispatch, which ``experts`` writes with ``shard_map``.
 """
+
+from jmp.sharding.layout import REPLICATED_BELOW, named_shardings, optimizer_specs, parameter_specs
+from jmp.sharding.tensor_parallel import set_tensor_parallelism, tensor_parallelism
+
+__all__ = [
+    "REPLICATED_BELOW",
+    "named_shardings",
+    "optimizer_specs",
+    "parameter_specs",
+    "set_tensor_parallelism",
+    "tensor_parallelism",
+]

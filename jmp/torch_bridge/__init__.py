@@ -10,7 +10,7 @@ from jmp.torch_bridge import lowering as _lowering  # noqa: F401  (fills the low
 from jmp.torch_bridge.convert import convert, register_layer
 from jmp.torch_bridge.module import Buffer, CallHook, GenericModule, TorchModule, call_hooks
 from jmp.torch_bridge.registry import register_lowering
-from jmp.torch_bridge.state_dict import named_variables, to_state_dict
+from jmp.torch_bridge.state_dict import named_variables, to_state_dict, torch_name
 from jmp.torch_bridge.tensor import JaxTensor
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "register_layer",
     "register_lowering",
     "to_state_dict",
+    "torch_name",
 ]

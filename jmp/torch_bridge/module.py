@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -29,12 +30,11 @@ from flax import nnx
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.tensor import JaxTensor, unwrap, unwrap_tree, wrap_tree
 
-
 # A call hook wraps one module's calls during a trace: hook(module, call, *args, **kwargs) -> output,
 # where ``call`` runs the module (and any inner hooks). Parallelism and rematerialisation use them.
 CallHook = Callable[..., Any]
 _CALL_HOOKS: contextvars.ContextVar[Mapping[str, tuple[CallHook, ...]]] = contextvars.ContextVar(
-    "jmp_call_hooks", default={}
+    "jmp_call_hooks", default=MappingProxyType({})
 )
 
 

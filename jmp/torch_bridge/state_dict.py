@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
+import jax
 import torch
 from flax import nnx
 
@@ -34,3 +35,8 @@ def to_state_dict(module: TorchModule, prefix: str = "") -> OrderedDict[str, tor
         for key, variable in named_variables(module, prefix)
         if variable.get_metadata("persistent", True)
     )
+
+
+def torch_name(key_path: tuple) -> str:
+    """The torch name of a leaf of a flattened ``nnx.State`` (its dict keys joined; the Variable's own key dropped)."""
+    return ".".join(str(k.key) for k in key_path if isinstance(k, jax.tree_util.DictKey))

@@ -1,0 +1,55 @@
+"""Marks that smp's context managers and setters put on torch modules (tensor parallelism, pipeline stage).
+
+``with marking_created("tensor_parallel", True): model = Net()`` marks every module
+constructed inside the block, as SMP's ``smp.tensor_parallelism()`` and
+``smp.partition(i)`` do; ``mark(module, key, value)`` marks one afterwards.
+Marks live beside the modules (weakly keyed), so the user's modules are not changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from torch import nn
+
+_MARKS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+_CREATING: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    "jmp_marks_for_new_modules", default=MappingProxyType({})
+)
+_original_init = nn.Module.__init__
+_open_blocks = [0]
+
+
+def mark(module: nn.Module, key: str, value: Any) -> None:
+    _MARKS.setdefault(module, {})[key] = value
+
+
+def mark_of(module: nn.Module, key: str, default: Any = None) -> Any:
+    return _MARKS.get(module, {}).get(key, default)
+
+
+def _marking_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+    _original_init(self, *args, **kwargs)
+    for key, value in _CREATING.get().items():
+        mark(self, key, value)
+
+
+@contextlib.contextmanager
+def marking_created(key: str, value: Any) -> Iterator[None]:
+    """Modules constructed inside the block get ``key = value`` (an inner block's value wins)."""
+    token = _CREATING.set({**_CREATING.get(), key: value})
+    if _open_blocks[0] == 0:
+        nn.Module.__init__ = _marking_init  # every module's __init__ reaches this through super()
+    _open_blocks[0] += 1
+    try:
+        yield
+    finally:
+        _open_blocks[0] -= 1
+        if _open_blocks[0] == 0:
+            nn.Module.__init__ = _original_init
+        _CREATING.reset(token)

@@ -1,0 +1,118 @@
+"""Where each parameter, gradient and optimizer-state array lives: one ``PartitionSpec`` per parameter.
+
+Three tables feed it, as data: expert parallelism (``experts.py``), tensor
+parallelism (``tensor_parallel.py``), and the user's own rules
+(regular expression on the torch parameter name -> ``PartitionSpec``, which
+win and are used as given). Sharded data parallelism then splits each
+parameter's largest free dimension over ``fsdp`` (ZeRO-3: gradients and
+optimizer state follow the parameters); ``shard_optimizer_state`` splits the
+optimizer state once more over ``dp`` (ZeRO-1). Parameters smaller than
+``REPLICATED_BELOW`` elements (biases, norms) stay whole: splitting them saves
+little and costs a collective each.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from torch import nn
+
+from jmp.errors import ConfigError
+from jmp.sharding.experts import expert_specs
+from jmp.sharding.tensor_parallel import tensor_parallel_specs
+from jmp.torch_bridge import torch_name
+
+REPLICATED_BELOW = 1024  # elements
+
+Spec = tuple  # one entry per dimension: None, an axis name, or a tuple of axis names
+
+
+def parameter_specs(
+    module: nn.Module, shapes: Mapping[str, tuple[int, ...]], mesh: Mesh, rules: Mapping[str, Any] | None = None
+) -> dict[str, PartitionSpec]:
+    """Torch parameter name -> its ``PartitionSpec`` on ``mesh`` (``shapes``: the parameters to place)."""
+    model_specs = {
+        **tensor_parallel_specs(module, mesh.shape["tp"]),
+        **expert_specs(module, mesh.shape["ep"], mesh.shape["tp"]),
+    }
+    compiled = [(re.compile(pattern), spec) for pattern, spec in (rules or {}).items()]
+    specs = {}
+    for name, shape in shapes.items():
+        user = next((spec for pattern, spec in compiled if pattern.search(name)), None)
+        if user is not None:
+            specs[name] = _checked_user_spec(name, shape, user, mesh)
+            continue
+        spec = _padded(model_specs.get(name, ()), len(shape))
+        specs[name] = PartitionSpec(*add_axis(spec, shape, ("fsdp",), mesh))
+    return specs
+
+
+def optimizer_specs(specs: Mapping[str, PartitionSpec], shapes: Mapping[str, tuple], mesh: Mesh, shard: bool):
+    """The optimizer state's spec for each parameter: the parameter's, split once more over ``dp`` for ZeRO-1."""
+    if not shard:
+        return dict(specs)
+    return {name: PartitionSpec(*add_axis(_padded(tuple(specs[name]), len(shapes[name])), shapes[name], ("dp",), mesh))
+            for name in specs}  # fmt: skip
+
+
+def add_axis(spec: Spec, shape: tuple[int, ...], axes: tuple[str, ...], mesh: Mesh) -> Spec:
+    """``spec`` with ``axes`` on the largest dimension they divide: a free one first, else joining a split one."""
+    size = math.prod(mesh.shape[a] for a in axes)
+    if size == 1 or math.prod(shape) < REPLICATED_BELOW:
+        return spec
+    spec = list(spec)
+    by_size = sorted(range(len(shape)), key=lambda d: -shape[d])
+    for dim in by_size:
+        if spec[dim] is None and shape[dim] % size == 0:
+            spec[dim] = axes[0] if len(axes) == 1 else axes
+            return tuple(spec)
+    for dim in by_size:
+        present = _axes_of(spec[dim])
+        if present and shape[dim] % (size * math.prod(mesh.shape[a] for a in present)) == 0:
+            spec[dim] = present + axes
+            return tuple(spec)
+    return tuple(spec)  # nothing divides: stays whole along these axes
+
+
+def named_shardings(tree: Any, specs: Mapping[str, PartitionSpec], mesh: Mesh) -> Any:
+    """A tree like ``tree`` (an ``nnx.State`` of parameters) of ``NamedSharding``s, by torch name."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: NamedSharding(mesh, specs.get(torch_name(path), PartitionSpec())), tree
+    )
+
+
+def _padded(spec: Spec, rank: int) -> Spec:
+    return tuple(spec) + (None,) * (rank - len(spec))
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _checked_user_spec(name: str, shape: tuple, spec: Any, mesh: Mesh) -> PartitionSpec:
+    spec = PartitionSpec(*spec) if not isinstance(spec, PartitionSpec) else spec
+    if len(spec) > len(shape):
+        raise ConfigError(
+            f"sharding rule for '{name}': {spec} has {len(spec)} entries; the parameter has shape {shape}"
+        )
+    for dim, entry in enumerate(spec):
+        axes = _axes_of(entry)
+        unknown = [a for a in axes if a not in mesh.shape]
+        if unknown:
+            raise ConfigError(
+                f"sharding rule for '{name}': unknown mesh axis {unknown[0]!r}; the axes are {tuple(mesh.shape)}"
+            )
+        degree = math.prod(mesh.shape[a] for a in axes)
+        if shape[dim] % degree:
+            raise ConfigError(
+                f"sharding rule for '{name}': dimension {dim} ({shape[dim]}) does not divide over {entry!r} "
+                f"(degree {degree}); change the rule or the degree"
+            )
+    return spec
