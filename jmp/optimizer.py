@@ -98,14 +98,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         specs = sharding.optimizer_specs(
             model._param_specs, model._param_shapes, mesh, state.get_config().shard_optimizer_state
         )
-        per_param = sharding.named_shardings(params, specs, mesh)
-        return optax.tree_utils.tree_map_params(
-            self.tx,
-            lambda _, placed: placed,
-            jax.eval_shape(self.tx.init, params),
-            per_param,
-            transform_non_params=lambda _: self._replicated,
-        )
+        return sharding.state_shardings(jax.eval_shape(self.tx.init, params), specs, model._param_shapes, mesh)
 
     # --- torch mapping ---------------------------------------------------------------------------------------
 

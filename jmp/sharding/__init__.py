@@ -7,7 +7,13 @@ into one ``PartitionSpec`` per parameter; XLA's SPMD partitioner inserts the
 collectives, except the expert dispatch, which ``experts`` writes with ``shard_map``.
 """
 
-from jmp.sharding.layout import REPLICATED_BELOW, named_shardings, optimizer_specs, parameter_specs
+from jmp.sharding.layout import (
+    REPLICATED_BELOW,
+    named_shardings,
+    optimizer_specs,
+    parameter_specs,
+    state_shardings,
+)
 from jmp.sharding.tensor_parallel import set_tensor_parallelism, tensor_parallelism
 
 __all__ = [
@@ -16,5 +22,6 @@ __all__ = [
     "optimizer_specs",
     "parameter_specs",
     "set_tensor_parallelism",
+    "state_shardings",
     "tensor_parallelism",
 ]

@@ -86,6 +86,26 @@ def named_shardings(tree: Any, specs: Mapping[str, PartitionSpec], mesh: Mesh) -
     )
 
 
+def state_shardings(state: Any, specs: Mapping[str, PartitionSpec], shapes: Mapping[str, tuple], mesh: Mesh) -> Any:
+    """Shardings for an optimizer state: a leaf shaped like a parameter, under its name, gets that parameter's spec.
+
+    Optimizer states nest the parameter tree inside their own containers
+    (``multi_transform`` labels, ``chain`` positions), so a leaf's parameter is
+    the longest tail of its dict keys that names one; everything else (step
+    counts, hyper-parameters) is replicated.
+    """
+
+    def placed(path: tuple, leaf: Any) -> NamedSharding:
+        keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+        for start in range(len(keys)):
+            name = ".".join(keys[start:])
+            if name in specs and tuple(shapes[name]) == tuple(leaf.shape):
+                return NamedSharding(mesh, specs[name])
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(placed, state)
+
+
 def _padded(spec: Spec, rank: int) -> Spec:
     return tuple(spec) + (None,) * (rank - len(spec))
 
