@@ -72,7 +72,7 @@ def _sizes(module: nn.Module) -> tuple[int, int]:
 
 def _roles(root: nn.Module) -> dict[str, tuple[str, nn.Module, nn.Module | None]]:
     """torch path -> (role, module, parent) for every distributed layer that gets split."""
-    marked = any(mark_of(m, _MARK) is not None for m in root.modules())
+    marked = any(mark_of(m, _MARK) is True for m in root.modules())  # only exclusions: the rest is split
     roles: dict[str, tuple[str, nn.Module, nn.Module | None]] = {}
 
     def visit(module: nn.Module, path: str, parent: nn.Module | None, enabled: bool) -> None:

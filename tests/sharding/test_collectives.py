@@ -1,0 +1,40 @@
+"""The compiled step holds the collectives each strategy implies, counted in its optimized HLO."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import jmp as smp
+from tests.sharding.models import causal_lm, lm_step, token_batches
+
+pytest.importorskip("transformers")
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+def _collectives(name: str, config: dict) -> dict[str, int]:
+    smp.init(config)
+    model = smp.DistributedModel(causal_lm(name))
+    hlo = lm_step.lower(model, token_batches(1)[0]).compile().as_text()
+    return {kind: len(re.findall(rf" {kind}(?:-start)?\(", hlo)) for kind in KINDS}
+
+
+def test_sharded_data_parallel_gathers_weights_and_reduces_gradients():
+    counts = _collectives("gpt2", {"sharded_data_parallel_degree": 8})
+    assert counts["all-gather"] >= 9  # every split weight is gathered for use (9 are split)
+    # gradients: a reduce-scatter where XLA forms one (GPU, TPU); XLA:CPU emits all-reduce + dynamic-slice
+    assert counts["reduce-scatter"] + counts["all-reduce"] >= 1
+
+
+def test_tensor_parallel_all_reduces_and_does_not_gather_weights():
+    counts = _collectives("llama", {"tensor_parallel_degree": 4})
+    assert counts["all-reduce"] >= 2 * 2  # row-parallel outputs: attention and MLP of each of 2 layers
+    assert counts["all-gather"] == 0
+
+
+def test_expert_parallel_sends_tokens_all_to_all():
+    counts = _collectives("mixtral", {"expert_parallel_degree": 4})
+    # 2 MoE layers x 4 exchanges (rows, expert ids, used flags out; results back) forward, and backward
+    assert counts["all-to-all"] >= 2 * 4
