@@ -12,6 +12,10 @@ Which modules are distributed follows SMP: modules created inside
 ``smp.tensor_parallelism()`` or marked with ``smp.set_tensor_parallelism``; if no
 module is marked, the whole model is. The split itself is a ``PartitionSpec``
 per parameter; XLA (GSPMD) inserts the collectives.
+
+SMP's ``optimize`` key ("speed" | "memory") chose how much of the activations
+its tensor-parallel layers kept split; here XLA's SPMD partitioner makes that
+choice for the whole compiled step, so the key has no effect on tensor parallelism.
 """
 
 from __future__ import annotations
