@@ -84,3 +84,18 @@ def test_ten_training_steps_track_the_single_device_run(name, layout):
     actual = _losses(name, FACTORIZATIONS[layout], 10)
     assert expected[-1] < expected[0]  # it trains
     np.testing.assert_allclose(actual, expected, rtol=2e-5)
+
+
+def test_microbatches_of_an_expert_parallel_model_equal_the_single_device_run():
+    ids = token_batches(1, batch=16)[0]
+
+    def first_step(config, devices=None):
+        smp.init({"microbatches": 2, **config}, devices=devices)
+        model = smp.DistributedModel(causal_lm("mixtral"))
+        return float(lm_step(model, ids).reduce_mean()), named_grads(model.grads)
+
+    expected_loss, expected = first_step({}, devices=jax.devices()[:1])
+    loss, grads = first_step(FACTORIZATIONS["ep4xdp2"])
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for key, value in grads.items():
+        assert np.linalg.norm(value - expected[key]) <= 1e-5 * np.linalg.norm(expected[key]), key
