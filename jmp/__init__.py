@@ -24,6 +24,8 @@ from jmp.errors import (
 )
 from jmp.model import DistributedModel
 from jmp.optimizer import DistributedOptimizer
+from jmp.remat.api import checkpoint, checkpoint_sequential, set_activation_checkpointing
+from jmp.remat.policies import RematPolicy
 from jmp.state import (
     dp_rank,
     dp_size,
@@ -54,11 +56,14 @@ __all__ = [
     "DistributedModel",
     "DistributedOptimizer",
     "JmpError",
+    "RematPolicy",
     "LoweringError",
     "StepError",
     "StepOutput",
     "TracedControlFlowError",
     "UnsupportedOpError",
+    "checkpoint",
+    "checkpoint_sequential",
     "dp_rank",
     "dp_size",
     "get_config",
@@ -74,6 +79,7 @@ __all__ = [
     "rank",
     "rdp_rank",
     "rdp_size",
+    "set_activation_checkpointing",
     "size",
     "step",
     "torch_bridge",

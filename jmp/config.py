@@ -11,6 +11,7 @@ import difflib
 from typing import Any
 
 from jmp.errors import ConfigError
+from jmp.remat.policies import parse_policy
 
 ALIASES = {"partitions": "pipeline_parallel_degree", "hybrid_shard_degree": "sharded_data_parallel_degree"}
 
@@ -36,6 +37,7 @@ class Config:
     shard_optimizer_state: bool = False
     offload_activations: bool = False
     activation_loading_horizon: int = 4
+    activation_checkpointing_policy: str = "full"  # jmp: the remat policy of checkpointed modules (see jmp.remat)
     delayed_parameter_initialization: bool = False
     prescaled_batch: bool = False
     random_seed: int = 0x12345678
@@ -129,6 +131,8 @@ def _check_value(name: str, value: Any) -> None:
     elif name == "memory_weight":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
             raise ConfigError(f"config key 'memory_weight' must be a number in [0, 1], not {value!r}")
+    elif name == "activation_checkpointing_policy":
+        parse_policy(value, "config key 'activation_checkpointing_policy'")
     elif name == "random_seed":
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"config key 'random_seed' must be a non-negative integer, not {value!r}")

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp import state
 from jmp.errors import ConfigError, StepError
+from jmp.remat import api as remat
 from jmp.torch_bridge import JaxTensor, TorchModule, convert, named_variables, to_state_dict
 from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
 
@@ -45,7 +46,6 @@ _NOT_YET = {
     "expert_parallel_degree": 1,
     "sharded_data_parallel_degree": 1,
     "shard_optimizer_state": False,
-    "offload_activations": False,
     "delayed_parameter_initialization": False,
     "fp16": False,
     "bf16": False,
@@ -75,6 +75,7 @@ class DistributedModel:
         self._loss_scale = 1.0  # set by DistributedOptimizer(static_loss_scale=...)
         self._step_programs: dict = {}  # compiled step functions for this model (see jmp.step)
         _LATEST[:] = [weakref.ref(self)]
+        remat.track(self)
 
     # --- inside a step function -------------------------------------------------------------------------
 
@@ -112,7 +113,8 @@ class DistributedModel:
         trace = _Trace(module)
         token = _TRACE.set(trace)
         try:
-            yield trace
+            with remat.tracing(self.module, module):  # activation checkpointing of annotated modules
+                yield trace
         finally:
             _TRACE.reset(token)
 
