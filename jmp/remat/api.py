@@ -78,7 +78,7 @@ def set_activation_checkpointing(
     if strategy != "each" and not _is_container(module):
         raise ConfigError(
             f"{where}: strategy '{strategy}' groups the layers of an nn.Sequential or nn.ModuleList, but the "
-            f"{_describe(module)} is not one; use strategy='each' (the module is one checkpoint)."
+            f"{_describe(module, owners[0].module)} is not one; use strategy='each' (the module is one checkpoint)."
         )
     _ANNOTATIONS[module] = _Annotation(strategy, parsed)
     for model in owners:
@@ -187,7 +187,8 @@ def _is_container(module: nn.Module) -> bool:
     return isinstance(module, (nn.Sequential, nn.ModuleList))
 
 
-def _describe(module: nn.Module) -> str:
-    path = context.path_of(module)
+def _describe(module: nn.Module, root: nn.Module | None = None) -> str:
+    """'module 'a.b' (Type(...))': its path in ``root`` (else in the traced model) and its summary."""
+    path = context.path_of(module) if root is None else next((p for p, m in root.named_modules() if m is module), None)
     summary = repr(module).splitlines()[0].rstrip("(")
-    return f"module '{path}' ({summary})" if path else f"module {summary}"
+    return f"module '{path or '<root>'}' ({summary})" if path is not None else f"module {summary}"
