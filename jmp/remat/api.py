@@ -11,6 +11,11 @@ needs it for layers taking tuples, because torch autograd sees only top-level te
 every tensor in any structure of arguments is an input of the checkpoint, so it changes nothing.
 Random state is always preserved (``preserve_rng_state``): the random stream is part of the module state
 that the recomputation replays. Outside a step (plain PyTorch), ``checkpoint`` just calls the module.
+
+What a checkpointed module leaves behind must come out through its outputs, its buffers or in-place
+changes of its tensor arguments; values it stores in other objects (a key/value cache passed in) belong
+to the checkpoint's trace and cannot be used after it. Call Hugging Face models with ``use_cache=False``
+when checkpointing their layers, as Hugging Face's own gradient checkpointing does.
 """
 
 from __future__ import annotations
@@ -25,14 +30,13 @@ from typing import Any
 from torch import nn
 
 from jmp import state
+from jmp.config import Config
 from jmp.errors import ConfigError, StepError
 from jmp.remat import context, region
 from jmp.remat.groups import LayerGroups
 from jmp.remat.policies import Policy, Resolved, parse_policy, resolve
 from jmp.remat.strategies import groups, parse_strategy
 from jmp.torch_bridge.module import TorchModule, call_hooks
-
-_DEFAULT_HORIZON = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +109,8 @@ def checkpoint_sequential(
     sequential_module: nn.Sequential,
     input: Any,
     strategy: str = "each",
-    pack_args_as_tuple: bool = False,
     preserve_rng_state: bool = True,
+    pack_args_as_tuple: bool = False,
     policy: Any = None,
 ) -> Any:
     """Run an ``nn.Sequential`` (each layer fed the previous output) in checkpoints grouped by ``strategy``."""
@@ -168,7 +172,7 @@ def _resolve(policy: Policy | None) -> Resolved:
     if policy is None:
         policy = parse_policy(config.activation_checkpointing_policy if config else "full", "config")
     offload = bool(config and config.offload_activations)
-    if offload and config.activation_loading_horizon != _DEFAULT_HORIZON:
+    if offload and config.activation_loading_horizon != Config.activation_loading_horizon:
         warnings.warn(
             "activation_loading_horizon has no effect: XLA schedules the copies of offloaded activations back "
             "to the device itself, overlapping them with the backward pass.",

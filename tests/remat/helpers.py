@@ -72,6 +72,16 @@ def primitives(step, *args) -> collections.Counter:
     return collections.Counter(eqn.primitive.name for eqn in _equations(step.trace(*args).jaxpr))
 
 
+def saved_shapes(step, *args) -> collections.Counter:
+    """Shapes of the values the backward pass's recomputations start from (inputs and what the policy keeps)."""
+    return collections.Counter(
+        tuple(v.aval.shape)
+        for eqn in _equations(step.trace(*args).jaxpr)
+        if eqn.primitive.name == "remat2"
+        for v in eqn.invars
+    )
+
+
 def recomputations(step, *args) -> int:
     """How many checkpointed regions the step's backward pass recomputes."""
     return primitives(step, *args)["remat2"]

@@ -21,6 +21,7 @@ from tests.remat.helpers import (
     lm_without_checkpointing,
     primitives,
     recomputations,
+    saved_shapes,
     token_batch,
 )
 
@@ -105,3 +106,5 @@ def test_example_3_hugging_face_layers_checkpointed_each_keep_gradients_with_dro
     program = primitives(lm_step, model, ids)
     assert program["remat2"] == 3
     assert program["random_bits"] > 0, "dropout draws masks in the step"
+    saved = saved_shapes(lm_step, model, ids)
+    assert saved[(8, 16, 32)] > 0 and saved[(8, 16, 128)] == saved[(8, 4, 16, 16)] == 0  # inputs, no internals

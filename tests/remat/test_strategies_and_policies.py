@@ -7,10 +7,12 @@ from tests.helpers import assert_close
 from tests.remat.helpers import (
     assert_same_grads,
     gpt2,
+    host_transfers,
     lm_loss_and_grads,
     lm_step,
     lm_without_checkpointing,
-    primitives,
+    recomputations,
+    saved_shapes,
     token_batch,
 )
 
@@ -25,26 +27,32 @@ def _checkpointed(microbatches: int = 1, config: dict | None = None, **annotatio
     loss, grads = lm_loss_and_grads(model, ids)
     assert_close(loss, expected_loss, 1e-6)
     assert_same_grads(grads, expected)
-    return primitives(lm_step, model, ids)
+    return model, ids
 
 
 @pytest.mark.parametrize(("strategy", "microbatches", "checkpoints"), [("group_2", 2, 2), ("contiguous", 1, 1)])
 def test_grouping_strategies_checkpoint_runs_of_layers_with_unchanged_gradients(strategy, microbatches, checkpoints):
     # 3 layers: group_2 -> [0, 1], [2]; contiguous -> [0, 1, 2]. Two microbatches trace the layers in a scan.
-    assert _checkpointed(microbatches, strategy=strategy)["remat2"] == checkpoints
+    model, ids = _checkpointed(microbatches, strategy=strategy)
+    assert recomputations(lm_step, model, ids) == checkpoints
+
+
+# Shapes in gpt2() on token_batch(8): batch 8, sequence 16, width 32, 4 heads, MLP width 128.
+SCORES, QKV, MLP_HIDDEN = (8, 4, 16, 16), (8, 16, 96), (8, 16, 128)
 
 
 @pytest.mark.parametrize(
-    ("annotation", "config", "named"),
+    ("annotation", "config", "kept", "offloaded"),
     [
-        ({"policy": "save_matmuls"}, {}, 0),
-        ({"policy": "save_names:attn,mlp.c_fc"}, {}, 6),
-        ({}, {"activation_checkpointing_policy": "offload_names:attn"}, 3),  # the config's default policy
+        ({"policy": "save_matmuls"}, {}, {SCORES: 3}, 0),  # attention scores are a matmul output
+        ({"policy": "save_names:attn.c_attn,mlp.c_fc"}, {}, {QKV: 3, MLP_HIDDEN: 3}, 0),
+        ({}, {"activation_checkpointing_policy": "offload_names:mlp.c_fc"}, {MLP_HIDDEN: 3}, 3),  # the config's
     ],
 )
-def test_policies_keep_what_they_name_with_unchanged_gradients(annotation, config, named):
-    program = _checkpointed(config=config, **annotation)
-    assert program["remat2"] == 3
-    assert program["name"] == named  # one checkpoint_name per named activation and layer
-    offloading = "offload" in str(annotation) + str(config)
-    assert program["device_put"] >= (named if offloading else 0)
+def test_policies_keep_what_they_name_for_the_backward_pass_with_unchanged_gradients(
+    annotation, config, kept, offloaded
+):
+    model, ids = _checkpointed(config=config, **annotation)
+    saved = saved_shapes(lm_step, model, ids)
+    assert {shape: saved[shape] for shape in kept} == kept  # one per layer
+    assert host_transfers(lm_step, model, ids) == offloaded
