@@ -1,5 +1,6 @@
 """Strategies and policies change what the backward pass keeps, never the loss or gradients (dropout on)."""
 
+import jax
 import pytest
 
 import jmp as smp
@@ -45,7 +46,7 @@ SCORES, QKV, MLP_HIDDEN = (8, 4, 16, 16), (8, 16, 96), (8, 16, 128)
     ("annotation", "config", "kept", "offloaded"),
     [
         ({"policy": "save_matmuls"}, {}, {SCORES: 3}, 0),  # attention scores are a matmul output
-        ({"policy": "save_names:attn.c_attn,mlp.c_fc"}, {}, {QKV: 3, MLP_HIDDEN: 3}, 0),
+        ({"policy": smp.RematPolicy("save_names", ("attn.c_attn", "mlp.c_fc"))}, {}, {QKV: 3, MLP_HIDDEN: 3}, 0),
         ({}, {"activation_checkpointing_policy": "offload_names:mlp.c_fc"}, {MLP_HIDDEN: 3}, 3),  # the config's
     ],
 )
@@ -56,3 +57,12 @@ def test_policies_keep_what_they_name_for_the_backward_pass_with_unchanged_gradi
     saved = saved_shapes(lm_step, model, ids)
     assert {shape: saved[shape] for shape in kept} == kept  # one per layer
     assert host_transfers(lm_step, model, ids) == offloaded
+
+
+def test_a_jax_policy_function_can_be_given_directly():
+    smp.init()
+    model = smp.DistributedModel(gpt2())
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable  # keeps projections, not attention scores
+    smp.set_activation_checkpointing(model.module.transformer.h, policy=policy)
+    saved = saved_shapes(lm_step, model, token_batch())
+    assert saved[(128, 96)] == saved[(128, 128)] == 3 and saved[SCORES] == 0  # (the projections flatten the batch)
