@@ -24,6 +24,8 @@ from jmp.errors import (
 )
 from jmp.model import DistributedModel
 from jmp.optimizer import DistributedOptimizer
+from jmp.remat.api import checkpoint, checkpoint_sequential, set_activation_checkpointing
+from jmp.remat.policies import RematPolicy
 from jmp.sharding import set_tensor_parallelism, tensor_parallelism
 from jmp.state import (
     dp_rank,
@@ -56,10 +58,13 @@ __all__ = [
     "DistributedOptimizer",
     "JmpError",
     "LoweringError",
+    "RematPolicy",
     "StepError",
     "StepOutput",
     "TracedControlFlowError",
     "UnsupportedOpError",
+    "checkpoint",
+    "checkpoint_sequential",
     "dp_rank",
     "dp_size",
     "get_config",
@@ -76,6 +81,7 @@ __all__ = [
     "rdp_rank",
     "rdp_size",
     "set_tensor_parallelism",
+    "set_activation_checkpointing",
     "size",
     "step",
     "tensor_parallelism",

@@ -11,6 +11,7 @@ import difflib
 from typing import Any
 
 from jmp.errors import ConfigError
+from jmp.remat.policies import parse_policy
 
 ALIASES = {"partitions": "pipeline_parallel_degree", "hybrid_shard_degree": "sharded_data_parallel_degree"}
 
@@ -37,6 +38,7 @@ class Config:
     shard_optimizer_state: bool = False
     offload_activations: bool = False
     activation_loading_horizon: int = 4
+    activation_checkpointing_policy: str = "full"  # jmp: the remat policy of checkpointed modules (see jmp.remat)
     delayed_parameter_initialization: bool = False
     prescaled_batch: bool = False
     random_seed: int = 0x12345678
@@ -133,6 +135,8 @@ def _check_value(name: str, value: Any) -> None:
     elif name == "expert_capacity_factor":
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ConfigError(f"config key 'expert_capacity_factor' must be a positive number or None, not {value!r}")
+    elif name == "activation_checkpointing_policy":
+        parse_policy(value, "config key 'activation_checkpointing_policy'")
     elif name == "random_seed":
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"config key 'random_seed' must be a non-negative integer, not {value!r}")

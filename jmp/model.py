@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp import sharding, state
 from jmp.errors import ConfigError, StepError
+from jmp.remat import api as remat
 from jmp.sharding import experts
 from jmp.torch_bridge import JaxTensor, TorchModule, convert, named_variables, to_state_dict, torch_name
 from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
@@ -45,7 +46,6 @@ _TRACE: contextvars.ContextVar[_Trace | None] = contextvars.ContextVar("jmp_mode
 # Config keys whose features later work will add; until then a model refuses them rather than ignoring them.
 _NOT_YET = {
     "pipeline_parallel_degree": 1,
-    "offload_activations": False,
     "delayed_parameter_initialization": False,
     "fp16": False,
     "bf16": False,
@@ -90,6 +90,7 @@ class DistributedModel:
         self._loss_scale = 1.0  # set by DistributedOptimizer(static_loss_scale=...)
         self._step_programs: dict = {}  # compiled step functions for this model (see jmp.step)
         _LATEST[:] = [weakref.ref(self)]
+        remat.track(self)
 
     # --- inside a step function -------------------------------------------------------------------------
 
@@ -127,7 +128,8 @@ class DistributedModel:
         trace = _Trace(module)
         token = _TRACE.set(trace)
         try:
-            yield trace
+            with remat.tracing(self.module, module):  # activation checkpointing of annotated modules
+                yield trace
         finally:
             _TRACE.reset(token)
 

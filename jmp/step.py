@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jmp import state
 from jmp.errors import StepError
 from jmp.model import DistributedModel, latest_model
+from jmp.remat import xla as remat_xla
 from jmp.sharding import experts
 from jmp.torch_bridge import JaxTensor, call_hooks, dispatch
 from jmp.torch_bridge.dtypes import to_torch_dtype
@@ -142,6 +143,11 @@ class StepFunction:
         model, arrays, program, _ = self._prepare(args, kwargs)
         return program.lower(model._params, model._rest, arrays)
 
+    def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
+        """JAX's ``Traced`` of the program this call would run (``.jaxpr``: what the step computes, before XLA)."""
+        model, arrays, program, _ = self._prepare(args, kwargs)
+        return program.trace(model._params, model._rest, arrays)
+
     # --- inputs ---------------------------------------------------------------------------------------------
 
     def _prepare(self, args: tuple, kwargs: dict):
@@ -190,7 +196,8 @@ class StepFunction:
             run = functools.partial(
                 self._run, model, model._graphdef, spec, leaves, microbatches, shards, model._loss_scale, traced
             )
-            model._step_programs[key] = (jax.jit(run, donate_argnums=(1,)), traced)
+            options = remat_xla.compiler_options(state.get_mesh().devices.flat[0].platform)
+            model._step_programs[key] = (jax.jit(run, donate_argnums=(1,), compiler_options=options), traced)
         return model._step_programs[key]
 
     def _run(self, model, graphdef, spec, leaves, microbatches, shards, scale, traced, params, rest, arrays):

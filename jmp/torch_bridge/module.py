@@ -88,10 +88,7 @@ class TorchModule(nnx.Module):
 
     def torch_call(self, *args: Any, **kwargs: Any) -> Any:
         """The call torch code makes (JaxTensors in and out), through any call hooks on this module."""
-        call = self._torch_forward
-        for hook in reversed(_CALL_HOOKS.get().get(self._torch_path, ())):
-            call = _hooked(hook, self, call)
-        return call(*args, **kwargs)
+        return hooked_call(self)(*args, **kwargs)
 
     def _torch_forward(self, *args: Any, **kwargs: Any) -> Any:
         with dispatch.scope(self._torch_path, type(self._torch_module).__name__):
@@ -167,6 +164,28 @@ class _Redirect:
 
 def _hooked(hook: CallHook, module: TorchModule, call: Callable) -> Callable:
     return lambda *args, **kwargs: hook(module, call, *args, **kwargs)
+
+
+def hooked_call(module: TorchModule, inside: CallHook | None = None) -> Callable[..., Any]:
+    """``module``'s torch call through the hooks on its path; with ``inside``, only the hooks nested in that one.
+
+    A hook that runs the module in another form (a copy of it, inside a JAX transform) calls this
+    with itself as ``inside`` to keep the hooks nested in it (all of them if it is not on this path).
+    """
+    hooks = _CALL_HOOKS.get().get(module._torch_path, ())
+    position = next((i for i, hook in enumerate(hooks) if hook is inside), None)
+    if position is not None:
+        hooks = hooks[position + 1 :]
+    call = module._torch_forward
+    for hook in reversed(hooks):
+        call = _hooked(hook, module, call)
+    return call
+
+
+def twin_of(torch_module: torch.nn.Module) -> TorchModule | None:
+    """The converted module that calls of ``torch_module`` reach while a converted forward runs (else None)."""
+    forward = torch_module.__dict__.get("forward")
+    return forward.module if isinstance(forward, _Redirect) else None
 
 
 def walk(module: TorchModule) -> Iterator[TorchModule]:

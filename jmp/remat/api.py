@@ -1,0 +1,198 @@
+"""The smp activation-checkpointing functions, on ``jax.checkpoint``.
+
+- ``checkpoint(module, *args)`` inside a forward: that call of ``module`` is one checkpoint.
+- ``checkpoint_sequential(seq, x, strategy=...)``: an ``nn.Sequential`` run in checkpointed groups.
+- ``set_activation_checkpointing(module, strategy=..., policy=...)`` on a submodule (or a container of
+  layers) of a model wrapped in ``DistributedModel``: every call of it in a step is checkpointed.
+
+A checkpointed module keeps only its inputs for the backward pass (and what its policy keeps, see
+``policies``) and recomputes the rest there. ``pack_args_as_tuple`` is accepted for SMP's signature: SMP
+needs it for layers taking tuples, because torch autograd sees only top-level tensor arguments; here
+every tensor in any structure of arguments is an input of the checkpoint, so it changes nothing.
+Random state is always preserved (``preserve_rng_state``): the random stream is part of the module state
+that the recomputation replays. Outside a step (plain PyTorch), ``checkpoint`` just calls the module.
+
+What a checkpointed module leaves behind must come out through its outputs, its buffers or in-place
+changes of its tensor arguments; values it stores in other objects (a key/value cache passed in) belong
+to the checkpoint's trace and cannot be used after it. Call Hugging Face models with ``use_cache=False``
+when checkpointing their layers, as Hugging Face's own gradient checkpointing does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from jmp import state
+from jmp.config import Config
+from jmp.errors import ConfigError, StepError
+from jmp.remat import context, region
+from jmp.remat.groups import LayerGroups
+from jmp.remat.policies import Policy, Resolved, parse_policy, resolve
+from jmp.remat.strategies import groups, parse_strategy
+from jmp.torch_bridge.module import TorchModule, call_hooks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Annotation:
+    strategy: str
+    policy: Policy | None  # None: the config's activation_checkpointing_policy
+
+
+_ANNOTATIONS: weakref.WeakKeyDictionary[nn.Module, _Annotation] = weakref.WeakKeyDictionary()
+_MODELS: weakref.WeakSet = weakref.WeakSet()  # live DistributedModels, to find the one a module belongs to
+
+
+def track(model: Any) -> None:
+    """Register a ``DistributedModel`` so that its modules can be annotated."""
+    _MODELS.add(model)
+
+
+def set_activation_checkpointing(
+    module: nn.Module,
+    preserve_rng_state: bool = True,
+    pack_args_as_tuple: bool = False,
+    strategy: str = "each",
+    policy: Policy | str | None = None,
+) -> None:
+    """Checkpoint every call of ``module`` (a container: its layers, grouped by ``strategy``) in steps.
+
+    ``module`` is part of a model already wrapped in ``smp.DistributedModel`` (reach it through
+    ``model.module``). ``policy`` defaults to the config's ``activation_checkpointing_policy``.
+    """
+    where = "smp.set_activation_checkpointing"
+    _check_flags(where, preserve_rng_state, pack_args_as_tuple)
+    strategy = parse_strategy(strategy, where)
+    parsed = None if policy is None else parse_policy(policy, where)
+    if not isinstance(module, nn.Module):
+        raise StepError(f"{where} takes a torch.nn.Module of the model, not a {type(module).__name__}")
+    owners = [m for m in _MODELS if any(sub is module for sub in m.module.modules())]
+    if not owners:
+        raise StepError(
+            f"{where}: the {_describe(module)} is not part of a model wrapped in smp.DistributedModel. Wrap the "
+            "model first, then pass one of its submodules, reached through model.module (e.g. "
+            "model.module.transformer.h)."
+        )
+    if strategy != "each" and not _is_container(module):
+        raise ConfigError(
+            f"{where}: strategy '{strategy}' groups the layers of an nn.Sequential or nn.ModuleList, but the "
+            f"{_describe(module, owners[0].module)} is not one; use strategy='each' (the module is one checkpoint)."
+        )
+    _ANNOTATIONS[module] = _Annotation(strategy, parsed)
+    for model in owners:
+        model._step_programs.clear()  # programs traced before the annotation do not checkpoint
+
+
+def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, policy: Any = None, **kwargs: Any):
+    """``module(*args, **kwargs)`` as one checkpoint (inside a forward); outside a step, just the call."""
+    where = "smp.checkpoint"
+    _check_flags(where, preserve_rng_state, False)
+    parsed = None if policy is None else parse_policy(policy, where)
+    if not isinstance(module, nn.Module):
+        raise StepError(
+            f"{where} takes a torch.nn.Module of the model, not a {type(module).__name__}; put the computation "
+            "in a submodule of the model and checkpoint that."
+        )
+    twin = _twin(module, where)
+    if twin is None:
+        return module(*args, **kwargs)
+    return region.run([twin], [None], args, kwargs, _resolve(parsed))[0]
+
+
+def checkpoint_sequential(
+    sequential_module: nn.Sequential,
+    input: Any,
+    strategy: str = "each",
+    preserve_rng_state: bool = True,
+    pack_args_as_tuple: bool = False,
+    policy: Any = None,
+) -> Any:
+    """Run an ``nn.Sequential`` (each layer fed the previous output) in checkpoints grouped by ``strategy``."""
+    where = "smp.checkpoint_sequential"
+    _check_flags(where, preserve_rng_state, pack_args_as_tuple)
+    strategy = parse_strategy(strategy, where)
+    parsed = None if policy is None else parse_policy(policy, where)
+    if not isinstance(sequential_module, nn.Sequential):
+        raise StepError(f"{where} takes an nn.Sequential, not a {type(sequential_module).__name__}")
+    twin = _twin(sequential_module, where)
+    if twin is None:
+        return sequential_module(input)
+    layers = [child for _, child in twin.children_items()]
+    resolved = _resolve(parsed)
+    for group in groups(strategy, len(layers)):
+        units = [layers[i] for i in group]
+        input = region.run(units, [None] * len(units), (input,), {}, resolved, "whole")[-1]
+    return input
+
+
+@contextlib.contextmanager
+def tracing(torch_root: nn.Module, twin_root: TorchModule) -> Iterator[None]:
+    """While a step traces a model: its annotated modules are checkpointed, and ``checkpoint`` finds its twins."""
+    with context.tracing(torch_root, twin_root) as trace, call_hooks(_annotation_hooks(trace)):
+        yield
+
+
+def _annotation_hooks(trace: context.Trace) -> dict[str, Any]:
+    hooks: dict[str, Any] = {}
+    for path, module in trace.modules.items():
+        annotation = _ANNOTATIONS.get(module)
+        if annotation is None:
+            continue
+        if _is_container(module):
+            names = [name for name, child in module.named_children() if child is not None]
+            paths = [f"{path}.{name}" if path else name for name in names]
+            chain = "whole" if isinstance(module, nn.Sequential) else "first"
+        else:
+            paths, chain = [path], "whole"
+        resolved = _resolve(annotation.policy)
+        hook = LayerGroups(paths, groups(annotation.strategy, len(paths)), resolved, chain, annotation.strategy)
+        hooks.update({p: hook for p in paths})
+    return hooks
+
+
+def _twin(module: nn.Module, where: str) -> TorchModule | None:
+    """``module``'s converted twin when a converted forward or a step is running; None in plain PyTorch."""
+    twin = context.twin_for(module)
+    if twin is None and context.current() is not None:
+        raise StepError(
+            f"{where}: the {_describe(module)} is not part of the model this step runs; checkpoint a "
+            "submodule of the model (e.g. self.fc1 in its forward)."
+        )
+    return twin
+
+
+def _resolve(policy: Policy | None) -> Resolved:
+    config = state.get_config() if state.is_initialized() else None
+    if policy is None:
+        policy = parse_policy(config.activation_checkpointing_policy if config else "full", "config")
+    offload = bool(config and config.offload_activations)
+    if offload and config.activation_loading_horizon != Config.activation_loading_horizon:
+        warnings.warn(
+            "activation_loading_horizon has no effect: XLA schedules the copies of offloaded activations back "
+            "to the device itself, overlapping them with the backward pass.",
+            stacklevel=3,
+        )
+    return resolve(policy, offload)
+
+
+def _check_flags(where: str, preserve_rng_state: Any, pack_args_as_tuple: Any) -> None:
+    for name, value in (("preserve_rng_state", preserve_rng_state), ("pack_args_as_tuple", pack_args_as_tuple)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {name} must be True or False, not {value!r}")
+
+
+def _is_container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Sequential, nn.ModuleList))
+
+
+def _describe(module: nn.Module, root: nn.Module | None = None) -> str:
+    """'module 'a.b' (Type(...))': its path in ``root`` (else in the traced model) and its summary."""
+    path = context.path_of(module) if root is None else next((p for p, m in root.named_modules() if m is module), None)
+    summary = repr(module).splitlines()[0].rstrip("(")
+    return f"module '{path or '<root>'}' ({summary})" if path is not None else f"module {summary}"

@@ -1,0 +1,123 @@
+"""Remat policies: what a checkpointed module keeps for the backward pass, as presets over ``jax.checkpoint_policies``.
+
+A policy is written as a preset name, with activation names after a colon where the preset takes them:
+``"full"``, ``"save_matmuls"``, ``"save_names:attn,mlp"``, ``"offload_names:attn"``. An activation name is
+the output of a submodule, named by its torch path relative to the checkpointed module (``"attn"``,
+``"mlp.c_fc"``), or ``"input"``: the checkpointed module's own tensor inputs.
+
+With ``offload_activations`` in the config, what a checkpointed module keeps goes to host memory
+(``pinned_host``) instead of staying on the device: its inputs, and the named activations of the name presets.
+Matmul outputs kept by ``"save_matmuls"`` stay on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jmp.errors import ConfigError
+
+INPUT = "input"  # the activation name of a checkpointed module's tensor inputs
+
+PRESETS = {
+    "full": "recompute everything inside the module; keep only its inputs (the default)",
+    "save_matmuls": "keep matmul outputs, recompute the rest",
+    "save_names": "keep the named activations ('save_names:attn,mlp'), recompute the rest",
+    "offload_names": "move the named activations to host memory ('offload_names:attn'), recompute the rest",
+}
+_TAKES_NAMES = ("save_names", "offload_names")
+
+_OFFLOAD = dict(offload_src="device", offload_dst="pinned_host")
+# jax's "recompute" answer, read from a public policy that saves nothing (the enum itself is private)
+_RECOMPUTE = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=(), names_which_can_be_offloaded=(), **_OFFLOAD
+)(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    """A preset and, for the name presets, the activation names it keeps or offloads."""
+
+    preset: str
+    names: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return self.preset + (":" + ",".join(self.names) if self.names else "")
+
+
+Policy = RematPolicy | Callable[..., Any]  # a preset, or any jax.checkpoint_policies policy
+
+
+def parse_policy(value: Any, where: str) -> Policy:
+    """``value`` (a preset string, a ``RematPolicy``, or a jax policy function) checked; ``where`` names its origin."""
+    if isinstance(value, RematPolicy):
+        value = str(value)
+    elif callable(value):
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{where}: a remat policy is a preset name or a jax.checkpoint_policies policy, not {value!r}"
+        )
+    preset, _, listed = value.partition(":")
+    preset = preset.strip()
+    names = tuple(n.strip() for n in listed.split(",") if n.strip())
+    if preset not in PRESETS:
+        valid = "; ".join(f"'{name}': {meaning}" for name, meaning in PRESETS.items())
+        raise ConfigError(f"{where}: unknown remat policy '{preset}'. Valid policies: {valid}.")
+    if preset in _TAKES_NAMES and not names:
+        raise ConfigError(f"{where}: policy '{preset}' needs activation names, e.g. '{preset}:attn,mlp'")
+    if preset not in _TAKES_NAMES and names:
+        raise ConfigError(f"{where}: policy '{preset}' takes no activation names; use 'save_names:...' for that")
+    return RematPolicy(preset, names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A policy made concrete for ``jax.checkpoint``: the jax policy and the activations to name for it."""
+
+    jax_policy: Callable[..., Any]
+    names: frozenset[str]  # submodule outputs to tag with ``checkpoint_name`` (relative torch paths)
+    tag_inputs: bool  # tag the module's inputs as ``INPUT``
+
+
+def resolve(policy: Policy, offload: bool) -> Resolved:
+    """The jax policy for ``policy``; with ``offload``, what it keeps goes to ``pinned_host`` memory."""
+    if not isinstance(policy, RematPolicy):
+        if not offload:
+            return Resolved(policy, frozenset(), False)
+        return Resolved(_first_of(_offloading((INPUT,)), policy), frozenset(), True)
+    names = set(policy.names)
+    saved = names if policy.preset == "save_names" else set()
+    offloaded = names if policy.preset == "offload_names" else set()
+    if offload:
+        offloaded, saved = offloaded | saved | {INPUT}, set()
+    base = jax.checkpoint_policies.dots_saveable if policy.preset == "save_matmuls" else None
+    tagged = frozenset((saved | offloaded) - {INPUT})
+    tag_inputs = INPUT in saved | offloaded
+    if not saved and not offloaded:
+        return Resolved(base or jax.checkpoint_policies.nothing_saveable, tagged, tag_inputs)
+    named = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=tuple(sorted(saved)), names_which_can_be_offloaded=tuple(sorted(offloaded)), **_OFFLOAD
+    )
+    return Resolved(named if base is None else _first_of(named, base), tagged, tag_inputs)
+
+
+def _offloading(names: tuple[str, ...]) -> Callable[..., Any]:
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=names, **_OFFLOAD
+    )
+
+
+def _first_of(first: Callable[..., Any], second: Callable[..., Any]) -> Callable[..., Any]:
+    """``first``'s answer where it keeps or offloads a value, else ``second``'s."""
+
+    def policy(prim: Any, *args: Any, **params: Any) -> Any:
+        answer = first(prim, *args, **params)
+        if answer is _RECOMPUTE or answer is False:
+            return second(prim, *args, **params)
+        return answer
+
+    return policy

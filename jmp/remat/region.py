@@ -1,0 +1,162 @@
+"""One ``jax.checkpoint`` around a run of converted modules: ``(state, inputs) -> (outputs, new state)``.
+
+The modules' NNX state enters the checkpointed function as inputs and is merged into copies there (NNX
+Variables cannot change across trace levels), so buffer updates and random-stream counts come back out
+as outputs. The random stream is part of that state: the recomputation in the backward pass replays the
+same keys, so dropout draws the same masks and gradients equal those of the run without checkpointing.
+Parameters are read-only inside (as under ``torch.utils.checkpoint``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jmp.errors import ConfigError, StepError
+from jmp.remat import context
+from jmp.remat.policies import INPUT, Resolved
+from jmp.torch_bridge import dispatch
+from jmp.torch_bridge.module import CallHook, TorchModule, call_hooks, hooked_call, walk
+from jmp.torch_bridge.tensor import JaxTensor
+
+
+def run(
+    units: Sequence[TorchModule],
+    inside: Sequence[CallHook | None],
+    args: tuple,
+    kwargs: dict,
+    policy: Resolved,
+    chain: str = "whole",
+) -> list[Any]:
+    """Run ``units`` in order as one checkpoint; returns each unit's output (JaxTensors).
+
+    ``units[0]`` takes ``args``/``kwargs``; each later unit takes the previous output as its first
+    argument (``chain``: "whole" passes the output itself, "first" its first element when it is a
+    tuple) and the same other arguments. ``inside[k]`` is the hook ``units[k]`` is called from (its
+    nested hooks still apply) or None (all hooks on its path apply).
+    """
+    rngs = dispatch.current_rngs()
+    graph = (tuple(units), rngs)
+    graphdef, params, rest = nnx.split(graph, nnx.Param, ...)
+    flat, spec = torch_pytree.tree_flatten((args, kwargs))
+    dynamic = [i for i, leaf in enumerate(flat) if isinstance(leaf, JaxTensor)]
+    inputs = [flat[i] for i in dynamic]
+    versions = _binding_versions(units)
+    traced: dict[str, Any] = {}
+
+    def region(params: nnx.State, rest: nnx.State, arrays: list[jax.Array]):
+        copies, inner_rngs = nnx.merge(graphdef, params, rest, copy=True)
+        if policy.names:
+            _check_names(copies, policy.names)
+        if policy.tag_inputs:
+            arrays = [checkpoint_name(a, INPUT) for a in arrays]
+        wrapped = [JaxTensor(a, t.dtype) for a, t in zip(arrays, inputs)]
+        leaves = list(flat)
+        for i, tensor in zip(dynamic, wrapped):
+            leaves[i] = tensor
+        call_args, call_kwargs = torch_pytree.tree_unflatten(leaves, spec)
+        outputs = []
+        with context.copies(copies), dispatch.session(inner_rngs):
+            for k, copy in enumerate(copies):
+                with call_hooks(_naming_hooks(copy, policy.names)):
+                    out = hooked_call(copy, inside[k])(*call_args, **call_kwargs)
+                outputs.append(out)
+                if k + 1 < len(copies):
+                    call_args = (next_input(out, chain, copy._torch_path),) + tuple(call_args[1:])
+        out_flat, traced["spec"] = torch_pytree.tree_flatten(outputs)
+        traced["leaves"] = [None if isinstance(v, JaxTensor) else v for v in out_flat]
+        traced["dtypes"] = [v.dtype for v in out_flat if isinstance(v, JaxTensor)]
+        traced["mutated"] = [i for i, t in enumerate(wrapped) if t._jmp_version > 0]
+        mutated = [wrapped[i].value for i in traced["mutated"]]
+        new_rest = nnx.split((copies, inner_rngs), nnx.Param, ...)[2]
+        return [v.value for v in out_flat if isinstance(v, JaxTensor)], mutated, new_rest
+
+    checkpointed = jax.checkpoint(region, policy=policy.jax_policy)
+    out_arrays, mutated, new_rest = checkpointed(params, rest, [t.value for t in inputs])
+    nnx.update(graph, new_rest)
+    _refresh_bindings(units, versions)
+    for i, value in zip(traced["mutated"], mutated):
+        inputs[i].set_value(value)  # an in-place change of an input shows outside, as in torch
+    arrays = iter(zip(out_arrays, traced["dtypes"]))
+    leaves = [JaxTensor(*next(arrays)) if leaf is None else leaf for leaf in traced["leaves"]]
+    return torch_pytree.tree_unflatten(leaves, traced["spec"])
+
+
+def next_input(out: Any, chain: str, path: str) -> Any:
+    """What the layer after the one at ``path`` takes as its first argument, given that layer's output."""
+    if chain == "whole" or isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise StepError(
+        f"checkpointing layers in groups needs each layer to return a tensor or a tuple starting with one "
+        f"(the next layer's input); '{path}' returned {type(out).__name__}. Use strategy='each'."
+    )
+
+
+def _naming_hooks(unit: TorchModule, names: frozenset[str]) -> dict[str, CallHook]:
+    """Hooks naming the outputs of ``unit``'s submodules listed in ``names`` (by path relative to ``unit``)."""
+    prefix = unit._torch_path + "." if unit._torch_path else ""
+    hooks = {}
+    for module in walk(unit):
+        relative = module._torch_path.removeprefix(prefix)
+        if module is not unit and relative in names:
+            hooks[module._torch_path] = _naming_hook(relative)
+    return hooks
+
+
+def _naming_hook(name: str) -> CallHook:
+    def hook(module: TorchModule, call: Any, *args: Any, **kwargs: Any) -> Any:
+        out = call(*args, **kwargs)
+        return torch_pytree.tree_map(
+            lambda v: JaxTensor(checkpoint_name(v.value, name), v.dtype) if isinstance(v, JaxTensor) else v, out
+        )
+
+    return hook
+
+
+def _check_names(units: Sequence[TorchModule], names: frozenset[str]) -> None:
+    valid = set()
+    for unit in units:
+        prefix = unit._torch_path + "." if unit._torch_path else ""
+        valid.update(m._torch_path.removeprefix(prefix) for m in walk(unit) if m is not unit)
+    unknown = sorted(names - valid)
+    if unknown:
+        where = ", ".join(f"'{u._torch_path or '<root>'}'" for u in units)
+        raise ConfigError(
+            f"remat policy names {unknown} are not submodules of the checkpointed module {where}. Valid names "
+            f"(torch paths relative to the checkpointed module, or '{INPUT}'): {', '.join(sorted(valid))}."
+        )
+
+
+def _bindings(units: Sequence[TorchModule]):
+    """(twin, name, torch tensor bound to it by an enclosing forward) for the units' parameters and buffers."""
+    for unit in units:
+        for module in walk(unit):
+            torch_module = module._torch_module
+            for name in module._torch_state_names:
+                slots = torch_module._parameters if name in torch_module._parameters else torch_module._buffers
+                tensor = slots.get(name)
+                if isinstance(tensor, JaxTensor):
+                    yield module, name, tensor
+
+
+def _binding_versions(units: Sequence[TorchModule]) -> dict[int, int]:
+    return {id(tensor): tensor._jmp_version for _, _, tensor in _bindings(units)}
+
+
+def _refresh_bindings(units: Sequence[TorchModule], before: dict[int, int]) -> None:
+    """Point tensors that an enclosing forward bound, and that the region updated, at the new outer values.
+
+    A generic module writes its buffer updates back into the tensors its parent bound; inside the
+    region those writes hold the region's values, which must not outlive it.
+    """
+    for module, name, tensor in _bindings(units):
+        if tensor._jmp_version != before.get(id(tensor), tensor._jmp_version):
+            tensor._value = getattr(module, name)[...]
