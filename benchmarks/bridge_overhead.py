@@ -12,14 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -29,6 +27,7 @@ from flax import nnx  # noqa: E402
 
 import jmp  # noqa: E402
 from benchmarks.reference_gpt2 import GPT2, causal_lm_loss, from_hf  # noqa: E402
+from benchmarks.results_io import machine, write_results  # noqa: E402
 
 LAYERS, D_MODEL, HEADS, VOCAB, SEQUENCE, BATCH = 4, 256, 4, 2048, 128, 8
 LR = 1e-4
@@ -131,13 +130,7 @@ def main() -> None:
             optimizer="AdamW",
             steps=args.steps,
         ),
-        "machine": dict(
-            platform=platform.platform(),
-            cpus=os.cpu_count(),
-            jax_backend=jax.default_backend(),
-            jax=jax.__version__,
-            torch=torch.__version__,
-        ),
+        "machine": machine(),
         "first_step_loss": dict(
             converted_jax=converted_first, torch_eager=torch_first, handwritten_nnx=reference_first
         ),
@@ -147,9 +140,7 @@ def main() -> None:
             "converted_over_torch_eager": medians["converted_jax"] / medians["torch_eager"],
         },
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_results(args.out, result)
     print(json.dumps(result, indent=2))
     np.testing.assert_allclose([converted_first, reference_first], torch_first, rtol=1e-4)
 

@@ -12,9 +12,7 @@ is written with its ratios to no checkpointing, as a table on stdout and as JSON
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +26,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import jmp as smp  # noqa: E402
+from benchmarks.results_io import machine, write_results  # noqa: E402
 
 LAYERS, D_MODEL, HEADS, VOCAB, SEQUENCE, BATCH = 4, 256, 4, 512, 512, 8
 
@@ -125,18 +124,10 @@ def main() -> None:
             mesh=dict(mesh.shape),
             dropout=0.1,
         ),
-        "machine": dict(
-            platform=platform.platform(),
-            cpus=os.cpu_count(),
-            jax=jax.__version__,
-            devices=jax.device_count(),
-            backend=jax.default_backend(),
-        ),
+        "machine": machine(),
         "variants": variants,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_results(args.out, result)
     print(f"{'variant':<28}{'temp MiB':>10}{'temp ratio':>12}{'step s':>10}{'time ratio':>12}")
     for name, v in variants.items():
         print(

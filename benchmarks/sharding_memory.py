@@ -64,10 +64,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
-import platform
 import re
 import sys
 import time
@@ -77,12 +75,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import flax  # noqa: E402
 import jax  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import jmp as smp  # noqa: E402
+from benchmarks.results_io import machine, write_results  # noqa: E402
 from jmp.errors import ConfigError  # noqa: E402
 
 BATCH, SEQUENCE, POSITIONS, VOCAB, LR = 8, 64, 96, 640, 1e-3
@@ -415,19 +413,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict:
-    return dict(
-        platform=platform.platform(),
-        cpus=os.cpu_count(),
-        jax=jax.__version__,
-        flax=flax.__version__,
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        devices=jax.device_count(),
-        backend=jax.default_backend(),
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/sharding_memory.json")
@@ -441,7 +426,7 @@ def main() -> None:
         print(f"\n{e['model']} {e['strategy']}={e['degree']}: {e['error']}")
     result = {
         "what": __doc__.split("\n\n")[0],
-        "machine": machine(),
+        "machine": {**machine(), "transformers": transformers.__version__},
         "config": dict(
             batch=BATCH,
             sequence=SEQUENCE,
@@ -460,9 +445,7 @@ def main() -> None:
         "rows": rows,
         "errors": errors,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2, default=str)
+    write_results(args.out, result)
     print(f"\nwrote {args.out}")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from torch import nn  # noqa: E402
 
 import jmp as smp  # noqa: E402
+from benchmarks.results_io import machine, write_results  # noqa: E402
 
 BATCH, WIDTH, DEPTH, CLASSES, LR, MOMENTUM = 256, 1024, 4, 10, 0.01, 0.9
 
@@ -116,20 +116,12 @@ def main() -> None:
         "config": dict(
             batch=BATCH, width=WIDTH, depth=DEPTH, optimizer="SGD momentum", steps=args.steps, mesh=dict(mesh.shape)
         ),
-        "machine": dict(
-            platform=platform.platform(),
-            cpus=os.cpu_count(),
-            jax=jax.__version__,
-            devices=jax.device_count(),
-            backend=jax.default_backend(),
-        ),
+        "machine": machine(),
         "median_step_seconds": medians,
         "ratio_smp_over_handwritten": medians["smp_step"] / medians["handwritten_jit"],
         "median_of_paired_ratios": statistics.median(paired),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_results(args.out, result)
     print(json.dumps(result, indent=2))
 
 
