@@ -1,0 +1,119 @@
+"""The forward pass of one microbatch as a jaxpr, with each equation's enclosing module calls.
+
+While the forward is traced, every converted module's call runs inside a ``jax.named_scope``
+``"jmp:<torch path>#<call number>"``; the scopes come out on the equations' name stacks, so each
+top-level equation knows which module calls it belongs to. Stages are contiguous runs of these
+equations (``stages.py``); ``run_equations`` evaluates any run of them on JAX values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core
+
+from jmp.torch_bridge.module import TorchModule, call_hooks
+
+_PREFIX = "jmp:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    path: str  # torch path ("" for the root)
+    number: int  # which call of that module in this trace (0 = first)
+
+    @property
+    def depth(self) -> int:
+        return 0 if not self.path else self.path.count(".") + 1
+
+
+@contextlib.contextmanager
+def module_scopes(paths: Iterable[str]) -> Iterator[None]:
+    """Within the block, calls of the modules at ``paths`` run inside named scopes (outside other call hooks)."""
+    counts: dict[str, int] = {}
+
+    def hook(module: TorchModule, call: Callable, *args: Any, **kwargs: Any) -> Any:
+        path = module._torch_path
+        number = counts.get(path, 0)
+        counts[path] = number + 1
+        with jax.named_scope(f"{_PREFIX}{path}#{number}"):
+            return call(*args, **kwargs)
+
+    with call_hooks({path: hook for path in paths}):
+        yield
+
+
+def calls_of(eqn: core.JaxprEqn) -> tuple[Call, ...]:
+    """The module calls enclosing an equation, outermost first."""
+    calls = []
+    for scope in eqn.source_info.name_stack.stack:
+        name = getattr(scope, "name", "")
+        if name.startswith(_PREFIX):
+            path, number = name[len(_PREFIX) :].rsplit("#", 1)
+            calls.append(Call(path, int(number)))
+    return tuple(calls)
+
+
+def run_equations(eqns: Sequence[core.JaxprEqn], env: dict) -> dict:
+    """Evaluate ``eqns`` in order, reading inputs from ``env`` (Var -> value) and adding their outputs."""
+    for eqn in eqns:
+        args = [read(env, v) for v in eqn.invars]
+        if eqn.primitive.name in ("jit", "pjit"):
+            # inlined: its stored jaxpr was traced outside the pipeline's shard_map, and its types name the
+            # mesh without the manual pp axis, which a call inside the shard_map must not carry
+            inner = eqn.params["jaxpr"]
+            local = dict(zip(inner.jaxpr.constvars, inner.consts)) | dict(zip(inner.jaxpr.invars, args))
+            run_equations(inner.jaxpr.eqns, local)
+            for var, value in zip(eqn.outvars, [read(local, v) for v in inner.jaxpr.outvars]):
+                if not isinstance(var, core.DropVar):
+                    env[var] = value
+            continue
+        params = eqn.primitive.get_bind_params(eqn.params)
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*args, **params)
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        for var, value in zip(eqn.outvars, outs):
+            if not isinstance(var, core.DropVar):
+                env[var] = value
+    return env
+
+
+def read(env: dict, var: Any) -> Any:
+    return var.val if isinstance(var, core.Literal) else env[var]
+
+
+def _reads_in_order(eqns: Sequence[core.JaxprEqn]) -> list:
+    return [v for eqn in eqns for v in eqn.invars if isinstance(v, core.Var)]
+
+
+def used_vars(eqns: Sequence[core.JaxprEqn]) -> set:
+    return {v for eqn in eqns for v in eqn.invars if isinstance(v, core.Var)}
+
+
+def defined_vars(eqns: Sequence[core.JaxprEqn]) -> set:
+    return {v for eqn in eqns for v in eqn.outvars if not isinstance(v, core.DropVar)}
+
+
+def flops(eqns: Sequence[core.JaxprEqn], constants: dict) -> float:
+    """XLA's estimate of the floating-point operations of a run of equations (its cost analysis)."""
+    if not eqns:
+        return 0.0
+    defined = defined_vars(eqns)
+    inputs = list(dict.fromkeys(v for v in _reads_in_order(eqns) if v not in defined and v not in constants))
+    needed = [v for eqn in eqns for v in eqn.outvars if not isinstance(v, core.DropVar)]
+
+    def segment(*values: Any) -> list:
+        env = dict(constants) | dict(zip(inputs, values))
+        env = run_equations(eqns, env)
+        return [env[v] for v in needed]
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs]
+    analysis = jax.jit(segment).lower(*avals).cost_analysis()
+    if isinstance(analysis, list):  # older JAX: one dict per computation
+        analysis = analysis[0] if analysis else {}
+    return float((analysis or {}).get("flops", 0.0))

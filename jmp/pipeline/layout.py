@@ -1,0 +1,236 @@
+"""Stage-local parameter storage: each stage's parameters packed into buffers split over ``pp``.
+
+One XLA program runs every stage, so every array spans the whole mesh; an array that only stage *s*'s
+devices hold must be a slice of a larger one split over ``pp``. Parameters are therefore packed per stage
+into flat buffers ``[pp, *grid, length]`` split ``P("pp", *grid_axes, None)``: row *s* holds stage *s*'s
+parameters and nothing else. ``grid`` keeps the parameter's own split over the other axes (sharded data
+and tensor parallelism): each device's piece of a parameter sits in the grid cell of its coordinates, so
+unpacking is a reshape and transpose that moves no data. Parameters with the same split, dtype and
+optimizer param group share a buffer; a parameter used by two stages (tied weights) is stored in both and
+its gradient pieces are summed (``sync_tied``), so the copies stay equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where one stage's copy of a parameter lives."""
+
+    stage: int
+    key: str  # buffer
+    offset: int  # into the buffer's last dimension
+    size: int  # elements of one grid cell's piece
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How one parameter's full array maps to grid cells: per dimension, the mesh axes splitting it."""
+
+    shape: tuple[int, ...]
+    dims: tuple[tuple[str, ...], ...]  # mesh axes of each dimension, major to minor
+    grid_axes: tuple[str, ...]
+    grid_sizes: tuple[int, ...]
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        return tuple(n // math.prod(self._sizes(axes)) for n, axes in zip(self.shape, self.dims))
+
+    def _sizes(self, axes: tuple[str, ...]) -> list[int]:
+        return [self.grid_sizes[self.grid_axes.index(a)] for a in axes]
+
+    def _split_shape_and_order(self) -> tuple[list[int], list[int]]:
+        """The full array viewed with each split dimension as (axes..., piece); the order putting grid first."""
+        shape, grid_positions, piece_positions = [], {}, []
+        for n, axes in zip(self.shape, self.dims):
+            for axis, size in zip(axes, self._sizes(axes)):
+                grid_positions[axis] = len(shape)
+                shape.append(size)
+            piece_positions.append(len(shape))
+            shape.append(n // math.prod(self._sizes(axes)))
+        return shape, [grid_positions[a] for a in self.grid_axes] + piece_positions
+
+    def to_cells(self, full: jax.Array) -> jax.Array:
+        """[*shape] -> [*grid_sizes, piece elements]."""
+        split, order = self._split_shape_and_order()
+        cells = jnp.transpose(full.reshape(split), order)
+        return cells.reshape(self.grid_sizes + (-1,))
+
+    def from_cells(self, cells: jax.Array) -> jax.Array:
+        """[*grid_sizes, piece elements] -> [*shape]."""
+        split, order = self._split_shape_and_order()
+        viewed = cells.reshape([split[i] for i in order])
+        return jnp.transpose(viewed, np.argsort(order)).reshape(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    dtype: Any
+    grid_axes: tuple[str, ...]
+    grid_sizes: tuple[int, ...]
+    length: int
+    label: str  # the optimizer param group of its parameters
+
+    @property
+    def spec(self) -> PartitionSpec:
+        return PartitionSpec("pp", *self.grid_axes, None)
+
+
+class StageLayout:
+    """Which stage holds which parameter, and where in the packed buffers."""
+
+    def __init__(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        dtypes: Mapping[str, Any],
+        specs: Mapping[str, PartitionSpec],
+        stages: Mapping[str, tuple[int, ...]],
+        labels: Mapping[str, str],
+        mesh: Mesh,
+    ):
+        self.mesh = mesh
+        self.stages = dict(stages)
+        self.packing: dict[str, Packing] = {}
+        self.places: dict[str, list[Place]] = {}
+        lengths: dict[tuple[str, int], int] = {}
+        signatures: dict[str, tuple] = {}
+        for name, shape in shapes.items():
+            dims = tuple(_axes(entry) for entry in tuple(specs[name]) + (None,) * (len(shape) - len(specs[name])))
+            grid_axes = tuple(a for axes in dims for a in axes)
+            packing = Packing(tuple(shape), dims, grid_axes, tuple(mesh.shape[a] for a in grid_axes))
+            self.packing[name] = packing
+            key = f"stages:{labels[name]}:{jnp.dtype(dtypes[name]).name}:{'-'.join(grid_axes) or 'whole'}"
+            signatures[key] = (jnp.dtype(dtypes[name]), grid_axes, packing.grid_sizes, labels[name])
+            size = math.prod(packing.piece_shape)
+            for stage in stages[name]:
+                offset = lengths.get((key, stage), 0)
+                self.places.setdefault(name, []).append(Place(stage, key, offset, size))
+                lengths[(key, stage)] = offset + size
+        self.buffers = {
+            key: Buffer(dtype, axes, sizes, _padded(max(n for (k, _), n in lengths.items() if k == key)), label)
+            for key, (dtype, axes, sizes, label) in signatures.items()
+        }
+        self.shardings = {key: NamedSharding(mesh, b.spec) for key, b in self.buffers.items()}
+        self.pp = mesh.shape["pp"]
+
+    # --- whole-mesh views (outside the pipeline program) ------------------------------------------------
+
+    def pack(self, params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Full parameters (by torch name) -> the packed buffers, each stage's row holding its copies."""
+        return jax.jit(self._pack, out_shardings=self.shardings)(dict(params))
+
+    def _pack(self, params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        buffers = {key: jnp.zeros((self.pp, *b.grid_sizes, b.length), b.dtype) for key, b in self.buffers.items()}
+        for name, places in self.places.items():
+            cells = self.packing[name].to_cells(params[name])
+            for place in places:
+                buffers[place.key] = _write(buffers[place.key], place, cells)
+        return buffers
+
+    def unpack(self, buffers: Mapping[str, jax.Array], shardings: Mapping[str, Any] | None = None) -> dict:
+        """The packed buffers (or anything laid out like them) -> full arrays by torch name (first copy)."""
+        return jax.jit(self._unpack, out_shardings=shardings)(dict(buffers))
+
+    def _unpack(self, buffers: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        return {name: self._read(buffers[places[0].key], places[0], name) for name, places in self.places.items()}
+
+    def unpack_present(self, tree: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """Like ``unpack`` for a tree holding only some buffers (an optimizer field of one param group)."""
+        keys = {k for k, v in tree.items() if isinstance(v, jax.Array)}
+        names = [n for n, places in self.places.items() if places[0].key in keys]
+        read = jax.jit(lambda t: {n: self._read(t[self.places[n][0].key], self.places[n][0], n) for n in names})
+        return read({k: tree[k] for k in keys})
+
+    def pack_present(self, named: Mapping[str, jax.Array], like: Mapping[str, Any]) -> dict[str, Any]:
+        """The buffers of ``like`` that hold arrays, rebuilt from full arrays by name (others kept as they are)."""
+        keys = [k for k, v in like.items() if isinstance(v, jax.Array)]
+
+        def pack(named):
+            out = {k: jnp.zeros_like(like[k]) for k in keys}
+            for name, places in self.places.items():
+                for place in places:
+                    if place.key in out:
+                        out[place.key] = _write(out[place.key], place, self.packing[name].to_cells(named[name]))
+            return out
+
+        needed = {n: named[n] for n, places in self.places.items() if places[0].key in keys}
+        packed = jax.jit(pack, out_shardings={k: like[k].sharding for k in keys})(needed)
+        return {**like, **packed}
+
+    def _read(self, buffer: jax.Array, place: Place, name: str, row: int | None = None) -> jax.Array:
+        row = place.stage if row is None else row
+        cells = jax.lax.slice_in_dim(buffer[row], place.offset, place.offset + place.size, axis=-1)
+        return self.packing[name].from_cells(cells)
+
+    def sync_tied(self, grads: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Every copy of a parameter used by several stages gets the sum of the copies' gradients."""
+        grads = dict(grads)
+        for name, places in self.places.items():
+            if len(places) < 2:
+                continue
+            total = sum(self._read(grads[p.key], p, name) for p in places)
+            for place in places:
+                grads[place.key] = _write(grads[place.key], place, self.packing[name].to_cells(total))
+        return grads
+
+    def state_shardings(self, state_shape: Any) -> Any:
+        """Shardings of an optimizer state over the packed buffers: buffer-shaped leaves like their buffer."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+
+        def place(path: tuple, leaf: Any) -> Any:
+            for entry in path:
+                key = getattr(entry, "key", None)
+                if key in self.buffers and getattr(leaf, "ndim", 0) == len(self.buffers[key].grid_axes) + 2:
+                    return self.shardings[key]
+            return replicated
+
+        return jax.tree_util.tree_map_with_path(place, state_shape)
+
+    # --- inside the pipeline program (one stage's row) --------------------------------------------------
+
+    def stage_params(self, rows: Mapping[str, jax.Array], stage: int, names: list[str]) -> dict[str, jax.Array]:
+        """Parameters ``names`` of ``stage`` from this device's rows ``[1, *grid, length]``."""
+        out = {}
+        for name in names:
+            place = next(p for p in self.places[name] if p.stage == stage)
+            out[name] = self._read(rows[place.key], place, name, row=0)
+        return out
+
+    def stage_names(self, stage: int) -> list[str]:
+        return [name for name, places in self.places.items() if any(p.stage == stage for p in places)]
+
+    # --- accounting ------------------------------------------------------------------------------------
+
+    def stage_bytes(self) -> list[int]:
+        """Bytes of each stage's own parameters (full arrays, tied ones counted in every stage using them)."""
+        totals = [0] * self.pp
+        for name, places in self.places.items():
+            nbytes = math.prod(self.packing[name].shape) * self.buffers[places[0].key].dtype.itemsize
+            for place in places:
+                totals[place.stage] += nbytes
+        return totals
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _padded(length: int, multiple: int = 128) -> int:
+    return max(multiple, -(-length // multiple) * multiple)
+
+
+def _write(buffer: jax.Array, place: Place, cells: jax.Array) -> jax.Array:
+    start = (place.stage,) + (0,) * (buffer.ndim - 2) + (place.offset,)
+    return jax.lax.dynamic_update_slice(buffer, cells[None].astype(buffer.dtype), start)

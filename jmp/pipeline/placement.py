@@ -1,0 +1,231 @@
+"""Which pipeline stage runs what: manual (``smp.partition`` / ``smp.set_partition``) or automatic.
+
+A stage is a contiguous run of the forward's equations in execution order. Each equation gets the
+largest stage reached so far, so the flow only goes forward: a module's stage starts where it is called,
+and the code after it (its parent's glue, the loss) stays on that stage. Parameters then live on the
+stages whose equations read them.
+
+- Manual: a module's stage is its mark (``with smp.partition(i):`` at creation, or
+  ``smp.set_partition``), ``default_partition`` for unmarked modules.
+- Automatic: cuts go at module calls, chosen to minimise the largest stage cost, where a stage's cost
+  mixes its share of the forward FLOPs (XLA's cost analysis) and of the parameter bytes, weighted by
+  ``memory_weight`` (``optimize="memory"``: bytes only). Calls are taken from the outermost levels of the
+  module tree first, going deeper until the stages balance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jax.extend import core
+from torch import nn
+
+from jmp import module_marks
+from jmp.errors import ConfigError
+from jmp.pipeline.graph import Call, calls_of, flops
+
+logger = logging.getLogger("jmp")
+
+STAGE = "pipeline_stage"
+_TRACING_MARKS: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("jmp_stage_marks", default=None)
+_warned: set[str] = set()
+
+
+@contextlib.contextmanager
+def tracing_marks(marks: dict[str, int] | None) -> Iterator[None]:
+    """While a pipelined forward is traced: the manual stage of each module path (None: automatic)."""
+    token = _TRACING_MARKS.set(marks)
+    try:
+        yield
+    finally:
+        _TRACING_MARKS.reset(token)
+
+
+def spans_stages(paths: Sequence[str]) -> bool:
+    """Whether modules at ``paths`` (and their submodules) are placed on more than one stage; warns once if so.
+
+    Activation checkpointing uses this: a checkpoint cannot span stages (as in SMP), so such a module
+    runs without it.
+    """
+    marks = _TRACING_MARKS.get()
+    if not marks:
+        return False
+    inside = {stage for path, stage in marks.items() for p in paths if path == p or path.startswith(p + ".") or not p}
+    if len(inside) < 2:
+        return False
+    where = ", ".join(f"'{p or '<root>'}'" for p in paths)
+    if where not in _warned:
+        _warned.add(where)
+        logger.warning(
+            "activation checkpointing of %s is skipped: its modules are on pipeline stages %s, and a checkpoint "
+            "cannot span stages; checkpoint modules inside one stage instead",
+            where,
+            sorted(inside),
+        )
+    return True
+
+
+@contextlib.contextmanager
+def partition(index: int) -> Iterator[None]:
+    """``with smp.partition(i):`` modules created inside go to pipeline stage ``i`` (with ``auto_partition: False``)."""
+    _check_index(index, "smp.partition")
+    with module_marks.marking_created(STAGE, index):
+        yield
+
+
+def set_partition(module: nn.Module, index: int) -> None:
+    """Put ``module`` (and what it runs) on pipeline stage ``index``, as if created in ``smp.partition(index)``."""
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"smp.set_partition takes a torch nn.Module, not {type(module).__name__}")
+    _check_index(index, "smp.set_partition")
+    module_marks.mark(module, STAGE, index)
+
+
+def _check_index(index: Any, where: str) -> None:
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ConfigError(f"{where}({index!r}): the stage must be a non-negative integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """The cut of a model into stages, kept by the model and applied to every step program it runs."""
+
+    stages: int
+    starts: dict[Call, int] | None = None  # automatic: the module call at which each stage begins
+    marks: dict[str, int] | None = None  # manual: torch path -> stage
+
+    def assign(self, eqns: Sequence[core.JaxprEqn]) -> list[int]:
+        """The stage of each top-level equation (non-decreasing)."""
+        current, stages = 0, []
+        for eqn in eqns:
+            calls = calls_of(eqn)
+            if self.marks is not None:
+                if calls:
+                    current = max(current, self.marks.get(calls[-1].path, 0))
+            else:
+                current = max([current] + [self.starts[c] for c in calls if c in self.starts])
+            stages.append(current)
+        return stages
+
+
+def manual(root: nn.Module, stages: int, default: int) -> Partition:
+    marks = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        stage = module_marks.mark_of(module, STAGE, default)
+        if stage >= stages:
+            raise ConfigError(
+                f"module '{path or '<root>'}' is placed on pipeline stage {stage}, but pipeline_parallel_degree "
+                f"is {stages} (stages 0..{stages - 1}); fix the smp.partition / smp.set_partition index"
+            )
+        marks[path] = stage
+    return Partition(stages, marks=marks)
+
+
+def automatic(
+    eqns: Sequence[core.JaxprEqn],
+    param_bytes: dict[Any, int],
+    constants: dict,
+    stages: int,
+    memory_weight: float,
+) -> Partition:
+    """The cut at module calls that minimises the largest stage cost (see the module docstring)."""
+    calls = [calls_of(eqn) for eqn in eqns]
+    deepest = max((c.depth for cs in calls for c in cs), default=0)
+    total_flops = None
+    best: tuple[float, Partition] | None = None
+    flop_cache: dict[tuple[int, int], float] = {}
+    for depth in range(0, deepest + 1):
+        starts = _entries(calls, depth)
+        if len(starts) < stages:
+            continue
+        bounds = [index for index, _ in starts] + [len(eqns)]
+        bounds[0] = 0  # equations before the first call belong to the first segment
+        segments = list(zip(bounds[:-1], bounds[1:]))
+        for segment in segments:
+            if segment not in flop_cache:
+                flop_cache[segment] = flops(eqns[segment[0] : segment[1]], constants)
+        if total_flops is None:
+            total_flops = flops(eqns, constants) or 1.0
+        seg_flops = [flop_cache[s] for s in segments]
+        seg_bytes = [_bytes_read(eqns[a:b], param_bytes) for a, b in segments]
+        total_bytes = sum(seg_bytes) or 1
+        costs = [
+            (1 - memory_weight) * f / max(sum(seg_flops), 1.0) + memory_weight * b / total_bytes
+            for f, b in zip(seg_flops, seg_bytes)
+        ]
+        worst, cuts = _balanced(costs, stages)
+        partition = Partition(stages, starts={starts[c][1]: s for s, c in enumerate(cuts) if s > 0})
+        if best is None or worst < best[0] - 1e-9:
+            best = (worst, partition)
+        if worst <= 1.1 / stages:
+            break
+    if best is None:
+        raise ConfigError(
+            f"the model's forward calls fewer than {stages} modules in sequence, so it cannot be cut into "
+            f"pipeline_parallel_degree={stages} stages; lower the degree or split the model into more modules"
+        )
+    return best[1]
+
+
+def _entries(calls: list[tuple[Call, ...]], depth: int) -> list[tuple[int, Call]]:
+    """(equation index, call) where a call at ``depth`` or shallower begins, in execution order."""
+    seen: set[Call] = set()
+    entries = []
+    for index, enclosing in enumerate(calls):
+        fresh = [c for c in enclosing if c.depth <= depth and c not in seen]
+        seen.update(fresh)
+        if fresh:
+            entries.append((index, fresh[-1]))
+    if not entries or entries[0][0] != 0:
+        entries.insert(0, (0, Call("<start>", 0)))
+    return entries
+
+
+def _bytes_read(eqns: Sequence[core.JaxprEqn], param_bytes: dict[Any, int]) -> int:
+    read = {v for eqn in eqns for v in eqn.invars if isinstance(v, core.Var) and v in param_bytes}
+    return sum(param_bytes[v] for v in read)
+
+
+def _balanced(costs: list[float], stages: int) -> tuple[float, list[int]]:
+    """Split ``costs`` into ``stages`` contiguous non-empty runs minimising the largest sum: (max, run starts)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    starts, j = [], n
+    for k in range(stages, 0, -1):
+        j = cut[k][j]
+        starts.append(j)
+    return best[stages][n], starts[::-1]
+
+
+def describe(eqns: Sequence[core.JaxprEqn], stage_of: list[int], stages: int) -> list[list[str]]:
+    """Per stage, the outermost module calls that run wholly on it (for the log)."""
+    spans: dict[Call, set[int]] = {}
+    parents: dict[Call, Call | None] = {}
+    for eqn, stage in zip(eqns, stage_of):
+        enclosing = calls_of(eqn)
+        for depth, call in enumerate(enclosing):
+            spans.setdefault(call, set()).add(stage)
+            parents.setdefault(call, enclosing[depth - 1] if depth else None)
+    names: list[list[str]] = [[] for _ in range(stages)]
+    for call, on in spans.items():
+        parent = parents[call]
+        if len(on) == 1 and (parent is None or len(spans[parent]) > 1):
+            names[next(iter(on))].append((call.path or "<root>") + (f"#{call.number}" if call.number else ""))
+    return names

@@ -1,0 +1,138 @@
+"""What a pipelined ``DistributedModel`` keeps (its cut and its stage layout), and the pipelined step.
+
+The cut is decided at the first step call, from the forward traced on that call's microbatch shapes
+(as SMP partitions at the first ``smp.step`` call); then the parameters move into the stages' buffers.
+Every later step program (another step function, eval mode) is cut by the same rules.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core
+from jax.sharding import AxisType
+from torch import nn
+
+from jmp.config import Config
+from jmp.errors import StepError
+from jmp.pipeline import engine, placement, schedule
+from jmp.pipeline.graph import module_scopes
+from jmp.pipeline.layout import StageLayout
+from jmp.pipeline.split import StagePrograms
+
+logger = logging.getLogger("jmp")
+
+
+class Pipeline:
+    def __init__(self, module: nn.Module, config: Config, mesh: Any, specs: Mapping[str, Any]):
+        self.module = module
+        self.config = config
+        self.mesh = mesh
+        self.stages = config.pipeline_parallel_degree
+        self.specs = dict(specs)
+        self.paths = [path for path, _ in module.named_modules(remove_duplicate=False)]
+        self.partition: placement.Partition | None = None
+        self.layout: StageLayout | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.layout is not None
+
+    def trace(self, flat_forward: Callable, *avals: Any) -> core.ClosedJaxpr:
+        if self.partition is None and not self.config.auto_partition:
+            self.partition = placement.manual(self.module, self.stages, self.config.default_partition)
+        marks = self.partition.marks if self.partition is not None else None
+        # traced as inside the pipeline's shard_map (pp manual): the jaxpr's types then name that mesh
+        inside = self.mesh.abstract_mesh.update_axis_types({"pp": AxisType.Manual})
+        with module_scopes(self.paths), placement.tracing_marks(marks), jax.sharding.use_abstract_mesh(inside):
+            return jax.make_jaxpr(flat_forward)(*avals)
+
+    def plan(
+        self, jaxpr: core.ClosedJaxpr, names: Sequence[str], rest_count: int, labels: Mapping[str, str]
+    ) -> StageLayout:
+        """Decide the cut from the first step's forward and lay the parameters out by stage."""
+        config = self.config
+        params = jaxpr.jaxpr.invars[: len(names)]
+        if config.auto_partition:
+            weight = 1.0 if config.optimize == "memory" else config.memory_weight
+            sizes = {v: math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in params}
+            constants = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
+            self.partition = placement.automatic(jaxpr.jaxpr.eqns, sizes, constants, self.stages, weight)
+        programs = self.programs(jaxpr, names, rest_count, check=False)
+        usage = programs.stage_usage
+        shapes = {n: tuple(v.aval.shape) for n, v in zip(names, params)}
+        dtypes = {n: v.aval.dtype for n, v in zip(names, params)}
+        self.layout = StageLayout(shapes, dtypes, self.specs, usage, labels, self.mesh)
+        self._log(jaxpr, programs)
+        return self.layout
+
+    def programs(
+        self, jaxpr: core.ClosedJaxpr, names: Sequence[str], rest_count: int, check: bool = True
+    ) -> StagePrograms:
+        stage_of = self.partition.assign(jaxpr.jaxpr.eqns)
+        empty = sorted(set(range(self.stages)) - set(stage_of))
+        if empty:
+            raise StepError(
+                f"pipeline stage(s) {empty} got no computation: the forward has {len(set(stage_of))} stage(s) "
+                f"of {self.stages}. With manual partitioning, place modules on every stage in the order the "
+                "forward calls them; or lower pipeline_parallel_degree."
+            )
+        programs = StagePrograms(jaxpr, stage_of, list(names), rest_count)
+        if check:
+            for name, stages in programs.stage_usage.items():
+                missing = set(stages) - set(self.layout.stages[name])
+                if missing:
+                    raise StepError(
+                        f"parameter '{name}' lives on pipeline stage(s) {list(self.layout.stages[name])}, but this "
+                        f"step function reads it on stage(s) {sorted(missing)}; the first step call decided the "
+                        "cut, so later step functions must call the model's modules in the same order"
+                    )
+        return programs
+
+    def _log(self, jaxpr: core.ClosedJaxpr, programs: StagePrograms) -> None:
+        names = placement.describe(jaxpr.jaxpr.eqns, programs.stage_of, self.stages)
+        sizes = self.layout.stage_bytes()
+        how = "automatic" if self.config.auto_partition else "manual"
+        logger.info(
+            "Partition assignments (%s, %d stages): %s",
+            how,
+            self.stages,
+            "; ".join(
+                f"stage {s}: {', '.join(n[:6]) + (', ...' if len(n) > 6 else '') or '(glue only)'} "
+                f"[{sizes[s] / 2**20:.2f} MiB of parameters]"
+                for s, n in enumerate(names)
+            ),
+        )
+
+    def step(
+        self,
+        programs: StagePrograms,
+        rows: dict[str, jax.Array],
+        rest: Sequence[jax.Array],
+        pieces: Sequence[jax.Array | None],
+        whole: Sequence[jax.Array | None],
+        microbatches: int,
+        backward: bool,
+    ) -> tuple[list[jax.Array], dict[str, jax.Array] | None]:
+        """Run one step through the pipeline: (forward outputs stacked over microbatches, mean gradients)."""
+        plan = schedule.build(self.config.pipeline, self.stages, microbatches, backward)
+        finals, grads = engine.run(programs, self.layout, plan, rows, rest, pieces, whole, microbatches, backward)
+        if grads is not None:
+            grads = self.layout.sync_tied(grads)
+            grads = {k: g / microbatches for k, g in grads.items()}
+            grads = jax.lax.with_sharding_constraint(grads, {k: self.layout.shardings[k] for k in grads})
+        return finals, grads
+
+
+def microbatch_avals(arrays: Sequence[jax.Array], axes: Sequence[int | None], microbatches: int) -> list:
+    out = []
+    for array, axis in zip(arrays, axes):
+        shape = list(array.shape)
+        if axis is not None:
+            shape[axis] //= microbatches
+        out.append(jax.ShapeDtypeStruct(tuple(shape), array.dtype))
+    return out
