@@ -24,6 +24,7 @@ from jmp.errors import (
 )
 from jmp.model import DistributedModel
 from jmp.optimizer import DistributedOptimizer
+from jmp.pipeline import partition, set_partition
 from jmp.remat.api import checkpoint, checkpoint_sequential, set_activation_checkpointing
 from jmp.remat.policies import RematPolicy
 from jmp.sharding import set_tensor_parallelism, tensor_parallelism
@@ -75,6 +76,7 @@ __all__ = [
     "local_size",
     "mp_rank",
     "mp_size",
+    "partition",
     "pp_rank",
     "pp_size",
     "rank",
@@ -82,6 +84,7 @@ __all__ = [
     "rdp_size",
     "set_tensor_parallelism",
     "set_activation_checkpointing",
+    "set_partition",
     "size",
     "step",
     "tensor_parallelism",

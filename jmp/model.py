@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp import sharding, state
 from jmp.errors import ConfigError, StepError
+from jmp.pipeline.stepping import Pipeline
 from jmp.remat import api as remat
 from jmp.sharding import experts
 from jmp.torch_bridge import JaxTensor, TorchModule, convert, named_variables, to_state_dict, torch_name
@@ -45,7 +46,6 @@ _TRACE: contextvars.ContextVar[_Trace | None] = contextvars.ContextVar("jmp_mode
 
 # Config keys whose features later work will add; until then a model refuses them rather than ignoring them.
 _NOT_YET = {
-    "pipeline_parallel_degree": 1,
     "delayed_parameter_initialization": False,
     "fp16": False,
     "bf16": False,
@@ -76,16 +76,23 @@ class DistributedModel:
         converted = convert(module, rngs=nnx.Rngs(config.random_seed))
         self._graphdef, params, rest = nnx.split(converted, nnx.Param, ...)
         mesh = state.get_mesh()
-        shapes = {torch_name(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+        named = [(torch_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
+        shapes = {name: leaf.shape for name, leaf in named}
+        self._param_names = [name for name, _ in named]
+        self._param_dtypes = {name: leaf.dtype for name, leaf in named}
+        self._param_treedef = jax.tree_util.tree_structure(params)
         self._param_specs = sharding.parameter_specs(module, shapes, mesh, sharding_rules)
         self._param_shapes = shapes
         self._param_shardings = sharding.named_shardings(params, self._param_specs, mesh)
+        self._param_shardings_by_name = dict(zip(self._param_names, jax.tree.leaves(self._param_shardings)))
         self._params = jax.device_put(params, self._param_shardings)
         self._rest = jax.device_put(rest, NamedSharding(mesh, PartitionSpec()))
         self._call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
         self._may_drop_tokens = bool(self._call_hooks) and config.expert_capacity_factor is not None
         self._dropped_tokens: jax.Array | None = None
         _log_layout(self._param_specs, mesh)
+        self._pipeline = _pipeline_for(module, config, mesh, self._param_specs, bool(self._call_hooks))
+        self._optimizers: list[weakref.ref] = []  # told when the parameters move into pipeline stages
         self.grads: nnx.State | None = None  # accumulated over step calls until optimizer.zero_grad()
         self._loss_scale = 1.0  # set by DistributedOptimizer(static_loss_scale=...)
         self._step_programs: dict = {}  # compiled step functions for this model (see jmp.step)
@@ -155,12 +162,39 @@ class DistributedModel:
 
         Its arrays are the model's own, which the next optimizer step donates; copy what you keep.
         """
-        return nnx.merge(self._graphdef, self._params, self._rest, copy=True)
+        return nnx.merge(self._graphdef, self.params, self._rest, copy=True)
 
     @property
     def params(self) -> nnx.State:
-        """The parameters: an ``nnx.State`` of sharded ``jax.Array``s, paths as torch names."""
-        return self._params
+        """The parameters: an ``nnx.State`` of sharded ``jax.Array``s, paths as torch names.
+
+        With pipeline parallelism the stages hold the parameters packed (``_params``); this is an
+        unpacked copy, assembled on request.
+        """
+        if self._pipeline is None or not self._pipeline.ready:
+            return self._params
+        return self._unpacked(self._params)
+
+    def _unpacked(self, packed: dict) -> nnx.State:
+        """A tree laid out like the pipelined parameters (parameters, gradients) -> an nnx.State by torch name."""
+        named = self._pipeline.layout.unpack(packed, self._param_shardings_by_name)
+        return jax.tree_util.tree_unflatten(self._param_treedef, [named[n] for n in self._param_names])
+
+    def _partition_into_stages(self, jaxpr: Any, rest_count: int) -> None:
+        """Cut the model into pipeline stages (first step call) and move each stage's parameters to it."""
+        labels = {name: "all" for name in self._param_names}
+        for ref in self._optimizers:
+            optimizer = ref()
+            if optimizer is not None:
+                labels = optimizer._labels_by_name()
+        layout = self._pipeline.plan(jaxpr, self._param_names, rest_count, labels)
+        named = dict(zip(self._param_names, jax.tree.leaves(self._params)))
+        self._params = layout.pack(named)
+        self._param_shardings = layout.shardings
+        for ref in self._optimizers:
+            optimizer = ref()
+            if optimizer is not None:
+                optimizer._build()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and persistent buffers as torch tensors under torch's names (gathered)."""
@@ -203,7 +237,10 @@ class DistributedModel:
                 current = variables[name][...]
                 value = tensor_to_array(tensor).astype(current.dtype)
                 variables[name][...] = jax.device_put(value, current.sharding)
-        _, self._params, self._rest = nnx.split(module, nnx.Param, ...)
+        _, params, self._rest = nnx.split(module, nnx.Param, ...)
+        if self._pipeline is not None and self._pipeline.ready:
+            params = self._pipeline.layout.pack(dict(zip(self._param_names, jax.tree.leaves(params))))
+        self._params = params
 
     @property
     def dropped_tokens(self) -> int:
@@ -219,6 +256,25 @@ class DistributedModel:
         return (
             f"DistributedModel({type(self.module).__name__}, {count:,} parameters, mesh {dict(state.get_mesh().shape)})"
         )
+
+
+def _pipeline_for(module: torch.nn.Module, config: Any, mesh: Any, specs: dict, has_experts: bool):
+    if config.pipeline_parallel_degree == 1:
+        return None
+    # XLA's SPMD partitioner aborts the process (a failed check in spmd_partitioner_util.cc) when a stage's
+    # weights are split over tp or fsdp inside the pipeline's shard_map; refuse instead of crashing.
+    for key, value, why in (
+        ("expert_parallel_degree", has_experts and config.expert_parallel_degree > 1, "expert dispatch"),
+        ("shard_optimizer_state", config.shard_optimizer_state, "optimizer-state sharding over dp"),
+        ("tensor_parallel_degree", config.tensor_parallel_degree > 1, "tensor parallelism"),
+        ("sharded_data_parallel_degree", config.sharded_data_parallel_degree > 1, "sharded data parallelism"),
+    ):
+        if value:
+            raise ConfigError(
+                f"pipeline_parallel_degree > 1 with '{key}' ({why}) is not supported yet: stages are split over "
+                "pp and the remaining devices do plain data parallelism. Use one of the two."
+            )
+    return Pipeline(module, config, mesh, specs)
 
 
 def _log_layout(specs: dict[str, PartitionSpec], mesh: Any) -> None:

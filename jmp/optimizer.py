@@ -10,6 +10,7 @@ laid out like the parameters on the mesh.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import jax
@@ -59,38 +60,74 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model._loss_scale = float(static_loss_scale)
         self.torch_optimizer: torch.optim.Optimizer | None = None
         self._last_hyperparams: tuple[dict, dict] = ({}, {})
-        params = self.model._params
         if isinstance(optimizer, optax.GradientTransformation):
-            self.tx = optimizer
+            self._optax = optimizer
         elif isinstance(optimizer, torch.optim.Optimizer):
             self.torch_optimizer = optimizer
             self.rule = torch_optimizers.rule_for(optimizer)
             self._check_torch_options(optimizer)
-            self.tx = optax.multi_transform(
-                {
-                    _label(i): torch_optimizers.group_transform(self.rule, g)
-                    for i, g in enumerate(optimizer.param_groups)
-                }
-                | {_FROZEN: optax.set_to_zero()},
-                self._group_labels(params),
-            )
         else:
             raise StepError(
                 f"DistributedOptimizer takes a torch.optim.Optimizer or an optax.GradientTransformation, "
                 f"not {type(optimizer).__name__}"
             )
+        self._replicated = NamedSharding(state.get_mesh(), PartitionSpec())
+        self._build()
+        self.model._optimizers.append(weakref.ref(self))
+
+    def _build(self) -> None:
+        """The optax transformation, its state and the compiled update, for the model's current parameter layout.
+
+        Built again when a pipelined model moves its parameters into the stages' buffers (first step).
+        """
+        model = self.model
+        params = model._params
+        pipeline = model._pipeline
+        packed = pipeline is not None and pipeline.ready
+        if self.torch_optimizer is None:
+            self.tx = self._optax
+        else:
+            groups = self.torch_optimizer.param_groups
+            if packed:
+                labels = {key: buffer.label for key, buffer in pipeline.layout.buffers.items()}
+                self._check_buffer_labels(pipeline.layout)
+            else:
+                labels = self._group_labels(params)
+            self.tx = optax.multi_transform(
+                {_label(i): torch_optimizers.group_transform(self.rule, g) for i, g in enumerate(groups)}
+                | {_FROZEN: optax.set_to_zero()},
+                labels,
+            )
         mesh = state.get_mesh()
-        replicated = NamedSharding(mesh, PartitionSpec())
-        self._replicated = replicated
-        self._state_shardings = self._layout(params, mesh)
+        if packed:
+            self._state_shardings = pipeline.layout.state_shardings(jax.eval_shape(self.tx.init, params))
+        else:
+            self._state_shardings = self._layout(params, mesh)
         self.opt_state = jax.jit(self.tx.init, out_shardings=self._state_shardings)(params)
         # the loss scale is a setting, not data: baked in
         self._update = jax.jit(
             self._apply,
             static_argnames=("loss_scale",),
             donate_argnums=(0, 2),
-            out_shardings=(self.model._param_shardings, self._state_shardings),
+            out_shardings=(model._param_shardings, self._state_shardings),
         )
+
+    def _labels_by_name(self) -> dict[str, str]:
+        """Each parameter's optimizer label (its torch param group, or frozen) by torch name."""
+        if self.torch_optimizer is None:
+            return {name: "all" for name in self.model._param_names}
+        tree = self._group_labels(self.model.params)
+        return {_name_of(path): label for path, label in jax.tree_util.tree_leaves_with_path(tree)}
+
+    def _check_buffer_labels(self, layout: Any) -> None:
+        by_name = self._labels_by_name()
+        wrong = [n for n, places in layout.places.items() if layout.buffers[places[0].key].label != by_name[n]]
+        if wrong:
+            raise StepError(
+                "the model's pipeline stages were laid out before this optimizer's param groups were known "
+                f"({', '.join(wrong[:4])} are in another group); create the smp.DistributedOptimizer before the "
+                "first step call"
+            )
 
     def _layout(self, params: nnx.State, mesh: Any) -> Any:
         """Shardings of the optimizer state: like the parameters, or split over ``dp`` too (shard_optimizer_state)."""
@@ -217,7 +254,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for found in _find_states(inject_state.inner_state, state_type):
                     for field, torch_name in fields.items():
                         if torch_name != "step":
-                            _collect_field(getattr(found, field), torch_name, index, per_param)
+                            _collect_field(self._by_name(getattr(found, field)), torch_name, index, per_param)
             if self.rule.factory is not torch_optimizers.sgd:  # torch's SGD keeps no step count
                 step = torch.tensor(float(inject_state.count), dtype=torch.float32)
                 for i in self._group_indices(group):
@@ -240,12 +277,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group, inject_state in _group_states(self.opt_state):
             inner = inject_state.inner_state
             for state_type, fields in self.rule.state_fields.items():
-                inner = _replace_states(inner, state_type, fields, index, tensors)
+                inner = _replace_states(inner, state_type, fields, index, tensors, self._load_field)
             steps = [float(tensors[i]["step"]) for i in self._group_indices(group) if "step" in tensors.get(i, {})]
             count = jnp.asarray(int(steps[0]) if steps else 0, jnp.int32)
             inner = _set_counts(inner, count)
             replaced[group] = inject_state._replace(inner_state=inner, count=jnp.array(count))
         self.opt_state = _with_group_states(self.opt_state, replaced)
+
+    def _by_name(self, field: Any) -> Any:
+        """A params-shaped state field keyed by torch name (a pipelined model's stage buffers unpacked)."""
+        pipeline = self.model._pipeline
+        if pipeline is None or not pipeline.ready or not isinstance(field, dict):
+            return field
+        return nnx.State(pipeline.layout.unpack_present(field))
+
+    def _load_field(self, field: Any, torch_name: str, index: dict, tensors: dict) -> Any:
+        """``_loaded_field`` through the stage buffers of a pipelined model (unpacked, loaded, packed again)."""
+        pipeline = self.model._pipeline
+        if pipeline is None or not pipeline.ready or not isinstance(field, dict):
+            return _loaded_field(field, torch_name, index, tensors)
+        named = _loaded_field(nnx.State(pipeline.layout.unpack_present(field)), torch_name, index, tensors)
+        return pipeline.layout.pack_present(dict(named.items()), like=field)
 
     def _positions(self) -> dict[int, int]:
         """id(torch parameter) -> its index in torch's optimizer state_dict (param_groups order)."""
@@ -305,16 +357,16 @@ def _find_states(tree: Any, state_type: type) -> list:
     return []
 
 
-def _replace_states(tree: Any, state_type: type, fields: dict, index: dict, tensors: dict) -> Any:
+def _replace_states(tree: Any, state_type: type, fields: dict, index: dict, tensors: dict, load: Any) -> Any:
     if isinstance(tree, state_type):
         updates = {}
         for field, torch_name in fields.items():
-            updates[field] = _loaded_field(getattr(tree, field), torch_name, index, tensors)
+            updates[field] = load(getattr(tree, field), torch_name, index, tensors)
         if "started" in tree._fields:  # a loaded momentum buffer is a started one
             updates["started"] = jnp.ones([], jnp.bool_)
         return tree._replace(**updates)
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(_replace_states(item, state_type, fields, index, tensors) for item in tree)
+        return tuple(_replace_states(item, state_type, fields, index, tensors, load) for item in tree)
     return tree
 
 

@@ -105,6 +105,7 @@ class _Traced:
     """What tracing a step function revealed (kept per compiled variant)."""
 
     has_backward: bool = False
+    output_count: int = 0
     output_spec: Any = None
     output_dtypes: tuple = ()
 
@@ -182,8 +183,26 @@ class StepFunction:
         if len({id(m) for m in models}) > 1:
             raise StepError("a step function takes one DistributedModel")
         model = models[0] if models else latest_model()
+        if model._pipeline is not None and not model._pipeline.ready:
+            self._partition(model, spec, tuple(leaves), arrays, microbatches)
         program, traced = self._program(model, spec, tuple(leaves), microbatches, shards)
         return model, arrays, program, traced
+
+    def _partition(self, model: DistributedModel, spec: Any, leaves: tuple, arrays: list, microbatches: int):
+        """Cut a pipelined model into stages from this call's forward (its first step), and move its parameters."""
+        traced = _Traced()
+        forward = self._forward(model, model._graphdef, spec, leaves, model._loss_scale, traced)
+        rest_leaves, rest_def = jax.tree.flatten(model._rest)
+        axes = [leaf.split_axis for leaf in leaves if leaf.kind == "array"]
+        mb_avals = [
+            jax.ShapeDtypeStruct(tuple(n // microbatches if i == axis else n for i, n in enumerate(a.shape)), a.dtype)
+            for a, axis in zip(arrays, axes)
+        ]
+        param_avals = [jax.ShapeDtypeStruct(model._param_shapes[n], model._param_dtypes[n]) for n in model._param_names]
+        jaxpr = model._pipeline.trace(
+            _flat_forward(forward, model, rest_def, traced), param_avals, rest_leaves, mb_avals
+        )
+        model._partition_into_stages(jaxpr, len(rest_leaves))
 
     # --- the program ----------------------------------------------------------------------------------------
 
@@ -200,15 +219,8 @@ class StepFunction:
             model._step_programs[key] = (jax.jit(run, donate_argnums=(1,), compiler_options=options), traced)
         return model._step_programs[key]
 
-    def _run(self, model, graphdef, spec, leaves, microbatches, shards, scale, traced, params, rest, arrays):
-        split = [leaf.split_axis for leaf in leaves if leaf.kind == "array"]
-        pieces = [
-            _split_microbatches(a, axis, microbatches, shards) if axis is not None else a
-            for a, axis in zip(arrays, split)
-        ]
-
-        def microbatch(index):
-            return [p[index] if axis is not None else p for p, axis in zip(pieces, split)]
+    def _forward(self, model, graphdef, spec, leaves, scale, traced):
+        """The step function on one microbatch: (params, rest, arrays) -> (loss, (outputs, new rest, dropped))."""
 
         def forward(params, rest, mb_arrays):
             module = nnx.merge(graphdef, params, rest, copy=True)  # Variables of this trace level
@@ -229,6 +241,22 @@ class StepFunction:
             loss = loss * scale if scale != 1.0 else loss
             dropped = sum(dropped, jnp.zeros((), jnp.int32))
             return loss, (outputs, nnx.split(module, nnx.Param, ...)[2], dropped)
+
+        return forward
+
+    def _run(self, model, graphdef, spec, leaves, microbatches, shards, scale, traced, params, rest, arrays):
+        split = [leaf.split_axis for leaf in leaves if leaf.kind == "array"]
+        pieces = [
+            _split_microbatches(a, axis, microbatches, shards) if axis is not None else a
+            for a, axis in zip(arrays, split)
+        ]
+
+        def microbatch(index):
+            return [p[index] if axis is not None else p for p, axis in zip(pieces, split)]
+
+        forward = self._forward(model, graphdef, spec, leaves, scale, traced)
+        if model._pipeline is not None:
+            return self._run_pipeline(model, forward, traced, params, rest, pieces, split, microbatches)
 
         def with_grads(rest, mb_arrays):
             (_, (outputs, rest, dropped)), grads = jax.value_and_grad(forward, has_aux=True)(params, rest, mb_arrays)
@@ -266,6 +294,42 @@ class StepFunction:
 
         (rest, dropped), stacked = jax.lax.scan(eval_body, (rest, jnp.zeros((), jnp.int32)), mb_stack)
         return stacked, rest, None, _reported(dropped, model._may_drop_tokens)
+
+    def _run_pipeline(self, model, forward, traced, rows, rest, pieces, split, microbatches):
+        """The step as a pipeline over ``pp`` (see jmp.pipeline): forward cut into stages, both passes scheduled."""
+        pipeline = model._pipeline
+        rest_leaves, rest_def = jax.tree.flatten(rest)
+        whole = [None if axis is not None else p for p, axis in zip(pieces, split)]
+        split_pieces = [p if axis is not None else None for p, axis in zip(pieces, split)]
+        mb_avals = [
+            jax.ShapeDtypeStruct(p.shape[1:] if axis is not None else p.shape, p.dtype)
+            for p, axis in zip(pieces, split)
+        ]
+        param_avals = [jax.ShapeDtypeStruct(model._param_shapes[n], model._param_dtypes[n]) for n in model._param_names]
+        flat = _flat_forward(forward, model, rest_def, traced)
+        jaxpr = pipeline.trace(flat, param_avals, rest_leaves, mb_avals)
+        programs = pipeline.programs(jaxpr, model._param_names, len(rest_leaves))
+        finals, grads = pipeline.step(
+            programs, rows, rest_leaves, split_pieces, whole, microbatches, traced.has_backward
+        )
+        count = traced.output_count
+        outputs = finals[1 : 1 + count]
+        new_rest = jax.tree.unflatten(rest_def, [r[-1] for r in finals[1 + count : 1 + count + len(rest_leaves)]])
+        dropped = jnp.sum(finals[-1])
+        return outputs, new_rest, grads, _reported(dropped, model._may_drop_tokens)
+
+
+def _flat_forward(forward: Callable, model: DistributedModel, rest_def: Any, traced: _Traced) -> Callable:
+    """``forward`` on flat lists: (parameters in name order, rest, inputs) -> [loss, *outputs, *rest, dropped]."""
+
+    def flat(param_list, rest_list, mb_arrays):
+        params = jax.tree_util.tree_unflatten(model._param_treedef, param_list)
+        rest = jax.tree_util.tree_unflatten(rest_def, rest_list)
+        loss, (outputs, new_rest, dropped) = forward(params, rest, mb_arrays)
+        traced.output_count = len(outputs)
+        return [loss, *outputs, *jax.tree.leaves(new_rest), dropped]
+
+    return flat
 
 
 def step(

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jmp.errors import ConfigError, StepError
+from jmp.pipeline import placement
 from jmp.remat import context
 from jmp.remat.policies import INPUT, Resolved
 from jmp.torch_bridge import dispatch
@@ -41,6 +42,8 @@ def run(
     tuple) and the same other arguments. ``inside[k]`` is the hook ``units[k]`` is called from (its
     nested hooks still apply) or None (all hooks on its path apply).
     """
+    if placement.spans_stages([u._torch_path for u in units]):
+        return _run_plain(units, inside, args, kwargs, chain)
     rngs = dispatch.current_rngs()
     graph = (tuple(units), rngs)
     graphdef, params, rest = nnx.split(graph, nnx.Param, ...)
@@ -86,6 +89,17 @@ def run(
     arrays = iter(zip(out_arrays, traced["dtypes"]))
     leaves = [JaxTensor(*next(arrays)) if leaf is None else leaf for leaf in traced["leaves"]]
     return torch_pytree.tree_unflatten(leaves, traced["spec"])
+
+
+def _run_plain(units, inside, args: tuple, kwargs: dict, chain: str) -> list[Any]:
+    """The units called one after another, without a checkpoint."""
+    outputs = []
+    for k, unit in enumerate(units):
+        out = hooked_call(unit, inside[k])(*args, **kwargs)
+        outputs.append(out)
+        if k + 1 < len(units):
+            args = (next_input(out, chain, unit._torch_path),) + tuple(args[1:])
+    return outputs
 
 
 def next_input(out: Any, chain: str, path: str) -> Any:
