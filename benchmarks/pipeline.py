@@ -1,0 +1,202 @@
+"""Pipeline schedules (simple = GPipe, interleaved = 1F1B) against the number of microbatches: stage-steps and memory.
+
+    python benchmarks/pipeline.py [--steps 5] [--out benchmarks/results/pipeline.json]
+
+GPT-2 (Hugging Face, from a config: 4 layers, d_model 64, 4 heads, vocab 128, ``tests/sharding/models.py``)
+over 8 emulated CPU devices with ``pipeline_parallel_degree`` 4 (so data parallelism 2), trained with
+``torch.optim.AdamW`` through ``@smp.step`` and ``smp.DistributedOptimizer``. The microbatch size is fixed
+(2 rows per data-parallel shard, sequence 16): the batch is ``microbatches x 2 x dp`` rows, so more
+microbatches means more work per step, not smaller pieces of the same batch.
+
+Per schedule and microbatch count M:
+
+- ``ticks``, ``slots``, ``idle fraction``: from ``jmp.pipeline.schedule.build(kind, 4, M)``: the ticks of
+  the step program's scan, the microbatch inputs (and cotangents) a stage keeps at once, and the fraction
+  of stage-ticks spent idle. ``textbook bubble`` is (pp - 1) / (M + pp - 1), GPipe's idle fraction when a
+  forward and a backward take one tick each.
+- ``temp``: ``memory_analysis().temp_size_in_bytes`` of the compiled step (bytes per device), and its ratio
+  to the same schedule at M = 4. ``scan KiB``: the bytes of the pipeline scan's loop state (the kept
+  microbatch inputs and cotangents, the stage's packed parameters and gradient accumulator, the per-
+  microbatch results), read from the optimized HLO: what the schedule itself holds across ticks.
+- ``step s``: median seconds of ``@smp.step`` (forward and backward, no optimizer update) over the timed
+  steps after two warm-up steps (``smp.init`` is global, so each configuration is timed in turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import statistics
+import sys
+import time
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import jmp as smp  # noqa: E402
+from benchmarks.results_io import machine, write_results  # noqa: E402
+from jmp.pipeline import schedule  # noqa: E402
+from tests.sharding.models import VOCAB, causal_lm, token_batches  # noqa: E402
+
+PP, HIDDEN, LAYERS, SEQUENCE, ROWS_PER_MICROBATCH, LR = 4, 64, 4, 16, 2, 1e-3
+SCHEDULES = ("simple", "interleaved")
+MICROBATCHES = (4, 8, 16)
+MIB, KIB = 2**20, 2**10
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+               "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
+_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@smp.step
+def lm_step(model, ids):
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    model.backward(out.loss)
+    return out.loss
+
+
+def scan_state_bytes(hlo: str, ticks: int) -> int | None:
+    """Bytes of the loop state of the pipeline's scan: the ``while`` of the shard_map running ``ticks`` times."""
+    for line in hlo.splitlines():
+        trips = _TRIP_COUNT.search(line)
+        if " while(" not in line or trips is None or int(trips[1]) != ticks or 'shard_map/while"' not in line:
+            continue
+        state = line.split(" while(")[0]
+        return sum(
+            math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
+            for dtype, dims in _SHAPE.findall(state)
+        )
+    return None
+
+
+def build(kind: str, microbatches: int):
+    """One configuration, its step run once and compiled: (step runner, row without timing)."""
+    smp.init({"pipeline_parallel_degree": PP, "microbatches": microbatches, "pipeline": kind})
+    dp = jax.device_count() // PP
+    batch = microbatches * ROWS_PER_MICROBATCH * dp
+    ids = token_batches(1, batch=batch, length=SEQUENCE)[0]
+    net = causal_lm("gpt2", hidden=HIDDEN, layers=LAYERS)
+    model = smp.DistributedModel(net)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=LR))
+    start = time.perf_counter()
+    optimizer.zero_grad()
+    loss = lm_step(model, ids)  # the first call partitions the model
+    first_call = time.perf_counter() - start
+    compiled = lm_step.lower(model, ids).compile()
+    plan = schedule.build(kind, PP, microbatches)
+
+    def run():
+        optimizer.zero_grad()
+        out = lm_step(model, ids)
+        jax.block_until_ready((out.reduce_mean().value, model.grads))
+
+    row = {
+        "schedule": kind,
+        "microbatches": microbatches,
+        "batch": batch,
+        "mesh": {k: v for k, v in smp.get_mesh().shape.items() if v > 1},
+        "ticks": plan.ticks,
+        "slots": plan.slots,
+        "idle_fraction": plan.bubble,
+        "textbook_bubble": (PP - 1) / (microbatches + PP - 1),
+        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+        "scan_state_bytes": scan_state_bytes(compiled.as_text(), plan.ticks),
+        "first_loss": float(loss.reduce_mean()),
+        "first_call_seconds": first_call,
+    }
+    return run, row
+
+
+def table(rows: list[dict]) -> str:
+    header = (
+        f"{'schedule':<12}{'microbatches':>13}{'ticks':>7}{'slots':>7}{'idle fraction':>15}{'textbook bubble':>17}"
+        f"{'temp MiB':>10}{'temp / temp at M=4':>20}{'step s':>9}{'scan KiB':>10}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        scan = "-" if r["scan_state_bytes"] is None else f"{r['scan_state_bytes'] / KIB:.1f}"
+        lines.append(
+            f"{r['schedule']:<12}{r['microbatches']:>13}{r['ticks']:>7}{r['slots']:>7}{r['idle_fraction']:>15.3f}"
+            f"{r['textbook_bubble']:>17.3f}{r['temp_bytes'] / MIB:>10.3f}{r['temp_ratio']:>20.3f}"
+            f"{r['median_step_seconds']:>9.3f}{scan:>10}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/pipeline.json")
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+
+    rows = {}
+    for kind in SCHEDULES:
+        for m in MICROBATCHES:
+            # smp.init is global (the step reads the current microbatches and schedule): each configuration
+            # is built, warmed up and timed before the next one is initialized
+            run, row = build(kind, m)
+            for _ in range(2):  # warm-up
+                run()
+            times = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+            row["median_step_seconds"] = statistics.median(times)
+            row["step_seconds"] = times
+            rows[kind, m] = row
+            print(f"  {kind} M={m}: first call {row['first_call_seconds']:.1f}s", flush=True)
+    for r in rows.values():
+        r["temp_ratio"] = r["temp_bytes"] / rows[r["schedule"], MICROBATCHES[0]]["temp_bytes"]
+
+    print()
+    print(
+        f"GPT-2 {LAYERS} layers, d_model {HIDDEN}, pp={PP}, dp={jax.device_count() // PP}, "
+        f"{ROWS_PER_MICROBATCH} rows x {SEQUENCE} tokens per microbatch per dp shard; temp = per-device temporaries "
+        "of the compiled step"
+    )
+    print(
+        f"step s: median of {args.steps} steps after warm-up, on {os.cpu_count()} shared CPU cores emulating "
+        f"{jax.device_count()} devices: noisy, compare only large differences"
+    )
+    print()
+    print(table(list(rows.values())))
+    result = {
+        "what": __doc__.split("\n\n")[0],
+        "machine": {**machine(), "transformers": transformers.__version__},
+        "config": dict(
+            model="gpt2",
+            layers=LAYERS,
+            d_model=HIDDEN,
+            vocab=VOCAB,
+            sequence=SEQUENCE,
+            pipeline_parallel_degree=PP,
+            rows_per_microbatch_per_dp_shard=ROWS_PER_MICROBATCH,
+            optimizer="AdamW",
+            dtype="float32",
+            steps=args.steps,
+            warmup_steps=2,
+        ),
+        "notes": [
+            "batch = microbatches x rows_per_microbatch_per_dp_shard x dp: the microbatch size is fixed",
+            "textbook_bubble = (pp - 1) / (microbatches + pp - 1); idle_fraction = idle stage-ticks / all",
+            "scan_state_bytes: loop state of the pipeline's lax.scan in the optimized HLO (per device)",
+            "timings on few shared CPU cores emulating 8 devices are noisy",
+        ],
+        "rows": list(rows.values()),
+    }
+    write_results(args.out, result)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
