@@ -180,6 +180,10 @@ class DistributedModel:
         named = self._pipeline.layout.unpack(packed, self._param_shardings_by_name)
         return jax.tree_util.tree_unflatten(self._param_treedef, [named[n] for n in self._param_names])
 
+    def _param_avals(self) -> list[jax.ShapeDtypeStruct]:
+        """Shapes and dtypes of the full parameters, in ``_param_names`` order (what a forward trace takes)."""
+        return [jax.ShapeDtypeStruct(self._param_shapes[n], self._param_dtypes[n]) for n in self._param_names]
+
     def _partition_into_stages(self, jaxpr: Any, rest_count: int) -> None:
         """Cut the model into pipeline stages (first step call) and move each stage's parameters to it."""
         labels = {name: "all" for name in self._param_names}

@@ -198,7 +198,7 @@ class StepFunction:
             jax.ShapeDtypeStruct(tuple(n // microbatches if i == axis else n for i, n in enumerate(a.shape)), a.dtype)
             for a, axis in zip(arrays, axes)
         ]
-        param_avals = [jax.ShapeDtypeStruct(model._param_shapes[n], model._param_dtypes[n]) for n in model._param_names]
+        param_avals = model._param_avals()
         jaxpr = model._pipeline.trace(
             _flat_forward(forward, model, rest_def, traced), param_avals, rest_leaves, mb_avals
         )
@@ -305,7 +305,7 @@ class StepFunction:
             jax.ShapeDtypeStruct(p.shape[1:] if axis is not None else p.shape, p.dtype)
             for p, axis in zip(pieces, split)
         ]
-        param_avals = [jax.ShapeDtypeStruct(model._param_shapes[n], model._param_dtypes[n]) for n in model._param_names]
+        param_avals = model._param_avals()
         flat = _flat_forward(forward, model, rest_def, traced)
         jaxpr = pipeline.trace(flat, param_avals, rest_leaves, mb_avals)
         programs = pipeline.programs(jaxpr, model._param_names, len(rest_leaves))

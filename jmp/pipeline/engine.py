@@ -51,10 +51,8 @@ def run(
         )[1]
     )
     depth = schedule.slots
-    table = jnp.asarray(
-        jnp.stack(
-            [schedule.action, schedule.microbatch, schedule.received_forward, schedule.received_backward], axis=-1
-        )
+    table = jnp.stack(
+        [schedule.action, schedule.microbatch, schedule.received_forward, schedule.received_backward], axis=-1
     )  # [ticks, pp, 4]
 
     def stage_forward(stage, local_rows, carry, m):
@@ -126,7 +124,7 @@ def run(
 
         state = (held, held_ct, acc, finals, message, message_ct)
         (_, _, acc, finals, _, _), _ = jax.lax.scan(tick, state, table)
-        return [f[None] for f in finals], {k: v for k, v in acc.items()}
+        return [f[None] for f in finals], acc
 
     rest_local = pieces_local = whole_local = None
     sharded = jax.shard_map(

@@ -126,13 +126,3 @@ class Pipeline:
             grads = {k: g / microbatches for k, g in grads.items()}
             grads = jax.lax.with_sharding_constraint(grads, {k: self.layout.shardings[k] for k in grads})
         return finals, grads
-
-
-def microbatch_avals(arrays: Sequence[jax.Array], axes: Sequence[int | None], microbatches: int) -> list:
-    out = []
-    for array, axis in zip(arrays, axes):
-        shape = list(array.shape)
-        if axis is not None:
-            shape[axis] //= microbatches
-        out.append(jax.ShapeDtypeStruct(tuple(shape), array.dtype))
-    return out
