@@ -29,3 +29,23 @@ class TracedControlFlowError(JmpError):
 
 class StepError(JmpError):
     """A step function, its inputs or the model/optimizer calls around it are misused."""
+
+
+class ArgumentTypeError(JmpError, TypeError):
+    """A jmp function was given a value of the wrong kind (a module where an optimizer goes, ...)."""
+
+
+class ModelLookupError(JmpError, LookupError):
+    """jmp could not tell which ``DistributedModel`` is meant (none, or several, match)."""
+
+
+class OptimizerError(JmpError):
+    """An optimizer, its options or its use is not supported."""
+
+
+class StateDictError(JmpError, RuntimeError):
+    """A state dict does not fit the model or optimizer it is loaded into."""
+
+
+class PipelineError(JmpError):
+    """The model cannot be cut into pipeline stages as asked, or a step does not fit the cut."""

@@ -1,9 +1,9 @@
 """``DistributedModel``: a torch module converted to Flax NNX, its state placed on the mesh.
 
-The model's state lives here as three pieces: the NNX ``graphdef`` (structure
-and train/eval mode), ``params`` (``nnx.Param`` values) and the rest (buffers,
-random stream). ``@smp.step`` traces the user's step function against them;
-``DistributedOptimizer`` updates ``params`` from ``grads``.
+What the model holds is three records (``jmp.model_state``): ``layout`` (the parameters' names, shapes,
+dtypes and placement, with the mesh and config the model was built with), ``training_state`` (parameters,
+buffers and random stream, gradients) and ``programs`` (compiled step programs). ``@smp.step`` traces the
+user's step function against them; ``DistributedOptimizer`` updates the parameters from the gradients.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import numpy as np
 import torch
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from jmp import sharding, state
-from jmp.errors import ConfigError, StepError
+from jmp import model_registry, sharding, state
+from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
+from jmp.model_state import ParameterLayout, ProgramCache, TrainingState, copy_tree
 from jmp.pipeline.stepping import Pipeline
 from jmp.remat import api as remat
 from jmp.sharding import experts
@@ -30,8 +30,6 @@ from jmp.torch_bridge import JaxTensor, TorchModule, convert, named_variables, t
 from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
 
 logger = logging.getLogger("jmp")
-
-_LATEST: list[weakref.ref] = []  # the model DistributedOptimizer attaches to, as in smp
 
 
 class _Trace:
@@ -55,16 +53,25 @@ _NOT_YET = {
 class DistributedModel:
     """Wraps a torch ``nn.Module``: converted to Flax NNX, its parameters placed on the mesh.
 
-    Parameters are split as the config asks (sharded data, tensor and expert
-    parallelism; see ``jmp.sharding``) and replicated otherwise.
-    ``sharding_rules`` (a jmp extension) maps regular expressions on torch
-    parameter names to ``PartitionSpec``s over the mesh axes; a matching rule
-    places that parameter exactly as given.
+    Parameters are split as the config asks (sharded data, tensor and expert parallelism; see
+    ``jmp.sharding``) and replicated otherwise. The model keeps the mesh and config of the ``smp.init``
+    it was built under.
+
+    Args:
+        module: the torch module; it stays the user's (``model.module``) and keeps its initial values.
+        sharding_rules: (a jmp extension) regular expressions on torch parameter names mapped to
+            ``PartitionSpec``s over the mesh axes; a matching rule places that parameter exactly as given.
+
+    Raises:
+        ArgumentTypeError: ``module`` is not a torch module (or is already a DistributedModel).
+        ConfigError: the config asks for something the model cannot do, or ``smp.init`` was not called.
+        ConversionError, UnsupportedOpError: the module cannot be converted.
     """
 
     def __init__(self, module: torch.nn.Module, *, sharding_rules: dict[str, Any] | None = None):
-        if isinstance(module, DistributedModel):
-            raise StepError("the module is already a DistributedModel")
+        if isinstance(module, DistributedModel) or not isinstance(module, torch.nn.Module):
+            what = "already a DistributedModel" if isinstance(module, DistributedModel) else type(module).__name__
+            raise ArgumentTypeError(f"smp.DistributedModel takes a torch.nn.Module, not {what}")
         config = state.get_config()
         for key, default in _NOT_YET.items():
             if getattr(config, key) != default:
@@ -72,32 +79,34 @@ class DistributedModel:
                     f"config key '{key}' = {getattr(config, key)!r} is not supported by DistributedModel yet; "
                     "remove it (data parallelism over all devices is available)."
                 )
-        self.module = module
-        converted = convert(module, rngs=nnx.Rngs(config.random_seed))
-        self._graphdef, params, rest = nnx.split(converted, nnx.Param, ...)
         mesh = state.get_mesh()
-        named = [(torch_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
-        shapes = {name: leaf.shape for name, leaf in named}
-        self._param_names = [name for name, _ in named]
-        self._param_dtypes = {name: leaf.dtype for name, leaf in named}
-        self._param_treedef = jax.tree_util.tree_structure(params)
-        self._param_specs = sharding.parameter_specs(module, shapes, mesh, sharding_rules)
-        self._param_shapes = shapes
-        self._param_shardings = sharding.named_shardings(params, self._param_specs, mesh)
-        self._param_shardings_by_name = dict(zip(self._param_names, jax.tree.leaves(self._param_shardings)))
-        self._params = jax.device_put(params, self._param_shardings)
-        self._rest = jax.device_put(rest, NamedSharding(mesh, PartitionSpec()))
-        self._call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
-        self._may_drop_tokens = bool(self._call_hooks) and config.expert_capacity_factor is not None
-        self._dropped_tokens: jax.Array | None = None
-        _log_layout(self._param_specs, mesh)
-        self._pipeline = _pipeline_for(module, config, mesh, self._param_specs, bool(self._call_hooks))
-        self._optimizers: list[weakref.ref] = []  # told when the parameters move into pipeline stages
-        self.grads: nnx.State | None = None  # accumulated over step calls until optimizer.zero_grad()
-        self._loss_scale = 1.0  # set by DistributedOptimizer(static_loss_scale=...)
-        self._step_programs: dict = {}  # compiled step functions for this model (see jmp.step)
-        _LATEST[:] = [weakref.ref(self)]
-        remat.track(self)
+        self.module = module
+        graphdef, params, rest = nnx.split(convert(module, rngs=nnx.Rngs(config.random_seed)), nnx.Param, ...)
+        leaves = [(torch_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
+        shapes = {name: tuple(leaf.shape) for name, leaf in leaves}
+        self.layout = ParameterLayout(
+            names=tuple(name for name, _ in leaves),
+            shapes=shapes,
+            dtypes={name: leaf.dtype for name, leaf in leaves},
+            specs=sharding.parameter_specs(module, shapes, mesh, sharding_rules),
+            treedef=jax.tree_util.tree_structure(params),
+            mesh=mesh,
+            config=config,
+        )
+        self.training_state = TrainingState(
+            params=jax.device_put(params, self.layout.shardings),
+            rest=jax.device_put(rest, self.layout.replicated),
+        )
+        self.programs = ProgramCache()
+        self.call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
+        self.may_drop_tokens = bool(self.call_hooks) and config.expert_capacity_factor is not None
+        _log_layout(self.layout.specs, mesh)
+        self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs, bool(self.call_hooks))
+        self._optimizers: list[weakref.ref] = []
+        # one graphdef object per train/eval configuration: step programs are cached by it (see train())
+        self._graphdefs: dict[nnx.GraphDef, nnx.GraphDef] = {}
+        self._graphdef = self._graphdefs.setdefault(graphdef, graphdef)
+        model_registry.register(self)
 
     # --- inside a step function -------------------------------------------------------------------------
 
@@ -118,7 +127,7 @@ class DistributedModel:
         if trace is None:
             raise StepError("model.backward(loss) must be called inside an @smp.step function")
         if not isinstance(loss, JaxTensor):
-            raise StepError(
+            raise ArgumentTypeError(
                 f"model.backward needs the loss tensor computed from the model's outputs, not {type(loss).__name__}"
             )
         if loss.dim() != 0:
@@ -127,11 +136,9 @@ class DistributedModel:
             raise StepError("model.backward was called twice in one step function; call it once per step")
         trace.loss = loss
 
-    def _add_grads(self, grads: nnx.State) -> None:
-        self.grads = grads if self.grads is None else _add_trees(self.grads, grads)
-
     @contextlib.contextmanager
-    def _tracing(self, module: TorchModule) -> Iterator[_Trace]:
+    def tracing(self, module: TorchModule) -> Iterator[_Trace]:
+        """While a step function is traced with ``module`` (the converted model at that trace's level)."""
         trace = _Trace(module)
         token = _TRACE.set(trace)
         try:
@@ -140,13 +147,69 @@ class DistributedModel:
         finally:
             _TRACE.reset(token)
 
+    # --- what step functions and optimizers share with the model --------------------------------------------
+
+    @property
+    def graphdef(self) -> nnx.GraphDef:
+        """The converted module's structure in the current train/eval configuration (one object per configuration)."""
+        return self._graphdef
+
+    @property
+    def loss_scale(self) -> float:
+        """The static loss scale of the optimizer attached last (1.0 without one)."""
+        optimizers = self._live_optimizers()
+        return optimizers[-1].loss_scale if optimizers else 1.0
+
+    @property
+    def stored_shardings(self) -> Any:
+        """Shardings of ``training_state.params`` as stored (a pipelined model's stage buffers, once packed)."""
+        if self.pipeline is not None and self.pipeline.ready:
+            return self.pipeline.layout.shardings
+        return self.layout.shardings
+
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """Tell the model which optimizer updates it: it is asked for param groups and told of layout changes."""
+        self._optimizers.append(weakref.ref(optimizer))
+
+    def unpack(self, stored: Any) -> nnx.State:
+        """A tree laid out like ``training_state.params`` (parameters, gradients) -> an nnx.State by torch name."""
+        if self.pipeline is None or not self.pipeline.ready:
+            return stored
+        named = self.pipeline.layout.unpack(stored, {n: self.layout.sharding(n) for n in self.layout.names})
+        return self.layout.tree(named)
+
+    def partition_into_stages(self, jaxpr: Any, rest_count: int) -> None:
+        """Cut the model into pipeline stages (first step call) and move each stage's parameters to it."""
+        labels = {name: "all" for name in self.layout.names}
+        for optimizer in self._live_optimizers():
+            labels = optimizer.param_labels()
+        layout = self.pipeline.plan(jaxpr, list(self.layout.names), rest_count, labels)
+        self.training_state.params = layout.pack(self.layout.by_name(self.training_state.params))
+        for optimizer in self._live_optimizers():
+            optimizer.parameters_moved()
+
+    def check_mesh(self) -> None:
+        """Fail clearly when ``smp.init`` was called again with another config or mesh since this model was built."""
+        if state.get_mesh() != self.layout.mesh or state.get_config() != self.layout.config:
+            raise ConfigError(
+                "smp.init was called again with a different config or mesh after this DistributedModel was built; "
+                "the model is laid out for the first one. Build a new DistributedModel (and optimizer) after "
+                "smp.init, or call smp.init once."
+            )
+
+    def _live_optimizers(self) -> list[Any]:
+        return [o for o in (ref() for ref in self._optimizers) if o is not None]
+
     # --- modes and state ----------------------------------------------------------------------------------
 
     def train(self, mode: bool = True) -> DistributedModel:
-        module = self.flax_module
+        """Switch train/eval mode (dropout, batch norm); step programs already compiled for a mode are reused."""
+        avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.training_state.rest)
+        module = nnx.merge(self._graphdef, self.layout.tree(dict(zip(self.layout.names, self.layout.avals()))), avals)
         module.train(mode)
         self.module.train(mode)
-        self._graphdef = nnx.graphdef(module)
+        graphdef = nnx.graphdef(module)
+        self._graphdef = self._graphdefs.setdefault(graphdef, graphdef)
         return self
 
     def eval(self) -> DistributedModel:
@@ -158,47 +221,28 @@ class DistributedModel:
 
     @property
     def flax_module(self) -> TorchModule:
-        """The converted module with the current values: a snapshot (change weights with load_state_dict).
-
-        Its arrays are the model's own, which the next optimizer step donates; copy what you keep.
-        """
-        return nnx.merge(self._graphdef, self.params, self._rest, copy=True)
+        """The converted module with the current values: a snapshot (change weights with load_state_dict)."""
+        return nnx.merge(self._graphdef, self.params, copy_tree(self.training_state.rest))
 
     @property
     def params(self) -> nnx.State:
         """The parameters: an ``nnx.State`` of sharded ``jax.Array``s, paths as torch names.
 
-        With pipeline parallelism the stages hold the parameters packed (``_params``); this is an
-        unpacked copy, assembled on request.
+        A snapshot in new buffers (the optimizer's update reuses the model's own), valid after later steps.
         """
-        if self._pipeline is None or not self._pipeline.ready:
-            return self._params
-        return self._unpacked(self._params)
+        stored = self.training_state.params
+        if self.pipeline is not None and self.pipeline.ready:
+            return self.unpack(stored)
+        return copy_tree(stored)
 
-    def _unpacked(self, packed: dict) -> nnx.State:
-        """A tree laid out like the pipelined parameters (parameters, gradients) -> an nnx.State by torch name."""
-        named = self._pipeline.layout.unpack(packed, self._param_shardings_by_name)
-        return jax.tree_util.tree_unflatten(self._param_treedef, [named[n] for n in self._param_names])
+    @property
+    def grads(self) -> nnx.State | None:
+        """Gradients accumulated since the optimizer's ``zero_grad()``, paths as torch names (None: none yet).
 
-    def _param_avals(self) -> list[jax.ShapeDtypeStruct]:
-        """Shapes and dtypes of the full parameters, in ``_param_names`` order (what a forward trace takes)."""
-        return [jax.ShapeDtypeStruct(self._param_shapes[n], self._param_dtypes[n]) for n in self._param_names]
-
-    def _partition_into_stages(self, jaxpr: Any, rest_count: int) -> None:
-        """Cut the model into pipeline stages (first step call) and move each stage's parameters to it."""
-        labels = {name: "all" for name in self._param_names}
-        for ref in self._optimizers:
-            optimizer = ref()
-            if optimizer is not None:
-                labels = optimizer._labels_by_name()
-        layout = self._pipeline.plan(jaxpr, self._param_names, rest_count, labels)
-        named = dict(zip(self._param_names, jax.tree.leaves(self._params)))
-        self._params = layout.pack(named)
-        self._param_shardings = layout.shardings
-        for ref in self._optimizers:
-            optimizer = ref()
-            if optimizer is not None:
-                optimizer._build()
+        Still multiplied by the optimizer's static loss scale, as in SMP.
+        """
+        grads = self.training_state.grads
+        return None if grads is None else self.unpack(grads)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and persistent buffers as torch tensors under torch's names (gathered)."""
@@ -217,7 +261,11 @@ class DistributedModel:
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load torch tensors by torch name; with ``strict``, missing or unexpected keys are an error."""
+        """Load torch tensors by torch name.
+
+        Raises:
+            StateDictError: a shape differs, or (``strict``) keys are missing or unexpected.
+        """
         module = self.flax_module
         variables = {n: v for n, v in named_variables(module) if v.get_metadata("persistent", True)}
         missing = sorted(set(variables) - set(state_dict))
@@ -235,30 +283,27 @@ class DistributedModel:
                 problems.append(f"unexpected keys: {', '.join(unexpected)}")
             if mismatched:
                 problems.append(f"shape mismatches: {'; '.join(mismatched)}")
-            raise StepError("load_state_dict failed (" + " | ".join(problems) + ")")
+            raise StateDictError("load_state_dict failed (" + " | ".join(problems) + ")")
         for name, tensor in state_dict.items():
             if name in variables:
                 current = variables[name][...]
                 value = tensor_to_array(tensor).astype(current.dtype)
                 variables[name][...] = jax.device_put(value, current.sharding)
-        _, params, self._rest = nnx.split(module, nnx.Param, ...)
-        if self._pipeline is not None and self._pipeline.ready:
-            params = self._pipeline.layout.pack(dict(zip(self._param_names, jax.tree.leaves(params))))
-        self._params = params
+        _, params, rest = nnx.split(module, nnx.Param, ...)
+        if self.pipeline is not None and self.pipeline.ready:
+            params = self.pipeline.layout.pack(self.layout.by_name(params))
+        self.training_state.params, self.training_state.rest = params, rest
 
     @property
     def dropped_tokens(self) -> int:
         """Token-expert assignments the last step dropped for lack of expert capacity (0 without experts)."""
-        return 0 if self._dropped_tokens is None else int(self._dropped_tokens)
-
-    def parameter_named(self, path: tuple) -> torch.nn.Parameter:
-        """The torch parameter an NNX parameter path stands for."""
-        return dict(self.module.named_parameters(remove_duplicate=False))[".".join(str(p) for p in path)]
+        dropped = self.training_state.dropped_tokens
+        return 0 if dropped is None else int(dropped)
 
     def __repr__(self) -> str:
-        count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self._params))
         return (
-            f"DistributedModel({type(self.module).__name__}, {count:,} parameters, mesh {dict(state.get_mesh().shape)})"
+            f"DistributedModel({type(self.module).__name__}, {self.layout.parameter_count():,} parameters, "
+            f"mesh {dict(self.layout.mesh.shape)})"
         )
 
 
@@ -291,13 +336,3 @@ def _log_layout(specs: dict[str, PartitionSpec], mesh: Any) -> None:
             len(specs),
             ", ".join(f"{n}: {tuple(s)}" for n, s in list(split.items())[:8]) + (", ..." if len(split) > 8 else ""),
         )
-
-
-_add_trees = jax.jit(lambda a, b: jax.tree.map(jax.numpy.add, a, b), donate_argnums=(0,))
-
-
-def latest_model() -> DistributedModel:
-    model = _LATEST[0]() if _LATEST else None
-    if model is None:
-        raise StepError("create the smp.DistributedModel before the smp.DistributedOptimizer")
-    return model

@@ -10,7 +10,6 @@ laid out like the parameters on the mesh.
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import jax
@@ -19,11 +18,10 @@ import numpy as np
 import optax
 import torch
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp import sharding, state, torch_optimizers
-from jmp.errors import StepError
-from jmp.model import DistributedModel, latest_model
+from jmp import model_registry, sharding, torch_optimizers
+from jmp.errors import ArgumentTypeError, ModelLookupError, OptimizerError
+from jmp.model import DistributedModel
 from jmp.torch_bridge import torch_name as _name_of
 from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
 
@@ -37,9 +35,21 @@ def _label(group: int) -> str:
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a ``torch.optim.Optimizer`` built on the original module's parameters, or an optax transformation.
 
-    It is a ``torch.optim.Optimizer`` to torch's LR schedulers (which read and
-    write ``param_groups``), but the update runs in JAX: ``torch.optim``'s own
-    machinery (``__init__``, hooks, ``state``) is not used.
+    It is a ``torch.optim.Optimizer`` to torch's LR schedulers (which read and write ``param_groups``), but
+    the update runs in JAX: ``torch.optim``'s own machinery (``__init__``, hooks, ``state``) is not used.
+
+    Args:
+        optimizer: a torch optimizer over ``model.module``'s parameters (its model is found by them), or an
+            optax transformation (applied to all parameters).
+        static_loss_scale: the loss is multiplied by it in the step and gradients divided by it here.
+        dynamic_loss_scale: not offered yet (fp16 training); must be False.
+        model: (a jmp extension) the ``DistributedModel`` to update; needed for an optax transformation
+            when several models are alive.
+
+    Raises:
+        ArgumentTypeError: ``optimizer`` is neither a torch optimizer nor an optax transformation.
+        ModelLookupError: no model (or several) holds the optimizer's parameters.
+        OptimizerError: an unsupported optimizer class or option.
     """
 
     def __init__(
@@ -47,17 +57,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer | optax.GradientTransformation,
         static_loss_scale: float = 1.0,
         dynamic_loss_scale: bool = False,
+        *,
+        model: DistributedModel | None = None,
         **unused_smp_options: Any,
     ):
         if dynamic_loss_scale:
-            raise StepError(
+            raise OptimizerError(
                 "dynamic_loss_scale is for fp16 training, which jmp does not offer yet; "
                 "train in float32 (or use static_loss_scale)"
             )
         if static_loss_scale <= 0:
-            raise StepError(f"static_loss_scale must be positive, not {static_loss_scale}")
-        self.model: DistributedModel = latest_model()
-        self.model._loss_scale = float(static_loss_scale)
+            raise OptimizerError(f"static_loss_scale must be positive, not {static_loss_scale}")
+        self.loss_scale = float(static_loss_scale)
         self.torch_optimizer: torch.optim.Optimizer | None = None
         self._last_hyperparams: tuple[dict, dict] = ({}, {})
         if isinstance(optimizer, optax.GradientTransformation):
@@ -67,22 +78,44 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.rule = torch_optimizers.rule_for(optimizer)
             self._check_torch_options(optimizer)
         else:
-            raise StepError(
+            raise ArgumentTypeError(
                 f"DistributedOptimizer takes a torch.optim.Optimizer or an optax.GradientTransformation, "
                 f"not {type(optimizer).__name__}"
             )
-        self._replicated = NamedSharding(state.get_mesh(), PartitionSpec())
+        self.model: DistributedModel = self._find_model(model)
+        self._replicated = self.model.layout.replicated
         self._build()
-        self.model._optimizers.append(weakref.ref(self))
+        self.model.attach_optimizer(self)
+
+    def _find_model(self, given: DistributedModel | None) -> DistributedModel:
+        """The model this optimizer updates: given, else the one holding the torch optimizer's parameters."""
+        if given is not None:
+            if not isinstance(given, DistributedModel):
+                raise ArgumentTypeError(f"model= takes a smp.DistributedModel, not {type(given).__name__}")
+            return given
+        if self.torch_optimizer is None:
+            return model_registry.the_only(
+                "smp.DistributedOptimizer(<optax transformation>)", "pass model= to say which one it updates"
+            )
+        held = {id(p) for g in self.torch_optimizer.param_groups for p in g["params"]}
+        owners = [m for m in model_registry.live() if any(id(p) in held for p in m.module.parameters())]
+        if len(owners) == 1:
+            return owners[0]
+        if not owners:
+            raise ModelLookupError(
+                f"the {type(self.torch_optimizer).__name__} optimizer's parameters belong to no "
+                "smp.DistributedModel; wrap the model first, then build the optimizer on model.module.parameters()"
+            )
+        raise ModelLookupError(
+            f"the {type(self.torch_optimizer).__name__} optimizer's parameters belong to {len(owners)} "
+            "smp.DistributedModels (one torch module wrapped twice?); pass model= to say which one it updates"
+        )
 
     def _build(self) -> None:
-        """The optax transformation, its state and the compiled update, for the model's current parameter layout.
-
-        Built again when a pipelined model moves its parameters into the stages' buffers (first step).
-        """
+        """The optax transformation, its state and the compiled update, for the model's current parameter layout."""
         model = self.model
-        params = model._params
-        pipeline = model._pipeline
+        params = model.training_state.params
+        pipeline = model.pipeline
         packed = pipeline is not None and pipeline.ready
         if self.torch_optimizer is None:
             self.tx = self._optax
@@ -92,50 +125,61 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 labels = {key: buffer.label for key, buffer in pipeline.layout.buffers.items()}
                 self._check_buffer_labels(pipeline.layout)
             else:
-                labels = self._group_labels(params)
+                labels = model.layout.tree(self.param_labels())
             self.tx = optax.multi_transform(
                 {_label(i): torch_optimizers.group_transform(self.rule, g) for i, g in enumerate(groups)}
                 | {_FROZEN: optax.set_to_zero()},
                 labels,
             )
-        mesh = state.get_mesh()
         if packed:
             self._state_shardings = pipeline.layout.state_shardings(jax.eval_shape(self.tx.init, params))
         else:
-            self._state_shardings = self._layout(params, mesh)
+            self._state_shardings = self._layout(params)
         self.opt_state = jax.jit(self.tx.init, out_shardings=self._state_shardings)(params)
         # the loss scale is a setting, not data: baked in
         self._update = jax.jit(
             self._apply,
             static_argnames=("loss_scale",),
             donate_argnums=(0, 2),
-            out_shardings=(model._param_shardings, self._state_shardings),
+            out_shardings=(model.stored_shardings, self._state_shardings),
         )
 
-    def _labels_by_name(self) -> dict[str, str]:
+    def parameters_moved(self) -> None:
+        """Called by the model when a pipelined model moves its parameters into the stages' buffers (first step)."""
+        self._build()
+
+    def param_labels(self) -> dict[str, str]:
         """Each parameter's optimizer label (its torch param group, or frozen) by torch name."""
+        names = self.model.layout.names
         if self.torch_optimizer is None:
-            return {name: "all" for name in self.model._param_names}
-        tree = self._group_labels(self.model.params)
-        return {_name_of(path): label for path, label in jax.tree_util.tree_leaves_with_path(tree)}
+            return {name: "all" for name in names}
+        group_of = {id(p): i for i, g in enumerate(self.torch_optimizer.param_groups) for p in g["params"]}
+        by_name = dict(self.model.module.named_parameters(remove_duplicate=False))
+        known = {id(p) for p in by_name.values()}
+        unknown = [p for g in self.torch_optimizer.param_groups for p in g["params"] if id(p) not in known]
+        if unknown:
+            raise OptimizerError(
+                f"the torch optimizer holds {len(unknown)} tensor(s) that are not parameters of the "
+                "DistributedModel's module; build the optimizer on model.module.parameters()"
+            )
+        groups = {name: group_of.get(id(by_name[name])) for name in names}
+        return {name: _FROZEN if group is None else _label(group) for name, group in groups.items()}
 
     def _check_buffer_labels(self, layout: Any) -> None:
-        by_name = self._labels_by_name()
+        by_name = self.param_labels()
         wrong = [n for n, places in layout.places.items() if layout.buffers[places[0].key].label != by_name[n]]
         if wrong:
-            raise StepError(
+            raise OptimizerError(
                 "the model's pipeline stages were laid out before this optimizer's param groups were known "
                 f"({', '.join(wrong[:4])} are in another group); create the smp.DistributedOptimizer before the "
                 "first step call"
             )
 
-    def _layout(self, params: nnx.State, mesh: Any) -> Any:
+    def _layout(self, params: nnx.State) -> Any:
         """Shardings of the optimizer state: like the parameters, or split over ``dp`` too (shard_optimizer_state)."""
-        model = self.model
-        specs = sharding.optimizer_specs(
-            model._param_specs, model._param_shapes, mesh, state.get_config().shard_optimizer_state
-        )
-        return sharding.state_shardings(jax.eval_shape(self.tx.init, params), specs, model._param_shapes, mesh)
+        layout = self.model.layout
+        specs = sharding.optimizer_specs(layout.specs, layout.shapes, layout.mesh, layout.config.shard_optimizer_state)
+        return sharding.state_shardings(jax.eval_shape(self.tx.init, params), specs, layout.shapes, layout.mesh)
 
     # --- torch mapping ---------------------------------------------------------------------------------------
 
@@ -145,32 +189,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.rule = torch_optimizers.RULES[torch.optim.AdamW]
             for option in ("fused", "capturable", "differentiable"):
                 if group.get(option):
-                    raise StepError(f"{type(optimizer).__name__}({option}=True) is a CUDA option; remove it")
-
-    def _group_of(self) -> dict[int, int]:
-        return {id(p): i for i, g in enumerate(self.torch_optimizer.param_groups) for p in g["params"]}
-
-    def _group_labels(self, params: nnx.State) -> Any:
-        """A tree like ``params`` holding each parameter's param-group index (or "frozen")."""
-        group_of = self._group_of()
-        by_name = dict(self.model.module.named_parameters(remove_duplicate=False))
-        unknown = [
-            p
-            for g in self.torch_optimizer.param_groups
-            for p in g["params"]
-            if id(p) not in {id(q) for q in by_name.values()}
-        ]
-        if unknown:
-            raise StepError(
-                f"the torch optimizer holds {len(unknown)} tensor(s) that are not parameters of the "
-                "DistributedModel's module; build the optimizer on model.module.parameters()"
-            )
-
-        def label(path, _):
-            group = group_of.get(id(by_name[_name_of(path)]))
-            return _FROZEN if group is None else _label(group)
-
-        return jax.tree_util.tree_map_with_path(label, params)
+                    raise OptimizerError(f"{type(optimizer).__name__}({option}=True) is a CUDA option; remove it")
 
     def _hyperparams(self) -> dict:
         """Each group's numeric hyper-parameters as read from torch's param_groups right now."""
@@ -196,31 +215,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         """Apply the gradients accumulated since ``zero_grad()`` (none: no update, as in torch)."""
         if closure is not None:
-            raise StepError("optimizer.step(closure) is not supported: run the step function, then call step()")
-        model = self.model
-        if model.grads is None:
+            raise OptimizerError("optimizer.step(closure) is not supported: run the step function, then call step()")
+        training = self.model.training_state
+        if training.grads is None:
             return  # as in torch: no gradients, no update
-        model._params, self.opt_state = self._update(
-            model._params,
-            model.grads,
-            self.opt_state,
-            self._hyperparams(),
-            loss_scale=model._loss_scale,
+        training.params, self.opt_state = self._update(
+            training.params, training.grads, self.opt_state, self._hyperparams(), loss_scale=self.loss_scale
         )
         if self.torch_optimizer is not None:
             self.torch_optimizer._opt_called = True  # what torch's LR schedulers check before stepping
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.grads = None
+        self.model.training_state.grads = None
 
     def clip_master_grads(self, max_norm: float) -> jax.Array:
         """Scale the current gradients so their global norm is at most ``max_norm``; returns the norm before.
 
         Like ``torch.nn.utils.clip_grad_norm_`` over all parameters (the norm is global across devices).
         """
-        if self.model.grads is None:
+        training = self.model.training_state
+        if training.grads is None:
             return jnp.zeros((), jnp.float32)
-        norm, self.model.grads = _clip_by_global_norm(self.model.grads, max_norm, self.model._loss_scale)
+        norm, training.grads = _clip_by_global_norm(training.grads, max_norm, self.loss_scale)
         return norm
 
     @property
@@ -286,14 +302,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _by_name(self, field: Any) -> Any:
         """A params-shaped state field keyed by torch name (a pipelined model's stage buffers unpacked)."""
-        pipeline = self.model._pipeline
+        pipeline = self.model.pipeline
         if pipeline is None or not pipeline.ready or not isinstance(field, dict):
             return field
         return nnx.State(pipeline.layout.unpack_present(field))
 
     def _load_field(self, field: Any, torch_name: str, index: dict, tensors: dict) -> Any:
         """``_loaded_field`` through the stage buffers of a pipelined model (unpacked, loaded, packed again)."""
-        pipeline = self.model._pipeline
+        pipeline = self.model.pipeline
         if pipeline is None or not pipeline.ready or not isinstance(field, dict):
             return _loaded_field(field, torch_name, index, tensors)
         named = _loaded_field(nnx.State(pipeline.layout.unpack_present(field)), torch_name, index, tensors)

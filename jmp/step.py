@@ -25,9 +25,9 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp import state
+from jmp import model_registry, state
 from jmp.errors import StepError
-from jmp.model import DistributedModel, latest_model
+from jmp.model import DistributedModel
 from jmp.remat import xla as remat_xla
 from jmp.sharding import experts
 from jmp.torch_bridge import JaxTensor, call_hooks, dispatch
@@ -100,6 +100,28 @@ class _Leaf:
     static: Any = None
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSignature:
+    """What a step program is traced for; with the step function, the key of the model's program cache.
+
+    ``graphdef`` is the model's train/eval configuration (compared by identity: the model keeps one object
+    per configuration); ``loss_scale`` is baked into the program as a constant.
+    """
+
+    arguments: Any  # torch pytree spec of (args, kwargs)
+    leaves: tuple[_Leaf, ...]
+    microbatches: int
+    data_shards: int
+    loss_scale: float
+    graphdef: nnx.GraphDef = dataclasses.field(compare=False)
+    graphdef_id: int = 0
+
+    @property
+    def split_axes(self) -> list[int | None]:
+        """The batch axis of each array argument (None: given whole to every microbatch)."""
+        return [leaf.split_axis for leaf in self.leaves if leaf.kind == "array"]
+
+
 @dataclasses.dataclass
 class _Traced:
     """What tracing a step function revealed (kept per compiled variant)."""
@@ -108,6 +130,20 @@ class _Traced:
     output_count: int = 0
     output_spec: Any = None
     output_dtypes: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One call of a step function, ready to run: the model, the arrays on the devices, the program."""
+
+    model: DistributedModel
+    arrays: list[jax.Array]
+    program: Any  # jax.jit of StepFunction._run
+    traced: _Traced
+
+    @property
+    def arguments(self) -> tuple:
+        return (self.model.training_state.params, self.model.training_state.rest, self.arrays)
 
 
 class StepFunction:
@@ -129,41 +165,46 @@ class StepFunction:
             raise StepError(f"@smp.step of {fn.__name__}: {sorted(unknown)} are not arguments of the function")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        model, arrays, program, traced = self._prepare(args, kwargs)
-        outputs, rest, grads, dropped = program(model._params, model._rest, arrays)
-        model._rest = rest
-        model._dropped_tokens = dropped
-        if traced.has_backward:
-            model._add_grads(grads)
-        shards = _data_shards()
-        results = [StepOutput(out, dtype, shards) for out, dtype in zip(outputs, traced.output_dtypes)]
-        return torch_pytree.tree_unflatten(results, traced.output_spec)
+        call = self._prepare(args, kwargs)
+        outputs, rest, grads, dropped = call.program(*call.arguments)
+        call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, dropped)
+        shards = _data_shards(call.model.layout.mesh)
+        results = [StepOutput(out, dtype, shards) for out, dtype in zip(outputs, call.traced.output_dtypes)]
+        return torch_pytree.tree_unflatten(results, call.traced.output_spec)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """JAX's ahead-of-time ``Lowered`` of the program this call would run (``.compile().memory_analysis()``)."""
-        model, arrays, program, _ = self._prepare(args, kwargs)
-        return program.lower(model._params, model._rest, arrays)
+        call = self._prepare(args, kwargs)
+        return call.program.lower(*call.arguments)
 
     def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
         """JAX's ``Traced`` of the program this call would run (``.jaxpr``: what the step computes, before XLA)."""
-        model, arrays, program, _ = self._prepare(args, kwargs)
-        return program.trace(model._params, model._rest, arrays)
+        call = self._prepare(args, kwargs)
+        return call.program.trace(*call.arguments)
 
     # --- inputs ---------------------------------------------------------------------------------------------
 
-    def _prepare(self, args: tuple, kwargs: dict):
+    def _prepare(self, args: tuple, kwargs: dict) -> _Call:
         bound = self.signature.bind(*args, **kwargs)
-        mesh = state.get_mesh()
-        microbatches = state.get_config().microbatches
-        shards = _data_shards()
+        flat, spec = torch_pytree.tree_flatten((bound.args, bound.kwargs))
+        models = {id(v): v for v in flat if isinstance(v, DistributedModel)}
+        if len(models) > 1:
+            raise StepError("a step function takes one DistributedModel")
+        model = (
+            next(iter(models.values()))
+            if models
+            else model_registry.the_only(
+                f"step function {self.__name__}", "pass the model as an argument of the step function"
+            )
+        )
+        model.check_mesh()
+        mesh = model.layout.mesh
+        microbatches = model.layout.config.microbatches
+        shards = _data_shards(mesh)
         leaves: list[_Leaf] = []
         arrays: list[jax.Array] = []
-        models = []
-        flat, spec = torch_pytree.tree_flatten((bound.args, bound.kwargs))
-        names = _argument_names(bound)
-        for value, name in zip(flat, names):
+        for value, name in zip(flat, _argument_names(bound)):
             if isinstance(value, DistributedModel):
-                models.append(value)
                 leaves.append(_Leaf("model"))
             elif isinstance(value, (torch.Tensor, np.ndarray, jax.Array)):
                 array, dtype = _host_or_device_array(value)
@@ -180,55 +221,48 @@ class StepFunction:
             else:
                 _check_hashable(name, value)
                 leaves.append(_Leaf("static", static=value))
-        if len({id(m) for m in models}) > 1:
-            raise StepError("a step function takes one DistributedModel")
-        model = models[0] if models else latest_model()
-        if model._pipeline is not None and not model._pipeline.ready:
-            self._partition(model, spec, tuple(leaves), arrays, microbatches)
-        program, traced = self._program(model, spec, tuple(leaves), microbatches, shards)
-        return model, arrays, program, traced
+        signature = StepSignature(
+            spec, tuple(leaves), microbatches, shards, model.loss_scale, model.graphdef, id(model.graphdef)
+        )
+        if model.pipeline is not None and not model.pipeline.ready:
+            self._partition(model, signature, arrays)
+        program, traced = model.programs.get((self, signature), lambda: self._compile(model, signature))
+        return _Call(model, arrays, program, traced)
 
-    def _partition(self, model: DistributedModel, spec: Any, leaves: tuple, arrays: list, microbatches: int):
+    def _partition(self, model: DistributedModel, signature: StepSignature, arrays: list) -> None:
         """Cut a pipelined model into stages from this call's forward (its first step), and move its parameters."""
         traced = _Traced()
-        forward = self._forward(model, model._graphdef, spec, leaves, model._loss_scale, traced)
-        rest_leaves, rest_def = jax.tree.flatten(model._rest)
-        axes = [leaf.split_axis for leaf in leaves if leaf.kind == "array"]
+        forward = self._forward(model, signature, traced)
+        rest_leaves, rest_def = jax.tree.flatten(model.training_state.rest)
+        count = signature.microbatches
         mb_avals = [
-            jax.ShapeDtypeStruct(tuple(n // microbatches if i == axis else n for i, n in enumerate(a.shape)), a.dtype)
-            for a, axis in zip(arrays, axes)
+            jax.ShapeDtypeStruct(tuple(n // count if i == axis else n for i, n in enumerate(a.shape)), a.dtype)
+            for a, axis in zip(arrays, signature.split_axes)
         ]
-        param_avals = model._param_avals()
-        jaxpr = model._pipeline.trace(
-            _flat_forward(forward, model, rest_def, traced), param_avals, rest_leaves, mb_avals
-        )
-        model._partition_into_stages(jaxpr, len(rest_leaves))
+        flat = _flat_forward(forward, model, rest_def, traced)
+        jaxpr = model.pipeline.trace(flat, model.layout.avals(), rest_leaves, mb_avals)
+        model.partition_into_stages(jaxpr, len(rest_leaves))
 
     # --- the program ----------------------------------------------------------------------------------------
 
-    def _program(self, model: DistributedModel, spec: Any, leaves: tuple, microbatches: int, shards: int):
-        """The compiled program for this call's signature, kept on the model (it lives as long as the model)."""
-        # the graphdef changes with train()/eval(); its id is a cheap key (the program keeps it alive)
-        key = (id(self), spec, leaves, microbatches, shards, id(model._graphdef), model._loss_scale)
-        if key not in model._step_programs:
-            traced = _Traced()
-            run = functools.partial(
-                self._run, model, model._graphdef, spec, leaves, microbatches, shards, model._loss_scale, traced
-            )
-            options = remat_xla.compiler_options(state.get_mesh().devices.flat[0].platform)
-            model._step_programs[key] = (jax.jit(run, donate_argnums=(1,), compiler_options=options), traced)
-        return model._step_programs[key]
+    def _compile(self, model: DistributedModel, signature: StepSignature) -> tuple[Any, _Traced]:
+        """The program for ``signature`` (compiled at its first call) and the record its tracing fills in."""
+        traced = _Traced()
+        run = functools.partial(self._run, model, signature, traced)
+        options = remat_xla.compiler_options(model.layout.mesh.devices.flat[0].platform)
+        return jax.jit(run, donate_argnums=(1,), compiler_options=options), traced
 
-    def _forward(self, model, graphdef, spec, leaves, scale, traced):
+    def _forward(self, model: DistributedModel, signature: StepSignature, traced: _Traced) -> Callable:
         """The step function on one microbatch: (params, rest, arrays) -> (loss, (outputs, new rest, dropped))."""
+        scale = signature.loss_scale
 
         def forward(params, rest, mb_arrays):
-            module = nnx.merge(graphdef, params, rest, copy=True)  # Variables of this trace level
-            call_args, call_kwargs = _rebuild(spec, leaves, mb_arrays, model)
+            module = nnx.merge(signature.graphdef, params, rest, copy=True)  # Variables of this trace level
+            call_args, call_kwargs = _rebuild(signature.arguments, signature.leaves, mb_arrays, model)
             with (
-                model._tracing(module) as trace,
+                model.tracing(module) as trace,
                 dispatch.session(getattr(module, "rngs", None)),
-                call_hooks(model._call_hooks),
+                call_hooks(model.call_hooks),
                 experts.counting_dropped() as dropped,
             ):
                 returned = self.fn(*call_args, **call_kwargs)
@@ -244,48 +278,44 @@ class StepFunction:
 
         return forward
 
-    def _run(self, model, graphdef, spec, leaves, microbatches, shards, scale, traced, params, rest, arrays):
-        split = [leaf.split_axis for leaf in leaves if leaf.kind == "array"]
+    def _run(self, model: DistributedModel, signature: StepSignature, traced: _Traced, params, rest, arrays):
+        """The whole step on the batch: (stacked outputs, new rest, mean gradients or None, dropped rows)."""
+        microbatches, split = signature.microbatches, signature.split_axes
         pieces = [
-            _split_microbatches(a, axis, microbatches, shards) if axis is not None else a
+            _split_microbatches(a, axis, microbatches, signature.data_shards) if axis is not None else a
             for a, axis in zip(arrays, split)
         ]
-
-        def microbatch(index):
-            return [p[index] if axis is not None else p for p, axis in zip(pieces, split)]
-
-        forward = self._forward(model, graphdef, spec, leaves, scale, traced)
-        if model._pipeline is not None:
+        forward = self._forward(model, signature, traced)
+        if model.pipeline is not None:
             return self._run_pipeline(model, forward, traced, params, rest, pieces, split, microbatches)
-
-        def with_grads(rest, mb_arrays):
-            (_, (outputs, rest, dropped)), grads = jax.value_and_grad(forward, has_aux=True)(params, rest, mb_arrays)
-            # gradients live where their parameters do (sharded data parallel: reduce-scattered)
-            return outputs, rest, jax.lax.with_sharding_constraint(grads, model._param_shardings), dropped
-
-        if microbatches == 1:
-            outputs, rest, grads, dropped = with_grads(rest, microbatch(0))
-            stacked = [o[None] for o in outputs]
-            return stacked, rest, (grads if traced.has_backward else None), _reported(dropped, model._may_drop_tokens)
-
-        jax.eval_shape(forward, params, rest, microbatch(0))  # learn whether the function calls backward
-        mb_stack = [p if axis is not None else None for p, axis in zip(pieces, split)]
+        shardings = model.stored_shardings
+        report = functools.partial(_reported, may_drop=model.may_drop_tokens)
 
         def arrays_of(mb):
             return [m if axis is not None else p for m, p, axis in zip(mb, pieces, split)]
 
-        if traced.has_backward:
+        def with_grads(rest, mb_arrays):
+            (_, (outputs, rest, dropped)), grads = jax.value_and_grad(forward, has_aux=True)(params, rest, mb_arrays)
+            # gradients live where their parameters do (sharded data parallel: reduce-scattered)
+            return outputs, rest, jax.lax.with_sharding_constraint(grads, shardings), dropped
+
+        if microbatches == 1:
+            first = [p[0] if axis is not None else p for p, axis in zip(pieces, split)]
+            outputs, rest, grads, dropped = with_grads(rest, first)
+            return [o[None] for o in outputs], rest, (grads if traced.has_backward else None), report(dropped)
+
+        mb_stack = [p if axis is not None else None for p, axis in zip(pieces, split)]
+        jax.eval_shape(forward, params, rest, arrays_of([p[0] if p is not None else None for p in mb_stack]))
+        if traced.has_backward:  # learnt from the shape evaluation above
 
             def body(carry, mb):
                 rest, total, dropped = carry
                 outputs, rest, grads, mb_dropped = with_grads(rest, arrays_of(mb))
                 return (rest, jax.tree.map(jnp.add, total, grads), dropped + mb_dropped), outputs
 
-            zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), model._param_shardings)
-            carry = (rest, zeros, jnp.zeros((), jnp.int32))
-            (rest, total, dropped), stacked = jax.lax.scan(body, carry, mb_stack)
-            grads = jax.tree.map(lambda g: g / microbatches, total)
-            return stacked, rest, grads, _reported(dropped, model._may_drop_tokens)
+            zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), shardings)
+            (rest, total, dropped), stacked = jax.lax.scan(body, (rest, zeros, jnp.zeros((), jnp.int32)), mb_stack)
+            return stacked, rest, jax.tree.map(lambda g: g / microbatches, total), report(dropped)
 
         def eval_body(carry, mb):
             rest, dropped = carry
@@ -293,11 +323,11 @@ class StepFunction:
             return (rest, dropped + mb_dropped), outputs
 
         (rest, dropped), stacked = jax.lax.scan(eval_body, (rest, jnp.zeros((), jnp.int32)), mb_stack)
-        return stacked, rest, None, _reported(dropped, model._may_drop_tokens)
+        return stacked, rest, None, report(dropped)
 
     def _run_pipeline(self, model, forward, traced, rows, rest, pieces, split, microbatches):
         """The step as a pipeline over ``pp`` (see jmp.pipeline): forward cut into stages, both passes scheduled."""
-        pipeline = model._pipeline
+        pipeline = model.pipeline
         rest_leaves, rest_def = jax.tree.flatten(rest)
         whole = [None if axis is not None else p for p, axis in zip(pieces, split)]
         split_pieces = [p if axis is not None else None for p, axis in zip(pieces, split)]
@@ -305,10 +335,10 @@ class StepFunction:
             jax.ShapeDtypeStruct(p.shape[1:] if axis is not None else p.shape, p.dtype)
             for p, axis in zip(pieces, split)
         ]
-        param_avals = model._param_avals()
+        param_avals = model.layout.avals()
         flat = _flat_forward(forward, model, rest_def, traced)
         jaxpr = pipeline.trace(flat, param_avals, rest_leaves, mb_avals)
-        programs = pipeline.programs(jaxpr, model._param_names, len(rest_leaves))
+        programs = pipeline.programs(jaxpr, list(model.layout.names), len(rest_leaves))
         finals, grads = pipeline.step(
             programs, rows, rest_leaves, split_pieces, whole, microbatches, traced.has_backward
         )
@@ -316,14 +346,14 @@ class StepFunction:
         outputs = finals[1 : 1 + count]
         new_rest = jax.tree.unflatten(rest_def, [r[-1] for r in finals[1 + count : 1 + count + len(rest_leaves)]])
         dropped = jnp.sum(finals[-1])
-        return outputs, new_rest, grads, _reported(dropped, model._may_drop_tokens)
+        return outputs, new_rest, grads, _reported(dropped, model.may_drop_tokens)
 
 
 def _flat_forward(forward: Callable, model: DistributedModel, rest_def: Any, traced: _Traced) -> Callable:
     """``forward`` on flat lists: (parameters in name order, rest, inputs) -> [loss, *outputs, *rest, dropped]."""
 
     def flat(param_list, rest_list, mb_arrays):
-        params = jax.tree_util.tree_unflatten(model._param_treedef, param_list)
+        params = jax.tree_util.tree_unflatten(model.layout.treedef, param_list)
         rest = jax.tree_util.tree_unflatten(rest_def, rest_list)
         loss, (outputs, new_rest, dropped) = forward(params, rest, mb_arrays)
         traced.output_count = len(outputs)
@@ -363,8 +393,7 @@ def _warn_if_dropped(dropped: Any) -> None:
         )
 
 
-def _data_shards() -> int:
-    mesh = state.get_mesh()
+def _data_shards(mesh: jax.sharding.Mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in state.DATA_AXES]))
 
 

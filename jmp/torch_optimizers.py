@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 import torch
 
-from jmp.errors import StepError
+from jmp.errors import OptimizerError
 
 # --- torch-specific pieces --------------------------------------------------------------------------------
 
@@ -244,7 +244,7 @@ def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
     rule = RULES.get(type(optimizer))
     if rule is None:
         supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in RULES)
-        raise StepError(
+        raise OptimizerError(
             f"{type(optimizer).__module__}.{type(optimizer).__name__} is not supported by DistributedOptimizer. "
             f"Supported: {supported}, or pass an optax.GradientTransformation."
         )

@@ -29,9 +29,9 @@ from typing import Any
 
 from torch import nn
 
-from jmp import state
+from jmp import model_registry, state
 from jmp.config import Config
-from jmp.errors import ConfigError, StepError
+from jmp.errors import ArgumentTypeError, ConfigError, ModelLookupError
 from jmp.remat import context, region
 from jmp.remat.groups import LayerGroups
 from jmp.remat.policies import Policy, Resolved, parse_policy, resolve
@@ -46,14 +46,6 @@ class _Annotation:
 
 
 _ANNOTATIONS: weakref.WeakKeyDictionary[nn.Module, _Annotation] = weakref.WeakKeyDictionary()
-_MODELS: weakref.WeakSet = weakref.WeakSet()  # live DistributedModels, to find the one a module belongs to
-
-
-def track(model: Any) -> None:
-    """Register a ``DistributedModel`` so that its modules can be annotated."""
-    _MODELS.add(model)
-
-
 def set_activation_checkpointing(
     module: nn.Module,
     preserve_rng_state: bool = True,
@@ -71,10 +63,10 @@ def set_activation_checkpointing(
     strategy = parse_strategy(strategy, where)
     parsed = None if policy is None else parse_policy(policy, where)
     if not isinstance(module, nn.Module):
-        raise StepError(f"{where} takes a torch.nn.Module of the model, not a {type(module).__name__}")
-    owners = [m for m in _MODELS if any(sub is module for sub in m.module.modules())]
+        raise ArgumentTypeError(f"{where} takes a torch.nn.Module of the model, not a {type(module).__name__}")
+    owners = model_registry.owners_of(module)
     if not owners:
-        raise StepError(
+        raise ModelLookupError(
             f"{where}: the {_describe(module)} is not part of a model wrapped in smp.DistributedModel. Wrap the "
             "model first, then pass one of its submodules, reached through model.module (e.g. "
             "model.module.transformer.h)."
@@ -86,7 +78,7 @@ def set_activation_checkpointing(
         )
     _ANNOTATIONS[module] = _Annotation(strategy, parsed)
     for model in owners:
-        model._step_programs.clear()  # programs traced before the annotation do not checkpoint
+        model.programs.clear()  # programs traced before the annotation do not checkpoint
 
 
 def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, policy: Any = None, **kwargs: Any):
@@ -95,7 +87,7 @@ def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, p
     _check_flags(where, preserve_rng_state, False)
     parsed = None if policy is None else parse_policy(policy, where)
     if not isinstance(module, nn.Module):
-        raise StepError(
+        raise ArgumentTypeError(
             f"{where} takes a torch.nn.Module of the model, not a {type(module).__name__}; put the computation "
             "in a submodule of the model and checkpoint that."
         )
@@ -119,7 +111,7 @@ def checkpoint_sequential(
     strategy = parse_strategy(strategy, where)
     parsed = None if policy is None else parse_policy(policy, where)
     if not isinstance(sequential_module, nn.Sequential):
-        raise StepError(f"{where} takes an nn.Sequential, not a {type(sequential_module).__name__}")
+        raise ArgumentTypeError(f"{where} takes an nn.Sequential, not a {type(sequential_module).__name__}")
     twin = _twin(sequential_module, where)
     if twin is None:
         return sequential_module(input)
@@ -160,7 +152,7 @@ def _twin(module: nn.Module, where: str) -> TorchModule | None:
     """``module``'s converted twin when a converted forward or a step is running; None in plain PyTorch."""
     twin = context.twin_for(module)
     if twin is None and context.current() is not None:
-        raise StepError(
+        raise ModelLookupError(
             f"{where}: the {_describe(module)} is not part of the model this step runs; checkpoint a "
             "submodule of the model (e.g. self.fc1 in its forward)."
         )

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jmp as smp
-from jmp.errors import StepError
+from jmp.errors import StateDictError, StepError
 from tests.front_end.helpers import SmallNet, batches, compilations, train_step
 
 
@@ -84,7 +84,7 @@ def test_load_state_dict_lists_what_does_not_fit(model):
     bad["extra.weight"] = torch.zeros(1)
     bad["fc2.weight"] = torch.zeros(3, 3)
     with pytest.raises(
-        StepError,
+        StateDictError,
         match="missing keys: fc1.bias.*unexpected keys: extra.weight.*fc2.weight: "
         "checkpoint \\(3, 3\\) vs model \\(5, 32\\)",
     ):

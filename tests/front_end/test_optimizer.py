@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import jmp as smp
-from jmp.errors import StepError
+from jmp.errors import ModelLookupError, OptimizerError
 from tests.front_end.helpers import SmallNet, batches, torch_losses, torch_train
 
 
@@ -127,12 +127,14 @@ def test_an_optax_transformation_works_directly_and_round_trips_its_state():
     module, data = SmallNet(), batches(4)
     smp.init()
     model = smp.DistributedModel(copy.deepcopy(module))
-    optimizer = smp.DistributedOptimizer(optax.adam(1e-3))
+    optimizer = smp.DistributedOptimizer(optax.adam(1e-3), model=model)
     run(model, optimizer, data[:2])
     saved = optimizer.state_dict()
     clone = smp.DistributedModel(copy.deepcopy(module))
     clone.load_state_dict(model.state_dict())
-    clone_optimizer = smp.DistributedOptimizer(optax.adam(1e-3))
+    with pytest.raises(ModelLookupError, match=r"\d+ live smp.DistributedModels.*pass model="):
+        smp.DistributedOptimizer(optax.adam(1e-3))  # two models alive: which one?
+    clone_optimizer = smp.DistributedOptimizer(optax.adam(1e-3), model=clone)
     clone_optimizer.load_state_dict(saved)
     np.testing.assert_allclose(run(clone, clone_optimizer, data[2:]), run(model, optimizer, data[2:]), rtol=1e-6)
 
@@ -140,8 +142,8 @@ def test_an_optax_transformation_works_directly_and_round_trips_its_state():
 def test_unsupported_optimizers_are_named_with_the_supported_ones():
     smp.init()
     module = SmallNet()
-    model = smp.DistributedModel(module)  # noqa: F841  (the optimizer attaches to the latest model)
-    with pytest.raises(StepError, match="torch.optim.lbfgs.LBFGS is not supported.*Supported: torch.optim.SGD"):
+    smp.DistributedModel(module)
+    with pytest.raises(OptimizerError, match="torch.optim.lbfgs.LBFGS is not supported.*Supported: torch.optim.SGD"):
         smp.DistributedOptimizer(torch.optim.LBFGS(module.parameters()))
-    with pytest.raises(StepError, match="not parameters of the DistributedModel"):
+    with pytest.raises(ModelLookupError, match="parameters belong to no smp.DistributedModel"):
         smp.DistributedOptimizer(torch.optim.SGD(SmallNet().parameters(), lr=0.1))

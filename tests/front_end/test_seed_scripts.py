@@ -24,7 +24,7 @@ def test_manual_partition_script_trains_on_its_stages():
     losses = namespace["losses"]
     assert len(losses) == 3 and np.all(np.isfinite(losses))
     model = namespace["model"]
-    stages = model._pipeline.layout.stages
+    stages = model.pipeline.layout.stages
     assert {n: stages[n] for n in ("conv1.weight", "conv2.weight", "fc1.weight", "fc2.weight")} == {
         "conv1.weight": (0,),
         "conv2.weight": (0,),

@@ -1,0 +1,44 @@
+"""The live ``DistributedModel``s: how jmp finds the model a call means when it is not given one.
+
+A leaf module (``model``, ``optimizer``, ``step`` and ``remat`` all use it), holding models weakly.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+from torch import nn
+
+from jmp.errors import ModelLookupError
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def register(model: Any) -> None:
+    _LIVE.add(model)
+
+
+def live() -> list[Any]:
+    """The models still referenced by the program (unreachable ones collected first, if there are several)."""
+    if len(_LIVE) > 1:
+        gc.collect()  # a dropped model can linger in a reference cycle until the next collection
+    return list(_LIVE)
+
+
+def owners_of(module: nn.Module) -> list[Any]:
+    """The live models whose torch module contains ``module``."""
+    return [model for model in live() if any(sub is module for sub in model.module.modules())]
+
+
+def the_only(what: str, how_to_name: str) -> Any:
+    """The one live model, for ``what`` (the call that needs it); otherwise an error saying ``how_to_name`` it."""
+    models = live()
+    if len(models) == 1:
+        return models[0]
+    if not models:
+        raise ModelLookupError(f"{what} needs a model: create the smp.DistributedModel first")
+    raise ModelLookupError(
+        f"{what} cannot tell which of the {len(models)} live smp.DistributedModels is meant; {how_to_name}"
+    )

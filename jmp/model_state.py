@@ -1,0 +1,117 @@
+"""What a ``DistributedModel`` holds, as the three records the step and the optimizer work with.
+
+- ``ParameterLayout`` (frozen): each parameter's torch name, shape, dtype and ``PartitionSpec``, the
+  tree structure the converted module keeps them in, and the mesh and config the model was built with.
+- ``TrainingState`` (mutable): the values that change every step: parameters (as stored: a tree, or a
+  pipelined model's stage buffers), the rest of the module state (buffers, random stream), gradients.
+- ``ProgramCache``: the compiled programs of the model's step functions, keyed by what they were traced
+  for, with explicit invalidation (activation checkpointing annotations change what a program computes).
+
+``jmp.step`` and ``jmp.optimizer`` read and write these through the model's public attributes
+(``model.layout``, ``model.training_state``, ``model.programs``); nothing else of the model is shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jmp.config import Config
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ParameterLayout:
+    """The parameters' names, shapes, dtypes and placement: fixed when the model is built."""
+
+    names: tuple[str, ...]  # torch names, in the order of the converted module's parameter tree
+    shapes: Mapping[str, tuple[int, ...]]
+    dtypes: Mapping[str, Any]
+    specs: Mapping[str, PartitionSpec]
+    treedef: Any  # the parameter tree's structure (an nnx.State)
+    mesh: jax.sharding.Mesh
+    config: Config
+
+    def sharding(self, name: str) -> NamedSharding:
+        return NamedSharding(self.mesh, self.specs[name])
+
+    @functools.cached_property
+    def shardings(self) -> Any:
+        """A tree like the parameters holding each one's ``NamedSharding``."""
+        return self.tree({name: self.sharding(name) for name in self.names})
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def avals(self) -> list[jax.ShapeDtypeStruct]:
+        """Shapes and dtypes of the full parameters, in ``names`` order (what a forward trace takes)."""
+        return [jax.ShapeDtypeStruct(self.shapes[n], self.dtypes[n]) for n in self.names]
+
+    def tree(self, by_name: Mapping[str, Any]) -> Any:
+        """Values keyed by torch name -> a tree laid out like the parameters."""
+        return jax.tree_util.tree_unflatten(self.treedef, [by_name[n] for n in self.names])
+
+    def by_name(self, tree: Any) -> dict[str, Any]:
+        """A tree laid out like the parameters -> its leaves keyed by torch name."""
+        return dict(zip(self.names, jax.tree_util.tree_leaves(tree)))
+
+    def parameter_count(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes.values())
+
+
+@dataclasses.dataclass
+class TrainingState:
+    """The model's values between steps.
+
+    ``params`` are as stored: the parameter tree, or (pipelined, after the first step) the stages'
+    packed buffers. ``grads`` are laid out like ``params``, accumulated over step calls until the
+    optimizer's ``zero_grad()`` (torch semantics), still multiplied by the loss scale.
+    """
+
+    params: Any
+    rest: Any
+    grads: Any = None
+    dropped_tokens: jax.Array | None = None
+
+    def record_step(self, rest: Any, grads: Any, dropped_tokens: jax.Array) -> None:
+        """Take a step program's results: new module state, gradients to add (None: no backward)."""
+        self.rest = rest
+        self.dropped_tokens = dropped_tokens
+        if grads is not None:
+            self.grads = grads if self.grads is None else _add_trees(self.grads, grads)
+
+
+_add_trees = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))  # no donation: model.grads handed out stay valid
+
+
+class ProgramCache:
+    """Compiled step programs of one model, by key; cleared when something they baked in changes."""
+
+    def __init__(self) -> None:
+        self._programs: dict[Hashable, Any] = {}
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        if key not in self._programs:
+            self._programs[key] = build()
+        return self._programs[key]
+
+    def clear(self) -> None:
+        self._programs.clear()
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+
+def copy_tree(tree: Any) -> Any:
+    """New buffers holding the same values, placed alike (safe to keep across a donating update)."""
+    return _copy(tree)
+
+
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
