@@ -26,7 +26,7 @@ from jmp.model import DistributedModel
 from jmp.optimizer import DistributedOptimizer
 from jmp.pipeline import partition, set_partition
 from jmp.remat.api import checkpoint, checkpoint_sequential, set_activation_checkpointing
-from jmp.remat.policies import RematPolicy
+from jmp.remat_policy import RematPolicy
 from jmp.sharding import set_tensor_parallelism, tensor_parallelism
 from jmp.state import (
     dp_rank,

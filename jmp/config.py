@@ -11,7 +11,7 @@ import difflib
 from typing import Any
 
 from jmp.errors import ConfigError
-from jmp.remat.policies import parse_policy
+from jmp.remat_policy import parse_policy
 
 ALIASES = {"partitions": "pipeline_parallel_degree", "hybrid_shard_degree": "sharded_data_parallel_degree"}
 

@@ -34,8 +34,9 @@ from jmp.config import Config
 from jmp.errors import ArgumentTypeError, ConfigError, ModelLookupError
 from jmp.remat import context, region
 from jmp.remat.groups import LayerGroups
-from jmp.remat.policies import Policy, Resolved, parse_policy, resolve
+from jmp.remat.policies import Resolved, resolve
 from jmp.remat.strategies import groups, parse_strategy
+from jmp.remat_policy import Policy, parse_policy
 from jmp.torch_bridge.module import TorchModule, call_hooks
 
 
@@ -46,6 +47,8 @@ class _Annotation:
 
 
 _ANNOTATIONS: weakref.WeakKeyDictionary[nn.Module, _Annotation] = weakref.WeakKeyDictionary()
+
+
 def set_activation_checkpointing(
     module: nn.Module,
     preserve_rng_state: bool = True,

@@ -21,7 +21,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jmp.errors import ConfigError, StepError
 from jmp.pipeline import placement
 from jmp.remat import context
-from jmp.remat.policies import INPUT, Resolved
+from jmp.remat.policies import Resolved
+from jmp.remat_policy import INPUT
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.module import CallHook, TorchModule, call_hooks, hooked_call, walk
 from jmp.torch_bridge.tensor import JaxTensor
