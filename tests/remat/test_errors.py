@@ -67,14 +67,16 @@ def test_unknown_policy_lists_the_presets(stack):
 
 
 def test_annotating_a_module_outside_the_model_names_it(stack):
-    with pytest.raises(ModelLookupError, match=r"Linear\(in_features=3, out_features=5.* is not part of a model wrapped in"):
+    outside = r"Linear\(in_features=3, out_features=5.* is not part of a model wrapped in"
+    with pytest.raises(ModelLookupError, match=outside):
         smp.set_activation_checkpointing(nn.Linear(3, 5))
 
 
 def test_checkpointing_a_module_outside_the_model_inside_forward_names_it():
     smp.init()
     model = smp.DistributedModel(UsesAStranger())
-    with pytest.raises(ModelLookupError, match=r"smp.checkpoint: the module Linear\(in_features=4.* is not part of the model"):
+    stranger = r"smp.checkpoint: the module Linear\(in_features=4.* is not part of the model"
+    with pytest.raises(ModelLookupError, match=stranger):
         sum_step(model, torch.ones(8, 4))
 
 
