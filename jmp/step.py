@@ -368,7 +368,29 @@ def step(
     non_split_inputs: Sequence[str] | None = None,
     input_split_axes: dict[str, int] | None = None,
 ):
-    """Decorator: ``@smp.step`` or ``@smp.step(non_split_inputs=[...], input_split_axes={name: axis})``."""
+    """Decorator: ``@smp.step`` or ``@smp.step(non_split_inputs=[...], input_split_axes={name: axis})``.
+
+    The decorated function (forward, loss, ``model.backward(loss)``) is traced into one compiled program
+    per input signature and train/eval mode; each call runs it on the whole batch, split into the
+    config's ``microbatches`` and over the data-parallel devices. Gradients accumulate in the model until
+    ``optimizer.zero_grad()``.
+
+    Args:
+        fn: the step function; its tensor arguments are split on their batch axis, other arguments
+            become compile-time constants (they must be hashable).
+        non_split_inputs: names of tensor arguments every microbatch gets whole.
+        input_split_axes: tensor argument name -> the axis to split on (default 0).
+
+    Returns:
+        A ``StepFunction``; calling it returns the function's results with each tensor as a
+        ``StepOutput`` (its per-microbatch values: ``reduce_mean()``, ``concat()``, ...).
+
+    Raises:
+        StepError: names that are not arguments of ``fn``; at call time, a batch that does not divide
+            into microbatches x data shards, or the model misused inside the function.
+        ModelLookupError: at call time, no ``DistributedModel`` argument and not exactly one live model.
+        ConfigError: at call time, ``smp.init`` was called again with another config since the model was built.
+    """
     if fn is None:
         return lambda f: StepFunction(f, non_split_inputs, input_split_axes)
     return StepFunction(fn, non_split_inputs, input_split_axes)
