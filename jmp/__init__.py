@@ -14,10 +14,16 @@ def train_step(model, data, target):
 
 from jmp import torch_bridge
 from jmp.errors import (
+    ActivationCheckpointingError,
+    ArgumentTypeError,
     ConfigError,
     ConversionError,
     JmpError,
     LoweringError,
+    ModelLookupError,
+    OptimizerError,
+    PipelineError,
+    StateDictError,
     StepError,
     TracedControlFlowError,
     UnsupportedOpError,
@@ -53,13 +59,19 @@ from jmp.step import StepOutput, step
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationCheckpointingError",
+    "ArgumentTypeError",
     "ConfigError",
     "ConversionError",
     "DistributedModel",
     "DistributedOptimizer",
     "JmpError",
     "LoweringError",
+    "ModelLookupError",
+    "OptimizerError",
+    "PipelineError",
     "RematPolicy",
+    "StateDictError",
     "StepError",
     "StepOutput",
     "TracedControlFlowError",

@@ -49,3 +49,7 @@ class StateDictError(JmpError, RuntimeError):
 
 class PipelineError(JmpError):
     """The model cannot be cut into pipeline stages as asked, or a step does not fit the cut."""
+
+
+class ActivationCheckpointingError(JmpError):
+    """A module cannot be checkpointed as asked (layers that do not chain, a layer missing from its group)."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as torch_pytree
 
-from jmp.errors import StepError
+from jmp.errors import ActivationCheckpointingError
 from jmp.remat import context, region
 from jmp.remat.policies import Resolved
 from jmp.torch_bridge.module import TorchModule
@@ -65,13 +65,15 @@ class LayerGroups:
         torch_module = trace.modules[self.paths[index]] if trace is not None else None
         twin = context.twin_for(torch_module) if torch_module is not None else None
         if twin is None:
-            raise StepError(f"cannot find the converted layer '{self.paths[index]}' to checkpoint with its group")
+            raise ActivationCheckpointingError(
+                f"cannot find the converted layer '{self.paths[index]}' to checkpoint with its group"
+            )
         return twin
 
     def _check_chained(self, held: _Held, path: str, args: tuple, kwargs: dict) -> None:
         chained = bool(args) and args[0] is held.first_input and _same(held.other_inputs, (args[1:], kwargs))
         if not chained:
-            raise StepError(
+            raise ActivationCheckpointingError(
                 f"strategy '{self.strategy}' checkpoints '{path}' together with the layers before it in its group, "
                 "which needs the parent to call each layer as `x = layer(x, *same_other_arguments)` right after "
                 f"the previous one; '{path}' was called with other inputs. Use strategy='each' for this container."

@@ -18,7 +18,7 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jmp.errors import ConfigError, StepError
+from jmp.errors import ActivationCheckpointingError, ConfigError
 from jmp.pipeline import placement
 from jmp.remat import context
 from jmp.remat.policies import Resolved
@@ -109,7 +109,7 @@ def next_input(out: Any, chain: str, path: str) -> Any:
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise StepError(
+    raise ActivationCheckpointingError(
         f"checkpointing layers in groups needs each layer to return a tensor or a tuple starting with one "
         f"(the next layer's input); '{path}' returned {type(out).__name__}. Use strategy='each'."
     )

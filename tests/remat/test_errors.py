@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import jmp as smp
-from jmp.errors import ConfigError, ModelLookupError, StepError
+from jmp.errors import ActivationCheckpointingError, ConfigError, ModelLookupError
 from jmp.patches.checkpoint import checkpoint, checkpoint_sequential
 from tests.remat.helpers import gpt2, lm_step, token_batch
 
@@ -91,7 +91,9 @@ def test_grouping_layers_that_the_parent_does_not_chain_is_refused_with_the_way_
     smp.init()
     model = smp.DistributedModel(Stack(chained=False))
     smp.set_activation_checkpointing(model.module.layers, strategy="group_2")
-    with pytest.raises(StepError, match="'layers.1' was called with other inputs. Use strategy='each'"):
+    with pytest.raises(
+        ActivationCheckpointingError, match="'layers.1' was called with other inputs. Use strategy='each'"
+    ):
         sum_step(model, torch.ones(8, 4))
     smp.set_activation_checkpointing(model.module.layers, strategy="each")
     assert float(sum_step(model, torch.ones(8, 4)).reduce_mean()) == pytest.approx(
