@@ -1,64 +1,34 @@
 """Training-step time of a converted Hugging Face GPT-2 against PyTorch eager and hand-written Flax NNX.
 
-    python benchmarks/bridge_overhead.py [--steps 20] [--out benchmarks/results/bridge_overhead.json]
+    python -m benchmarks.bridge_overhead [--steps 20] [--out benchmarks/results/bridge_overhead.json]
 
 GPT-2 with 4 layers, d_model 256, 4 heads, vocab 2048; batch 8 x sequence 128;
 one step = forward, backward and AdamW update. The three are measured side by
-side in one process, medians after warm-up, and written as JSON with the ratios.
+side in one process on one CPU device, medians of interleaved steps after
+warm-up, and written as JSON with the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+from flax import nnx
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import jmp  # noqa: E402
-from benchmarks.reference_gpt2 import GPT2, causal_lm_loss, from_hf  # noqa: E402
-from benchmarks.results_io import machine, write_results  # noqa: E402
+import jmp
+from benchmarks.harness import causal_lm, gpt2_config, machine, medians, time_interleaved, token_ids, write_results
+from benchmarks.reference_gpt2 import GPT2, causal_lm_loss, from_hf
 
 LAYERS, D_MODEL, HEADS, VOCAB, SEQUENCE, BATCH = 4, 256, 4, 2048, 128, 8
 LR = 1e-4
 
 
-def timed(step, steps: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def hf_model() -> torch.nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQUENCE,
-        n_embd=D_MODEL,
-        n_layer=LAYERS,
-        n_head=HEADS,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).train()
+    return causal_lm(gpt2_config(vocab=VOCAB, positions=SEQUENCE, d_model=D_MODEL, layers=LAYERS, heads=HEADS))
 
 
 def nnx_train_step(loss_of_module):
@@ -77,7 +47,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/bridge_overhead.json")
     args = parser.parse_args()
 
-    ids_torch = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
+    ids_torch = token_ids(BATCH, SEQUENCE, VOCAB)
     ids = jnp.asarray(ids_torch.numpy())
 
     # (a) the converted Hugging Face model under jax.jit
@@ -107,18 +77,13 @@ def main() -> None:
     reference_first = float(reference_step(reference, reference_opt, ids))
 
     def run_converted():
-        converted_step(converted, converted_opt, ids).block_until_ready()
+        return converted_step(converted, converted_opt, ids)
 
     def run_reference():
-        reference_step(reference, reference_opt, ids).block_until_ready()
+        return reference_step(reference, reference_opt, ids)
 
-    # interleave the three so that machine noise falls on all of them alike
-    samples = {"converted_jax": [], "torch_eager": [], "handwritten_nnx": []}
-    for _ in range(args.steps):
-        samples["converted_jax"] += timed(run_converted, 1, warmup=0 if samples["converted_jax"] else 3)
-        samples["torch_eager"] += timed(torch_step, 1, warmup=0 if samples["torch_eager"] else 3)
-        samples["handwritten_nnx"] += timed(run_reference, 1, warmup=0 if samples["handwritten_nnx"] else 3)
-    medians = {name: statistics.median(times) for name, times in samples.items()}
+    runs = {"converted_jax": run_converted, "torch_eager": torch_step, "handwritten_nnx": run_reference}
+    median = medians(time_interleaved(runs, args.steps, warmup=3))
     result = {
         "config": dict(
             layers=LAYERS,
@@ -134,10 +99,10 @@ def main() -> None:
         "first_step_loss": dict(
             converted_jax=converted_first, torch_eager=torch_first, handwritten_nnx=reference_first
         ),
-        "median_step_seconds": medians,
+        "median_step_seconds": median,
         "ratios": {
-            "converted_over_handwritten": medians["converted_jax"] / medians["handwritten_nnx"],
-            "converted_over_torch_eager": medians["converted_jax"] / medians["torch_eager"],
+            "converted_over_handwritten": median["converted_jax"] / median["handwritten_nnx"],
+            "converted_over_torch_eager": median["converted_jax"] / median["torch_eager"],
         },
     }
     write_results(args.out, result)

@@ -1,8 +1,8 @@
 """Pipeline schedules (simple = GPipe, interleaved = 1F1B) against the number of microbatches: stage-steps and memory.
 
-    python benchmarks/pipeline.py [--steps 5] [--out benchmarks/results/pipeline.json]
+    python -m benchmarks.pipeline [--steps 5] [--out benchmarks/results/pipeline.json]
 
-GPT-2 (Hugging Face, from a config: 4 layers, d_model 64, 4 heads, vocab 128, ``tests/sharding/models.py``)
+GPT-2 (Hugging Face, from a config: 4 layers, d_model 64, 4 heads, vocab 128)
 over 8 emulated CPU devices with ``pipeline_parallel_degree`` 4 (so data parallelism 2), trained with
 ``torch.optim.AdamW`` through ``@smp.step`` and ``smp.DistributedOptimizer``. The microbatch size is fixed
 (2 rows per data-parallel shard, sequence 16): the batch is ``microbatches x 2 x dp`` rows, so more
@@ -25,42 +25,36 @@ Per schedule and microbatch count M:
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import statistics
-import sys
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import torch
+import transformers
 
-import jax  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import jmp as smp
+from benchmarks.harness import (
+    causal_lm,
+    emulate_devices,
+    gpt2_config,
+    hlo_shapes,
+    lm_step,
+    machine,
+    shape_bytes,
+    time_interleaved,
+    token_ids,
+    write_results,
+)
+from jmp.pipeline import schedule
 
-import jmp as smp  # noqa: E402
-from benchmarks.results_io import machine, write_results  # noqa: E402
-from jmp.pipeline import schedule  # noqa: E402
-from tests.sharding.models import VOCAB, causal_lm, token_batches  # noqa: E402
-
-PP, HIDDEN, LAYERS, SEQUENCE, ROWS_PER_MICROBATCH, LR = 4, 64, 4, 16, 2, 1e-3
+PP, HIDDEN, LAYERS, HEADS, VOCAB, POSITIONS, SEQUENCE, ROWS_PER_MICROBATCH, LR = 4, 64, 4, 4, 128, 32, 16, 2, 1e-3
 SCHEDULES = ("simple", "interleaved")
 MICROBATCHES = (4, 8, 16)
 MIB, KIB = 2**20, 2**10
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-               "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
-_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-@smp.step
-def lm_step(model, ids):
-    out = model(input_ids=ids, labels=ids, use_cache=False)
-    model.backward(out.loss)
-    return out.loss
 
 
 def scan_state_bytes(hlo: str, ticks: int) -> int | None:
@@ -69,11 +63,7 @@ def scan_state_bytes(hlo: str, ticks: int) -> int | None:
         trips = _TRIP_COUNT.search(line)
         if " while(" not in line or trips is None or int(trips[1]) != ticks or 'shard_map/while"' not in line:
             continue
-        state = line.split(" while(")[0]
-        return sum(
-            math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
-            for dtype, dims in _SHAPE.findall(state)
-        )
+        return sum(shape_bytes(dtype, dims) for dtype, dims in hlo_shapes(line.split(" while(")[0]))
     return None
 
 
@@ -82,8 +72,8 @@ def build(kind: str, microbatches: int):
     smp.init({"pipeline_parallel_degree": PP, "microbatches": microbatches, "pipeline": kind})
     dp = jax.device_count() // PP
     batch = microbatches * ROWS_PER_MICROBATCH * dp
-    ids = token_batches(1, batch=batch, length=SEQUENCE)[0]
-    net = causal_lm("gpt2", hidden=HIDDEN, layers=LAYERS)
+    ids = token_ids(batch, SEQUENCE, VOCAB)
+    net = causal_lm(gpt2_config(vocab=VOCAB, positions=POSITIONS, d_model=HIDDEN, layers=LAYERS, heads=HEADS))
     model = smp.DistributedModel(net)
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=LR))
     start = time.perf_counter()
@@ -96,7 +86,7 @@ def build(kind: str, microbatches: int):
     def run():
         optimizer.zero_grad()
         out = lm_step(model, ids)
-        jax.block_until_ready((out.reduce_mean().value, model.grads))
+        return out.reduce_mean().value, model.grads
 
     row = {
         "schedule": kind,
@@ -137,6 +127,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/pipeline.json")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
+    emulate_devices()
 
     rows = {}
     for kind in SCHEDULES:
@@ -144,13 +135,7 @@ def main() -> None:
             # smp.init is global (the step reads the current microbatches and schedule): each configuration
             # is built, warmed up and timed before the next one is initialized
             run, row = build(kind, m)
-            for _ in range(2):  # warm-up
-                run()
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
+            times = time_interleaved({"step": run}, args.steps, warmup=2)["step"]
             row["median_step_seconds"] = statistics.median(times)
             row["step_seconds"] = times
             rows[kind, m] = row

@@ -1,6 +1,6 @@
 """Temporary memory and step time of each activation-checkpointing strategy and policy, against none.
 
-    python benchmarks/remat.py [--steps 10] [--out benchmarks/results/remat.json]
+    python -m benchmarks.remat [--steps 10] [--out benchmarks/results/remat.json]
 
 GPT-2 (Hugging Face, from a config) with 4 layers, d_model 256, 4 heads, vocab 512; batch 8 x sequence
 512, data parallel over the devices (8 emulated CPU devices unless XLA_FLAGS says otherwise); dropout on.
@@ -12,21 +12,21 @@ is written with its ratios to no checkpointing, as a table on stdout and as JSON
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import sys
-import time
+import functools
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import jax  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-import jmp as smp  # noqa: E402
-from benchmarks.results_io import machine, write_results  # noqa: E402
+import jmp as smp
+from benchmarks.harness import (
+    causal_lm,
+    emulate_devices,
+    gpt2_config,
+    machine,
+    medians,
+    time_interleaved,
+    token_ids,
+    write_results,
+)
 
 LAYERS, D_MODEL, HEADS, VOCAB, SEQUENCE, BATCH = 4, 256, 4, 512, 512, 8
 
@@ -52,17 +52,9 @@ def train_step(model, ids):
 
 
 def gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQUENCE,
-        n_embd=D_MODEL,
-        n_layer=LAYERS,
-        n_head=HEADS,
-        bos_token_id=0,
-        eos_token_id=0,
+    return causal_lm(
+        gpt2_config(vocab=VOCAB, positions=SEQUENCE, d_model=D_MODEL, layers=LAYERS, heads=HEADS, dropout=True)
     )
-    return transformers.AutoModelForCausalLM.from_config(config).train()
 
 
 def build(config: dict, annotation: dict | None, ids: torch.Tensor):
@@ -77,7 +69,7 @@ def build(config: dict, annotation: dict | None, ids: torch.Tensor):
     def run():
         optimizer.zero_grad()
         loss = train_step(model, ids)
-        jax.block_until_ready((loss.reduce_mean().value, model.grads))
+        return loss.reduce_mean().value, model.grads
 
     return run, temporaries
 
@@ -88,26 +80,20 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/remat.json")
     args = parser.parse_args()
 
-    ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
+    emulate_devices()
+    ids = token_ids(BATCH, SEQUENCE, VOCAB)
     runs, temporaries = {}, {}
     for name, (config, annotation) in VARIANTS.items():
         runs[name], temporaries[name] = build(config, annotation, ids)
-        for _ in range(2):  # warm-up: compilation and first runs
-            runs[name]()
-    samples = {name: [] for name in VARIANTS}
-    order = list(VARIANTS)
-    for i in range(args.steps):
-        for name in order if i % 2 else order[::-1]:  # alternate the order: drift falls on all
-            start = time.perf_counter()
-            runs[name]()
-            samples[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(times) for name, times in samples.items()}
+    # a model runs only under the config it was built with: smp.init again (untimed) before each of its steps
+    prepare = {name: functools.partial(smp.init, config) for name, (config, _) in VARIANTS.items()}
+    median = medians(time_interleaved(runs, args.steps, warmup=2, prepare=prepare))
     variants = {
         name: {
             "temp_bytes": temporaries[name],
             "temp_ratio": temporaries[name] / temporaries["none"],
-            "median_step_seconds": medians[name],
-            "step_time_ratio": medians[name] / medians["none"],
+            "median_step_seconds": median[name],
+            "step_time_ratio": median[name] / median["none"],
         }
         for name in VARIANTS
     }

@@ -1,6 +1,6 @@
 """Per-device memory and per-step communication of sharded data parallelism (fsdp) and tensor parallelism (tp).
 
-    python benchmarks/sharding_memory.py [--out benchmarks/results/sharding_memory.json]
+    python -m benchmarks.sharding_memory [--out benchmarks/results/sharding_memory.json]
 
 For a small GPT-2 and a small Llama (``transformers`` configs, random weights,
 no download), trained with ``torch.optim.AdamW`` through ``@smp.step`` and
@@ -65,23 +65,28 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import re
-import sys
 import time
 from collections.abc import Callable
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import torch
+import transformers
 
-import jax  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-import jmp as smp  # noqa: E402
-from benchmarks.results_io import machine, write_results  # noqa: E402
-from jmp.errors import ConfigError  # noqa: E402
+import jmp as smp
+from benchmarks.harness import (
+    causal_lm,
+    emulate_devices,
+    gpt2_config,
+    hlo_shapes,
+    llama_config,
+    lm_step,
+    machine,
+    shape_bytes,
+    token_ids,
+    write_results,
+)
+from jmp.errors import ConfigError
 
 BATCH, SEQUENCE, POSITIONS, VOCAB, LR = 8, 64, 96, 640, 1e-3
 DEGREES = (1, 2, 4, 8)
@@ -89,36 +94,21 @@ STRATEGIES = {"fsdp": "sharded_data_parallel_degree", "tp": "tensor_parallel_deg
 MIB = 2**20
 
 MODELS = {
-    "gpt2": dict(
-        kind="GPT2Config", vocab_size=VOCAB, n_embd=192, n_layer=4, n_head=8, n_positions=POSITIONS,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    "gpt2": gpt2_config(vocab=VOCAB, positions=POSITIONS, d_model=192, layers=4, heads=8),
+    "llama": llama_config(
+        vocab=VOCAB, positions=POSITIONS, hidden=192, intermediate=384, layers=4, heads=8, kv_heads=8
     ),
-    "llama": dict(
-        kind="LlamaConfig", vocab_size=VOCAB, hidden_size=192, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=POSITIONS,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    ),
-}  # fmt: skip
+}
 # probed only for its error: 4 key/value heads cannot be split 8 ways
 GQA_PROBE = ("llama_gqa4", dict(MODELS["llama"], num_key_value_heads=4), "tp", 8)
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-               "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}  # fmt: skip
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s(?P<op>" + "|".join(KINDS) + r")(?P<start>-start)?\("
 )
-_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r"|f8\w*)\[([\d,]*)\]")
 
 
 # --- models and one measured configuration -------------------------------------------------------------------
-
-
-def build_torch_model(spec: dict) -> torch.nn.Module:
-    torch.manual_seed(0)
-    settings = {k: v for k, v in spec.items() if k != "kind"}
-    config = getattr(transformers, spec["kind"])(**settings)
-    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def layers_and_hidden(spec: dict) -> tuple[int, int]:
@@ -127,20 +117,13 @@ def layers_and_hidden(spec: dict) -> tuple[int, int]:
     return spec["num_hidden_layers"], spec["hidden_size"]
 
 
-@smp.step
-def train_step(model, ids):
-    out = model(input_ids=ids, labels=ids, use_cache=False)
-    model.backward(out.loss)
-    return out.loss
-
-
 def compile_step(spec: dict, strategy: str, degree: int):
     """(model, optimizer, compiled step) on the first ``degree`` devices; raises jmp's ConfigError."""
     smp.init({STRATEGIES[strategy]: degree} if degree > 1 else {}, devices=jax.devices()[:degree])
-    model = smp.DistributedModel(build_torch_model(spec))
+    model = smp.DistributedModel(causal_lm(spec))
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.module.parameters(), lr=LR))
-    ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
-    return model, optimizer, train_step.lower(model, ids).compile()
+    ids = token_ids(BATCH, SEQUENCE, VOCAB)
+    return model, optimizer, lm_step.lower(model, ids).compile()
 
 
 # --- memory ---------------------------------------------------------------------------------------------------
@@ -212,14 +195,14 @@ def collectives(hlo: str, device_count: int, parameter_shapes: set[tuple[int, ..
         if match is None:
             continue
         kind = match["op"]
-        shapes = [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _SHAPE.findall(match["type"])]
+        shapes = hlo_shapes(match["type"])
         if match["start"] and kind in ("all-gather", "collective-permute", "reduce-scatter", "all-to-all"):
             shapes = shapes[len(shapes) // 2 :]  # an async start's result is (operands, results)
         group = _group_size(line, device_count)
         scale = group if kind == "reduce-scatter" else 1  # its operand, the full buffer, is `group` results
-        logical = scale * sum(_shape_bytes(dtype, dims) for dtype, dims in shapes)
+        logical = scale * sum(shape_bytes(dtype, dims) for dtype, dims in shapes)
         parameter = scale * sum(
-            _shape_bytes(dtype, dims) for dtype, dims in shapes if _full_shapes(kind, dims, group) & parameter_shapes
+            shape_bytes(dtype, dims) for dtype, dims in shapes if _full_shapes(kind, dims, group) & parameter_shapes
         )
         found.append(
             {"kind": kind, "group": group, "logical": logical, "parameter": parameter,
@@ -233,10 +216,6 @@ def _full_shapes(kind: str, dims: tuple[int, ...], group: int) -> set[tuple[int,
     if kind != "reduce-scatter":
         return {dims}
     return {dims[:d] + (dims[d] * group,) + dims[d + 1 :] for d in range(len(dims))}
-
-
-def _shape_bytes(dtype: str, dims: tuple[int, ...]) -> int:
-    return math.prod(dims) * DTYPE_BYTES.get(dtype, 1)  # f8 variants: one byte
 
 
 def _group_size(line: str, device_count: int) -> int:
@@ -418,6 +397,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/sharding_memory.json")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
+    emulate_devices()
 
     rows, errors = run_all()
     print()

@@ -1,6 +1,6 @@
 """Per-step time of ``@smp.step`` + ``DistributedOptimizer`` against a hand-written ``jax.jit`` train step.
 
-    python benchmarks/step_overhead.py [--steps 60] [--out benchmarks/results/step_overhead.json]
+    python -m benchmarks.step_overhead [--steps 60] [--out benchmarks/results/step_overhead.json]
 
 Both train the same converted MLP (4 x 1024 hidden, batch 256, SGD with
 momentum), data parallel over the same devices (8 emulated CPU devices unless
@@ -13,25 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
-import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import optax
+import torch
+import torch.nn.functional as F
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from torch import nn
 
-import jax  # noqa: E402
-import optax  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
-from torch import nn  # noqa: E402
-
-import jmp as smp  # noqa: E402
-from benchmarks.results_io import machine, write_results  # noqa: E402
+import jmp as smp
+from benchmarks.harness import emulate_devices, machine, medians, time_interleaved, write_results
 
 BATCH, WIDTH, DEPTH, CLASSES, LR, MOMENTUM = 256, 1024, 4, 10, 0.01, 0.9
 
@@ -77,6 +70,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/step_overhead.json")
     args = parser.parse_args()
 
+    emulate_devices()
     smp.init()
     mesh = smp.get_mesh()
     generator = torch.Generator().manual_seed(1)
@@ -91,34 +85,25 @@ def main() -> None:
         optimizer.zero_grad()
         loss = train_step(model, x, y)
         optimizer.step()
-        jax.block_until_ready(loss.reduce_mean().value)
+        return loss.reduce_mean().value
 
     step, state = handwritten(mesh)
 
     def run_handwritten():  # the batch comes from the host each step, as in the smp loop
         xj, yj = jax.device_put((x.numpy(), y.numpy()), batch_sharding)
         loss, state[0], state[2] = step(state[0], state[1], state[2], xj, yj)
-        loss.block_until_ready()
+        return loss
 
-    for _ in range(3):  # warm-up and compilation
-        run_smp()
-        run_handwritten()
-    samples = {"smp_step": [], "handwritten_jit": []}
-    runs = (("smp_step", run_smp), ("handwritten_jit", run_handwritten))
-    for i in range(args.steps):
-        for name, run in runs if i % 2 else runs[::-1]:  # alternate the order: drift falls on both
-            start = time.perf_counter()
-            run()
-            samples[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(times) for name, times in samples.items()}
+    samples = time_interleaved({"smp_step": run_smp, "handwritten_jit": run_handwritten}, args.steps, warmup=3)
+    median = medians(samples)
     paired = [a / b for a, b in zip(samples["smp_step"], samples["handwritten_jit"])]
     result = {
         "config": dict(
             batch=BATCH, width=WIDTH, depth=DEPTH, optimizer="SGD momentum", steps=args.steps, mesh=dict(mesh.shape)
         ),
         "machine": machine(),
-        "median_step_seconds": medians,
-        "ratio_smp_over_handwritten": medians["smp_step"] / medians["handwritten_jit"],
+        "median_step_seconds": median,
+        "ratio_smp_over_handwritten": median["smp_step"] / median["handwritten_jit"],
         "median_of_paired_ratios": statistics.median(paired),
     }
     write_results(args.out, result)

@@ -1,7 +1,9 @@
 """The smp-style configuration: keys, defaults, aliases and validation.
 
-Keys follow SageMaker model parallelism (v1 plus the v2 keys); DESIGN.md lists
-them. A bad key or value raises ``ConfigError`` naming the key and what to do.
+Keys follow SageMaker model parallelism (v1 plus the v2 keys), with SMP's
+meaning; the fields of ``Config`` are the keys jmp accepts, with their defaults,
+and ``ALIASES`` SMP's other names for some of them. A bad key or value raises
+``ConfigError`` naming the key and what to do.
 """
 
 from __future__ import annotations

@@ -31,8 +31,16 @@ _mesh: Mesh | None = None
 def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -> None:
     """Validate ``config``, start JAX's multi-process runtime if launched as one of several, build the mesh.
 
-    ``devices`` (a jmp extension) restricts the run to some of the devices;
-    calling ``init`` again replaces the configuration and mesh.
+    Call it once, before building models. Calling it again replaces the configuration and mesh; a
+    ``DistributedModel`` built under another config or mesh then refuses to run.
+
+    Args:
+        config: an smp config dict (SMP v1 and v2 keys, see ``jmp.config``); None or ``{}`` gives the defaults.
+        devices: a jmp extension: the devices to run on (default: all of ``jax.devices()``).
+
+    Raises:
+        ConfigError: an unknown key or a bad value, or model-parallel degrees whose product does not
+            divide the number of devices.
     """
     global _config, _mesh
     parsed = parse(config)

@@ -1,5 +1,4 @@
-"""Fused optimizer kernels (Pallas) exposed as ``optax.GradientTransformation``s.
+"""The place for fused optimizer-update kernels (Pallas), each an ``optax.GradientTransformation``.
 
-Built by the optimizer-kernel work; the training front end falls back to plain
-optax transformations where no kernel applies.
+Empty until those kernels land: today every optimizer update is a plain optax transformation.
 """

@@ -72,14 +72,43 @@ def spans_stages(paths: Sequence[str]) -> bool:
 
 @contextlib.contextmanager
 def partition(index: int) -> Iterator[None]:
-    """``with smp.partition(i):`` modules created inside go to pipeline stage ``i`` (with ``auto_partition: False``)."""
+    """``with smp.partition(i):`` modules created inside go to pipeline stage ``i`` (with ``auto_partition: False``).
+
+    Every module constructed in the block is marked, the submodules its ``__init__`` creates too; an inner
+    block wins. Unmarked modules go to ``default_partition``. The cut is made at the model's first step;
+    with ``auto_partition`` on, the marks are not used.
+
+    Args:
+        index: the stage, 0 to ``pipeline_parallel_degree - 1``.
+
+    Raises:
+        ConfigError: ``index`` is not a non-negative integer; at the first step, a mark not below
+            ``pipeline_parallel_degree``.
+        StepError: at the first step, a stage that got no computation (stages must follow the order in
+            which the forward calls the modules).
+    """
     _check_index(index, "smp.partition")
     with module_marks.marking_created(STAGE, index):
         yield
 
 
 def set_partition(module: nn.Module, index: int) -> None:
-    """Put ``module`` (and what it runs) on pipeline stage ``index``, as if created in ``smp.partition(index)``."""
+    """Mark ``module`` for pipeline stage ``index`` after it was created (with ``auto_partition: False``).
+
+    Only ``module`` itself is marked: its submodules keep their own marks or go to ``default_partition``,
+    so a container whose work is all in its children needs its children marked (or to be created inside
+    ``smp.partition(index)``, which marks them too). Call it before the model's first step, which makes the cut.
+
+    Args:
+        module: a module of the model.
+        index: the stage, 0 to ``pipeline_parallel_degree - 1``.
+
+    Raises:
+        ConfigError: ``module`` is not a ``torch.nn.Module`` or ``index`` not a non-negative integer; at the
+            first step, an index not below ``pipeline_parallel_degree``.
+        StepError: at the first step, a stage that got no computation (stages must follow the order in
+            which the forward calls the modules).
+    """
     if not isinstance(module, nn.Module):
         raise ConfigError(f"smp.set_partition takes a torch nn.Module, not {type(module).__name__}")
     _check_index(index, "smp.set_partition")

@@ -58,8 +58,29 @@ def set_activation_checkpointing(
 ) -> None:
     """Checkpoint every call of ``module`` (a container: its layers, grouped by ``strategy``) in steps.
 
-    ``module`` is part of a model already wrapped in ``smp.DistributedModel`` (reach it through
-    ``model.module``). ``policy`` defaults to the config's ``activation_checkpointing_policy``.
+    Takes effect from the next step call: step programs traced before are dropped.
+
+    Args:
+        module: a submodule (or the root) of a model already wrapped in ``smp.DistributedModel``, reached
+            through ``model.module``; with a strategy other than "each", an ``nn.Sequential`` or
+            ``nn.ModuleList`` of layers.
+        preserve_rng_state: accepted for SMP's signature; the random state is always preserved.
+        pack_args_as_tuple: accepted for SMP's signature; it changes nothing here.
+        strategy: "each" (every layer its own checkpoint; a module that is not a container is one),
+            "group_N" (N consecutive layers per checkpoint) or "contiguous" (the whole container one
+            checkpoint); see ``jmp.remat.strategies``.
+        policy: what a checkpoint keeps instead of recomputing: a preset ("full", "save_matmuls",
+            "save_names:a,b", "offload_names:a,b"), a ``RematPolicy`` or a ``jax.checkpoint_policies``
+            policy. Default: the config's ``activation_checkpointing_policy``.
+
+    Raises:
+        ArgumentTypeError: ``module`` is not a ``torch.nn.Module``.
+        ModelLookupError: ``module`` is not part of a model wrapped in ``smp.DistributedModel``.
+        ConfigError: an unknown strategy or policy, a flag that is not a bool, or a grouping strategy on
+            a module that is not a container.
+        ActivationCheckpointingError: later, while a step traces, when a "group_N"/"contiguous" container's
+            layers cannot be chained (a layer not called on the previous layer's output, or not returning
+            a tensor or a tuple starting with one).
     """
     where = "smp.set_activation_checkpointing"
     _check_flags(where, preserve_rng_state, pack_args_as_tuple)

@@ -4,10 +4,12 @@
   recomputes one layer at a time.
 - ``"group_N"``: runs of N consecutive layers (the last run may be shorter) are one checkpoint each; only
   the input of each run is kept, and the backward pass recomputes N layers at a time.
-- ``"contiguous"``: SMP's largest runs of layers within one pipeline stage. Every layer is on one stage
-  (jmp has no pipeline stages yet), so the whole container is one checkpoint: only its input is kept, and
-  the backward pass recomputes all its layers at once (peak memory near that of no checkpointing; use it
-  when layers are cheap to recompute and activations between them are what fills memory).
+- ``"contiguous"``: the whole container is one checkpoint: only its input is kept, and the backward pass
+  recomputes all its layers at once (peak memory near that of no checkpointing; use it when layers are
+  cheap to recompute and activations between them are what fills memory). SMP splits it into one run per
+  pipeline stage; jmp does not: a checkpoint whose layers sit on more than one stage (``jmp.pipeline``)
+  runs without checkpointing, with a warning (``remat/region.py``), so under pipeline parallelism prefer
+  ``"each"`` or ``"group_N"`` with groups inside one stage.
 """
 
 from __future__ import annotations

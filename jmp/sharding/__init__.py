@@ -1,4 +1,6 @@
-"""Parallel layouts on the ``("pp", "dp", "fsdp", "ep", "tp")`` mesh: sharding rules and pipeline schedules.
+"""Per-parameter layouts on the ``("pp", "dp", "fsdp", "ep", "tp")`` mesh: the sharding rules.
+
+Pipeline stages and schedules are not here: they are ``jmp.pipeline``.
 
 Rules are data keyed by torch parameter names (the converted modules' paths
 equal torch ``state_dict`` keys): ``layout`` combines tensor-parallel

@@ -99,9 +99,24 @@ def _join(path: str, name: str) -> str:
 def convert(module: torch.nn.Module, *, rngs: nnx.Rngs | int | None = None) -> TorchModule:
     """Convert a torch module tree to Flax NNX, parameters and buffers copied exactly.
 
-    ``rngs`` seeds dropout and ``torch.rand*`` inside the model; by default it
-    follows torch's seed (``torch.manual_seed``), so a seeded torch script is
-    reproducible here too.
+    The result mirrors the torch tree (parameter paths equal ``state_dict`` keys; tied tensors stay tied)
+    and is called like the torch module, with ``jax.Array``s for tensors.
+
+    Args:
+        module: the torch module to convert.
+        rngs: seeds dropout and ``torch.rand*`` inside the model: an ``nnx.Rngs`` or an int seed. By
+            default it follows torch's seed (``torch.manual_seed``), so a seeded torch script is
+            reproducible here too.
+
+    Returns:
+        The converted ``flax.nnx.Module`` (a ``TorchModule``).
+
+    Raises:
+        ConversionError: a submodule is not a ``torch.nn.Module``, is a TorchScript module or is wrapped in
+            ``DistributedDataParallel``; a tensor is on the meta device; an attribute's name clashes with
+            the converted module's own; an ``nn.Embedding`` uses ``max_norm`` or ``scale_grad_by_freq``.
+            Unsupported torch ops are not found here but when the converted module runs
+            (``UnsupportedOpError``).
     """
     if not isinstance(rngs, nnx.Rngs):
         rngs = nnx.Rngs(torch.initial_seed() % 2**32 if rngs is None else rngs)

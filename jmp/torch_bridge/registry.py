@@ -58,14 +58,30 @@ def register_lowering(
 ) -> Callable:
     """Decorator: lower each of ``torch_fns`` (and in-place ``inplace`` variants) to the function.
 
-    A custom op can be named by its qualified name ("namespace::name") before its
-    library is loaded.
-
-    Users extend the bridge the same way::
+    The decorated function takes the torch call's arguments with tensors as ``jax.Array``s and returns
+    arrays (or tuples of them, or Python values). Registering a torch callable again replaces its
+    lowering. Users extend the bridge the same way::
 
         @jmp.torch_bridge.register_lowering(torch.special.erfcx)
         def erfcx(input):
             return jax.scipy.special.erfcx(input)  # hypothetical
+
+    Args:
+        *torch_fns: torch callables (``F.*``, ``torch.*``, Tensor methods, ``torch.ops`` ops) to lower; a
+            custom op can be named by its qualified name ("namespace::name") before its library is
+            loaded. None entries are skipped (ops missing from this torch version).
+        inplace: in-place variants (``add_``): the result is written into the first argument.
+        inplace_flag: the name of a boolean argument that makes the call in place (``F.relu``'s ``inplace``).
+        view: the result aliases the first argument: a bool, or a predicate on ``(args, kwargs)``.
+        raw: the function receives the bridge's tensor wrappers instead of arrays (to update arguments
+            in place itself).
+
+    Returns:
+        The decorator; it registers the function and returns it unchanged.
+
+    Raises:
+        LoweringError: later, when a converted module calls one of ``torch_fns`` and the function raises
+            (the message names the torch op and the call site); registering itself raises nothing.
     """
 
     def decorate(fn: Callable) -> Callable:
