@@ -175,8 +175,7 @@ class DistributedModel:
         """A tree laid out like ``training_state.params`` (parameters, gradients) -> an nnx.State by torch name."""
         if self.pipeline is None or not self.pipeline.ready:
             return stored
-        named = self.pipeline.layout.unpack(stored, {n: self.layout.sharding(n) for n in self.layout.names})
-        return self.layout.tree(named)
+        return self.layout.tree(self.pipeline.layout.unpack(stored))
 
     def partition_into_stages(self, jaxpr: Any, rest_count: int) -> None:
         """Cut the model into pipeline stages (first step call) and move each stage's parameters to it."""

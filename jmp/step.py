@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jmp import model_registry, state
 from jmp.errors import StepError
 from jmp.model import DistributedModel
+from jmp.pipeline.engine import StepInputs
 from jmp.remat import xla as remat_xla
 from jmp.sharding import experts
 from jmp.torch_bridge import JaxTensor, call_hooks, dispatch
@@ -285,9 +286,9 @@ class StepFunction:
             _split_microbatches(a, axis, microbatches, signature.data_shards) if axis is not None else a
             for a, axis in zip(arrays, split)
         ]
-        forward = self._forward(model, signature, traced)
         if model.pipeline is not None:
-            return self._run_pipeline(model, forward, traced, params, rest, pieces, split, microbatches)
+            return self._run_pipeline(model, signature, traced, params, rest, pieces)
+        forward = self._forward(model, signature, traced)
         shardings = model.stored_shardings
         report = functools.partial(_reported, may_drop=model.may_drop_tokens)
 
@@ -325,9 +326,10 @@ class StepFunction:
         (rest, dropped), stacked = jax.lax.scan(eval_body, (rest, jnp.zeros((), jnp.int32)), mb_stack)
         return stacked, rest, None, report(dropped)
 
-    def _run_pipeline(self, model, forward, traced, rows, rest, pieces, split, microbatches):
+    def _run_pipeline(self, model: DistributedModel, signature: StepSignature, traced: _Traced, rows, rest, pieces):
         """The step as a pipeline over ``pp`` (see jmp.pipeline): forward cut into stages, both passes scheduled."""
-        pipeline = model.pipeline
+        pipeline, split, microbatches = model.pipeline, signature.split_axes, signature.microbatches
+        forward = self._forward(model, signature, traced)
         rest_leaves, rest_def = jax.tree.flatten(rest)
         whole = [None if axis is not None else p for p, axis in zip(pieces, split)]
         split_pieces = [p if axis is not None else None for p, axis in zip(pieces, split)]
@@ -339,25 +341,25 @@ class StepFunction:
         flat = _flat_forward(forward, model, rest_def, traced)
         jaxpr = pipeline.trace(flat, param_avals, rest_leaves, mb_avals)
         programs = pipeline.programs(jaxpr, list(model.layout.names), len(rest_leaves))
-        finals, grads = pipeline.step(
-            programs, rows, rest_leaves, split_pieces, whole, microbatches, traced.has_backward
-        )
-        count = traced.output_count
-        outputs = finals[1 : 1 + count]
-        new_rest = jax.tree.unflatten(rest_def, [r[-1] for r in finals[1 + count : 1 + count + len(rest_leaves)]])
-        dropped = jnp.sum(finals[-1])
-        return outputs, new_rest, grads, _reported(dropped, model.may_drop_tokens)
+        inputs = StepInputs(rows, rest, tuple(split_pieces), tuple(whole), microbatches, traced.has_backward)
+        result = pipeline.step(programs, inputs)
+        outputs = result.finals[1 : 1 + traced.output_count]  # finals: [loss, *outputs, dropped]
+        dropped = jnp.sum(result.finals[-1])
+        return outputs, result.rest, result.grads, _reported(dropped, model.may_drop_tokens)
 
 
 def _flat_forward(forward: Callable, model: DistributedModel, rest_def: Any, traced: _Traced) -> Callable:
-    """``forward`` on flat lists: (parameters in name order, rest, inputs) -> [loss, *outputs, *rest, dropped]."""
+    """``forward`` on flat lists: (parameters in name order, rest, inputs) -> [loss, *outputs, dropped, *rest].
+
+    The new rest comes last, as ``jmp.pipeline.split`` expects of the forward it cuts.
+    """
 
     def flat(param_list, rest_list, mb_arrays):
         params = jax.tree_util.tree_unflatten(model.layout.treedef, param_list)
         rest = jax.tree_util.tree_unflatten(rest_def, rest_list)
         loss, (outputs, new_rest, dropped) = forward(params, rest, mb_arrays)
         traced.output_count = len(outputs)
-        return [loss, *outputs, *jax.tree.leaves(new_rest), dropped]
+        return [loss, *outputs, dropped, *jax.tree.leaves(new_rest)]
 
     return flat
 

@@ -7,139 +7,265 @@ XLA's SPMD partitioner, as in the rest of jmp.
 
 A stage keeps the inputs (carry) of the microbatches in flight and, for the backward, recomputes its
 forward under ``jax.vjp`` (as GPipe does): what a stage holds between its forward and backward of a
-microbatch is the carry, not every intermediate.
+microbatch is the carry, not every intermediate. Buffers the forward updates thread through the
+microbatches in order on the stage that owns them (``split``); a buffer whose value reaches the carry is
+also kept per microbatch in flight, so the backward's recompute sees it as the forward did.
+
+Everything a device carries from tick to tick is one ``LoopState``; each tick (``_Engine.tick``) reads it,
+runs one branch on a ``Work`` and returns the next state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jmp.pipeline.layout import StageLayout
-from jmp.pipeline.schedule import BACKWARD, FORWARD, Schedule
+from jmp.pipeline.schedule import BACKWARD, FORWARD, IDLE, Schedule
 from jmp.pipeline.split import StagePrograms
 
 
-def run(
-    programs: StagePrograms,
-    layout: StageLayout,
-    schedule: Schedule,
-    rows: dict[str, jax.Array],
-    rest: Sequence[jax.Array],
-    pieces: Sequence[jax.Array | None],
-    whole: Sequence[jax.Array | None],
-    microbatches: int,
-    backward: bool,
-) -> tuple[list[jax.Array], dict[str, jax.Array] | None]:
-    """Run the pipeline: (each forward output stacked over microbatches, packed gradients summed over them).
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """One step's values entering the pipeline (whole-mesh arrays; inside the engine, one device's)."""
 
-    ``pieces[i]`` is input ``i`` split into microbatches (``[microbatches, ...]``), or None when the input
-    is not split; then ``whole[i]`` is used by every microbatch.
-    """
-    pp = layout.pp
-    mesh = layout.mesh
-    last = pp - 1
-    slots = programs.slots
-    diff_slots = [i for i, s in enumerate(slots) if jnp.issubdtype(s.dtype, jnp.inexact)]
-    diff_keys = [k for k, b in layout.buffers.items() if jnp.issubdtype(b.dtype, jnp.inexact)]
+    rows: dict[str, jax.Array]  # the packed parameter buffers: row s holds stage s's parameters
+    rest: Any  # the module's other state (buffers, random stream): a pytree whose leaves the forward takes
+    pieces: tuple[jax.Array | None, ...]  # per step input: split into microbatches [microbatches, ...], or None
+    whole: tuple[jax.Array | None, ...]  # per step input: given whole to every microbatch, or None
+    microbatches: int
+    backward: bool  # whether the step differentiates its loss
+
+
+class StepOutputs(NamedTuple):
+    finals: list[jax.Array]  # each forward output but the rest, stacked over microbatches (loss first)
+    rest: Any  # the rest as the microbatches, in order, left it
+    grads: dict[str, jax.Array] | None  # laid out like the rows, summed over microbatches (None: no backward)
+
+
+class LoopState(NamedTuple):
+    """What a device carries from one tick to the next."""
+
+    held: tuple[jax.Array, ...]  # per carry slot, [depth, ...]: the stage inputs of the microbatches in flight
+    held_ct: tuple[jax.Array, ...]  # per differentiable slot, [depth, ...]: their output cotangents
+    held_buffers: tuple[jax.Array, ...]  # per buffer reaching the carry, [depth, ...]: as their forwards saw it
+    buffers: tuple[jax.Array, ...]  # per updated buffer: as this device's microbatches left it so far
+    grads: dict[str, jax.Array]  # gradients so far, laid out like the device's rows
+    finals: tuple[jax.Array, ...]  # per final output, [microbatches, ...] (written on the last stage)
+    message: tuple[jax.Array, ...]  # the carry the previous stage sent at the last tick
+    message_ct: tuple[jax.Array, ...]  # the cotangents the next stage sent at the last tick
+
+
+class Work(NamedTuple):
+    """What a stage's branch gets at one tick."""
+
+    microbatch: jax.Array
+    carry: tuple[jax.Array, ...]  # the microbatch's stage input
+    ct: tuple[jax.Array, ...]  # the cotangent of its stage output (differentiable slots)
+    buffers: tuple[jax.Array, ...]  # updated buffers as they stand
+    seen: tuple[jax.Array, ...]  # the buffers reaching the carry as this microbatch's forward saw them
+    grads: dict[str, jax.Array]
+
+
+class Done(NamedTuple):
+    """What a stage's branch gives back."""
+
+    carry: tuple[jax.Array, ...]  # to the next stage
+    ct: tuple[jax.Array, ...]  # to the previous stage
+    buffers: tuple[jax.Array, ...]
+    grads: dict[str, jax.Array]
+    finals: tuple[jax.Array, ...]  # the microbatch's finals (zeros unless on the last stage)
+
+
+def run(programs: StagePrograms, layout: StageLayout, schedule: Schedule, inputs: StepInputs) -> StepOutputs:
+    """Run one step through the pipeline (gradients summed over microbatches, not yet averaged)."""
+    rest, treedef = jax.tree.flatten(inputs.rest)
+    last = layout.pp - 1
+    mb0 = _microbatch(inputs.pieces, inputs.whole, 0)
     finals_shape = jax.eval_shape(
-        lambda: programs.run(
-            last, _param_shapes(layout, last), rest, _microbatch(pieces, whole, 0), programs.empty_carry()
-        )[1]
+        lambda: programs.run(last, _param_shapes(layout, last), rest, mb0, programs.empty_carry()).finals
     )
-    depth = schedule.slots
-    table = jnp.stack(
-        [schedule.action, schedule.microbatch, schedule.received_forward, schedule.received_backward], axis=-1
-    )  # [ticks, pp, 4]
-
-    def stage_forward(stage, local_rows, carry, m):
-        params = layout.stage_params(local_rows, stage, programs.stage_params[stage])
-        inputs = _microbatch(pieces_local, whole_local, m)
-        return programs.run(stage, params, _rest_for(rest_local, m), inputs, carry)
-
-    def zeros_finals():
-        return [jnp.zeros(f.shape, f.dtype) for f in finals_shape]
-
-    def idle(local_rows, carry, ct, acc, m):
-        return programs.empty_carry(), _zeros_ct(slots, diff_slots), acc, zeros_finals()
-
-    def forward_branch(stage):
-        def branch(local_rows, carry, ct, acc, m):
-            out, finals = stage_forward(stage, local_rows, carry, m)
-            return out, _zeros_ct(slots, diff_slots), acc, finals if finals is not None else zeros_finals()
-
-        return branch
-
-    def backward_branch(stage):
-        def branch(local_rows, carry, ct, acc, m):
-            def differentiable(diff_rows, diff_carry):
-                full_rows = {**local_rows, **diff_rows}
-                full_carry = list(carry)
-                for i, value in zip(diff_slots, diff_carry):
-                    full_carry[i] = value
-                out, finals = stage_forward(stage, full_rows, tuple(full_carry), m)
-                loss = finals[0] if finals is not None else jnp.zeros((), jnp.float32)
-                return ([out[i] for i in diff_slots], loss), finals
-
-            diff_rows = {k: local_rows[k] for k in diff_keys}
-            diff_carry = [carry[i] for i in diff_slots]
-            (_, loss), pullback, finals = jax.vjp(differentiable, diff_rows, diff_carry, has_aux=True)
-            out_ct = list(ct) if stage < last else [jnp.zeros_like(c) for c in ct]
-            d_rows, d_carry = pullback((out_ct, jnp.ones_like(loss) if stage == last else jnp.zeros_like(loss)))
-            acc = {k: acc[k] + d_rows[k] for k in acc}
-            return programs.empty_carry(), list(d_carry), acc, finals if finals is not None else zeros_finals()
-
-        return branch
-
-    branches = [idle] + [forward_branch(s) for s in range(pp)] + [backward_branch(s) for s in range(pp)]
-
-    def per_device(local_rows, rest_in, pieces_in, whole_in):
-        nonlocal rest_local, pieces_local, whole_local
-        rest_local, pieces_local, whole_local = rest_in, pieces_in, whole_in
-        stage = jax.lax.axis_index("pp")
-        held = [jnp.zeros((depth,) + s.shape, s.dtype) for s in slots]
-        held_ct = [jnp.zeros((depth,) + slots[i].shape, slots[i].dtype) for i in diff_slots]
-        acc = {k: jnp.zeros_like(local_rows[k]) for k in diff_keys} if backward else {}
-        finals = [jnp.zeros((microbatches,) + f.shape, f.dtype) for f in finals_shape]
-        message = programs.empty_carry()
-        message_ct = _zeros_ct(slots, diff_slots)
-
-        def tick(state, row):
-            held, held_ct, acc, finals, message, message_ct = state
-            action, m, got_f, got_b = (row[stage, i] for i in range(4))
-            held = _store(held, message, got_f, depth)
-            held_ct = _store(held_ct, message_ct, got_b, depth)
-            carry = tuple(h[m % depth] for h in held)
-            ct = [h[m % depth] for h in held_ct]
-            index = jnp.where(action == FORWARD, 1 + stage, jnp.where(action == BACKWARD, 1 + pp + stage, 0))
-            out, out_ct, acc, produced = jax.lax.switch(index, branches, local_rows, carry, ct, acc, m)
-            done = (stage == last) & (action != 0)
-            finals = [f.at[m].set(jnp.where(done, p, f[m])) for f, p in zip(finals, produced)]
-            message = tuple(_shift(out, pp, +1))
-            message_ct = _shift(out_ct, pp, -1)
-            return (held, held_ct, acc, finals, message, message_ct), None
-
-        state = (held, held_ct, acc, finals, message, message_ct)
-        (_, _, acc, finals, _, _), _ = jax.lax.scan(tick, state, table)
-        return [f[None] for f in finals], acc
-
-    rest_local = pieces_local = whole_local = None
+    engine = _Engine(programs, layout, schedule, inputs.microbatches, inputs.backward, tuple(finals_shape))
     sharded = jax.shard_map(
-        per_device,
-        mesh=mesh,
+        engine.per_device,
+        mesh=layout.mesh,
         in_specs=(PartitionSpec("pp"), PartitionSpec(), PartitionSpec(), PartitionSpec()),
-        out_specs=(PartitionSpec("pp"), PartitionSpec("pp")),
+        out_specs=(PartitionSpec("pp"), PartitionSpec("pp"), PartitionSpec("pp")),
         axis_names={"pp"},
         check_vma=False,
     )
-    finals, grads = sharded(rows, list(rest), list(pieces), list(whole))
-    return [f[last] for f in finals], (grads if backward else None)
+    finals, buffers, grads = sharded(inputs.rows, rest, list(inputs.pieces), list(inputs.whole))
+    for i, rows in zip(programs.updated, buffers):  # each updated buffer from the row of the stage owning it
+        rest[i] = rows[programs.owner[i]]
+    return StepOutputs([f[last] for f in finals], jax.tree.unflatten(treedef, rest), grads if inputs.backward else None)
 
 
-def _param_shapes(layout: StageLayout, stage: int) -> dict[str, jax.ShapeDtypeStruct]:
+@dataclasses.dataclass(frozen=True)
+class _Engine:
+    """What every device's loop knows before it starts; its methods are the loop's pieces."""
+
+    programs: StagePrograms
+    layout: StageLayout
+    schedule: Schedule
+    microbatches: int
+    backward: bool
+    finals_shape: tuple[jax.ShapeDtypeStruct, ...]
+
+    @functools.cached_property
+    def diff_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self.programs.slots) if jnp.issubdtype(s.dtype, jnp.inexact)]
+
+    @functools.cached_property
+    def diff_keys(self) -> list[str]:
+        return [k for k, b in self.layout.buffers.items() if jnp.issubdtype(b.dtype, jnp.inexact)]
+
+    @functools.cached_property
+    def held_positions(self) -> list[int]:
+        """Where in ``LoopState.buffers`` the buffers kept per microbatch for the backward are."""
+        updated = self.programs.updated
+        return [updated.index(i) for i in self.programs.held] if self.backward else []
+
+    @property
+    def depth(self) -> int:
+        return self.schedule.slots
+
+    def per_device(self, rows, rest, pieces, whole) -> tuple[list, list, dict]:
+        """One device's loop: (its finals, its buffers, its gradients), each with a leading ``pp`` row."""
+        inputs = StepInputs(rows, tuple(rest), tuple(pieces), tuple(whole), self.microbatches, self.backward)
+        stage = jax.lax.axis_index("pp")
+        pp = self.layout.pp
+        branches: list[Callable[[Work], Done]] = [
+            functools.partial(self.idle_branch, inputs),
+            *(functools.partial(self.forward_branch, inputs, s) for s in range(pp)),
+            *(functools.partial(self.backward_branch, inputs, s) for s in range(pp)),
+        ]
+        plan = self.schedule
+        table = np.stack([plan.action, plan.microbatch, plan.received_forward, plan.received_backward], axis=-1)
+        tick = functools.partial(self.tick, branches, stage)
+        state, _ = jax.lax.scan(tick, self.start(inputs), jnp.asarray(table))
+        return [f[None] for f in state.finals], [b[None] for b in state.buffers], state.grads
+
+    def start(self, inputs: StepInputs) -> LoopState:
+        slots, depth = self.programs.slots, self.depth
+        buffers = tuple(inputs.rest[i] for i in self.programs.updated)
+        return LoopState(
+            held=tuple(jnp.zeros((depth,) + s.shape, s.dtype) for s in slots),
+            held_ct=tuple(jnp.zeros((depth,) + slots[i].shape, slots[i].dtype) for i in self.diff_slots),
+            held_buffers=tuple(jnp.zeros((depth,) + buffers[k].shape, buffers[k].dtype) for k in self.held_positions),
+            buffers=buffers,
+            grads={k: jnp.zeros_like(inputs.rows[k]) for k in self.diff_keys} if self.backward else {},
+            finals=tuple(jnp.zeros((self.microbatches,) + f.shape, f.dtype) for f in self.finals_shape),
+            message=self.programs.empty_carry(),
+            message_ct=self.zero_ct(),
+        )
+
+    def tick(self, branches: list, stage: jax.Array, state: LoopState, row: jax.Array) -> tuple[LoopState, None]:
+        """One tick: store what arrived, run this stage's action of the table, send the results on."""
+        action, m, got_forward, got_backward = (row[stage, i] for i in range(4))
+        held = _store(state.held, state.message, got_forward, self.depth)
+        held_ct = _store(state.held_ct, state.message_ct, got_backward, self.depth)
+        slot = m % self.depth
+        work = Work(
+            microbatch=m,
+            carry=tuple(h[slot] for h in held),
+            ct=tuple(h[slot] for h in held_ct),
+            buffers=state.buffers,
+            seen=tuple(h[slot] for h in state.held_buffers),
+            grads=state.grads,
+        )
+        pp = self.layout.pp
+        index = jnp.where(action == FORWARD, 1 + stage, jnp.where(action == BACKWARD, 1 + pp + stage, 0))
+        done = jax.lax.switch(index, branches, work)
+        # the buffers this tick's forward saw, for its backward
+        forwarded = jnp.where(action == FORWARD, m, -1)
+        held_buffers = _store(
+            state.held_buffers, [state.buffers[k] for k in self.held_positions], forwarded, self.depth
+        )
+        finished = (stage == pp - 1) & (action != IDLE)
+        finals = tuple(f.at[m].set(jnp.where(finished, p, f[m])) for f, p in zip(state.finals, done.finals))
+        message = tuple(_shift(done.carry, pp, +1))
+        message_ct = tuple(_shift(done.ct, pp, -1))
+        return LoopState(held, held_ct, held_buffers, done.buffers, done.grads, finals, message, message_ct), None
+
+    # --- the branches: what a stage does at a tick -------------------------------------------------------
+
+    def idle_branch(self, inputs: StepInputs, work: Work) -> Done:
+        return Done(self.programs.empty_carry(), self.zero_ct(), work.buffers, work.grads, self.zero_finals())
+
+    def forward_branch(self, inputs: StepInputs, stage: int, work: Work) -> Done:
+        rest = self.rest_seen(inputs, work.buffers, work.microbatch)
+        out = self.run_stage(inputs, stage, inputs.rows, rest, work.carry, work.microbatch)
+        buffers = self.buffers_after(stage, out.rest, work.buffers)
+        finals = tuple(out.finals) if out.finals is not None else self.zero_finals()
+        return Done(out.carry, self.zero_ct(), buffers, work.grads, finals)
+
+    def backward_branch(self, inputs: StepInputs, stage: int, work: Work) -> Done:
+        """Recompute the stage's forward of the microbatch under ``jax.vjp`` and pull its cotangents back.
+
+        The last stage runs its forward here (the loss seeds its cotangent), so it also updates its buffers;
+        another stage's forward ran earlier, and its recompute reads the buffers as that forward saw them.
+        """
+        last = stage == self.layout.pp - 1
+        rest = self.rest_seen(inputs, work.buffers, work.microbatch)
+        if not last:
+            for i, value in zip(self.programs.held, work.seen):
+                rest[i] = value
+
+        def differentiable(diff_rows, diff_carry):
+            carry = list(work.carry)
+            for i, value in zip(self.diff_slots, diff_carry):
+                carry[i] = value
+            out = self.run_stage(inputs, stage, {**inputs.rows, **diff_rows}, rest, tuple(carry), work.microbatch)
+            loss = out.finals[0] if out.finals is not None else jnp.zeros((), jnp.float32)
+            return ([out.carry[i] for i in self.diff_slots], loss), out
+
+        diff_rows = {k: inputs.rows[k] for k in self.diff_keys}
+        diff_carry = [work.carry[i] for i in self.diff_slots]
+        (_, loss), pullback, out = jax.vjp(differentiable, diff_rows, diff_carry, has_aux=True)
+        out_ct = list(work.ct) if not last else [jnp.zeros_like(c) for c in work.ct]
+        d_rows, d_carry = pullback((out_ct, jnp.ones_like(loss) if last else jnp.zeros_like(loss)))
+        grads = {k: work.grads[k] + d_rows[k] for k in work.grads}
+        buffers = self.buffers_after(stage, out.rest, work.buffers) if last else work.buffers
+        finals = tuple(out.finals) if out.finals is not None else self.zero_finals()
+        return Done(self.programs.empty_carry(), tuple(d_carry), buffers, grads, finals)
+
+    # --- helpers of the branches -------------------------------------------------------------------------
+
+    def run_stage(self, inputs: StepInputs, stage: int, rows: dict, rest: list, carry: tuple, m: jax.Array):
+        params = self.layout.stage_params(rows, stage, self.programs.stage_params[stage])
+        return self.programs.run(stage, params, rest, _microbatch(inputs.pieces, inputs.whole, m), carry)
+
+    def rest_seen(self, inputs: StepInputs, buffers: Sequence[jax.Array], m: jax.Array) -> list[jax.Array]:
+        """The rest a microbatch's forward reads: threaded buffers as they stand, the others as the step got
+        them, random keys folded with the microbatch's index (so that microbatches draw differently)."""
+        rest = [jax.random.fold_in(r, m) if _is_key(r) else r for r in inputs.rest]
+        threaded = set(self.programs.threaded)
+        for i, value in zip(self.programs.updated, buffers):
+            if i in threaded:
+                rest[i] = value
+        return rest
+
+    def buffers_after(self, stage: int, rest: Sequence[jax.Array], buffers: tuple) -> tuple[jax.Array, ...]:
+        """The updated buffers once ``stage`` has run: those it writes from its output, the others as they were."""
+        written = set(self.programs.written[stage])
+        return tuple(rest[i] if i in written else b for i, b in zip(self.programs.updated, buffers))
+
+    def zero_ct(self) -> tuple[jax.Array, ...]:
+        slots = self.programs.slots
+        return tuple(jnp.zeros(slots[i].shape, slots[i].dtype) for i in self.diff_slots)
+
+    def zero_finals(self) -> tuple[jax.Array, ...]:
+        return tuple(jnp.zeros(f.shape, f.dtype) for f in self.finals_shape)
+
+
+def _param_shapes(layout: StageLayout, stage: int) -> dict[str, jax.Array]:
     names = layout.stage_names(stage)
     return {n: jnp.zeros(layout.packing[n].shape, layout.buffers[layout.places[n][0].key].dtype) for n in names}
 
@@ -148,19 +274,14 @@ def _microbatch(pieces: Sequence, whole: Sequence, m) -> list[jax.Array]:
     return [w if p is None else jax.lax.dynamic_index_in_dim(p, m, keepdims=False) for p, w in zip(pieces, whole)]
 
 
-def _rest_for(rest: Sequence[jax.Array], m) -> list[jax.Array]:
-    """The buffers a microbatch sees: random keys folded with its index, so microbatches draw differently."""
-    return [jax.random.fold_in(r, m) if jax.dtypes.issubdtype(r.dtype, jax.dtypes.prng_key) else r for r in rest]
+def _is_key(value: jax.Array) -> bool:
+    return jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
 
 
-def _zeros_ct(slots, diff_slots) -> list[jax.Array]:
-    return [jnp.zeros(slots[i].shape, slots[i].dtype) for i in diff_slots]
-
-
-def _store(held: list[jax.Array], message: Sequence[jax.Array], microbatch, depth: int) -> list[jax.Array]:
-    """Write an arrived message into its microbatch's slot (no message: -1, nothing written)."""
+def _store(held: Sequence[jax.Array], values: Sequence[jax.Array], microbatch, depth: int) -> tuple[jax.Array, ...]:
+    """Write ``values`` into their microbatch's slot (microbatch -1: nothing written)."""
     index = jnp.maximum(microbatch, 0) % depth
-    return [h.at[index].set(jnp.where(microbatch >= 0, v, h[index])) for h, v in zip(held, message)]
+    return tuple(h.at[index].set(jnp.where(microbatch >= 0, v, h[index])) for h, v in zip(held, values))
 
 
 def _shift(values: Sequence[jax.Array], pp: int, direction: int) -> list[jax.Array]:

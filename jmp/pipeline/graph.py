@@ -3,7 +3,11 @@
 While the forward is traced, every converted module's call runs inside a ``jax.named_scope``
 ``"jmp:<torch path>#<call number>"``; the scopes come out on the equations' name stacks, so each
 top-level equation knows which module calls it belongs to. Stages are contiguous runs of these
-equations (``stages.py``); ``run_equations`` evaluates any run of them on JAX values.
+equations (``placement.py`` decides them, ``split.py`` turns them into programs); ``run_equations``
+evaluates any run of them on JAX values.
+
+Variables are hashed by identity, so the order of a ``set`` of them differs between processes: every
+collection of variables here is a list in equation order (sets serve only to test membership).
 """
 
 from __future__ import annotations
@@ -87,25 +91,23 @@ def read(env: dict, var: Any) -> Any:
     return var.val if isinstance(var, core.Literal) else env[var]
 
 
-def _reads_in_order(eqns: Sequence[core.JaxprEqn]) -> list:
-    return [v for eqn in eqns for v in eqn.invars if isinstance(v, core.Var)]
+def used_vars(eqns: Sequence[core.JaxprEqn]) -> list:
+    """The variables ``eqns`` read, each once, in the order of their first read."""
+    return list(dict.fromkeys(v for eqn in eqns for v in eqn.invars if isinstance(v, core.Var)))
 
 
-def used_vars(eqns: Sequence[core.JaxprEqn]) -> set:
-    return {v for eqn in eqns for v in eqn.invars if isinstance(v, core.Var)}
-
-
-def defined_vars(eqns: Sequence[core.JaxprEqn]) -> set:
-    return {v for eqn in eqns for v in eqn.outvars if not isinstance(v, core.DropVar)}
+def defined_vars(eqns: Sequence[core.JaxprEqn]) -> list:
+    """The variables ``eqns`` define, in definition order."""
+    return [v for eqn in eqns for v in eqn.outvars if not isinstance(v, core.DropVar)]
 
 
 def flops(eqns: Sequence[core.JaxprEqn], constants: dict) -> float:
     """XLA's estimate of the floating-point operations of a run of equations (its cost analysis)."""
     if not eqns:
         return 0.0
-    defined = defined_vars(eqns)
-    inputs = list(dict.fromkeys(v for v in _reads_in_order(eqns) if v not in defined and v not in constants))
-    needed = [v for eqn in eqns for v in eqn.outvars if not isinstance(v, core.DropVar)]
+    needed = defined_vars(eqns)
+    defined = set(needed)
+    inputs = [v for v in used_vars(eqns) if v not in defined and v not in constants]
 
     def segment(*values: Any) -> list:
         env = dict(constants) | dict(zip(inputs, values))

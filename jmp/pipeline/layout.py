@@ -13,6 +13,7 @@ its gradient pieces are summed (``sync_tied``), so the copies stay equal.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -121,51 +122,62 @@ class StageLayout:
             for key, (dtype, axes, sizes, label) in signatures.items()
         }
         self.shardings = {key: NamedSharding(mesh, b.spec) for key, b in self.buffers.items()}
+        self.param_shardings = {name: NamedSharding(mesh, specs[name]) for name in shapes}
         self.pp = mesh.shape["pp"]
 
     # --- whole-mesh views (outside the pipeline program) ------------------------------------------------
 
     def pack(self, params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """Full parameters (by torch name) -> the packed buffers, each stage's row holding its copies."""
-        return jax.jit(self._pack, out_shardings=self.shardings)(dict(params))
+        return self._packer(tuple(self.buffers))(dict(params), {})
 
-    def _pack(self, params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        buffers = {key: jnp.zeros((self.pp, *b.grid_sizes, b.length), b.dtype) for key, b in self.buffers.items()}
-        for name, places in self.places.items():
-            cells = self.packing[name].to_cells(params[name])
-            for place in places:
-                buffers[place.key] = _write(buffers[place.key], place, cells)
-        return buffers
+    def unpack(self, buffers: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """The packed buffers (or anything laid out like them) -> full arrays by torch name (first copy).
 
-    def unpack(self, buffers: Mapping[str, jax.Array], shardings: Mapping[str, Any] | None = None) -> dict:
-        """The packed buffers (or anything laid out like them) -> full arrays by torch name (first copy)."""
-        return jax.jit(self._unpack, out_shardings=shardings)(dict(buffers))
-
-    def _unpack(self, buffers: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        return {name: self._read(buffers[places[0].key], places[0], name) for name, places in self.places.items()}
+        Each array is placed as its parameter is outside the pipeline (its ``PartitionSpec`` over the mesh).
+        """
+        return self.unpack_present(buffers)
 
     def unpack_present(self, tree: Mapping[str, Any]) -> dict[str, jax.Array]:
         """Like ``unpack`` for a tree holding only some buffers (an optimizer field of one param group)."""
-        keys = {k for k, v in tree.items() if isinstance(v, jax.Array)}
-        names = [n for n, places in self.places.items() if places[0].key in keys]
-        read = jax.jit(lambda t: {n: self._read(t[self.places[n][0].key], self.places[n][0], n) for n in names})
-        return read({k: tree[k] for k in keys})
+        keys = tuple(k for k, v in tree.items() if isinstance(v, jax.Array))
+        return self._unpacker(keys)({k: tree[k] for k in keys})
 
     def pack_present(self, named: Mapping[str, jax.Array], like: Mapping[str, Any]) -> dict[str, Any]:
         """The buffers of ``like`` that hold arrays, rebuilt from full arrays by name (others kept as they are)."""
-        keys = [k for k, v in like.items() if isinstance(v, jax.Array)]
+        keys = tuple(k for k, v in like.items() if isinstance(v, jax.Array))
+        needed = {n: named[n] for n, places in self.places.items() if places[0].key in keys}
+        return {**like, **self._packer(keys)(needed, {k: like[k] for k in keys})}
 
-        def pack(named):
-            out = {k: jnp.zeros_like(like[k]) for k in keys}
+    # one compiled program per set of buffers: these run on every state-dict or gradient read
+
+    @functools.cache  # noqa: B019  (the layout lives as long as its model; its programs should too)
+    def _unpacker(self, keys: tuple[str, ...]) -> Any:
+        names = [n for n, places in self.places.items() if places[0].key in keys]
+
+        def unpack(buffers):
+            return {n: self._read(buffers[self.places[n][0].key], self.places[n][0], n) for n in names}
+
+        return jax.jit(unpack, out_shardings={n: self.param_shardings[n] for n in names})
+
+    @functools.cache  # noqa: B019
+    def _packer(self, keys: tuple[str, ...]) -> Any:
+        """(full arrays by name, arrays whose dtypes the buffers take (default: the parameters')) -> buffers."""
+
+        def pack(named, like):
+            out = {
+                k: jnp.zeros((self.pp, *self.buffers[k].grid_sizes, self.buffers[k].length), self.buffers[k].dtype)
+                if k not in like
+                else jnp.zeros_like(like[k])
+                for k in keys
+            }
             for name, places in self.places.items():
                 for place in places:
                     if place.key in out:
                         out[place.key] = _write(out[place.key], place, self.packing[name].to_cells(named[name]))
             return out
 
-        needed = {n: named[n] for n, places in self.places.items() if places[0].key in keys}
-        packed = jax.jit(pack, out_shardings={k: like[k].sharding for k in keys})(needed)
-        return {**like, **packed}
+        return jax.jit(pack, out_shardings={k: self.shardings[k] for k in keys})
 
     def _read(self, buffer: jax.Array, place: Place, name: str, row: int | None = None) -> jax.Array:
         row = place.stage if row is None else row

@@ -26,7 +26,7 @@ from jax.extend import core
 from torch import nn
 
 from jmp import module_marks
-from jmp.errors import ConfigError
+from jmp.errors import ConfigError, PipelineError
 from jmp.pipeline.graph import Call, calls_of, flops
 
 logger = logging.getLogger("jmp")
@@ -84,7 +84,7 @@ def partition(index: int) -> Iterator[None]:
     Raises:
         ConfigError: ``index`` is not a non-negative integer; at the first step, a mark not below
             ``pipeline_parallel_degree``.
-        StepError: at the first step, a stage that got no computation (stages must follow the order in
+        PipelineError: at the first step, a stage that got no computation (stages must follow the order in
             which the forward calls the modules).
     """
     _check_index(index, "smp.partition")
@@ -106,7 +106,7 @@ def set_partition(module: nn.Module, index: int) -> None:
     Raises:
         ConfigError: ``module`` is not a ``torch.nn.Module`` or ``index`` not a non-negative integer; at the
             first step, an index not below ``pipeline_parallel_degree``.
-        StepError: at the first step, a stage that got no computation (stages must follow the order in
+        PipelineError: at the first step, a stage that got no computation (stages must follow the order in
             which the forward calls the modules).
     """
     if not isinstance(module, nn.Module):
@@ -194,7 +194,7 @@ def automatic(
         if worst <= 1.1 / stages:
             break
     if best is None:
-        raise ConfigError(
+        raise PipelineError(
             f"the model's forward calls fewer than {stages} modules in sequence, so it cannot be cut into "
             f"pipeline_parallel_degree={stages} stages; lower the degree or split the model into more modules"
         )

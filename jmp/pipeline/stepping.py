@@ -2,7 +2,8 @@
 
 The cut is decided at the first step call, from the forward traced on that call's microbatch shapes
 (as SMP partitions at the first ``smp.step`` call); then the parameters move into the stages' buffers.
-Every later step program (another step function, eval mode) is cut by the same rules.
+Every later step program (another step function, eval mode) is cut by the same rules. A step program
+traces its forward (``trace``), cuts it (``programs``) and runs it (``step``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.extend import core
 from jax.sharding import AxisType
 from torch import nn
 
 from jmp.config import Config
-from jmp.errors import StepError
+from jmp.errors import PipelineError
 from jmp.pipeline import engine, placement, schedule
+from jmp.pipeline.engine import StepInputs, StepOutputs
 from jmp.pipeline.graph import module_scopes
 from jmp.pipeline.layout import StageLayout
 from jmp.pipeline.split import StagePrograms
+from jmp.torch_bridge import torch_name
 
 logger = logging.getLogger("jmp")
 
@@ -73,10 +77,11 @@ class Pipeline:
     def programs(
         self, jaxpr: core.ClosedJaxpr, names: Sequence[str], rest_count: int, check: bool = True
     ) -> StagePrograms:
+        """A step program's forward cut by the model's partition (``check``: its parameters are where it reads them)."""
         stage_of = self.partition.assign(jaxpr.jaxpr.eqns)
         empty = sorted(set(range(self.stages)) - set(stage_of))
         if empty:
-            raise StepError(
+            raise PipelineError(
                 f"pipeline stage(s) {empty} got no computation: the forward has {len(set(stage_of))} stage(s) "
                 f"of {self.stages}. With manual partitioning, place modules on every stage in the order the "
                 "forward calls them; or lower pipeline_parallel_degree."
@@ -86,7 +91,7 @@ class Pipeline:
             for name, stages in programs.stage_usage.items():
                 missing = set(stages) - set(self.layout.stages[name])
                 if missing:
-                    raise StepError(
+                    raise PipelineError(
                         f"parameter '{name}' lives on pipeline stage(s) {list(self.layout.stages[name])}, but this "
                         f"step function reads it on stage(s) {sorted(missing)}; the first step call decided the "
                         "cut, so later step functions must call the model's modules in the same order"
@@ -108,21 +113,36 @@ class Pipeline:
             ),
         )
 
-    def step(
-        self,
-        programs: StagePrograms,
-        rows: dict[str, jax.Array],
-        rest: Sequence[jax.Array],
-        pieces: Sequence[jax.Array | None],
-        whole: Sequence[jax.Array | None],
-        microbatches: int,
-        backward: bool,
-    ) -> tuple[list[jax.Array], dict[str, jax.Array] | None]:
-        """Run one step through the pipeline: (forward outputs stacked over microbatches, mean gradients)."""
-        plan = schedule.build(self.config.pipeline, self.stages, microbatches, backward)
-        finals, grads = engine.run(programs, self.layout, plan, rows, rest, pieces, whole, microbatches, backward)
-        if grads is not None:
-            grads = self.layout.sync_tied(grads)
-            grads = {k: g / microbatches for k, g in grads.items()}
-            grads = jax.lax.with_sharding_constraint(grads, {k: self.layout.shardings[k] for k in grads})
-        return finals, grads
+    def step(self, programs: StagePrograms, inputs: StepInputs) -> StepOutputs:
+        """Run one step through the pipeline.
+
+        Returns the forward's finals stacked over microbatches, the rest as the microbatches left it in order,
+        and the gradients averaged over microbatches (laid out like the stage buffers; None without backward).
+
+        Raises:
+            PipelineError: a buffer the forward updates is read on another stage than the one updating it.
+        """
+        _check_restarted(programs, inputs.rest)
+        plan = schedule.build(self.config.pipeline, self.stages, inputs.microbatches, inputs.backward)
+        outputs = engine.run(programs, self.layout, plan, inputs)
+        if outputs.grads is None:
+            return outputs
+        grads = self.layout.sync_tied(outputs.grads)
+        grads = {k: g / inputs.microbatches for k, g in grads.items()}
+        grads = jax.lax.with_sharding_constraint(grads, {k: self.layout.shardings[k] for k in grads})
+        return outputs._replace(grads=grads)
+
+
+def _check_restarted(programs: StagePrograms, rest: Any) -> None:
+    """Refuse a buffer that cannot thread through the microbatches (only the random stream may restart)."""
+    variables = jax.tree_util.tree_leaves_with_path(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for i in programs.restarted:
+        path, variable = variables[i]
+        if isinstance(variable, nnx.RngState):
+            continue  # every microbatch draws from the step's stream, folded with its index
+        readers = [s for s in programs.readers[i] if s != programs.home[i]]
+        raise PipelineError(
+            f"buffer '{torch_name(path)}' is updated on pipeline stage {programs.home[i]} but also read on "
+            f"stage(s) {readers}, so its updates cannot pass from one microbatch to the next in order; keep the "
+            "code that reads and updates it inside one module (one stage)"
+        )

@@ -39,7 +39,7 @@ def lm_step(model, ids):
 def assert_grads_match(model, reference: nn.Module, bound: float = 1e-5) -> None:
     """Every gradient equals the torch reference's within ``bound`` of the tensor's largest entry."""
     torch_grads = {n: p.grad.numpy() for n, p in reference.named_parameters(remove_duplicate=False)}
-    for path, grad in jax.tree_util.tree_leaves_with_path(model._unpacked(model.grads)):
+    for path, grad in jax.tree_util.tree_leaves_with_path(model.grads):
         name = torch_name(path)
         expected = torch_grads[name]
         error = np.abs(np.asarray(grad) - expected).max() / (np.abs(expected).max() + 1e-12)
@@ -90,11 +90,11 @@ def test_grouped_net_two_stages_equal_pytorch(how):
         np.asarray(predict(model, data).concat()), reference(data).detach().numpy(), rtol=1e-5, atol=1e-6
     )
 
-    stages = model._pipeline.layout.stages
+    stages = model.pipeline.layout.stages
     first, second = ("net1", "net2") if how == "auto" else ("conv", "fc")
     assert all(stages[n] == (0,) for n in stages if n.startswith(first))
     assert all(stages[n] == (1,) for n in stages if n.startswith(second))
-    for buffer in model._params.values():  # each device holds one stage's row
+    for buffer in model.training_state.params.values():  # each device holds one stage's row
         assert buffer.sharding.spec[0] == "pp" and buffer.addressable_shards[0].data.shape[0] == 1
 
 
@@ -151,10 +151,10 @@ def test_gpt2_four_stages_equal_pytorch(gpt2_reference, schedule):
     np.testing.assert_allclose(float(loss), torch_loss, rtol=1e-5)
     assert_grads_match(model, reference)
 
-    layout = model._pipeline.layout
-    assert layout.stages["lm_head.weight"] == (0, 3)  # tied to lm_head: held by both ends
+    layout = model.pipeline.layout
+    assert layout.stages["transformer.wte.weight"] == (0, 3)  # tied to lm_head: held by both ends
     assert [layout.stages[f"transformer.h.{i}.attn.c_attn.weight"] for i in range(4)] == [(0,), (1,), (2,), (3,)]
-    held = sum(b.addressable_shards[0].data.nbytes for b in model._params.values())
+    held = sum(b.addressable_shards[0].data.nbytes for b in model.training_state.params.values())
     own = layout.stage_bytes()
     assert held <= 1.10 * max(own)  # a device holds its stage's parameters (rows are padded to the largest stage)
     whole = sum(p.numel() * 4 for p in net.parameters())
@@ -211,7 +211,7 @@ def test_checkpoint_across_stages_is_skipped_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="jmp"):
         nll_step(model, data, target)
     assert any("cannot span stages" in r.getMessage() for r in caplog.records)
-    assert model._pipeline.layout.stages["body.b.weight"] == (1,)
+    assert model.pipeline.layout.stages["body.b.weight"] == (1,)
     assert_grads_match(model, reference)
 
 
@@ -229,5 +229,5 @@ def test_errors_say_what_to_change():
     with smp.partition(0):
         net = GroupedNet()  # everything on stage 0: stage 1 would get nothing
     model = smp.DistributedModel(net)
-    with pytest.raises(smp.StepError, match=r"stage\(s\) \[1\] got no computation"):
+    with pytest.raises(smp.PipelineError, match=r"stage\(s\) \[1\] got no computation"):
         nll_step(model, *mnist_batch(8))
