@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -53,3 +53,26 @@ def marking_created(key: str, value: Any) -> Iterator[None]:
         if _open_blocks[0] == 0:
             nn.Module.__init__ = _original_init
         _CREATING.reset(token)
+
+
+_TRACED_STAGES: contextvars.ContextVar[Mapping[str, int] | None] = contextvars.ContextVar(
+    "jmp_traced_stages", default=None
+)
+
+
+@contextlib.contextmanager
+def traced_stages(stages: Mapping[str, int] | None) -> Iterator[None]:
+    """While a pipelined forward is traced: the manual stage of each module path (None: automatic cut)."""
+    token = _TRACED_STAGES.set(stages)
+    try:
+        yield
+    finally:
+        _TRACED_STAGES.reset(token)
+
+
+def stages_of(paths: Sequence[str]) -> set[int]:
+    """The manual stages of the modules at ``paths`` and their submodules in the forward being traced."""
+    stages = _TRACED_STAGES.get()
+    if not stages:
+        return set()
+    return {stage for path, stage in stages.items() for p in paths if path == p or path.startswith(p + ".") or not p}

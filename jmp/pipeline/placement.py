@@ -16,7 +16,6 @@ stages whose equations read them.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
@@ -26,48 +25,12 @@ from jax.extend import core
 from torch import nn
 
 from jmp import module_marks
-from jmp.errors import ConfigError, PipelineError
+from jmp.errors import ArgumentTypeError, ConfigError, PipelineError
 from jmp.pipeline.graph import Call, calls_of, flops
 
 logger = logging.getLogger("jmp")
 
 STAGE = "pipeline_stage"
-_TRACING_MARKS: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("jmp_stage_marks", default=None)
-_warned: set[str] = set()
-
-
-@contextlib.contextmanager
-def tracing_marks(marks: dict[str, int] | None) -> Iterator[None]:
-    """While a pipelined forward is traced: the manual stage of each module path (None: automatic)."""
-    token = _TRACING_MARKS.set(marks)
-    try:
-        yield
-    finally:
-        _TRACING_MARKS.reset(token)
-
-
-def spans_stages(paths: Sequence[str]) -> bool:
-    """Whether modules at ``paths`` (and their submodules) are placed on more than one stage; warns once if so.
-
-    Activation checkpointing uses this: a checkpoint cannot span stages (as in SMP), so such a module
-    runs without it.
-    """
-    marks = _TRACING_MARKS.get()
-    if not marks:
-        return False
-    inside = {stage for path, stage in marks.items() for p in paths if path == p or path.startswith(p + ".") or not p}
-    if len(inside) < 2:
-        return False
-    where = ", ".join(f"'{p or '<root>'}'" for p in paths)
-    if where not in _warned:
-        _warned.add(where)
-        logger.warning(
-            "activation checkpointing of %s is skipped: its modules are on pipeline stages %s, and a checkpoint "
-            "cannot span stages; checkpoint modules inside one stage instead",
-            where,
-            sorted(inside),
-        )
-    return True
 
 
 @contextlib.contextmanager
@@ -104,13 +67,14 @@ def set_partition(module: nn.Module, index: int) -> None:
         index: the stage, 0 to ``pipeline_parallel_degree - 1``.
 
     Raises:
-        ConfigError: ``module`` is not a ``torch.nn.Module`` or ``index`` not a non-negative integer; at the
-            first step, an index not below ``pipeline_parallel_degree``.
+        ArgumentTypeError: ``module`` is not a ``torch.nn.Module``.
+        ConfigError: ``index`` is not a non-negative integer; at the first step, an index not below
+            ``pipeline_parallel_degree``.
         PipelineError: at the first step, a stage that got no computation (stages must follow the order in
             which the forward calls the modules).
     """
     if not isinstance(module, nn.Module):
-        raise ConfigError(f"smp.set_partition takes a torch nn.Module, not {type(module).__name__}")
+        raise ArgumentTypeError(f"smp.set_partition takes a torch nn.Module, not {type(module).__name__}")
     _check_index(index, "smp.set_partition")
     module_marks.mark(module, STAGE, index)
 

@@ -19,6 +19,7 @@ from jax.extend import core
 from jax.sharding import AxisType
 from torch import nn
 
+from jmp import module_marks
 from jmp.config import Config
 from jmp.errors import PipelineError
 from jmp.pipeline import engine, placement, schedule
@@ -52,7 +53,7 @@ class Pipeline:
         marks = self.partition.marks if self.partition is not None else None
         # traced as inside the pipeline's shard_map (pp manual): the jaxpr's types then name that mesh
         inside = self.mesh.abstract_mesh.update_axis_types({"pp": AxisType.Manual})
-        with module_scopes(self.paths), placement.tracing_marks(marks), jax.sharding.use_abstract_mesh(inside):
+        with module_scopes(self.paths), module_marks.traced_stages(marks), jax.sharding.use_abstract_mesh(inside):
             return jax.make_jaxpr(flat_forward)(*avals)
 
     def plan(

@@ -9,6 +9,7 @@ Parameters are read-only inside (as under ``torch.utils.checkpoint``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,14 +19,37 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jmp import module_marks
 from jmp.errors import ActivationCheckpointingError, ConfigError
-from jmp.pipeline import placement
 from jmp.remat import context
 from jmp.remat.policies import Resolved
 from jmp.remat_policy import INPUT
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.module import CallHook, TorchModule, call_hooks, hooked_call, walk
 from jmp.torch_bridge.tensor import JaxTensor
+
+logger = logging.getLogger("jmp")
+_warned: set[str] = set()
+
+
+def _spans_stages(paths: Sequence[str]) -> bool:
+    """Whether modules at ``paths`` (and their submodules) are on more than one pipeline stage; warns once if so.
+
+    A checkpoint cannot span stages (as in SMP), so such modules run without it.
+    """
+    inside = module_marks.stages_of(paths)
+    if len(inside) < 2:
+        return False
+    where = ", ".join(f"'{p or '<root>'}'" for p in paths)
+    if where not in _warned:
+        _warned.add(where)
+        logger.warning(
+            "activation checkpointing of %s is skipped: its modules are on pipeline stages %s, and a checkpoint "
+            "cannot span stages; checkpoint modules inside one stage instead",
+            where,
+            sorted(inside),
+        )
+    return True
 
 
 def run(
@@ -43,7 +67,7 @@ def run(
     tuple) and the same other arguments. ``inside[k]`` is the hook ``units[k]`` is called from (its
     nested hooks still apply) or None (all hooks on its path apply).
     """
-    if placement.spans_stages([u._torch_path for u in units]):
+    if _spans_stages([u._torch_path for u in units]):
         return _run_plain(units, inside, args, kwargs, chain)
     rngs = dispatch.current_rngs()
     graph = (tuple(units), rngs)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from jmp.errors import ConfigError
+from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.module_marks import mark, mark_of, marking_created
 
 _MARK = "tensor_parallel"
@@ -50,7 +50,7 @@ def tensor_parallelism(enabled: bool = True) -> Iterator[None]:
 def set_tensor_parallelism(module: nn.Module, enabled: bool = True) -> None:
     """Distribute ``module`` and its submodules over ``tp`` (or keep them whole with ``enabled=False``)."""
     if not isinstance(module, nn.Module):
-        raise ConfigError(f"set_tensor_parallelism takes a torch nn.Module, not {type(module).__name__}")
+        raise ArgumentTypeError(f"set_tensor_parallelism takes a torch nn.Module, not {type(module).__name__}")
     for submodule in module.modules():
         mark(submodule, _MARK, enabled)
 

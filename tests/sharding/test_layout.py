@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 def _specs(module: nn.Module, config: dict, **kwargs) -> dict[str, P]:
     smp.init(config)
-    return smp.DistributedModel(module, **kwargs)._param_specs
+    return smp.DistributedModel(module, **kwargs).layout.specs
 
 
 def test_gpt2_blocks_are_megatron_pairs_and_the_vocabulary_is_split():
@@ -31,7 +31,8 @@ def test_gpt2_blocks_are_megatron_pairs_and_the_vocabulary_is_split():
     assert specs[block + "attn.c_proj.bias"] == P(None)
     assert specs[block + "mlp.c_fc.weight"] == P(None, "tp")
     assert specs[block + "mlp.c_proj.weight"] == P("tp", None)
-    assert specs["lm_head.weight"] == P("tp", None)  # tied to transformer.wte.weight: vocabulary-parallel
+    # lm_head.weight is transformer.wte.weight (tied), held under torch's first name: vocabulary-parallel
+    assert specs["transformer.wte.weight"] == P("tp", None) and "lm_head.weight" not in specs
     assert specs["transformer.wpe.weight"] == P(None, None)  # position table: whole
     assert specs[block + "ln_1.weight"] == P(None)
 
