@@ -44,6 +44,36 @@ class Converter:
     def __init__(self, rngs: nnx.Rngs):
         self.rngs = rngs
         self._variables: dict[int, nnx.Variable] = {}
+        self._first_names: dict[int, str] = {}  # tensor -> the torch name it was converted under first
+        self._ties: list[tuple[str, str]] = []  # (later name, first name) of tied tensors, not yet claimed
+
+    def first_name(self, tensor: torch.Tensor) -> str | None:
+        """The torch name a tensor was already converted under (it is tied), or None.
+
+        Modules are converted in torch's order (own tensors, then children in registration order), so this
+        is the name ``named_parameters()`` / ``named_buffers()`` report.
+        """
+        return self._first_names.get(id(tensor))
+
+    def tie(self, name: str, first_name: str) -> None:
+        """Record that the tensor at torch name ``name`` is the one converted under ``first_name``."""
+        self._ties.append((name, first_name))
+
+    def claim_ties(self, path: str) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+        """The recorded ties whose innermost common module is the one at ``path``, as name parts relative to it."""
+        prefix = path.split(".") if path else []
+        claimed, pending = [], []
+        for name, first in self._ties:
+            later_parts, first_parts = name.split("."), first.split(".")
+            common = 0
+            while common < min(len(later_parts), len(first_parts)) - 1 and later_parts[common] == first_parts[common]:
+                common += 1
+            if later_parts[:common] == prefix:
+                claimed.append((tuple(later_parts[common:]), tuple(first_parts[common:])))
+            else:
+                pending.append((name, first))
+        self._ties = pending
+        return tuple(claimed)
 
     def module(self, torch_module: torch.nn.Module, path: str) -> TorchModule:
         _check_convertible(torch_module, path)
@@ -63,6 +93,7 @@ class Converter:
             metadata["requires_grad"] = tensor.requires_grad
         variable = kind(tensor_to_array(tensor), torch_dtype=tensor.dtype, **metadata)
         self._variables[id(tensor)] = variable
+        self._first_names[id(tensor)] = _join(path, name)
         return variable
 
     @staticmethod

@@ -8,6 +8,11 @@ too), makes ``torch.compiler.is_compiling()`` answer True (so Hugging Face
 models take their trace-friendly branches), and provides the random stream for
 dropout and ``torch.rand*``. A *scope* records which module is running, for
 error messages.
+
+``torch.autograd.Function.apply`` does not go through the torch-function
+protocol, so while any session runs it is replaced by one that sends calls made
+inside a session to the dispatcher as ``FUNCTION_APPLY(function, *args)``
+(lowered in ``lowering/autograd_function.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import functools
 import linecache
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,12 +112,51 @@ def session(rngs: Any = None) -> Iterator[None]:
     was_compiling = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        with BridgeMode():
+        with BridgeMode(), _FunctionApplyRoute():
             yield
     finally:
         torch.compiler._is_compiling_flag = was_compiling
         _ACTIVE.reset(active_token)
         _RNGS.reset(rngs_token)
+
+
+_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
+# The registry key of ``SomeFunction.apply(*args)``; its lowering receives ``(SomeFunction, *args)``.
+FUNCTION_APPLY = _ORIGINAL_APPLY.__func__
+
+
+def _routed_apply(function: type, *args: Any, **kwargs: Any) -> Any:
+    """``Function.apply`` while sessions run: calls from bridge code go to the dispatcher, others to torch."""
+    # Inside a session the bridge's mode is on, unless a lowering is running plain torch code itself (then
+    # only calls on JaxTensors are the bridge's).
+    if _ACTIVE.get() and (
+        torch.overrides._is_torch_function_mode_enabled() or contains_tensor((args, kwargs), JaxTensor)
+    ):
+        return dispatch(FUNCTION_APPLY, (function, *args), kwargs)
+    return FUNCTION_APPLY(function, *args, **kwargs)
+
+
+class _FunctionApplyRoute:
+    """Installs ``_routed_apply`` as ``torch.autograd.Function.apply`` while at least one session (in any thread) runs.
+
+    Outside sessions torch is left untouched; a thread without a session that calls ``apply`` meanwhile
+    reaches torch's own ``apply`` through the check in ``_routed_apply``.
+    """
+
+    _lock = threading.Lock()
+    _users = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if _FunctionApplyRoute._users == 0:
+                torch.autograd.Function.apply = classmethod(_routed_apply)
+            _FunctionApplyRoute._users += 1
+
+    def __exit__(self, *exc_info: Any) -> None:
+        with self._lock:
+            _FunctionApplyRoute._users -= 1
+            if _FunctionApplyRoute._users == 0:
+                torch.autograd.Function.apply = _ORIGINAL_APPLY
 
 
 @contextlib.contextmanager
@@ -126,6 +171,12 @@ def scope(path: str, type_name: str) -> Iterator[None]:
 
 def current_rngs() -> Any:
     return _RNGS.get()
+
+
+def current_scope() -> tuple[str, str] | None:
+    """(module path, type name) of the innermost running module, or None outside modules."""
+    scope_stack = _SCOPE.get()
+    return scope_stack[-1] if scope_stack else None
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -240,6 +291,9 @@ def unsupported_aten(func: Any) -> None:
         "it has no lowering. Lower the torch function that calls it with "
         "jmp.torch_bridge.register_lowering."
     )
+
+
+JaxTensor.route_to(dispatch, unsupported_aten)
 
 
 def op_name(func: Any) -> str:

@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from flax import nnx
 
+from jmp.errors import ConversionError
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.tensor import JaxTensor, unwrap, unwrap_tree, wrap_tree
 
@@ -65,20 +66,28 @@ class TorchModule(nnx.Module):
         self._torch_module = torch_module
         self._torch_path = path
         self.deterministic = not torch_module.training
-        names = []
+        names, tied = [], []
         for name, tensor, kind, metadata in _state_entries(torch_module):
             converter.check_name(self, name, path)
+            first = None if tensor is None else converter.first_name(tensor)
             variable = None if tensor is None else converter.variable(tensor, kind, path, name, **metadata)
             setattr(self, name, variable)
             if tensor is not None:
                 names.append(name)
+            if first is not None:
+                tied.append((name, first))
+                converter.tie(_join(path, name), first)
         self._torch_state_names = tuple(names)
+        # (name, torch name it was converted under first) of this module's tensors tied to earlier ones
+        self._torch_tied = tuple(tied)
         children = []
         for name, child in torch_module._modules.items():
             converter.check_name(self, name, path)
             setattr(self, name, None if child is None else converter.module(child, _join(path, name)))
             children.append(name)
         self._torch_children = tuple(children)
+        # ties within this subtree whose innermost common module is this one (later, first), relative names
+        self._torch_ties = converter.claim_ties(path)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call with JAX arrays where torch takes tensors; returns the torch structure with JAX arrays."""
@@ -96,6 +105,33 @@ class TorchModule(nnx.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"{type(self._torch_module).__name__} at '{self._torch_path}' is not callable")
+
+    # Tied tensors. NNX holds a Variable reached by several paths under the first its sorted traversal
+    # meets ('lm_head.weight' before 'transformer.wte.weight'), and it relies on that order. To hold a
+    # tied tensor under torch's first name, the name ``named_parameters()`` reports, NNX is not shown
+    # the later names; the innermost module holding both names links them again when NNX rebuilds it.
+
+    def _graph_node_flatten(self) -> tuple[list, Any]:
+        nodes, metadata = super()._graph_node_flatten()
+        tied = self.__dict__.get("_torch_tied", ())
+        if tied:
+            later = {name for name, _ in tied}
+            nodes = [item for item in nodes if item[0] not in later]
+        return nodes, metadata
+
+    def _graph_node_init(self, attributes: Any) -> None:
+        super()._graph_node_init(attributes)
+        for later, first in self.__dict__.get("_torch_ties", ()):
+            holder, owner = _descend(self, later[:-1]), _descend(self, first[:-1])
+            object.__setattr__(holder, later[-1], getattr(owner, first[-1]))
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for a missing attribute: a later name of a tied tensor in a copy of this module
+        # rebuilt without the module holding the first name (a checkpointed region, an expert copy).
+        for later, first in self.__dict__.get("_torch_tied", ()):
+            if later == name:
+                return _bound_variable(first, _join(self.__dict__.get("_torch_path", ""), name))
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def train(self, mode: bool = True, **attributes: Any) -> None:
         """Torch-style: ``train()`` / ``train(False)``; NNX-style attributes pass through."""
@@ -182,6 +218,40 @@ def hooked_call(module: TorchModule, inside: CallHook | None = None) -> Callable
     return call
 
 
+def _descend(module: TorchModule, names: tuple[str, ...]) -> TorchModule:
+    for name in names:
+        module = getattr(module, name)
+    return module
+
+
+# The modules whose forward is running (``bound_state``), outermost first: where a copy of a module
+# finds a tied tensor held outside the copy.
+_BOUND_ROOTS: contextvars.ContextVar[tuple[TorchModule, ...]] = contextvars.ContextVar("jmp_bound_roots", default=())
+
+
+def _bound_variable(first: str, later: str) -> nnx.Variable:
+    """The Variable held under torch name ``first`` by the innermost running module that holds it."""
+    for root in reversed(_BOUND_ROOTS.get()):
+        prefix = root._torch_path
+        if prefix and not first.startswith(prefix + "."):
+            continue
+        *names, attribute = (first.removeprefix(prefix + ".") if prefix else first).split(".")
+        holder: Any = root
+        for name in names:
+            holder = holder.__dict__.get(name)
+            if not isinstance(holder, TorchModule):
+                break
+        else:
+            if attribute in holder.__dict__:
+                return holder.__dict__[attribute]
+    raise ConversionError(
+        f"'{later}' is tied to '{first}' (the same torch tensor), which the converted model holds only under "
+        f"'{first}'. This copy of '{later.rpartition('.')[0] or '<root>'}' was split from the model without "
+        f"the module holding '{first}', so it has no value for it: split, merge or call a module that contains "
+        "both names (e.g. the whole model)."
+    )
+
+
 def twin_of(torch_module: torch.nn.Module) -> TorchModule | None:
     """The converted module that calls of ``torch_module`` reach while a converted forward runs (else None)."""
     forward = torch_module.__dict__.get("forward")
@@ -224,6 +294,7 @@ def bound_state(root: TorchModule) -> Iterator[None]:
             tensor = JaxTensor(variable[...], variable.get_metadata("torch_dtype", None))
             slots[name] = tensor
             bindings.append((slots, name, previous, tensor, variable))
+    roots_token = _BOUND_ROOTS.set(_BOUND_ROOTS.get() + (root,))
     try:
         yield
     finally:
@@ -242,6 +313,7 @@ def bound_state(root: TorchModule) -> Iterator[None]:
                 torch_module.__dict__.pop("forward", None)
             else:
                 torch_module.__dict__["forward"] = forward
+        _BOUND_ROOTS.reset(roots_token)
 
 
 def to_jax_output(out: Any) -> Any:

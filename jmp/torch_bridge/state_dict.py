@@ -16,8 +16,8 @@ from jmp.torch_bridge.module import TorchModule
 def named_variables(module: TorchModule, prefix: str = "") -> Iterator[tuple[str, nnx.Variable]]:
     """(torch key, Variable) for every parameter and buffer, in torch's ``state_dict`` order.
 
-    A tied parameter is listed under each of its names (NNX itself holds it once,
-    under the path its traversal meets first).
+    A tied parameter is listed under each of its names (NNX itself holds it once, under the
+    first: the name ``named_parameters()`` reports).
     """
     for name in module._torch_state_names:
         yield prefix + name, getattr(module, name)

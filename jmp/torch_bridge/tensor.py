@@ -8,19 +8,24 @@ and dtype checks in forward code answer like torch.
 Views follow torch's aliasing rules: a view remembers its base and the view
 function, an in-place update of a view writes through to its base, and a view
 whose base was updated in place re-reads it.
+
+This module is a leaf under the dispatcher: ``dispatch.py`` builds on it and, when imported (importing
+any ``jmp.torch_bridge`` module imports it), installs itself as the handler of torch calls on
+JaxTensors with ``JaxTensor.route_to``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import torch
 import torch.utils._pytree as torch_pytree
 
+from jmp.errors import JmpError
 from jmp.torch_bridge.dtypes import to_jax_dtype, to_torch_dtype
 from jmp.torch_bridge.interop import tensor_to_array
 
@@ -32,12 +37,28 @@ class _ViewLink:
     base_version: int
 
 
+def _no_dispatcher(func: Any, *rest: Any) -> Any:
+    raise JmpError(
+        f"a torch call ({func}) reached a JaxTensor before the bridge's dispatcher was loaded; "
+        "import jmp.torch_bridge (not only jmp.torch_bridge.tensor) before running torch code on JaxTensors."
+    )
+
+
 class JaxTensor(torch.Tensor):
     """A torch.Tensor wrapping a jax.Array; torch ops on it lower to JAX."""
 
     _value: jax.Array
     _jmp_version: int
     _view_link: _ViewLink | None
+    # The handlers of torch calls on JaxTensors, installed by the dispatcher (see the module docstring).
+    _torch_function_handler: ClassVar[Callable[[Any, tuple, dict], Any]] = staticmethod(_no_dispatcher)
+    _aten_handler: ClassVar[Callable[[Any], Any]] = staticmethod(_no_dispatcher)
+
+    @classmethod
+    def route_to(cls, torch_function: Callable[[Any, tuple, dict], Any], aten: Callable[[Any], Any]) -> None:
+        """Send torch function calls to ``torch_function(func, args, kwargs)``, ATen ops to ``aten(func)``."""
+        cls._torch_function_handler = staticmethod(torch_function)
+        cls._aten_handler = staticmethod(aten)
 
     @staticmethod
     def __new__(cls, value: jax.Array, torch_dtype: torch.dtype | None = None):
@@ -87,13 +108,13 @@ class JaxTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _dispatch.dispatch(func, args, kwargs or {})
+        return JaxTensor._torch_function_handler(func, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # Reached only when torch calls an ATen op directly, bypassing
         # __torch_function__; that op has no lowering.
-        return _dispatch.unsupported_aten(func)
+        return JaxTensor._aten_handler(func)
 
 
 def wrap(value: Any, torch_dtype: torch.dtype | None = None) -> Any:
@@ -127,6 +148,3 @@ def contains_tensor(tree: Any, kind: type = torch.Tensor) -> bool:
 def as_array(value: Any, dtype=None) -> jax.Array:
     """``value`` (array, Python scalar, nested list) as a jax.Array of torch ``dtype``."""
     return jnp.asarray(value, dtype=to_jax_dtype(dtype))
-
-
-from jmp.torch_bridge import dispatch as _dispatch  # noqa: E402  (cycle: dispatch uses JaxTensor)

@@ -100,8 +100,13 @@ def _compare(expected, actual) -> str | None:
             if not np.array_equal(e_np.astype(bool), a_np.astype(bool)):
                 return "boolean values differ"
             continue
-        if not np.allclose(a_np.astype(np.float64), e_np.astype(np.float64), rtol=1e-4, atol=1e-5, equal_nan=True):
-            diff = np.nanmax(np.abs(a_np.astype(np.float64) - e_np.astype(np.float64)))
+        if np.iscomplexobj(e_np) != np.iscomplexobj(a_np):
+            return f"dtype {a_np.dtype}, torch {e_np.dtype}"
+        # Complex results compare whole (real and imaginary parts), never cast to real.
+        wide = np.complex128 if np.iscomplexobj(e_np) else np.float64
+        e_wide, a_wide = e_np.astype(wide), a_np.astype(wide)
+        if not np.allclose(a_wide, e_wide, rtol=1e-4, atol=1e-5, equal_nan=True):
+            diff = np.nanmax(np.abs(a_wide - e_wide))
             return f"values differ (max abs {diff:.3g})"
     return None
 

@@ -8,8 +8,10 @@ from flax import nnx
 from torch import nn
 
 import jmp
+from jmp.errors import ConversionError
 from jmp.examples.models import GroupedNet
-from tests.helpers import assert_close, to_jax
+from jmp.torch_bridge.module import hooked_call
+from tests.helpers import assert_close, assert_grad_parity, to_jax
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,6 +45,69 @@ def test_tied_weights_export_under_both_names_and_buffers_keep_their_dtype():
     bn = nn.BatchNorm1d(3)
     exported = jmp.torch_bridge.to_state_dict(jmp.torch_bridge.convert(bn))
     assert exported["num_batches_tracked"].dtype == torch.int64
+
+
+def test_a_tied_parameter_is_held_under_the_name_torch_reports():
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight  # tie_word_embeddings (the default)
+    converted = jmp.torch_bridge.convert(model)
+    _, params, _ = nnx.split(converted, nnx.Param, ...)
+    held = [jmp.torch_bridge.torch_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    assert len(held) == len(set(held))
+    assert set(held) == {name for name, _ in model.named_parameters()}  # "transformer.wte.weight", no "lm_head.weight"
+    assert converted.lm_head.weight is converted.transformer.wte.weight
+
+    ids = torch.randint(0, 100, (2, 8))
+    _sgd_step(converted, lambda m: jnp.mean(m(to_jax(ids)).logits ** 2))
+    assert converted.lm_head.weight is converted.transformer.wte.weight  # still one Variable after NNX rebuilt it
+    state = jmp.torch_bridge.to_state_dict(converted)
+    assert list(state) == list(model.state_dict())
+    fresh = transformers.GPT2LMHeadModel(config)
+    fresh.load_state_dict(state, strict=True)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    torch.testing.assert_close(fresh.lm_head.weight, state["transformer.wte.weight"])
+    assert not torch.allclose(fresh.transformer.wte.weight, model.transformer.wte.weight)
+    assert_close(converted(to_jax(ids)).logits, fresh.eval()(ids).logits, rtol=1e-4)
+
+
+class TiedHead(nn.Module):
+    """The head's weight is the embedding's: torch names it 'embed.weight' first, NNX's sorted order 'head.weight'."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.mix = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+
+def _run_a_copy(module, call, *args, **kwargs):
+    """A call hook that runs a copy of the module split from the model alone (as a checkpointed region does)."""
+    copy = nnx.merge(*nnx.split(module))
+    return hooked_call(copy, _run_a_copy)(*args, **kwargs)
+
+
+def test_a_copy_split_without_the_tied_owner_reads_it_from_the_running_model():
+    model = TiedHead()
+    converted = jmp.torch_bridge.convert(model)
+    assert "head.weight" not in {
+        jmp.torch_bridge.torch_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(nnx.state(converted))
+    }
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with jmp.torch_bridge.call_hooks({"head": _run_a_copy}):
+        assert_close(converted(to_jax(ids)), model(ids))
+        assert_grad_parity(model, converted, lambda m: (m(ids) ** 2).sum(), lambda m: jnp.sum(m(to_jax(ids)) ** 2))
+
+
+def test_a_copy_split_from_the_model_alone_says_where_its_tied_tensor_is():
+    converted = jmp.torch_bridge.convert(TiedHead())
+    copy = nnx.merge(*nnx.split(converted.head))
+    with pytest.raises(ConversionError, match="'head.weight' is tied to 'embed.weight'"):
+        copy(jnp.ones((1, 4)))
 
 
 def test_non_persistent_buffers_are_not_exported():

@@ -3,6 +3,7 @@
 from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their registrations)
     activations,
     attention,
+    autograd_function,
     conversions,
     convolution,
     elementwise,
