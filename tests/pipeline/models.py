@@ -21,6 +21,18 @@ from jmp.pipeline.split import StagePrograms
 from jmp.torch_bridge import convert, torch_name
 
 
+@smp.step
+def nll_step(model, data, target):
+    loss = F.nll_loss(model(data), target)
+    model.backward(loss)
+    return loss
+
+
+@smp.step
+def predict(model, data):
+    return model(data)
+
+
 class Skips(nn.Module):
     """Three stages; stage 0 sends several values of different shapes on, one of them past stage 1."""
 

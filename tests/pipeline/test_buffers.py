@@ -15,21 +15,9 @@ from torch import nn
 
 import jmp as smp
 from jmp.torch_bridge import torch_name
-from tests.pipeline.models import Dropping, NormNet, RunningCenter
+from tests.pipeline.models import Dropping, NormNet, RunningCenter, nll_step, predict
 
 MICROBATCHES, SHARDS, ROWS = 4, 4, 32
-
-
-@smp.step
-def nll_step(model, data, target):
-    loss = F.nll_loss(model(data), target)
-    model.backward(loss)
-    return loss
-
-
-@smp.step
-def forward_step(model, data):
-    return model(data)
 
 
 def batch():
@@ -126,7 +114,7 @@ def test_dropout_on_every_stage_draws_anew_for_each_microbatch():
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
     model = smp.DistributedModel(Dropping())
     data = torch.randn(1, 16).expand(ROWS // 2, 16)  # the same row everywhere: only the masks differ
-    first, second = (np.asarray(o) for o in forward_step(model, data).outputs)
+    first, second = (np.asarray(o) for o in predict(model, data).outputs)
     assert not np.allclose(first, second)
-    again = np.asarray(forward_step(model, data).outputs[0])
+    again = np.asarray(predict(model, data).outputs[0])
     assert not np.allclose(first, again)  # the stream moved on between steps

@@ -14,19 +14,8 @@ from torch import nn
 import jmp as smp
 from jmp.examples.models import GroupedNet
 from jmp.torch_bridge import torch_name
+from tests.pipeline.models import nll_step, predict
 from tests.sharding.models import causal_lm, token_batches
-
-
-@smp.step
-def nll_step(model, data, target):
-    loss = F.nll_loss(model(data), target)
-    model.backward(loss)
-    return loss
-
-
-@smp.step
-def predict(model, data):
-    return model(data)
 
 
 @smp.step
