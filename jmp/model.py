@@ -189,7 +189,10 @@ class DistributedModel:
 
     def check_mesh(self) -> None:
         """Fail clearly when ``smp.init`` was called again with another config or mesh since this model was built."""
-        if state.get_mesh() != self.layout.mesh or state.get_config() != self.layout.config:
+        mesh, config = state.get_mesh(), state.get_config()
+        if (mesh is not self.layout.mesh and mesh != self.layout.mesh) or (
+            config is not self.layout.config and config != self.layout.config
+        ):
             raise ConfigError(
                 "smp.init was called again with a different config or mesh after this DistributedModel was built; "
                 "the model is laid out for the first one. Build a new DistributedModel (and optimizer) after "
