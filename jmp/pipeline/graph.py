@@ -41,7 +41,7 @@ def module_scopes(paths: Iterable[str]) -> Iterator[None]:
     counts: dict[str, int] = {}
 
     def hook(module: TorchModule, call: Callable, *args: Any, **kwargs: Any) -> Any:
-        path = module._torch_path
+        path = module.torch_path
         number = counts.get(path, 0)
         counts[path] = number + 1
         with jax.named_scope(f"{_PREFIX}{path}#{number}"):

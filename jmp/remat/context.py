@@ -38,7 +38,7 @@ def tracing(torch_root: torch.nn.Module, twin_root: TorchModule) -> Iterator[Tra
     paths: dict[int, str] = {}
     for path, module in modules.items():
         paths.setdefault(id(module), path)
-    trace = Trace(torch_root, paths, modules, {twin._torch_path: twin for twin in walk(twin_root)})
+    trace = Trace(torch_root, paths, modules, {twin.torch_path: twin for twin in walk(twin_root)})
     token = _TRACE.set(trace)
     try:
         yield trace
@@ -59,7 +59,7 @@ def copies(twins: Iterable[TorchModule]) -> Iterator[None]:
         return
     overlay = dict(trace.twins)
     for twin in twins:
-        overlay.update({copy._torch_path: copy for copy in walk(twin)})
+        overlay.update({copy.torch_path: copy for copy in walk(twin)})
     token = _TRACE.set(dataclasses.replace(trace, twins=overlay))
     try:
         yield

@@ -47,10 +47,10 @@ class LayerGroups:
         self.held: dict[int, _Held] = {}
 
     def __call__(self, module: TorchModule, call: Callable, *args: Any, **kwargs: Any) -> Any:
-        index = self.index[module._torch_path]
+        index = self.index[module.torch_path]
         held = self.held.pop(index, None)
         if held is not None:
-            self._check_chained(held, module._torch_path, args, kwargs)
+            self._check_chained(held, module.torch_path, args, kwargs)
             return held.output
         members = [j for j in self.group_of[index] if j >= index]
         units = [module] + [self._twin(j) for j in members[1:]]

@@ -67,7 +67,7 @@ def run(
     tuple) and the same other arguments. ``inside[k]`` is the hook ``units[k]`` is called from (its
     nested hooks still apply) or None (all hooks on its path apply).
     """
-    if _spans_stages([u._torch_path for u in units]):
+    if _spans_stages([u.torch_path for u in units]):
         return _run_plain(units, inside, args, kwargs, chain)
     rngs = dispatch.current_rngs()
     graph = (tuple(units), rngs)
@@ -96,7 +96,7 @@ def run(
                     out = hooked_call(copy, inside[k])(*call_args, **call_kwargs)
                 outputs.append(out)
                 if k + 1 < len(copies):
-                    call_args = (next_input(out, chain, copy._torch_path),) + tuple(call_args[1:])
+                    call_args = (next_input(out, chain, copy.torch_path),) + tuple(call_args[1:])
         out_flat, traced["spec"] = torch_pytree.tree_flatten(outputs)
         traced["leaves"] = [None if isinstance(v, JaxTensor) else v for v in out_flat]
         traced["dtypes"] = [v.dtype for v in out_flat if isinstance(v, JaxTensor)]
@@ -123,7 +123,7 @@ def _run_plain(units, inside, args: tuple, kwargs: dict, chain: str) -> list[Any
         out = hooked_call(unit, inside[k])(*args, **kwargs)
         outputs.append(out)
         if k + 1 < len(units):
-            args = (next_input(out, chain, unit._torch_path),) + tuple(args[1:])
+            args = (next_input(out, chain, unit.torch_path),) + tuple(args[1:])
     return outputs
 
 
@@ -141,12 +141,12 @@ def next_input(out: Any, chain: str, path: str) -> Any:
 
 def _naming_hooks(unit: TorchModule, names: frozenset[str]) -> dict[str, CallHook]:
     """Hooks naming the outputs of ``unit``'s submodules listed in ``names`` (by path relative to ``unit``)."""
-    prefix = unit._torch_path + "." if unit._torch_path else ""
+    prefix = unit.torch_path + "." if unit.torch_path else ""
     hooks = {}
     for module in walk(unit):
-        relative = module._torch_path.removeprefix(prefix)
+        relative = module.torch_path.removeprefix(prefix)
         if module is not unit and relative in names:
-            hooks[module._torch_path] = _naming_hook(relative)
+            hooks[module.torch_path] = _naming_hook(relative)
     return hooks
 
 
@@ -163,11 +163,11 @@ def _naming_hook(name: str) -> CallHook:
 def _check_names(units: Sequence[TorchModule], names: frozenset[str]) -> None:
     valid = set()
     for unit in units:
-        prefix = unit._torch_path + "." if unit._torch_path else ""
-        valid.update(m._torch_path.removeprefix(prefix) for m in walk(unit) if m is not unit)
+        prefix = unit.torch_path + "." if unit.torch_path else ""
+        valid.update(m.torch_path.removeprefix(prefix) for m in walk(unit) if m is not unit)
     unknown = sorted(names - valid)
     if unknown:
-        where = ", ".join(f"'{u._torch_path or '<root>'}'" for u in units)
+        where = ", ".join(f"'{u.torch_path or '<root>'}'" for u in units)
         raise ConfigError(
             f"remat policy names {unknown} are not submodules of the checkpointed module {where}. Valid names "
             f"(torch paths relative to the checkpointed module, or '{INPUT}'): {', '.join(sorted(valid))}."
@@ -178,7 +178,7 @@ def _bindings(units: Sequence[TorchModule]):
     """(twin, name, torch tensor bound to it by an enclosing forward) for the units' parameters and buffers."""
     for unit in units:
         for module in walk(unit):
-            torch_module = module._torch_module
+            torch_module = module.torch_module
             for name in module._torch_state_names:
                 slots = torch_module._parameters if name in torch_module._parameters else torch_module._buffers
                 tensor = slots.get(name)

@@ -145,6 +145,11 @@ class TorchModule(nnx.Module):
         """The torch module this one mirrors (its structure and code, not its values)."""
         return self._torch_module
 
+    @property
+    def torch_path(self) -> str:
+        """This module's path in the converted root, as torch names it ('' for the root)."""
+        return self._torch_path
+
     def children_items(self) -> Iterator[tuple[str, TorchModule]]:
         for name in self._torch_children:
             child = getattr(self, name)
