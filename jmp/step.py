@@ -115,7 +115,10 @@ class StepSignature:
     data_shards: int
     loss_scale: float
     graphdef: nnx.GraphDef = dataclasses.field(compare=False)
-    graphdef_id: int = 0
+    graphdef_id: int = dataclasses.field(init=False)  # the key's stand-in for graphdef (derived, cheap to hash)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "graphdef_id", id(self.graphdef))
 
     @property
     def split_axes(self) -> list[int | None]:
@@ -222,9 +225,7 @@ class StepFunction:
             else:
                 _check_hashable(name, value)
                 leaves.append(_Leaf("static", static=value))
-        signature = StepSignature(
-            spec, tuple(leaves), microbatches, shards, model.loss_scale, model.graphdef, id(model.graphdef)
-        )
+        signature = StepSignature(spec, tuple(leaves), microbatches, shards, model.loss_scale, model.graphdef)
         if model.pipeline is not None and not model.pipeline.ready:
             self._partition(model, signature, arrays)
         program, traced = model.programs.get((self, signature), lambda: self._compile(model, signature))
