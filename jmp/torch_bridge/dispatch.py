@@ -12,7 +12,9 @@ error messages.
 ``torch.autograd.Function.apply`` does not go through the torch-function
 protocol, so while any session runs it is replaced by one that sends calls made
 inside a session to the dispatcher as ``FUNCTION_APPLY(function, *args)``
-(lowered in ``lowering/autograd_function.py``).
+(lowered in ``lowering/autograd_function.py``). Likewise ``torch.autocast``
+entered in a session drives jmp's autocast state (``autocast.py``), under which
+the dispatcher casts a call's arguments by the op's autocast policy.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch.compiler
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from jmp.errors import JmpError, LoweringError, TracedControlFlowError, UnsupportedOpError
-from jmp.torch_bridge import registry
+from jmp.torch_bridge import autocast, registry
 from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wrap
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_active", default=False)
@@ -112,7 +114,7 @@ def session(rngs: Any = None) -> Iterator[None]:
     was_compiling = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        with BridgeMode(), _FunctionApplyRoute():
+        with BridgeMode(), _FunctionApplyRoute(), autocast.Route():
             yield
     finally:
         torch.compiler._is_compiling_flag = was_compiling
@@ -184,6 +186,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if entry is None:
         return _not_lowered(func, args, kwargs)
     try:
+        casting = autocast.active()
+        if casting is not None:  # torch.autocast: cast the arguments by func's policy
+            return casting.run(func, lambda a, k: _apply(entry, func, a, k), args, kwargs)
         return _apply(entry, func, args, kwargs)
     except JmpError:
         raise

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.nn.functional as F
 from torch import nn
 
+from jmp.torch_bridge import autocast
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering.convolution import conv, conv_transpose
 from jmp.torch_bridge.lowering.nn_functional import pad
 from jmp.torch_bridge.module import ArrayModule
+
+# the torch function each layer computes, by number of spatial dimensions (its autocast policy applies)
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 @register_layer(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -25,10 +31,11 @@ class Conv(ArrayModule):
 
     def forward(self, input):
         bias = None if self.bias is None else self.bias[...]
+        padding = self.padding
         if self.padding_mode != "zeros":  # torch pads first, then convolves without padding
-            padded = pad(input, self.explicit_padding, mode=self.padding_mode)
-            return conv(padded, self.weight[...], bias, self.stride, 0, self.dilation, self.groups)
-        return conv(input, self.weight[...], bias, self.stride, self.padding, self.dilation, self.groups)
+            input, padding = pad(input, self.explicit_padding, mode=self.padding_mode), 0
+        arguments = (self.weight[...], bias, self.stride, padding, self.dilation, self.groups)
+        return autocast.call(_CONV[len(self.stride)], conv, input, *arguments)
 
 
 @register_layer(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -52,6 +59,5 @@ class ConvTranspose(ArrayModule):
                 for w, n, s, p, d, k in zip(wanted, spatial, self.stride, self.padding, self.dilation, self.kernel_size)
             )
         bias = None if self.bias is None else self.bias[...]
-        return conv_transpose(
-            input, self.weight[...], bias, self.stride, self.padding, output_padding, self.groups, self.dilation
-        )
+        arguments = (self.weight[...], bias, self.stride, self.padding, output_padding, self.groups, self.dilation)
+        return autocast.call(_CONV_TRANSPOSE[len(self.stride)], conv_transpose, input, *arguments)

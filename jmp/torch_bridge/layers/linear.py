@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.nn.functional as F
 from torch import nn
 
+from jmp.torch_bridge import autocast
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering.nn_functional import linear
 from jmp.torch_bridge.module import ArrayModule, TorchModule
@@ -19,7 +21,7 @@ class Linear(ArrayModule):
         self.out_features = torch_module.out_features
 
     def forward(self, input):
-        return linear(input, self.weight[...], None if self.bias is None else self.bias[...])
+        return autocast.call(F.linear, linear, input, self.weight[...], None if self.bias is None else self.bias[...])
 
 
 @register_layer(nn.Identity)

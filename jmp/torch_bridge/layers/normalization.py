@@ -12,8 +12,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import torch.nn.functional as F
 from torch import nn
 
+from jmp.torch_bridge import autocast
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering.normalization import (
     batch_norm_apply,
@@ -38,7 +40,8 @@ class LayerNorm(ArrayModule):
         self.eps = torch_module.eps
 
     def forward(self, input):
-        return layer_norm(input, self.normalized_shape, _value(self.weight), _value(self.bias), self.eps)
+        weight, bias = _value(self.weight), _value(self.bias)
+        return autocast.call(F.layer_norm, layer_norm, input, self.normalized_shape, weight, bias, self.eps)
 
 
 @register_layer(nn.RMSNorm)
@@ -60,7 +63,8 @@ class GroupNorm(ArrayModule):
         self.eps = torch_module.eps
 
     def forward(self, input):
-        return group_norm(input, self.num_groups, _value(self.weight), _value(self.bias), self.eps)
+        weight, bias = _value(self.weight), _value(self.bias)
+        return autocast.call(F.group_norm, group_norm, input, self.num_groups, weight, bias, self.eps)
 
 
 @register_layer(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)

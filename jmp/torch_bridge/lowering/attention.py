@@ -38,6 +38,9 @@ def scaled_dot_product_attention(
     if query.ndim != 4 or dropout_p > 0.0:
         return _attention_by_formula(query, key, value, attn_mask, dropout_p, is_causal, scale)
     q, k, v = (jnp.swapaxes(t, 1, 2) for t in (query, key, value))
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        # XLA:CPU has no float16 x float16 -> float32 dot, which JAX's attention asks for; compute in float32
+        q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
     mask, bias = _mask_or_bias(attn_mask)
     if is_causal and query.shape[-2] != key.shape[-2]:
         causal = jnp.tril(jnp.ones((query.shape[-2], key.shape[-2]), bool))
@@ -52,7 +55,7 @@ def scaled_dot_product_attention(
         scale=scale,
         is_causal=is_causal,
     )
-    return jnp.swapaxes(out, 1, 2)
+    return jnp.swapaxes(out, 1, 2).astype(query.dtype)
 
 
 def _attention_by_formula(query, key, value, attn_mask, dropout_p, is_causal, scale):

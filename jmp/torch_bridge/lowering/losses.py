@@ -1,4 +1,8 @@
-"""Loss functions, following ATen's formulas (reductions, weights, ``ignore_index``, smoothing)."""
+"""Loss functions, following ATen's formulas (reductions, weights, ``ignore_index``, smoothing).
+
+Cross entropy and NLL on bfloat16 / float16 accumulate in float32 and return the input's dtype, as torch's
+CPU kernels do (cross entropy's log-softmax is rounded to the input's dtype first, as torch's is).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import jax.numpy as jnp
 import torch.nn.functional as F
 
 from jmp.torch_bridge.lowering.arguments import reduction as reduction_mode
+from jmp.torch_bridge.lowering.reductions import accumulation_dtype
 from jmp.torch_bridge.registry import register_lowering
 
 
@@ -29,6 +34,8 @@ def _class_axis(input):
 @register_lowering(F.nll_loss)
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     reduction = reduction_mode(reduction, size_average, reduce)
+    out_dtype = input.dtype
+    input = input.astype(accumulation_dtype(out_dtype))
     ax = _class_axis(input)
     ignored = target == ignore_index
     safe = jnp.where(ignored, 0, target)
@@ -37,8 +44,8 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
     w = jnp.where(ignored, jnp.zeros((), input.dtype), w)
     loss = -w * picked
     if reduction == "mean":
-        return jnp.sum(loss) / jnp.sum(jnp.broadcast_to(w, loss.shape))
-    return _reduce(loss, reduction)
+        return (jnp.sum(loss) / jnp.sum(jnp.broadcast_to(w, loss.shape))).astype(out_dtype)
+    return _reduce(loss, reduction).astype(out_dtype)
 
 
 @register_lowering(F.cross_entropy)
@@ -46,10 +53,16 @@ def cross_entropy(
     input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0
 ):
     reduction = reduction_mode(reduction, size_average, reduce)
-    ax = _class_axis(input)
-    n_classes = input.shape[ax]
-    logp = jax.nn.log_softmax(input, axis=ax)
-    w_shape = [1] * input.ndim
+    wide = accumulation_dtype(input.dtype)
+    logp = jax.nn.log_softmax(input.astype(wide), axis=_class_axis(input)).astype(input.dtype).astype(wide)
+    weight = None if weight is None else weight.astype(wide)
+    return _cross_entropy(logp, target, weight, ignore_index, reduction, label_smoothing).astype(input.dtype)
+
+
+def _cross_entropy(logp, target, weight, ignore_index, reduction, label_smoothing):
+    ax = _class_axis(logp)
+    n_classes = logp.shape[ax]
+    w_shape = [1] * logp.ndim
     w_shape[ax] = n_classes
     if jnp.issubdtype(target.dtype, jnp.floating):  # class probabilities
         if label_smoothing > 0:
@@ -58,7 +71,7 @@ def cross_entropy(
         if weight is not None:
             terms = terms * weight.reshape(w_shape)
         if reduction == "mean":
-            return -jnp.sum(terms) / (input.size / n_classes)
+            return -jnp.sum(terms) / (logp.size / n_classes)
         if reduction == "sum":
             return -jnp.sum(terms)
         return -jnp.sum(terms, axis=ax)

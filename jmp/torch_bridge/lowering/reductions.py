@@ -1,4 +1,8 @@
-"""Reductions, scans, softmax, sorting and top-k."""
+"""Reductions, scans, softmax, sorting and top-k.
+
+Half-precision (bfloat16, float16) sums, scans and softmaxes accumulate in float32 and round the result
+once to the input's dtype, as torch's CPU kernels do.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,12 @@ from jmp.torch_bridge.registry import register_lowering
 
 T = torch.Tensor
 _INT = to_jax_dtype(torch.int64)
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def accumulation_dtype(dtype):
+    """The dtype torch's CPU kernels compute values of ``dtype`` in: float32 for bfloat16 and float16."""
+    return jnp.dtype(jnp.float32) if jnp.dtype(dtype) in _HALF else dtype
 
 
 def _accumulate_dtype(x, dtype):
@@ -24,19 +34,18 @@ def _accumulate_dtype(x, dtype):
     return x.dtype
 
 
-@register_lowering(torch.sum, T.sum)
-def sum(input, dim=None, keepdim=False, *, dtype=None):
-    return jnp.sum(input, axis=dims(dim, input.ndim), keepdims=keepdim, dtype=_accumulate_dtype(input, dtype))
+def _reduction(jnp_fn):
+    def lowering(input, dim=None, keepdim=False, *, dtype=None):
+        out = _accumulate_dtype(input, dtype)
+        wide = accumulation_dtype(out)
+        return jnp_fn(input.astype(wide), axis=dims(dim, input.ndim), keepdims=keepdim, dtype=wide).astype(out)
+
+    return lowering
 
 
-@register_lowering(torch.nansum, T.nansum)
-def nansum(input, dim=None, keepdim=False, *, dtype=None):
-    return jnp.nansum(input, axis=dims(dim, input.ndim), keepdims=keepdim, dtype=_accumulate_dtype(input, dtype))
-
-
-@register_lowering(torch.prod, T.prod)
-def prod(input, dim=None, keepdim=False, *, dtype=None):
-    return jnp.prod(input, axis=dims(dim, input.ndim), keepdims=keepdim, dtype=_accumulate_dtype(input, dtype))
+sum = register_lowering(torch.sum, T.sum)(_reduction(jnp.sum))
+nansum = register_lowering(torch.nansum, T.nansum)(_reduction(jnp.nansum))
+prod = register_lowering(torch.prod, T.prod)(_reduction(jnp.prod))
 
 
 @register_lowering(torch.mean, T.mean)
@@ -218,10 +227,11 @@ def linalg_norm(input, ord=None, dim=None, keepdim=False, *, dtype=None):
 
 def _scan(jnp_fn):
     def lowering(input, dim, *, dtype=None):
-        x = input.astype(_accumulate_dtype(input, dtype))
+        out = _accumulate_dtype(input, dtype)
+        x = input.astype(out)
         if x.ndim == 0:
             return x
-        return jnp_fn(x, axis=axis(dim, x.ndim))
+        return jnp_fn(x.astype(accumulation_dtype(out)), axis=axis(dim, x.ndim)).astype(out)
 
     return lowering
 
@@ -264,25 +274,21 @@ def _softmax_input(input, dtype):
     return input if is_floating(input.dtype) else input.astype(default_float())
 
 
-@register_lowering(F.softmax, torch.softmax, T.softmax, torch.special.softmax)
-@on_scalars_as_vectors
-def softmax(input, dim=None, _stacklevel=3, dtype=None):
-    x = _softmax_input(input, dtype)
-    return jax.nn.softmax(x, axis=_implicit_dim(dim, x.ndim))
+def _softmax_like(jax_fn, sign=1):
+    @on_scalars_as_vectors
+    def lowering(input, dim=None, _stacklevel=3, dtype=None):
+        x = _softmax_input(input, dtype)
+        wide = x.astype(accumulation_dtype(x.dtype))
+        return jax_fn(sign * wide, axis=_implicit_dim(dim, x.ndim)).astype(x.dtype)
+
+    return lowering
 
 
-@register_lowering(F.log_softmax, torch.log_softmax, T.log_softmax, torch.special.log_softmax)
-@on_scalars_as_vectors
-def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
-    x = _softmax_input(input, dtype)
-    return jax.nn.log_softmax(x, axis=_implicit_dim(dim, x.ndim))
-
-
-@register_lowering(F.softmin)
-@on_scalars_as_vectors
-def softmin(input, dim=None, _stacklevel=3, dtype=None):
-    x = _softmax_input(input, dtype)
-    return jax.nn.softmax(-x, axis=_implicit_dim(dim, x.ndim))
+softmax = register_lowering(F.softmax, torch.softmax, T.softmax, torch.special.softmax)(_softmax_like(jax.nn.softmax))
+log_softmax = register_lowering(F.log_softmax, torch.log_softmax, T.log_softmax, torch.special.log_softmax)(
+    _softmax_like(jax.nn.log_softmax)
+)
+softmin = register_lowering(F.softmin)(_softmax_like(jax.nn.softmax, sign=-1))
 
 
 def _implicit_dim(dim, ndim):
