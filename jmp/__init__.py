@@ -12,7 +12,7 @@ def train_step(model, data, target):
     return loss
 """
 
-from jmp import torch_bridge
+from jmp import amp, torch_bridge
 from jmp.errors import (
     ActivationCheckpointingError,
     ArgumentTypeError,
@@ -29,6 +29,7 @@ from jmp.errors import (
     UnsupportedOpError,
 )
 from jmp.model import DistributedModel
+from jmp.model_creation import model_creation
 from jmp.optimizer import DistributedOptimizer
 from jmp.pipeline import partition, set_partition
 from jmp.remat.api import checkpoint, checkpoint_sequential, set_activation_checkpointing
@@ -76,6 +77,7 @@ __all__ = [
     "StepOutput",
     "TracedControlFlowError",
     "UnsupportedOpError",
+    "amp",
     "checkpoint",
     "checkpoint_sequential",
     "dp_rank",
@@ -87,6 +89,7 @@ __all__ = [
     "local_rank",
     "local_size",
     "mp_rank",
+    "model_creation",
     "mp_size",
     "partition",
     "pp_rank",

@@ -16,11 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import numpy as np
 import torch
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jmp import model_registry, sharding, state
+from jmp import model_registry, precision, sharding, state
 from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
 from jmp.model_state import ParameterLayout, ProgramCache, TrainingState, copy_tree
 from jmp.pipeline.stepping import Pipeline
@@ -32,21 +33,31 @@ from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
 logger = logging.getLogger("jmp")
 
 
-class _Trace:
-    """What a step function did with the model while being traced."""
+class Trace:
+    """What a step function did with the model while being traced.
 
-    def __init__(self, module: TorchModule):
+    ``loss_scale`` is the step program's loss-scale input (a traced scalar): ``smp.amp.GradScaler.scale``
+    multiplies by it.
+    """
+
+    def __init__(self, model: DistributedModel, module: TorchModule, loss_scale: Any):
+        self.model = model
         self.module = module
+        self.loss_scale = loss_scale
         self.loss: JaxTensor | None = None
 
 
-_TRACE: contextvars.ContextVar[_Trace | None] = contextvars.ContextVar("jmp_model_trace", default=None)
+_TRACE: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("jmp_model_trace", default=None)
+
+
+def current_trace() -> Trace | None:
+    """The step function being traced in this context, if any."""
+    return _TRACE.get()
+
 
 # Config keys whose features later work will add; until then a model refuses them rather than ignoring them.
 _NOT_YET = {
     "delayed_parameter_initialization": False,
-    "fp16": False,
-    "bf16": False,
 }
 
 
@@ -84,10 +95,12 @@ class DistributedModel:
         graphdef, params, rest = nnx.split(convert(module, rngs=nnx.Rngs(config.random_seed)), nnx.Param, ...)
         leaves = [(torch_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
         shapes = {name: tuple(leaf.shape) for name, leaf in leaves}
+        self.precision = precision.resolve(config, {n: leaf.dtype for n, leaf in leaves}, mesh.devices.flat[0].platform)
+        params = precision.masters(params, self.precision)
         self.layout = ParameterLayout(
             names=tuple(name for name, _ in leaves),
             shapes=shapes,
-            dtypes={name: leaf.dtype for name, leaf in leaves},
+            dtypes={name: leaf.dtype for name, leaf in zip(shapes, jax.tree.leaves(params))},
             specs=sharding.parameter_specs(module, shapes, mesh, sharding_rules),
             treedef=jax.tree_util.tree_structure(params),
             mesh=mesh,
@@ -103,6 +116,8 @@ class DistributedModel:
         _log_layout(self.layout.specs, mesh)
         self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs, bool(self.call_hooks))
         self._optimizers: list[weakref.ref] = []
+        self._loss_scaling: weakref.ref | None = None  # a GradScaler used by a step function
+        self._unit_scale: jax.Array | None = None
         # one graphdef object per train/eval configuration: step programs are cached by it (see train())
         self._graphdefs: dict[nnx.GraphDef, nnx.GraphDef] = {}
         self._graphdef = self._graphdefs.setdefault(graphdef, graphdef)
@@ -137,9 +152,9 @@ class DistributedModel:
         trace.loss = loss
 
     @contextlib.contextmanager
-    def tracing(self, module: TorchModule) -> Iterator[_Trace]:
+    def tracing(self, module: TorchModule, loss_scale: Any = None) -> Iterator[Trace]:
         """While a step function is traced with ``module`` (the converted model at that trace's level)."""
-        trace = _Trace(module)
+        trace = Trace(self, module, loss_scale)
         token = _TRACE.set(trace)
         try:
             with remat.tracing(self.module, module):  # activation checkpointing of annotated modules
@@ -155,10 +170,37 @@ class DistributedModel:
         return self._graphdef
 
     @property
-    def loss_scale(self) -> float:
-        """The static loss scale of the optimizer attached last (1.0 without one)."""
-        optimizers = self._live_optimizers()
-        return optimizers[-1].loss_scale if optimizers else 1.0
+    def loss_scaling(self) -> Any | None:
+        """What scales this model's loss, if anything: an optimizer with a static or dynamic loss scale
+        (the step multiplies the loss itself) or an ``smp.amp.GradScaler`` (the step function calls its
+        ``scale()``). Either has ``current_scale`` (a device scalar) and ``scales_in_step``."""
+        source = self._loss_scaling() if self._loss_scaling is not None else None
+        if source is None:
+            for optimizer in reversed(self._live_optimizers()):
+                if optimizer.current_scale is not None:
+                    return optimizer
+        return source
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        """The loss scale the next step runs with, a device scalar (1.0 when nothing scales the loss)."""
+        source = self.loss_scaling
+        if source is None:
+            if self._unit_scale is None:
+                self._unit_scale = jax.device_put(np.float32(1.0), self.layout.replicated)
+            return self._unit_scale
+        return source.current_scale
+
+    def use_grad_scaler(self, scaler: Any) -> None:
+        """Called by an ``smp.amp.GradScaler`` whose ``scale()`` runs in this model's step function."""
+        current = self.loss_scaling
+        if current is not None and current is not scaler:
+            what = "another smp.amp.GradScaler" if not current.scales_in_step else repr(current)
+            raise ConfigError(
+                f"this model's loss is already scaled by {what} (static_loss_scale / dynamic_loss_scale); "
+                "scale it one way: either smp.amp.GradScaler or the DistributedOptimizer's loss scaling"
+            )
+        self._loss_scaling = weakref.ref(scaler)
 
     @property
     def stored_shardings(self) -> Any:
@@ -169,6 +211,12 @@ class DistributedModel:
 
     def attach_optimizer(self, optimizer: Any) -> None:
         """Tell the model which optimizer updates it: it is asked for param groups and told of layout changes."""
+        scaler = self._loss_scaling() if self._loss_scaling is not None else None
+        if scaler is not None and optimizer.current_scale is not None:
+            raise ConfigError(
+                "this model's loss is already scaled by an smp.amp.GradScaler; create the DistributedOptimizer "
+                "without static_loss_scale / dynamic_loss_scale, or drop the GradScaler"
+            )
         self._optimizers.append(weakref.ref(optimizer))
 
     def unpack(self, stored: Any) -> nnx.State:

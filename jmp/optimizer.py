@@ -9,7 +9,7 @@ laid out like the parameters on the mesh.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import Any
 
 import jax
@@ -19,13 +19,14 @@ import optax
 import torch
 from flax import nnx
 
-from jmp import model_registry, sharding, torch_optimizers
+from jmp import loss_scaling, model_registry, precision, sharding, torch_optimizers
 from jmp.errors import ArgumentTypeError, ModelLookupError, OptimizerError
 from jmp.model import DistributedModel
 from jmp.torch_bridge import torch_name as _name_of
 from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
 
 _FROZEN = "frozen"  # label of parameters the torch optimizer does not own
+_DYNAMIC_KEYS = tuple(field.name for field in dataclasses.fields(loss_scaling.DynamicLossScaleArgs))
 
 
 def _label(group: int) -> str:
@@ -41,10 +42,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: a torch optimizer over ``model.module``'s parameters (its model is found by them), or an
             optax transformation (applied to all parameters).
-        static_loss_scale: the loss is multiplied by it in the step and gradients divided by it here.
-        dynamic_loss_scale: not offered yet (fp16 training); must be False.
+        static_loss_scale: the loss is multiplied by it in the step and gradients divided by it here
+            (None: 1.0).
+        dynamic_loss_scale: fp16 training: scale the loss by a factor that halves on every overflow (the
+            update is then skipped) and grows after ``scale_window`` clean steps; SMP's (Megatron's) rule.
+        dynamic_loss_args: the dynamic scaler's settings (``init_scale``, ``scale_factor``, ``scale_window``,
+            ``min_scale``, ``delayed_shift``, ``consecutive_hysteresis``); also accepted as keywords.
         model: (a jmp extension) the ``DistributedModel`` to update; needed for an optax transformation
             when several models are alive.
+
+    In mixed precision (``bf16`` / ``fp16``, or a half-precision module) the optimizer updates the model's
+    float32 master parameters from the half-precision gradients, unscaled into float32 inside its update.
 
     Raises:
         ArgumentTypeError: ``optimizer`` is neither a torch optimizer nor an optax transformation.
@@ -55,20 +63,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer | optax.GradientTransformation,
-        static_loss_scale: float = 1.0,
+        static_loss_scale: float | None = 1.0,
         dynamic_loss_scale: bool = False,
+        dynamic_loss_args: dict | None = None,
         *,
         model: DistributedModel | None = None,
-        **unused_smp_options: Any,
+        **smp_options: Any,
     ):
-        if dynamic_loss_scale:
-            raise OptimizerError(
-                "dynamic_loss_scale is for fp16 training, which jmp does not offer yet; "
-                "train in float32 (or use static_loss_scale)"
-            )
-        if static_loss_scale <= 0:
-            raise OptimizerError(f"static_loss_scale must be positive, not {static_loss_scale}")
-        self.loss_scale = float(static_loss_scale)
+        loose_args = {k: smp_options.pop(k) for k in list(smp_options) if k in _DYNAMIC_KEYS}
+        static = 1.0 if static_loss_scale is None else static_loss_scale
+        if isinstance(static, bool) or not isinstance(static, (int, float)) or not static > 0:
+            raise OptimizerError(f"static_loss_scale must be a positive number (or None), not {static_loss_scale!r}")
+        if dynamic_loss_args is not None and not isinstance(dynamic_loss_args, dict):
+            raise OptimizerError(f"dynamic_loss_args must be a dict, not {type(dynamic_loss_args).__name__}")
         self.torch_optimizer: torch.optim.Optimizer | None = None
         self._last_hyperparams: tuple[dict, dict] = ({}, {})
         if isinstance(optimizer, optax.GradientTransformation):
@@ -84,8 +91,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self.model: DistributedModel = self._find_model(model)
         self._replicated = self.model.layout.replicated
+        self.scaling = _scaling_for(self.model.precision, static, dynamic_loss_scale, dynamic_loss_args, loose_args)
+        self.scale_state = None if self.scaling.kind is None else self._place(self.scaling.initial)
+        self._found_inf: jax.Array | None = None
+        self.grads_unscaled = False  # set by GradScaler.unscale_: the kept gradients are float32, unscaled
+        self._no_inf = self._place(np.bool_(False))
+        self._one = self._place(np.float32(1.0))
         self._build()
         self.model.attach_optimizer(self)
+
+    # --- loss scaling ------------------------------------------------------------------------------------
+
+    scales_in_step = True  # the step multiplies the loss by current_scale itself (SMP's DistributedOptimizer)
+
+    @property
+    def current_scale(self) -> jax.Array | None:
+        """The loss scale as a device scalar, None when this optimizer does not scale the loss."""
+        if self.scaling.kind == "dynamic":
+            return self.scale_state.scale
+        return self.scale_state
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale as a number (1.0 without scaling); reading it waits for the last update."""
+        scale = self.current_scale
+        return 1.0 if scale is None else float(scale)
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last ``step()`` found an inf/nan gradient and skipped its update (fp16 loss scaling)."""
+        return False if self._found_inf is None else bool(self._found_inf)
+
+    def _place(self, tree: Any) -> Any:
+        return jax.device_put(tree, self._replicated)
 
     def _find_model(self, given: DistributedModel | None) -> DistributedModel:
         """The model this optimizer updates: given, else the one holding the torch optimizer's parameters."""
@@ -136,12 +174,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._state_shardings = self._layout(params)
         self.opt_state = jax.jit(self.tx.init, out_shardings=self._state_shardings)(params)
-        # the loss scale is a setting, not data: baked in
         self._update = jax.jit(
             self._apply,
-            static_argnames=("loss_scale",),
+            static_argnames=("checked", "dynamic"),
             donate_argnums=(0, 2),
-            out_shardings=(model.stored_shardings, self._state_shardings),
+            out_shardings=(model.stored_shardings, self._state_shardings, self._replicated, self._replicated),
         )
 
     def parameters_moved(self) -> None:
@@ -205,28 +242,80 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # --- the update --------------------------------------------------------------------------------------------
 
-    def _apply(self, params, grads, opt_state, hyperparams, loss_scale):
-        if loss_scale != 1.0:
-            grads = jax.tree.map(lambda g: g / loss_scale, grads)
+    def _apply(self, params, grads, opt_state, hyperparams, scaling, known_inf, *, checked: bool, dynamic: bool):
+        """One update of the (master) parameters from gradients multiplied by the loss scale.
+
+        ``scaling`` is the loss scale (a scalar, or the dynamic scaler's state). ``checked``: an update with an
+        inf/nan gradient (or ``known_inf``) is skipped, on the device, and the dynamic scale adjusted.
+        """
+        scale = scaling.scale if dynamic else scaling
+        grads = loss_scaling.unscaled(grads, 1.0 / scale)  # float32, whatever the gradients are kept in
         opt_state = _set_hyperparams(opt_state, hyperparams)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        updates, new_state = self.tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if not checked:
+            return new_params, new_state, scaling, known_inf
+        found_inf = jnp.logical_or(known_inf, jnp.logical_not(loss_scaling.all_finite(grads)))
+        new_params, new_state = jax.tree.map(
+            lambda new, old: jnp.where(found_inf, old, new), (new_params, new_state), (params, opt_state)
+        )
+        if dynamic:
+            scaling = loss_scaling.updated(scaling, found_inf, self.scaling.args)
+        return new_params, new_state, scaling, found_inf
 
     def step(self, closure: Any = None) -> None:
-        """Apply the gradients accumulated since ``zero_grad()`` (none: no update, as in torch)."""
+        """Apply the gradients accumulated since ``zero_grad()`` (none: no update, as in torch).
+
+        With dynamic loss scaling an inf/nan gradient skips the update and lowers the scale (``overflow``
+        says so afterwards); nothing waits for the devices.
+        """
         if closure is not None:
             raise OptimizerError("optimizer.step(closure) is not supported: run the step function, then call step()")
-        training = self.model.training_state
-        if training.grads is None:
+        if self.model.training_state.grads is None:
             return  # as in torch: no gradients, no update
-        training.params, self.opt_state = self._update(
-            training.params, training.grads, self.opt_state, self._hyperparams(), loss_scale=self.loss_scale
+        dynamic = self.scaling.kind == "dynamic"
+        scaling = self.scale_state if self.scale_state is not None else self._one
+        scaling = self._run_update(scaling, self._no_inf, checked=dynamic, dynamic=dynamic)
+        if dynamic:
+            self.scale_state = scaling
+
+    def update_master_grads(self) -> None:
+        """SMP's fp16 call between backward and step: here it only checks the gradients for inf/nan
+        (``overflow`` then answers before ``step()``); the unscaling into float32 happens inside the update."""
+        grads = self.model.training_state.grads
+        if grads is not None and self.scaling.kind == "dynamic":
+            self._found_inf = _has_inf(grads)
+
+    def scaled_step(self, scale: jax.Array | None = None, known_inf: jax.Array | None = None) -> jax.Array:
+        """``smp.amp.GradScaler.step``: update from gradients multiplied by ``scale`` (None: unscaled already),
+        unless one is inf/nan or ``known_inf``; returns whether the update was skipped (a device bool)."""
+        known_inf = self._no_inf if known_inf is None else known_inf
+        if self.model.training_state.grads is None:
+            return known_inf
+        self._run_update(self._one if scale is None else scale, known_inf, checked=True, dynamic=False)
+        return self._found_inf
+
+    def _run_update(self, scaling: Any, known_inf: jax.Array, *, checked: bool, dynamic: bool) -> Any:
+        training = self.model.training_state
+        training.params, self.opt_state, scaling, found_inf = self._update(
+            training.params,
+            training.grads,
+            self.opt_state,
+            self._hyperparams(),
+            scaling,
+            known_inf,
+            checked=checked,
+            dynamic=dynamic,
         )
+        self._found_inf = found_inf if checked else None
+        self.grads_unscaled = False
         if self.torch_optimizer is not None:
             self.torch_optimizer._opt_called = True  # what torch's LR schedulers check before stepping
+        return scaling
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.training_state.grads = None
+        self.grads_unscaled = False
 
     def clip_master_grads(self, max_norm: float) -> jax.Array:
         """Scale the current gradients so their global norm is at most ``max_norm``; returns the norm before.
@@ -236,7 +325,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         training = self.model.training_state
         if training.grads is None:
             return jnp.zeros((), jnp.float32)
-        norm, training.grads = _clip_by_global_norm(training.grads, max_norm, self.loss_scale)
+        scale = self._one if self.grads_unscaled else self.model.loss_scale
+        norm, training.grads = _clip_by_global_norm(training.grads, float(max_norm), scale)
         return norm
 
     @property
@@ -259,10 +349,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # --- state ---------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """torch's format for a torch optimizer ({"state": {index: {...}}, "param_groups": [...]})."""
+        """torch's format for a torch optimizer ({"state": {index: {...}}, "param_groups": [...]}).
+
+        With loss scaling or a half-precision module it also holds what SMP's fp16 optimizer keeps:
+        ``loss_scaler`` (the scale and the dynamic scaler's counters), ``dynamic_loss_scale``, ``overflow``,
+        and ``fp32_from_fp16`` (the float32 master parameters, per param group, when the module's own
+        parameters are half precision: ``model.state_dict()`` then holds them rounded).
+        """
         if self.torch_optimizer is None:
-            return {"optax_state": jax.tree.map(np.asarray, self.opt_state)}
-        saved = self.torch_optimizer.state_dict()
+            return {"optax_state": jax.tree.map(np.asarray, self.opt_state)} | self._mixed_precision_state()
+        saved = self.torch_optimizer.state_dict() | self._mixed_precision_state()
         index = self._param_index()
         per_param: dict[int, dict[str, torch.Tensor]] = {}
         for group, inject_state in _group_states(self.opt_state):
@@ -279,6 +375,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._load_mixed_precision_state(state_dict)
         if self.torch_optimizer is None:
             self.opt_state = jax.tree.map(
                 lambda old, new: jax.device_put(jnp.asarray(new, old.dtype), old.sharding),
@@ -299,6 +396,64 @@ class DistributedOptimizer(torch.optim.Optimizer):
             inner = _set_counts(inner, count)
             replaced[group] = inject_state._replace(inner_state=inner, count=jnp.array(count))
         self.opt_state = _with_group_states(self.opt_state, replaced)
+
+    def _mixed_precision_state(self) -> dict:
+        saved: dict[str, Any] = {}
+        if self.scaling.kind is not None:
+            saved["dynamic_loss_scale"] = self.scaling.kind == "dynamic"
+            saved["loss_scaler"] = {"cur_scale": self.loss_scale}
+            if self.scaling.kind == "dynamic":
+                held = jax.device_get(self.scale_state)
+                saved["loss_scaler"] |= {
+                    "cur_iter": int(held.iteration),
+                    "last_overflow_iter": int(held.last_overflow),
+                    "cur_hysteresis": int(held.hysteresis),
+                } | dataclasses.asdict(self.scaling.args)
+            saved["overflow"] = self.overflow
+        if self._module_is_half():
+            params = self.model.layout.by_name(self.model.params)
+            names = self._names_by_position()
+            saved["fp32_from_fp16"] = [
+                [array_to_tensor(params[names[i]]) for i in self._group_indices(g)]
+                for g in range(len(self.param_groups))
+            ]
+        return saved
+
+    def _load_mixed_precision_state(self, state_dict: dict) -> None:
+        scaler = state_dict.get("loss_scaler")
+        if scaler is not None and self.scaling.kind == "dynamic":
+            self.scale_state = self._place(
+                loss_scaling.LossScaleState(
+                    np.float32(scaler["cur_scale"]),
+                    np.int32(scaler.get("cur_iter", 0)),
+                    np.int32(scaler.get("last_overflow_iter", -1)),
+                    np.int32(scaler.get("cur_hysteresis", self.scaling.args.delayed_shift)),
+                )
+            )
+        elif scaler is not None and self.scaling.kind == "static":
+            self.scale_state = self._place(np.float32(scaler["cur_scale"]))
+        masters = state_dict.get("fp32_from_fp16")
+        if masters is not None and self.torch_optimizer is not None:
+            names = self._names_by_position()
+            loaded = {
+                names[i]: tensor
+                for g, tensors in enumerate(masters)
+                for i, tensor in zip(self._group_indices(g), tensors)
+            }
+            self.model.load_state_dict(loaded, strict=False)
+
+    def _module_is_half(self) -> bool:
+        """Whether the user's module holds half-precision parameters (jmp keeps float32 masters for them)."""
+        if self.torch_optimizer is None:
+            return False
+        return any(p.dtype in precision.HALF for p in self.model.module.parameters())
+
+    def _names_by_position(self) -> dict[int, str]:
+        """Index in torch's optimizer state_dict -> the parameter's torch name (the first of tied names)."""
+        names: dict[int, str] = {}
+        for name, position in self._param_index().items():
+            names.setdefault(position, name)
+        return names
 
     def _by_name(self, field: Any) -> Any:
         """A params-shaped state field keyed by torch name (a pipelined model's stage buffers unpacked)."""
@@ -331,12 +486,72 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return [positions[id(p)] for p in self.torch_optimizer.param_groups[group]["params"]]
 
 
-@functools.partial(jax.jit, static_argnames=("loss_scale",))
-def _clip_by_global_norm(grads: Any, max_norm: float, loss_scale: float) -> tuple[jax.Array, Any]:
-    """(norm, clipped grads), torch's ``clip_grad_norm_`` rule; gradients are kept multiplied by the loss scale."""
-    norm = optax.global_norm(grads) / loss_scale
+@dataclasses.dataclass(frozen=True)
+class _Scaling:
+    """How an optimizer scales the loss: not at all, by a constant, or dynamically (fp16)."""
+
+    kind: str | None  # None | "static" | "dynamic"
+    initial: Any = None  # the scale (static) or the scaler's first state (dynamic)
+    args: loss_scaling.DynamicLossScaleArgs | None = None
+
+
+def _scaling_for(policy: Any, static: float, dynamic: bool, args: dict | None, loose_args: dict) -> _Scaling:
+    """SMP's loss-scaling options, checked against what the model computes in."""
+    given = {**(args or {}), **loose_args}
+    if given and not dynamic:
+        raise OptimizerError(
+            f"dynamic loss scaling settings {sorted(given)} were given with dynamic_loss_scale=False; "
+            "pass dynamic_loss_scale=True to use them"
+        )
+    if dynamic and static != 1.0:
+        raise OptimizerError(
+            f"static_loss_scale={static} and dynamic_loss_scale=True both ask to scale the loss; choose one "
+            "(SMP's scripts pass static_loss_scale=None with dynamic scaling)"
+        )
+    computes_in = "bfloat16" if policy.half_dtype == jnp.dtype(jnp.bfloat16) else "float32"
+    if dynamic:
+        parsed = loss_scaling.DynamicLossScaleArgs.from_dict(given)
+        if policy.is_fp16:
+            return _Scaling("dynamic", loss_scaling.initial_state(parsed), parsed)
+        precision.warn_once(
+            f"dynamic-{computes_in}",
+            f"dynamic_loss_scale=True is for fp16 training; this model computes in {computes_in}, whose "
+            "exponent range keeps gradients from underflowing, so jmp does not scale the loss",
+        )
+        return _Scaling(None)
+    if static != 1.0:
+        if policy.half_dtype == jnp.dtype(jnp.bfloat16):
+            precision.warn_once(
+                "static-bf16",
+                f"static_loss_scale={static} with bf16 training: bf16 does not underflow like fp16, so the "
+                "scale changes nothing but rounding; it is applied as given",
+            )
+        return _Scaling("static", np.float32(static))
+    if policy.is_fp16:
+        precision.warn_once(
+            "fp16-unscaled",
+            "fp16 training without loss scaling: gradients below float16's range (~6e-8) become zero; "
+            "pass dynamic_loss_scale=True (or a static_loss_scale) to smp.DistributedOptimizer",
+        )
+    return _Scaling(None)
+
+
+@jax.jit
+def _has_inf(grads: Any) -> jax.Array:
+    return jnp.logical_not(loss_scaling.all_finite(grads))
+
+
+@jax.jit
+def _clip_by_global_norm(grads: Any, max_norm: jax.Array, loss_scale: jax.Array) -> tuple[jax.Array, Any]:
+    """(norm, clipped grads), torch's ``clip_grad_norm_`` rule on the unscaled float32 gradients.
+
+    Gradients stay multiplied by the loss scale and in their dtype. An inf/nan norm (an fp16 overflow) is
+    reported as -1, as SMP does; the gradients then stay non-finite and the update is skipped.
+    """
+    norm = optax.global_norm(loss_scaling.unscaled(grads, 1.0 / loss_scale))
     factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
-    return norm, jax.tree.map(lambda g: g * factor, grads)
+    clipped = jax.tree.map(lambda g: (g.astype(jnp.float32) * factor).astype(g.dtype), grads)
+    return jnp.where(jnp.isfinite(norm), norm, -1.0), clipped
 
 
 def _set_hyperparams(opt_state: Any, hyperparams: dict) -> Any:

@@ -10,6 +10,7 @@ per-microbatch values.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -31,7 +32,7 @@ from jmp.model import DistributedModel
 from jmp.pipeline.engine import StepInputs
 from jmp.remat import xla as remat_xla
 from jmp.sharding import experts
-from jmp.torch_bridge import JaxTensor, call_hooks, dispatch
+from jmp.torch_bridge import JaxTensor, autocast, call_hooks, dispatch
 from jmp.torch_bridge.dtypes import to_torch_dtype
 from jmp.torch_bridge.interop import tensor_to_array
 from jmp.torch_bridge.tensor import unwrap
@@ -106,14 +107,16 @@ class StepSignature:
     """What a step program is traced for; with the step function, the key of the model's program cache.
 
     ``graphdef`` is the model's train/eval configuration (compared by identity: the model keeps one object
-    per configuration); ``loss_scale`` is baked into the program as a constant.
+    per configuration). The loss scale is the program's last array input (it changes without recompiling);
+    ``scales_loss`` says whether the step multiplies the loss by it (an optimizer's loss scaling) or the
+    step function does (``smp.amp.GradScaler.scale``).
     """
 
     arguments: Any  # torch pytree spec of (args, kwargs)
     leaves: tuple[_Leaf, ...]
     microbatches: int
     data_shards: int
-    loss_scale: float
+    scales_loss: bool
     graphdef: nnx.GraphDef = dataclasses.field(compare=False)
     graphdef_id: int = dataclasses.field(init=False)  # the key's stand-in for graphdef (derived, cheap to hash)
 
@@ -122,8 +125,8 @@ class StepSignature:
 
     @property
     def split_axes(self) -> list[int | None]:
-        """The batch axis of each array argument (None: given whole to every microbatch)."""
-        return [leaf.split_axis for leaf in self.leaves if leaf.kind == "array"]
+        """The batch axis of each array input (None: given whole to every microbatch); the loss scale comes last."""
+        return [leaf.split_axis for leaf in self.leaves if leaf.kind == "array"] + [None]
 
 
 @dataclasses.dataclass
@@ -225,11 +228,18 @@ class StepFunction:
             else:
                 _check_hashable(name, value)
                 leaves.append(_Leaf("static", static=value))
-        signature = StepSignature(spec, tuple(leaves), microbatches, shards, model.loss_scale, model.graphdef)
+        scaling = model.loss_scaling
+        signature = StepSignature(
+            spec, tuple(leaves), microbatches, shards, scaling is not None and scaling.scales_in_step, model.graphdef
+        )
         if model.pipeline is not None and not model.pipeline.ready:
-            self._partition(model, signature, arrays)
+            self._partition(model, signature, [*arrays, model.loss_scale])
         program, traced = model.programs.get((self, signature), lambda: self._compile(model, signature))
-        return _Call(model, arrays, program, traced)
+        call = _Call(model, [*arrays, model.loss_scale], program, traced)
+        if traced.output_spec is None:  # not traced yet; tracing may bind a GradScaler, so read the scale after
+            program.trace(*call.arguments)  # jax.jit keeps the trace for the call
+            call = _Call(model, [*arrays, model.loss_scale], program, traced)
+        return call
 
     def _partition(self, model: DistributedModel, signature: StepSignature, arrays: list) -> None:
         """Cut a pipelined model into stages from this call's forward (its first step), and move its parameters."""
@@ -255,17 +265,26 @@ class StepFunction:
         return jax.jit(run, donate_argnums=(1,), compiler_options=options), traced
 
     def _forward(self, model: DistributedModel, signature: StepSignature, traced: _Traced) -> Callable:
-        """The step function on one microbatch: (params, rest, arrays) -> (loss, (outputs, new rest, dropped))."""
-        scale = signature.loss_scale
+        """The step function on one microbatch: (params, rest, arrays) -> (loss, (outputs, new rest, dropped)).
+
+        ``params`` are as kept (float32 masters in mixed precision) and cast for compute here, so gradients
+        flow back through the cast; the last of ``arrays`` is the loss scale.
+        """
+        policy = model.precision
 
         def forward(params, rest, mb_arrays):
+            *mb_arrays, loss_scale = mb_arrays
+            if policy.mixed:
+                leaves = policy.for_compute(model.layout.names, jax.tree.leaves(params))
+                params = jax.tree_util.tree_unflatten(model.layout.treedef, leaves)
             module = nnx.merge(signature.graphdef, params, rest, copy=True)  # Variables of this trace level
             call_args, call_kwargs = _rebuild(signature.arguments, signature.leaves, mb_arrays, model)
             with (
-                model.tracing(module) as trace,
+                model.tracing(module, loss_scale) as trace,
                 dispatch.session(getattr(module, "rngs", None)),
                 call_hooks(model.call_hooks),
                 experts.counting_dropped() as dropped,
+                autocast.forced(policy.autocast, half_results=True) if policy.autocast else contextlib.nullcontext(),
             ):
                 returned = self.fn(*call_args, **call_kwargs)
             flat, out_spec = torch_pytree.tree_flatten(returned)
@@ -273,8 +292,8 @@ class StepFunction:
             traced.output_dtypes = tuple(_output_dtype(v) for v in flat)
             traced.has_backward = trace.loss is not None
             outputs = [_output_array(v) for v in flat]
-            loss = unwrap(trace.loss) if trace.loss is not None else jnp.zeros((), jnp.float32)
-            loss = loss * scale if scale != 1.0 else loss
+            loss = unwrap(trace.loss).astype(jnp.float32) if trace.loss is not None else jnp.zeros((), jnp.float32)
+            loss = loss * loss_scale if signature.scales_loss else loss
             dropped = sum(dropped, jnp.zeros((), jnp.int32))
             return loss, (outputs, nnx.split(module, nnx.Param, ...)[2], dropped)
 
@@ -304,7 +323,8 @@ class StepFunction:
         if microbatches == 1:
             first = [p[0] if axis is not None else p for p, axis in zip(pieces, split)]
             outputs, rest, grads, dropped = with_grads(rest, first)
-            return [o[None] for o in outputs], rest, (grads if traced.has_backward else None), report(dropped)
+            grads = _as_kept(model, grads) if traced.has_backward else None
+            return [o[None] for o in outputs], rest, grads, report(dropped)
 
         mb_stack = [p if axis is not None else None for p, axis in zip(pieces, split)]
         jax.eval_shape(forward, params, rest, arrays_of([p[0] if p is not None else None for p in mb_stack]))
@@ -317,7 +337,7 @@ class StepFunction:
 
             zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), shardings)
             (rest, total, dropped), stacked = jax.lax.scan(body, (rest, zeros, jnp.zeros((), jnp.int32)), mb_stack)
-            return stacked, rest, jax.tree.map(lambda g: g / microbatches, total), report(dropped)
+            return stacked, rest, _as_kept(model, jax.tree.map(lambda g: g / microbatches, total)), report(dropped)
 
         def eval_body(carry, mb):
             rest, dropped = carry
@@ -346,7 +366,8 @@ class StepFunction:
         result = pipeline.step(programs, inputs)
         outputs = result.finals[1 : 1 + traced.output_count]  # finals: [loss, *outputs, dropped]
         dropped = jnp.sum(result.finals[-1])
-        return outputs, result.rest, result.grads, _reported(dropped, model.may_drop_tokens)
+        grads = _as_kept(model, result.grads) if result.grads is not None else None
+        return outputs, result.rest, grads, _reported(dropped, model.may_drop_tokens)
 
 
 def _flat_forward(forward: Callable, model: DistributedModel, rest_def: Any, traced: _Traced) -> Callable:
@@ -400,6 +421,22 @@ def step(
 
 
 # --- helpers -------------------------------------------------------------------------------------------------
+
+
+def _as_kept(model: DistributedModel, grads: Any) -> Any:
+    """Gradients (float32, laid out as the parameters are stored) in the dtype they are kept in between calls."""
+    policy = model.precision
+    if not policy.mixed:
+        return grads
+    pipeline = model.pipeline
+    if pipeline is not None and pipeline.ready:  # the stages' buffers: one dtype per buffer
+        names: dict[str, list[str]] = {}
+        for name, places in pipeline.layout.places.items():
+            for key in {place.key for place in places}:
+                names.setdefault(key, []).append(name)
+        return {key: g.astype(policy.grad_dtype(names[key])) for key, g in grads.items()}
+    leaves = [g.astype(policy.grad_dtype([n])) for n, g in zip(model.layout.names, jax.tree.leaves(grads))]
+    return jax.tree_util.tree_unflatten(model.layout.treedef, leaves)
 
 
 def _reported(dropped: jax.Array, may_drop: bool) -> jax.Array:

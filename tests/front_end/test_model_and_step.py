@@ -160,8 +160,8 @@ def _split(t):
 
 
 def test_unsupported_parallelism_is_refused_until_it_exists():
-    smp.init({"bf16": True})
-    with pytest.raises(smp.ConfigError, match="'bf16' = True is not supported"):
+    smp.init({"delayed_parameter_initialization": True})
+    with pytest.raises(smp.ConfigError, match="'delayed_parameter_initialization' = True is not supported"):
         smp.DistributedModel(SmallNet())
 
 

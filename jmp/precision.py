@@ -1,0 +1,150 @@
+"""Mixed precision: what a model computes in, and what it keeps between steps.
+
+Training in bf16 or fp16 is asked for by the config (``bf16: True`` / ``fp16: True``) or by a module
+whose parameters already are half precision (``model.to(torch.bfloat16)``, ``smp.model_creation(dtype=...)``).
+Either way the model keeps **float32 master parameters**; a step casts them to the compute dtype inside
+the compiled program (an FSDP all-gather then moves half-precision values) and differentiates through
+the cast, and the gradients are kept in the compute dtype until the optimizer unscales them into
+float32 and updates the masters. Bytes held per parameter with AdamW:
+
+    master parameter (fp32)       4
+    Adam exp_avg, exp_avg_sq      8   (fp32, as torch.amp keeps them)
+    gradient (bf16 / fp16)        2
+                                 --
+                                 14   (SMP's figure: 20; the half-precision copy of the parameters
+                                       exists only inside the step program, and no fp32 gradient
+                                       copy is kept: the optimizer unscales inside its update)
+
+With the config keys, the forward also runs under torch's CUDA autocast lists, whatever the device, so a
+run computes the same on a laptop CPU and a GPU: matmuls and convolutions in the half dtype; softmax,
+norms, ``pow``, losses and the other ops autocast keeps in float32 compute in float32, and hand their
+same-shaped results back in the half dtype (reductions and losses stay float32) under ``jax.checkpoint``,
+so activations are held in half precision only (``jmp.torch_bridge.autocast.forced(half_results=True)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from jmp.config import Config
+from jmp.errors import ConfigError
+
+logger = logging.getLogger("jmp")
+
+HALF = {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
+MASTER = jnp.float32
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` once per process (mixed-precision settings that are accepted but change meaning)."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """A model's precision policy.
+
+    ``compute`` maps each parameter (torch name) to the dtype the forward sees it in; ``autocast`` is the
+    torch dtype the forward runs under autocast rules in (None: no autocast from jmp).
+    """
+
+    compute: Mapping[str, Any]
+    autocast: torch.dtype | None = None
+
+    @property
+    def mixed(self) -> bool:
+        """Whether any parameter is computed in half precision (masters kept in float32)."""
+        return any(jnp.dtype(d) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) for d in self.compute.values())
+
+    @property
+    def half_dtype(self) -> Any:
+        """The half-precision dtype of this policy (None in full precision)."""
+        halves = {jnp.dtype(d) for d in self.compute.values()} - {jnp.dtype(MASTER)}
+        halves = {d for d in halves if d in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))}
+        return next(iter(halves)) if halves else None
+
+    @property
+    def is_fp16(self) -> bool:
+        return self.half_dtype == jnp.dtype(jnp.float16)
+
+    def for_compute(self, names: tuple[str, ...], leaves: list[jax.Array]) -> list[jax.Array]:
+        """Stored (master) parameter values, in ``names`` order -> the values the forward computes with."""
+        return [_cast(leaf, self.compute[name]) for name, leaf in zip(names, leaves)]
+
+    def grad_dtype(self, names: list[str] | tuple[str, ...]) -> Any:
+        """The dtype gradients of ``names`` are kept in between step calls: their compute dtype when they share one."""
+        dtypes = {jnp.dtype(self.compute[n]) for n in names}
+        return dtypes.pop() if len(dtypes) == 1 else jnp.dtype(MASTER)
+
+
+def resolve(config: Config, dtypes: Mapping[str, Any], platform: str) -> Precision:
+    """The policy for parameters of ``dtypes`` (torch name -> JAX dtype as converted) under ``config``.
+
+    Raises:
+        ConfigError: the config and the module disagree on the half-precision type, the module mixes
+            bf16 and fp16 parameters, or the backend cannot compute in the dtype.
+    """
+    asked = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
+    module_halves = {t for t, j in HALF.items() for d in dtypes.values() if jnp.dtype(d) == jnp.dtype(j)}
+    if len(module_halves) > 1:
+        raise ConfigError(
+            "the module has both bfloat16 and float16 parameters; convert it to one half-precision dtype "
+            "(model.to(torch.bfloat16)) before smp.DistributedModel"
+        )
+    held = module_halves.pop() if module_halves else None
+    if asked is not None and held is not None and asked != held:
+        key = "bf16" if config.bf16 else "fp16"
+        raise ConfigError(
+            f"config key '{key}' asks for {asked} training, but the module's parameters are {held}; "
+            f"create the model in {asked} (smp.model_creation(dtype={asked})) or set '{key}' to match"
+        )
+    half = asked or held
+    if half is None:
+        return Precision(compute=dict(dtypes))
+    _check_backend(half, platform)
+    target = jnp.dtype(HALF[half])
+    if asked is not None:  # the config: every floating parameter is computed in the half dtype
+        compute = {n: target if jnp.issubdtype(d, jnp.floating) else d for n, d in dtypes.items()}
+    else:  # the module's own dtypes: its half parameters are computed as they are
+        compute = dict(dtypes)
+    return Precision(compute=compute, autocast=asked)
+
+
+def masters(params: Any, precision: Precision) -> Any:
+    """Parameter values as kept between steps: float32 for every parameter computed in half precision."""
+    if not precision.mixed:
+        return params
+    return jax.tree.map(lambda p: _cast(p, MASTER) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+
+def _cast(value: jax.Array, dtype: Any) -> jax.Array:
+    return value if value.dtype == dtype else value.astype(dtype)
+
+
+def _check_backend(half: torch.dtype, platform: str) -> None:
+    if platform == "tpu" and half is torch.float16:
+        raise ConfigError("float16 is not a compute type of TPUs; use 'bf16': True (same memory, no loss scaling)")
+    if platform == "gpu" and half is torch.bfloat16:
+        kinds = {getattr(d, "compute_capability", None) for d in jax.devices()}
+        if any(k is not None and float(k) < 8.0 for k in kinds):
+            warn_once(
+                "bf16-gpu",
+                "bf16 training on a GPU older than Ampere (compute capability < 8.0): XLA emulates bfloat16 "
+                "matmuls there, slower than fp16 or fp32; consider 'fp16': True with dynamic loss scaling",
+            )
+    if platform == "cpu":
+        warn_once(
+            f"half-cpu-{half}",
+            f"{half} training on CPU: XLA:CPU computes many half-precision ops by converting to float32, so "
+            "steps may be slower than float32 there; memory held per parameter is still lower",
+        )
