@@ -1,49 +1,93 @@
 """The smp-style configuration: keys, defaults, aliases and validation.
 
-Keys follow SageMaker model parallelism (v1 plus the v2 keys), with SMP's
-meaning; the fields of ``Config`` are the keys jmp accepts, with their defaults,
-and ``ALIASES`` SMP's other names for some of them. A bad key or value raises
-``ConfigError`` naming the key and what to do.
+Every key of SageMaker model parallelism v1 (``smdistributed.modelparallel.torch``) and the v2 keys is
+accepted, with SMP's meaning; the fields of ``Config`` are the keys, with their defaults, and
+``ALIASES`` SMP's other names for some of them. Values are checked by type; an unknown key or a bad
+value raises ``ConfigError`` naming the key and what to do. Keys that have no effect in jmp are kept
+and ``smp.init`` logs them once (``jmp.config_no_effect``).
+
+Where jmp's default differs from SMP's, on purpose:
+
+- ``sdp_param_persistence_threshold``: 1024 elements (SMP: 1,000,000). Under sharded data parallelism
+  a parameter with fewer elements stays whole; jmp's small default splits every weight matrix and
+  keeps only biases and norms whole. Give the key to get SMP's behaviour.
+- ``sharded_data_parallel_degree`` / ``hybrid_shard_degree``: 1 (SMP v2: 0). 0 means "shard over
+  all data-parallel devices", as in SMP v2; ``smp.init`` replaces it by that number.
+- ``sdp_gradient_clipping`` and ``active_microbatches``: None when not given (SMP: clip at 1.0 under
+  sharded data parallelism; ``partitions + 2`` microbatches in flight).
+- ``fp16_params: True`` trains in fp16 exactly as ``fp16: True`` does: jmp keeps float32 master
+  parameters either way and computes in fp16 inside the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
+from collections.abc import Callable
 from typing import Any
 
 from jmp.errors import ConfigError
 from jmp.remat_policy import parse_policy
 
-ALIASES = {"partitions": "pipeline_parallel_degree", "hybrid_shard_degree": "sharded_data_parallel_degree"}
+ALIASES = {
+    "partitions": "pipeline_parallel_degree",
+    "hybrid_shard_degree": "sharded_data_parallel_degree",  # v2
+    "sm_activation_offloading": "offload_activations",  # v2
+}
+PLACEMENTS = ("cluster", "spread") + tuple("".join(p) for p in itertools.permutations("DPT"))
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """A validated configuration. Degrees not given are 1; the data-parallel degree is what remains."""
 
+    # parallelism
     pipeline_parallel_degree: int = 1
     microbatches: int = 1
     pipeline: str = "interleaved"
     auto_partition: bool = True
     default_partition: int | None = None
+    active_microbatches: int | None = None  # SMP: partitions + 2; stored, not used yet
     tensor_parallel_degree: int = 1
     expert_parallel_degree: int = 1
     expert_capacity_factor: float | None = None  # jmp: None sends every token to its experts (none dropped)
-    sharded_data_parallel_degree: int = 1
+    context_parallel_degree: int = 1  # v2; only 1 is implemented
+    sharded_data_parallel_degree: int = 1  # 0: all data-parallel devices (resolved by smp.init)
     ddp: bool = False
-    placement_strategy: str = "cluster"
+    placement_strategy: str = "cluster"  # or a permutation of "DPT" (last letter varies fastest)
     optimize: str = "speed"
     memory_weight: float = 0.8
-    fp16: bool = False
-    bf16: bool = False
+    prescaled_batch: bool = False
+    # sharded data parallelism
+    sdp_param_persistence_threshold: int = 1024  # elements; SMP's default is 1_000_000 (see above)
+    sdp_gradient_clipping: float | None = None  # stored, not used yet
+    sdp_reduce_bucket_size: int = 500_000_000
+    sdp_max_live_parameters: int = 1_000_000_000
+    sdp_hierarchical_allgather: bool = True
     shard_optimizer_state: bool = False
+    allow_empty_shards: bool = False  # v2
+    fsdp_cache_flush_warnings: bool = True  # v2
+    # precision, memory, initialisation
+    fp16: bool = False
+    fp16_params: bool = False  # implies fp16
+    bf16: bool = False
     offload_activations: bool = False
     activation_loading_horizon: int = 4
     activation_checkpointing_policy: str = "full"  # jmp: the remat policy of checkpointed modules (see jmp.remat)
     delayed_parameter_initialization: bool = False
-    prescaled_batch: bool = False
     random_seed: int = 0x12345678
+    # runtime details of SMP's own engine (no effect here)
+    horovod: bool = False
+    ddp_port: int | None = None
+    ddp_dist_backend: str = "auto"
+    contiguous: bool = True
+    deterministic_server: bool = False
+    skip_tracing: bool = False
+    static_mode: bool = False
+    fast_mode: bool = False
+    predefined_hooks: bool = True
+    load_partition: bool = False
 
     @property
     def model_parallel_degree(self) -> int:
@@ -57,33 +101,19 @@ class Config:
 
 
 KEYS = tuple(field.name for field in dataclasses.fields(Config))
-_POSITIVE_INTS = (
-    "pipeline_parallel_degree",
-    "microbatches",
-    "tensor_parallel_degree",
-    "expert_parallel_degree",
-    "sharded_data_parallel_degree",
-    "activation_loading_horizon",
-)
-_BOOLS = (
-    "auto_partition",
-    "ddp",
-    "fp16",
-    "bf16",
-    "shard_optimizer_state",
-    "offload_activations",
-    "delayed_parameter_initialization",
-    "prescaled_batch",
-)
-_CHOICES = {
-    "pipeline": ("interleaved", "simple"),
-    "optimize": ("speed", "memory"),
-    "placement_strategy": ("cluster", "spread"),
-}
 
 
-def parse(config: dict[str, Any] | None) -> Config:
-    """Validate an smp config dict (None or {} gives the defaults)."""
+def parse(config: dict[str, Any] | None, source: str | None = None) -> Config:
+    """Validate an smp config dict (None or {} gives the defaults); ``source`` names where it came from."""
+    try:
+        return _parse(config)
+    except ConfigError as error:
+        if source is None:
+            raise
+        raise ConfigError(f"{error} (the config came from {source})") from None
+
+
+def _parse(config: dict[str, Any] | None) -> Config:
     if config is None:
         return Config()
     if not isinstance(config, dict):
@@ -95,12 +125,17 @@ def parse(config: dict[str, Any] | None) -> Config:
             raise ConfigError(_unknown_key_message(key))
         if name in values:
             raise ConfigError(f"config key '{name}' is given twice (once through its alias '{key}')")
-        values[name] = value
-    for name, value in values.items():
-        _check_value(name, value)
+        values[name] = _CHECKS[name](key, value) if name in _CHECKS else value
+    if values.get("fp16_params"):
+        values["fp16"] = True  # SMP v1: fp16 parameters for fp16 training; masters stay float32 here
     parsed = Config(**values)
+    _check_combination(parsed)
+    return parsed
+
+
+def _check_combination(parsed: Config) -> None:
     if parsed.fp16 and parsed.bf16:
-        raise ConfigError("config keys 'fp16' and 'bf16' are both True; choose one mixed-precision type")
+        raise ConfigError("config keys 'fp16' (or 'fp16_params') and 'bf16' are both True; choose one")
     if not parsed.auto_partition and parsed.default_partition is None:
         raise ConfigError("'auto_partition': False needs 'default_partition' (the stage for unplaced modules)")
     if parsed.default_partition is not None and not 0 <= parsed.default_partition < parsed.pipeline_parallel_degree:
@@ -108,7 +143,11 @@ def parse(config: dict[str, Any] | None) -> Config:
             f"'default_partition' is {parsed.default_partition}, but stages are numbered 0.."
             f"{parsed.pipeline_parallel_degree - 1} (pipeline_parallel_degree={parsed.pipeline_parallel_degree})"
         )
-    return parsed
+    if parsed.context_parallel_degree > 1:
+        raise ConfigError(
+            f"'context_parallel_degree' is {parsed.context_parallel_degree}: context parallelism is not "
+            "implemented in jmp; set it to 1 (sharded data, tensor, expert and pipeline parallelism are)"
+        )
 
 
 def _unknown_key_message(key: str) -> str:
@@ -118,27 +157,81 @@ def _unknown_key_message(key: str) -> str:
     return f"unknown config key '{key}'.{hint} Valid keys: {', '.join(sorted(candidates))}."
 
 
-def _check_value(name: str, value: Any) -> None:
-    if name in _POSITIVE_INTS:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"config key '{name}' must be a positive integer, not {value!r}")
-    elif name in _BOOLS:
-        if not isinstance(value, bool):
-            raise ConfigError(f"config key '{name}' must be True or False, not {value!r}")
-    elif name in _CHOICES:
-        if value not in _CHOICES[name]:
-            raise ConfigError(f"config key '{name}' must be one of {_CHOICES[name]}, not {value!r}")
-    elif name == "default_partition":
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ConfigError(f"config key 'default_partition' must be a stage number, not {value!r}")
-    elif name == "memory_weight":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-            raise ConfigError(f"config key 'memory_weight' must be a number in [0, 1], not {value!r}")
-    elif name == "expert_capacity_factor":
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-            raise ConfigError(f"config key 'expert_capacity_factor' must be a positive number or None, not {value!r}")
-    elif name == "activation_checkpointing_policy":
-        parse_policy(value, "config key 'activation_checkpointing_policy'")
-    elif name == "random_seed":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"config key 'random_seed' must be a non-negative integer, not {value!r}")
+# Value checks, one per key: each takes (key as given, value) and returns the value to store.
+
+
+def _integer(low: int, what: str) -> Callable[[str, Any], int]:
+    def check(key: str, value: Any) -> int:
+        # SMP's documented sizes are written 5e8 / 1e6: an integral float is an integer here
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"config key '{key}' must be {what}, not {value!r}")
+        return value
+
+    return check
+
+
+def _number(low: float, high: float, what: str) -> Callable[[str, Any], float]:
+    def check(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ConfigError(f"config key '{key}' must be {what}, not {value!r}")
+        return value
+
+    return check
+
+
+def _optional(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    return lambda key, value: None if value is None else check(key, value)
+
+
+def _boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"config key '{key}' must be True or False, not {value!r}")
+    return value
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def check(key: str, value: Any) -> str:
+        if value not in options:
+            raise ConfigError(f"config key '{key}' must be one of {options}, not {value!r}")
+        return value
+
+    return check
+
+
+def _policy(key: str, value: Any) -> Any:
+    parse_policy(value, f"config key '{key}'")
+    return value
+
+
+_POSITIVE = _integer(1, "a positive integer")
+_COUNT = _integer(0, "a non-negative integer")
+_BOOLEANS = (
+    "auto_partition ddp prescaled_batch sdp_hierarchical_allgather shard_optimizer_state allow_empty_shards "
+    "fsdp_cache_flush_warnings fp16 fp16_params bf16 offload_activations delayed_parameter_initialization horovod "
+    "contiguous deterministic_server skip_tracing static_mode fast_mode predefined_hooks load_partition"
+).split()
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    **dict.fromkeys(_BOOLEANS, _boolean),
+    **dict.fromkeys(
+        "pipeline_parallel_degree microbatches tensor_parallel_degree expert_parallel_degree context_parallel_degree "
+        "activation_loading_horizon sdp_reduce_bucket_size sdp_max_live_parameters".split(),
+        _POSITIVE,
+    ),
+    "sharded_data_parallel_degree": _integer(0, "a positive integer, or 0 for all data-parallel devices"),
+    "sdp_param_persistence_threshold": _COUNT,
+    "random_seed": _COUNT,
+    "active_microbatches": _optional(_POSITIVE),
+    "ddp_port": _optional(_integer(1, "a port number")),
+    "default_partition": _optional(_integer(-(2**31), "a stage number")),
+    "memory_weight": _number(0.0, 1.0, "a number in [0, 1]"),
+    "sdp_gradient_clipping": _optional(_number(0.0, float("inf"), "a non-negative number (0: no clipping)")),
+    "expert_capacity_factor": _optional(_number(1e-9, float("inf"), "a positive number or None")),
+    "pipeline": _choice(("interleaved", "simple")),
+    "optimize": _choice(("speed", "memory")),
+    "placement_strategy": _choice(PLACEMENTS),
+    "ddp_dist_backend": _choice(("auto", "nccl", "gloo")),
+    "activation_checkpointing_policy": _policy,
+}
+assert set(_CHECKS) == set(KEYS), set(KEYS) ^ set(_CHECKS)

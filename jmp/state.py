@@ -10,6 +10,8 @@ process loads the global batch and ``@smp.step`` splits it over the devices.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -17,12 +19,15 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jmp.config import Config, parse
+from jmp import config_no_effect, sagemaker_config
+from jmp.config import ALIASES, Config, parse
 from jmp.errors import ConfigError, JmpError
 
 AXES = ("pp", "dp", "fsdp", "ep", "tp")
 DATA_AXES = ("dp", "fsdp", "ep")  # the batch is split over these (experts take tokens from all)
 MODEL_AXES = ("pp", "ep", "tp")
+
+logger = logging.getLogger("jmp")
 
 _config: Config | None = None
 _mesh: Mesh | None = None
@@ -35,18 +40,29 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
     ``DistributedModel`` built under another config or mesh then refuses to run.
 
     Args:
-        config: an smp config dict (SMP v1 and v2 keys, see ``jmp.config``); None or ``{}`` gives the defaults.
+        config: an smp config dict (SMP v1 and v2 keys, see ``jmp.config``), used as is: ``{}`` gives the
+            defaults. None (or no argument) reads what SageMaker passes the process, as SMP does: the JSON
+            in ``SM_HP_MP_PARAMETERS`` (see ``jmp.sagemaker_config``), else the defaults.
         devices: a jmp extension: the devices to run on (default: all of ``jax.devices()``).
 
     Raises:
-        ConfigError: an unknown key or a bad value, or model-parallel degrees whose product does not
-            divide the number of devices.
+        ConfigError: an unknown key or a bad value (naming the environment variable when the config came
+            from one), or model-parallel degrees whose product does not divide the number of devices.
     """
     global _config, _mesh
-    parsed = parse(config)
+    source = None
+    if config is None:
+        config, source = sagemaker_config.from_environment()
+        if source is not None:
+            logger.info("smp.init(): the config comes from %s: %s", source, config)
+    parsed = parse(config, source)
+    config_no_effect.log_once(ALIASES.get(key, key) for key in config or {})
     _start_distributed_runtime()
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
+    if parsed.sharded_data_parallel_degree == 0:  # SMP v2's hybrid_shard_degree 0: all data-parallel devices
+        others = parsed.pipeline_parallel_degree * parsed.expert_parallel_degree * parsed.tensor_parallel_degree
+        parsed = dataclasses.replace(parsed, sharded_data_parallel_degree=max(1, count // others))
     model = parsed.model_parallel_degree
     if count % model:
         raise ConfigError(
@@ -65,9 +81,20 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
     _config, _mesh = parsed, _build_mesh(shape, devices, parsed.placement_strategy)
 
 
+# SMP's placement letters: D (data parallelism; here dp, fsdp and ep, which split the batch), P, T.
+_LETTER_AXES = {"D": ("dp", "fsdp", "ep"), "P": ("pp",), "T": ("tp",)}
+_NAMED_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}  # as SMP documents them
+
+
 def _build_mesh(shape: dict[str, int], devices: list, placement: str) -> Mesh:
-    """'cluster': a replica's model-parallel devices are neighbours (tp fastest); 'spread': data axes are."""
-    order = AXES if placement == "cluster" else ("tp", "ep", "pp", "fsdp", "dp")
+    """Lay devices out in ``placement``'s axis order, the last letter varying fastest (SMP's meaning).
+
+    'cluster' ("DPT"): a model replica's pipeline and tensor-parallel devices are neighbours;
+    'spread' ("TPD"): data-parallel peers are. Within D, ``ep`` then ``fsdp`` vary fastest (their
+    collectives are the heaviest of the data axes).
+    """
+    letters = _NAMED_PLACEMENTS.get(placement, placement)
+    order = tuple(axis for letter in letters for axis in _LETTER_AXES[letter])
     laid_out = jax.make_mesh(
         tuple(shape[a] for a in order), order, axis_types=(AxisType.Auto,) * len(order), devices=devices
     )

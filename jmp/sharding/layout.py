@@ -6,9 +6,10 @@ parallelism (``tensor_parallel.py``), and the user's own rules
 win and are used as given). Sharded data parallelism then splits each
 parameter's largest free dimension over ``fsdp`` (ZeRO-3: gradients and
 optimizer state follow the parameters); ``shard_optimizer_state`` splits the
-optimizer state once more over ``dp`` (ZeRO-1). Parameters smaller than
-``REPLICATED_BELOW`` elements (biases, norms) stay whole: splitting them saves
-little and costs a collective each.
+optimizer state once more over ``dp`` (ZeRO-1). Parameters with fewer elements
+than the config's ``sdp_param_persistence_threshold`` (jmp's default 1024:
+biases, norms) stay whole: splitting them saves little and costs a collective
+each; ZeRO-1 keeps ``REPLICATED_BELOW`` for the optimizer state.
 """
 
 from __future__ import annotations
@@ -22,20 +23,31 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torch import nn
 
+from jmp import state
 from jmp.errors import ConfigError
 from jmp.sharding.experts import expert_specs
 from jmp.sharding.tensor_parallel import tensor_parallel_specs
 from jmp.torch_bridge import torch_name
 
-REPLICATED_BELOW = 1024  # elements
+REPLICATED_BELOW = 1024  # elements; the persistence threshold before smp.init, and ZeRO-1's
 
 Spec = tuple  # one entry per dimension: None, an axis name, or a tuple of axis names
 
 
 def parameter_specs(
-    module: nn.Module, shapes: Mapping[str, tuple[int, ...]], mesh: Mesh, rules: Mapping[str, Any] | None = None
+    module: nn.Module,
+    shapes: Mapping[str, tuple[int, ...]],
+    mesh: Mesh,
+    rules: Mapping[str, Any] | None = None,
+    *,
+    persist_below: int | None = None,
 ) -> dict[str, PartitionSpec]:
-    """Torch parameter name -> its ``PartitionSpec`` on ``mesh`` (``shapes``: the parameters to place)."""
+    """Torch parameter name -> its ``PartitionSpec`` on ``mesh`` (``shapes``: the parameters to place).
+
+    ``persist_below``: parameters with fewer elements are not split over ``fsdp`` (default: the
+    config's ``sdp_param_persistence_threshold``).
+    """
+    below = persistence_threshold() if persist_below is None else persist_below
     model_specs = {
         **tensor_parallel_specs(module, mesh.shape["tp"]),
         **expert_specs(module, mesh.shape["ep"], mesh.shape["tp"]),
@@ -48,7 +60,7 @@ def parameter_specs(
             specs[name] = _checked_user_spec(name, shape, user, mesh)
             continue
         spec = _padded(model_specs.get(name, ()), len(shape))
-        specs[name] = PartitionSpec(*add_axis(spec, shape, ("fsdp",), mesh))
+        specs[name] = PartitionSpec(*add_axis(spec, shape, ("fsdp",), mesh, below))
     return specs
 
 
@@ -60,10 +72,20 @@ def optimizer_specs(specs: Mapping[str, PartitionSpec], shapes: Mapping[str, tup
             for name in specs}  # fmt: skip
 
 
-def add_axis(spec: Spec, shape: tuple[int, ...], axes: tuple[str, ...], mesh: Mesh) -> Spec:
-    """``spec`` with ``axes`` on the largest dimension they divide: a free one first, else joining a split one."""
+def persistence_threshold() -> int:
+    """The config's ``sdp_param_persistence_threshold`` (``REPLICATED_BELOW`` before ``smp.init``)."""
+    return state.get_config().sdp_param_persistence_threshold if state.is_initialized() else REPLICATED_BELOW
+
+
+def add_axis(
+    spec: Spec, shape: tuple[int, ...], axes: tuple[str, ...], mesh: Mesh, below: int = REPLICATED_BELOW
+) -> Spec:
+    """``spec`` with ``axes`` on the largest dimension they divide: a free one first, else joining a split one.
+
+    A parameter of fewer than ``below`` elements is left as it is.
+    """
     size = math.prod(mesh.shape[a] for a in axes)
-    if size == 1 or math.prod(shape) < REPLICATED_BELOW:
+    if size == 1 or math.prod(shape) < below:
         return spec
     spec = list(spec)
     by_size = sorted(range(len(shape)), key=lambda d: -shape[d])

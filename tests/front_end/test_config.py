@@ -56,6 +56,14 @@ def test_unknown_key_lists_valid_keys_and_the_closest_match():
         ({"partitions": 2, "default_partition": 2}, "stages are numbered 0..1"),
         ({"partitions": 2, "pipeline_parallel_degree": 2}, "given twice"),
         ({"memory_weight": 1.5}, "in \\[0, 1\\]"),
+        ({"placement_strategy": "DPX"}, "'placement_strategy' must be one of \\('cluster', 'spread', 'DPT'"),
+        ({"horovod": "yes"}, "'horovod' must be True or False"),
+        ({"ddp_dist_backend": "mpi"}, "'ddp_dist_backend' must be one of"),
+        ({"hybrid_shard_degree": -1}, "'hybrid_shard_degree' must be a positive integer, or 0"),
+        ({"sdp_param_persistence_threshold": 1.5}, "must be a non-negative integer"),
+        ({"sdp_gradient_clipping": -1.0}, "'sdp_gradient_clipping' must be a non-negative number"),
+        ({"active_microbatches": 0}, "'active_microbatches' must be a positive integer"),
+        ({"context_parallel_degree": 2}, "context parallelism is not implemented"),
     ],
 )
 def test_bad_values_are_refused_with_the_key_and_the_numbers(config, message):
