@@ -55,7 +55,7 @@ from jmp.state import (
     tp_rank,
     tp_size,
 )
-from jmp.step import StepOutput, step
+from jmp.step import StepOutput, is_tracing, step
 
 __version__ = "0.1.0"
 
@@ -86,6 +86,7 @@ __all__ = [
     "get_mesh",
     "init",
     "is_initialized",
+    "is_tracing",
     "local_rank",
     "local_size",
     "mp_rank",

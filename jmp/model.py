@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from flax import nnx
@@ -24,6 +25,7 @@ from jax.sharding import PartitionSpec
 from jmp import model_registry, precision, sharding, state
 from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
 from jmp.model_state import ParameterLayout, ProgramCache, TrainingState, copy_tree
+from jmp.model_surface import ModelOptions, ModuleSurface
 from jmp.pipeline.stepping import Pipeline
 from jmp.remat import api as remat
 from jmp.sharding import experts
@@ -61,28 +63,38 @@ _NOT_YET = {
 }
 
 
-class DistributedModel:
+class DistributedModel(ModuleSurface):
     """Wraps a torch ``nn.Module``: converted to Flax NNX, its parameters placed on the mesh.
 
     Parameters are split as the config asks (sharded data, tensor and expert parallelism; see
     ``jmp.sharding``) and replicated otherwise. The model keeps the mesh and config of the ``smp.init``
-    it was built under.
+    it was built under. It behaves like the torch module where scripts expect it to (``named_parameters()``,
+    ``modules()``, ``cpu()``, ``model.config``, ...: see ``jmp.model_surface``).
 
     Args:
         module: the torch module; it stays the user's (``model.module``) and keeps its initial values.
         sharding_rules: (a jmp extension) regular expressions on torch parameter names mapped to
             ``PartitionSpec``s over the mesh axes; a matching rule places that parameter exactly as given.
+        smp_options: SMP's keyword arguments (``trace_device``, ``backward_passes_per_step``,
+            ``average_grads_across_microbatches``, ``bucket_cap_mb``, ...; see ``ModelOptions``).
+            ``backward_passes_per_step`` and ``average_grads_across_microbatches`` become attributes of the
+            model; the others have no effect here.
 
     Raises:
-        ArgumentTypeError: ``module`` is not a torch module (or is already a DistributedModel).
+        ArgumentTypeError: ``module`` is not a torch module (or is already a DistributedModel), or an
+            SMP keyword argument is unknown or of the wrong type.
         ConfigError: the config asks for something the model cannot do, or ``smp.init`` was not called.
         ConversionError, UnsupportedOpError: the module cannot be converted.
     """
 
-    def __init__(self, module: torch.nn.Module, *, sharding_rules: dict[str, Any] | None = None):
+    def __init__(self, module: torch.nn.Module, *, sharding_rules: dict[str, Any] | None = None, **smp_options: Any):
+        self._init_surface()
         if isinstance(module, DistributedModel) or not isinstance(module, torch.nn.Module):
             what = "already a DistributedModel" if isinstance(module, DistributedModel) else type(module).__name__
             raise ArgumentTypeError(f"smp.DistributedModel takes a torch.nn.Module, not {what}")
+        self.options = ModelOptions.parse(smp_options)
+        self.backward_passes_per_step = self.options.backward_passes_per_step
+        self.average_grads_across_microbatches = self.options.average_grads_across_microbatches
         config = state.get_config()
         for key, default in _NOT_YET.items():
             if getattr(config, key) != default:
@@ -136,20 +148,62 @@ class DistributedModel:
 
     forward = __call__
 
-    def backward(self, loss: Any) -> None:
-        """Mark ``loss`` (a scalar computed in this step function) as what the step differentiates."""
+    def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
+        """Mark what the step differentiates, as ``torch.autograd.backward(tensors, grad_tensors)`` (SMP's API).
+
+        ``tensors`` is a scalar loss, or a tensor or sequence of tensors with ``grad_tensors`` of the same
+        shapes (``None`` allowed for a one-element tensor): the step differentiates sum(<t, g>) over them,
+        so the gradients are torch's. ``grad_tensors`` are cotangents, never differentiated themselves.
+        """
         trace = _TRACE.get()
         if trace is None:
             raise StepError("model.backward(loss) must be called inside an @smp.step function")
-        if not isinstance(loss, JaxTensor):
-            raise ArgumentTypeError(
-                f"model.backward needs the loss tensor computed from the model's outputs, not {type(loss).__name__}"
-            )
-        if loss.dim() != 0:
-            raise StepError(f"model.backward needs a scalar loss; got shape {tuple(loss.shape)} (reduce it first)")
         if trace.loss is not None:
             raise StepError("model.backward was called twice in one step function; call it once per step")
-        trace.loss = loss
+        if not torch.is_grad_enabled():
+            raise StepError(
+                "model.backward was called under torch.no_grad() (the loss has no gradient, as in torch); "
+                "call the training step outside no_grad, or leave model.backward out of the evaluation step"
+            )
+        single = not isinstance(tensors, (list, tuple))  # a tensor (or a wrong type, refused below)
+        outs = [tensors] if single else list(tensors)
+        if grad_tensors is None:
+            grads = [None] * len(outs)
+        else:
+            grads = list(grad_tensors) if isinstance(grad_tensors, (list, tuple)) else [grad_tensors]
+        if not outs or len(grads) != len(outs):
+            raise StepError(
+                f"model.backward got {len(outs)} tensors and {len(grads)} grad_tensors; give one gradient "
+                "(or None for a one-element tensor) per tensor"
+            )
+        terms = []
+        for i, (out, grad) in enumerate(zip(outs, grads)):
+            if not isinstance(out, JaxTensor):
+                raise ArgumentTypeError(
+                    f"model.backward needs tensors computed from the model's outputs, not {type(out).__name__}"
+                )
+            value = out.value
+            if grad is None:
+                if value.size != 1:
+                    raise StepError(
+                        f"model.backward needs a scalar loss; got shape {tuple(value.shape)} (tensors[{i}]): "
+                        "reduce it first, or pass grad_tensors of the same shape"
+                    )
+                terms.append(value.reshape(()))
+                continue
+            if not isinstance(grad, torch.Tensor):
+                raise ArgumentTypeError(f"model.backward: grad_tensors[{i}] is a {type(grad).__name__}, not a tensor")
+            cotangent = jax.lax.stop_gradient(grad.value if isinstance(grad, JaxTensor) else tensor_to_array(grad))
+            if tuple(cotangent.shape) != tuple(value.shape):
+                raise StepError(
+                    f"model.backward: grad_tensors[{i}] has shape {tuple(cotangent.shape)} but tensors[{i}] has "
+                    f"shape {tuple(value.shape)}; they must match (as in torch.autograd.backward)"
+                )
+            terms.append(jnp.sum(value.astype(jnp.float32) * cotangent.astype(jnp.float32)))
+        if single and grad_tensors is None:
+            trace.loss = tensors if tensors.dim() == 0 else JaxTensor(terms[0], tensors.dtype)
+        else:
+            trace.loss = JaxTensor(sum((t.astype(jnp.float32) for t in terms[1:]), terms[0].astype(jnp.float32)))
 
     @contextlib.contextmanager
     def tracing(self, module: TorchModule, loss_scale: Any = None) -> Iterator[Trace]:
@@ -234,9 +288,11 @@ class DistributedModel:
         self.training_state.params = layout.pack(self.layout.by_name(self.training_state.params))
         for optimizer in self._live_optimizers():
             optimizer.parameters_moved()
+        self._run_post_partition_hooks()
 
     def check_mesh(self) -> None:
-        """Fail clearly when ``smp.init`` was called again with another config or mesh since this model was built."""
+        """At each step call: fail clearly when ``smp.init`` was called again with another config or mesh since
+        this model was built; at the first one of a partitioned model, run its post-partition hooks."""
         mesh, config = state.get_mesh(), state.get_config()
         if (mesh is not self.layout.mesh and mesh != self.layout.mesh) or (
             config is not self.layout.config and config != self.layout.config
@@ -246,9 +302,16 @@ class DistributedModel:
                 "the model is laid out for the first one. Build a new DistributedModel (and optimizer) after "
                 "smp.init, or call smp.init once."
             )
+        self._run_post_partition_hooks()
 
     def _live_optimizers(self) -> list[Any]:
         return [o for o in (ref() for ref in self._optimizers) if o is not None]
+
+    @property
+    def attached_optimizer(self) -> Any | None:
+        """The ``DistributedOptimizer`` that updates this model (the latest one built on it), None without one."""
+        live = self._live_optimizers()
+        return live[-1] if live else None
 
     # --- modes and state ----------------------------------------------------------------------------------
 

@@ -2,10 +2,17 @@
 
 Inside the program the batch is split into ``microbatches``; each microbatch runs
 the user's function (forward, loss, ``model.backward(loss)``) on JaxTensors,
-gradients are averaged over microbatches, and the batch is sharded over the
+gradients are averaged over microbatches (summed when the model's
+``average_grads_across_microbatches`` is False), and the batch is sharded over the
 data-parallel mesh axes, so XLA inserts the cross-device gradient reduction.
-Every value the function returns comes back as a ``StepOutput`` holding the
-per-microbatch values.
+Every tensor the function returns (also inside lists, dicts and Hugging Face
+``ModelOutput``s) comes back as a ``StepOutput`` holding the per-microbatch values.
+
+The Python body of a step function runs only while it is traced, for each new
+``StepSignature`` (input shapes and dtypes, non-tensor arguments, train/eval mode,
+grad mode, microbatch settings), possibly more than once per trace. Later calls with
+the same signature run the compiled program without running the body;
+``smp.is_tracing()`` is True inside it.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp import model_registry, state
 from jmp.errors import StepError
-from jmp.model import DistributedModel
+from jmp.model import DistributedModel, current_trace
 from jmp.pipeline.engine import StepInputs
 from jmp.remat import xla as remat_xla
 from jmp.sharding import experts
@@ -92,6 +99,44 @@ _mean_over_microbatches = jax.jit(functools.partial(jnp.mean, axis=0))
 _sum_over_microbatches = jax.jit(functools.partial(jnp.sum, axis=0))
 
 
+class _Static:
+    """A non-tensor argument baked into the program, as a key: by type and value when hashable, else by identity.
+
+    An unhashable argument (an ``argparse.Namespace``, an optimizer, a config object) is compared by
+    identity and kept alive by the key, so its id is never reused by another object. Its contents are read
+    when the step is traced: changing them later does not retrace (as SMP, which traces once); pass a new
+    object, or a hashable value, to change what the step computes.
+    """
+
+    __slots__ = ("value", "by_value")
+
+    def __init__(self, value: Any):
+        self.value = value
+        try:
+            hash(value)
+            self.by_value = True
+        except Exception:  # unhashable (TypeError) or a __hash__ that raises something else
+            self.by_value = False
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Static):
+            return NotImplemented
+        if self.value is other.value:
+            return True
+        if not (self.by_value and other.by_value) or type(self.value) is not type(other.value):
+            return False  # by type too: 1, 1.0 and True give different programs
+        try:
+            return bool(self.value == other.value)
+        except Exception:
+            return False
+
+    def __hash__(self) -> int:
+        return hash((type(self.value), self.value)) if self.by_value else id(self.value)
+
+    def __repr__(self) -> str:
+        return f"_Static({self.value!r})" if self.by_value else f"_Static(<{type(self.value).__name__} by identity>)"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
     """How one flattened argument enters the program."""
@@ -99,7 +144,7 @@ class _Leaf:
     kind: str  # "array" | "model" | "static"
     split_axis: int | None = None
     torch_dtype: torch.dtype | None = None
-    static: Any = None
+    static: _Static | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +154,9 @@ class StepSignature:
     ``graphdef`` is the model's train/eval configuration (compared by identity: the model keeps one object
     per configuration). The loss scale is the program's last array input (it changes without recompiling);
     ``scales_loss`` says whether the step multiplies the loss by it (an optimizer's loss scaling) or the
-    step function does (``smp.amp.GradScaler.scale``).
+    step function does (``smp.amp.GradScaler.scale``). ``grad_enabled`` is torch's grad mode at the call
+    (under ``torch.no_grad()`` every op is traced as not differentiable); ``average_grads`` is the model's
+    ``average_grads_across_microbatches`` (False: gradients are summed over microbatches).
     """
 
     arguments: Any  # torch pytree spec of (args, kwargs)
@@ -117,6 +164,8 @@ class StepSignature:
     microbatches: int
     data_shards: int
     scales_loss: bool
+    grad_enabled: bool
+    average_grads: bool
     graphdef: nnx.GraphDef = dataclasses.field(compare=False)
     graphdef_id: int = dataclasses.field(init=False)  # the key's stand-in for graphdef (derived, cheap to hash)
 
@@ -134,9 +183,9 @@ class _Traced:
     """What tracing a step function revealed (kept per compiled variant)."""
 
     has_backward: bool = False
-    output_count: int = 0
+    output_count: int = 0  # the returned values that are tensors (the program's outputs)
     output_spec: Any = None
-    output_dtypes: tuple = ()
+    output_leaves: tuple = ()  # per returned leaf: its torch dtype (a tensor), or _Returned (a value as is)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,12 +210,14 @@ class StepFunction:
         fn: Callable,
         non_split_inputs: Sequence[str] | None = None,
         input_split_axes: dict[str, int] | None = None,
+        detach_outputs: bool = True,
     ):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.signature = inspect.signature(fn)
         self.non_split_inputs = set(non_split_inputs or ())
         self.input_split_axes = dict(input_split_axes or {})
+        self.detach_outputs = bool(detach_outputs)  # outputs are values here, detached either way
         unknown = (self.non_split_inputs | set(self.input_split_axes)) - set(self.signature.parameters)
         if unknown:
             raise StepError(f"@smp.step of {fn.__name__}: {sorted(unknown)} are not arguments of the function")
@@ -176,7 +227,11 @@ class StepFunction:
         outputs, rest, grads, dropped = call.program(*call.arguments)
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, dropped)
         shards = _data_shards(call.model.layout.mesh)
-        results = [StepOutput(out, dtype, shards) for out, dtype in zip(outputs, call.traced.output_dtypes)]
+        arrays = iter(outputs)
+        results = [
+            StepOutput(next(arrays), leaf, shards) if isinstance(leaf, torch.dtype) else leaf.value
+            for leaf in call.traced.output_leaves
+        ]
         return torch_pytree.tree_unflatten(results, call.traced.output_spec)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
@@ -226,11 +281,17 @@ class StepFunction:
                 arrays.append(jax.device_put(array, sharding))
                 leaves.append(_Leaf("array", axis, dtype))
             else:
-                _check_hashable(name, value)
-                leaves.append(_Leaf("static", static=value))
+                leaves.append(_Leaf("static", static=_Static(value)))
         scaling = model.loss_scaling
         signature = StepSignature(
-            spec, tuple(leaves), microbatches, shards, scaling is not None and scaling.scales_in_step, model.graphdef
+            spec,
+            tuple(leaves),
+            microbatches,
+            shards,
+            scaling is not None and scaling.scales_in_step,
+            torch.is_grad_enabled(),
+            bool(getattr(model, "average_grads_across_microbatches", True)),
+            model.graphdef,
         )
         if model.pipeline is not None and not model.pipeline.ready:
             self._partition(model, signature, [*arrays, model.loss_scale])
@@ -289,9 +350,9 @@ class StepFunction:
                 returned = self.fn(*call_args, **call_kwargs)
             flat, out_spec = torch_pytree.tree_flatten(returned)
             traced.output_spec = out_spec
-            traced.output_dtypes = tuple(_output_dtype(v) for v in flat)
+            traced.output_leaves = tuple(_output_leaf(v, i) for i, v in enumerate(flat))
             traced.has_backward = trace.loss is not None
-            outputs = [_output_array(v) for v in flat]
+            outputs = [_output_array(v) for v, leaf in zip(flat, traced.output_leaves) if isinstance(leaf, torch.dtype)]
             loss = unwrap(trace.loss).astype(jnp.float32) if trace.loss is not None else jnp.zeros((), jnp.float32)
             loss = loss * loss_scale if signature.scales_loss else loss
             dropped = sum(dropped, jnp.zeros((), jnp.int32))
@@ -300,7 +361,10 @@ class StepFunction:
         return forward
 
     def _run(self, model: DistributedModel, signature: StepSignature, traced: _Traced, params, rest, arrays):
-        """The whole step on the batch: (stacked outputs, new rest, mean gradients or None, dropped rows)."""
+        """The whole step on the batch: (stacked outputs, new rest, gradients or None, dropped rows).
+
+        Gradients are the mean over microbatches, or their sum when ``signature.average_grads`` is False.
+        """
         microbatches, split = signature.microbatches, signature.split_axes
         pieces = [
             _split_microbatches(a, axis, microbatches, signature.data_shards) if axis is not None else a
@@ -337,7 +401,9 @@ class StepFunction:
 
             zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), shardings)
             (rest, total, dropped), stacked = jax.lax.scan(body, (rest, zeros, jnp.zeros((), jnp.int32)), mb_stack)
-            return stacked, rest, _as_kept(model, jax.tree.map(lambda g: g / microbatches, total)), report(dropped)
+            if signature.average_grads:
+                total = jax.tree.map(lambda g: g / microbatches, total)
+            return stacked, rest, _as_kept(model, total), report(dropped)
 
         def eval_body(carry, mb):
             rest, dropped = carry
@@ -366,7 +432,10 @@ class StepFunction:
         result = pipeline.step(programs, inputs)
         outputs = result.finals[1 : 1 + traced.output_count]  # finals: [loss, *outputs, dropped]
         dropped = jnp.sum(result.finals[-1])
-        grads = _as_kept(model, result.grads) if result.grads is not None else None
+        grads = result.grads  # summed over microbatches
+        if grads is not None and signature.average_grads:
+            grads = jax.tree.map(lambda g: g / microbatches, grads)
+        grads = _as_kept(model, grads) if grads is not None else None
         return outputs, result.rest, grads, _reported(dropped, model.may_drop_tokens)
 
 
@@ -391,23 +460,31 @@ def step(
     *,
     non_split_inputs: Sequence[str] | None = None,
     input_split_axes: dict[str, int] | None = None,
+    detach_outputs: bool = True,
 ):
     """Decorator: ``@smp.step`` or ``@smp.step(non_split_inputs=[...], input_split_axes={name: axis})``.
 
     The decorated function (forward, loss, ``model.backward(loss)``) is traced into one compiled program
-    per input signature and train/eval mode; each call runs it on the whole batch, split into the
-    config's ``microbatches`` and over the data-parallel devices. Gradients accumulate in the model until
-    ``optimizer.zero_grad()``.
+    per input signature, train/eval mode and grad mode; each call runs it on the whole batch, split into
+    the config's ``microbatches`` and over the data-parallel devices. Gradients accumulate in the model
+    until ``optimizer.zero_grad()``. An evaluation step leaves out ``model.backward`` (and may be called
+    under ``torch.no_grad()``): it records no gradients.
 
     Args:
-        fn: the step function; its tensor arguments are split on their batch axis, other arguments
-            become compile-time constants (they must be hashable).
+        fn: the step function; its tensor arguments (also inside lists, tuples and dicts) are split on
+            their batch axis; other arguments (an ``argparse.Namespace``, a list of ints, an optimizer) are
+            compile-time constants: hashable ones by value, others by identity, read when the step is traced
+            (mutating such an object later does not retrace it; pass a new object).
         non_split_inputs: names of tensor arguments every microbatch gets whole.
         input_split_axes: tensor argument name -> the axis to split on (default 0).
+        detach_outputs: SMP's option; accepted with no effect, as outputs here are values with no autograd
+            graph (detached either way).
 
     Returns:
         A ``StepFunction``; calling it returns the function's results with each tensor as a
-        ``StepOutput`` (its per-microbatch values: ``reduce_mean()``, ``concat()``, ...).
+        ``StepOutput`` (its per-microbatch values: ``reduce_mean()``, ``concat()``, ...), in the same
+        structure (a dict or ``ModelOutput`` gives ``out["logits"].outputs``); ``None`` and strings are
+        returned as they are.
 
     Raises:
         StepError: names that are not arguments of ``fn``; at call time, a batch that does not divide
@@ -416,8 +493,18 @@ def step(
         ConfigError: at call time, ``smp.init`` was called again with another config since the model was built.
     """
     if fn is None:
-        return lambda f: StepFunction(f, non_split_inputs, input_split_axes)
-    return StepFunction(fn, non_split_inputs, input_split_axes)
+        return lambda f: StepFunction(f, non_split_inputs, input_split_axes, detach_outputs)
+    return StepFunction(fn, non_split_inputs, input_split_axes, detach_outputs)
+
+
+def is_tracing() -> bool:
+    """True while a step function is being traced (SMP: "in the tracing step").
+
+    SMP runs the step function on every call and traces only the first; jmp runs its Python body only while
+    tracing it (for each new ``StepSignature``, possibly more than once), so this is True whenever the body
+    (or the model's forward inside it) runs, and False outside step functions.
+    """
+    return current_trace() is not None
 
 
 # --- helpers -------------------------------------------------------------------------------------------------
@@ -481,7 +568,7 @@ def _rebuild(spec, leaves, arrays, model):
         elif leaf.kind == "model":
             flat.append(model)
         else:
-            flat.append(leaf.static)
+            flat.append(leaf.static.value)
     return torch_pytree.tree_unflatten(flat, spec)
 
 
@@ -526,20 +613,26 @@ def _check_divisible(name: str, shape: tuple, axis: int, microbatches: int, shar
         )
 
 
-def _check_hashable(name: str, value: Any) -> None:
-    try:
-        hash(value)
-    except TypeError:
-        raise StepError(
-            f"step argument '{name}' is a {type(value).__name__}; non-tensor arguments become compile-time "
-            "constants and must be hashable"
-        ) from None
+@dataclasses.dataclass(frozen=True)
+class _Returned:
+    """A returned value that is not a tensor (None, a string), given back as it is."""
+
+    value: Any
 
 
-def _output_dtype(value: Any) -> torch.dtype:
+def _output_leaf(value: Any, index: int) -> torch.dtype | _Returned:
+    """How one returned leaf comes back: a StepOutput of this torch dtype, or the value itself."""
     if isinstance(value, torch.Tensor):
         return value.dtype
-    return to_torch_dtype(jnp.asarray(value).dtype)
+    if value is None or isinstance(value, (str, bytes)):
+        return _Returned(value)
+    if isinstance(value, (bool, int, float, complex, np.ndarray, np.generic, jax.Array)):
+        return to_torch_dtype(jnp.asarray(value).dtype)
+    raise StepError(
+        f"the step function returned a value of type {type(value).__name__} (leaf {index} of its result); a step "
+        "returns tensors, Python numbers, None or strings, also inside lists, tuples, dicts and ModelOutputs. "
+        "Return its tensors instead."
+    )
 
 
 def _output_array(value: Any) -> jax.Array:

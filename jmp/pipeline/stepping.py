@@ -118,7 +118,7 @@ class Pipeline:
         """Run one step through the pipeline.
 
         Returns the forward's finals stacked over microbatches, the rest as the microbatches left it in order,
-        and the gradients averaged over microbatches (laid out like the stage buffers; None without backward).
+        and the gradients summed over microbatches (laid out like the stage buffers; None without backward).
 
         Raises:
             PipelineError: a buffer the forward updates is read on another stage than the one updating it.
@@ -129,7 +129,6 @@ class Pipeline:
         if outputs.grads is None:
             return outputs
         grads = self.layout.sync_tied(outputs.grads)
-        grads = {k: g / inputs.microbatches for k, g in grads.items()}
         grads = jax.lax.with_sharding_constraint(grads, {k: self.layout.shardings[k] for k in grads})
         return outputs._replace(grads=grads)
 

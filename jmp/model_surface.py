@@ -1,0 +1,370 @@
+"""What makes a ``DistributedModel`` look like the torch module it wraps (SMP v1's ``DistributedModel`` API).
+
+- ``ModelOptions``: SMP's constructor arguments (``trace_device``, ``backward_passes_per_step``, ...),
+  validated; those that mean nothing here log one line when given a non-default value.
+- ``ModuleSurface``: the ``nn.Module`` methods scripts call on the wrapped model: parameter and module
+  iteration (the torch module's own tensors, so torch optimizers and param groups built on them are found
+  by ``DistributedOptimizer``), SMP's ``local_*`` views, ``partitioned`` and post-partition hooks, device
+  moves (no-ops), dtype casts (refused: the dtype is fixed when the model is laid out) and read-only
+  delegation of other attributes (``model.config`` of a Hugging Face model) to the torch module.
+
+The torch module keeps the values it had when it was wrapped (or last loaded): it is the model's names and
+identities, not its current weights; ``model.state_dict()`` gathers those.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import difflib
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from jmp.errors import ArgumentTypeError, ConfigError
+
+logger = logging.getLogger("jmp")
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(key: str, message: str, *args: Any) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info(message, *args)
+
+
+# --- constructor arguments ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """SMP's ``DistributedModel`` keyword arguments, with SMP's defaults.
+
+    ``backward_passes_per_step`` (a positive int) and ``average_grads_across_microbatches`` (True: the
+    gradient of a step is the mean over its microbatches; False: their sum) are read by the step. The others
+    tune SMP's tracing and its DDP all-reduce (device for tracing, timing and memory traces, bucketing,
+    overlap, buffer broadcast); XLA schedules the collectives of jmp's compiled step itself, so they have
+    no effect here.
+    """
+
+    trace_device: str = "gpu"
+    trace_execution_times: bool = False
+    overlapping_allreduce: bool = True
+    backward_passes_per_step: int = 1
+    average_grads_across_microbatches: bool = True
+    bucket_cap_mb: float = 25
+    trace_memory_usage: bool = False
+    broadcast_buffers: bool = True
+    gradient_as_bucket_view: bool = False
+
+    @classmethod
+    def parse(cls, options: dict[str, Any]) -> ModelOptions:
+        """The options given to ``smp.DistributedModel(module, **options)``, checked.
+
+        Raises:
+            ArgumentTypeError: an unknown keyword, or a value of the wrong type.
+            ConfigError: ``trace_device`` is not "cpu"/"gpu", or ``backward_passes_per_step`` < 1.
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], list(fields), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ArgumentTypeError(
+                f"smp.DistributedModel got unknown keyword argument(s) {', '.join(map(repr, unknown))}{hint}; "
+                f"it accepts sharding_rules and SMP's {', '.join(fields)}"
+            )
+        parsed = cls(**options)
+        parsed._check()
+        for name in _NO_EFFECT:
+            value, default = getattr(parsed, name), fields[name].default
+            if value != default:
+                _log_once(
+                    f"model-option:{name}",
+                    "smp.DistributedModel(%s=%r): has no effect in jmp (XLA compiles and schedules the step's "
+                    "tracing and collectives itself)",
+                    name,
+                    value,
+                )
+        return parsed
+
+    def _check(self) -> None:
+        for name in _FLAGS:
+            _expect(name, getattr(self, name), bool)
+        _expect("trace_device", self.trace_device, str)
+        if self.trace_device not in ("cpu", "gpu"):
+            raise ConfigError(f"smp.DistributedModel(trace_device={self.trace_device!r}): use 'cpu' or 'gpu'")
+        if isinstance(self.backward_passes_per_step, bool) or not isinstance(self.backward_passes_per_step, int):
+            raise ArgumentTypeError(
+                "smp.DistributedModel(backward_passes_per_step=...) takes an int, not "
+                f"{type(self.backward_passes_per_step).__name__}"
+            )
+        if self.backward_passes_per_step < 1:
+            raise ConfigError(
+                f"smp.DistributedModel(backward_passes_per_step={self.backward_passes_per_step}): must be 1 or more"
+            )
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
+            raise ArgumentTypeError(
+                f"smp.DistributedModel(bucket_cap_mb=...) takes a number, not {type(self.bucket_cap_mb).__name__}"
+            )
+
+
+_FLAGS = (
+    "trace_execution_times",
+    "overlapping_allreduce",
+    "average_grads_across_microbatches",
+    "trace_memory_usage",
+    "broadcast_buffers",
+    "gradient_as_bucket_view",
+)
+_NO_EFFECT = (
+    "trace_device",
+    "trace_execution_times",
+    "overlapping_allreduce",
+    "bucket_cap_mb",
+    "trace_memory_usage",
+    "broadcast_buffers",
+    "gradient_as_bucket_view",
+)
+
+
+def _expect(name: str, value: Any, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise ArgumentTypeError(
+            f"smp.DistributedModel({name}=...) takes a {kind.__name__}, not {type(value).__name__} ({value!r})"
+        )
+
+
+# --- the module-like surface ----------------------------------------------------------------------------
+
+
+class ModuleSurface:
+    """``nn.Module``-like methods of ``DistributedModel`` (a mixin).
+
+    Expects of the class it is mixed into: ``module`` (the torch module), ``layout``, ``pipeline``,
+    ``precision``, ``training_state`` and ``attached_optimizer``; ``_init_surface()`` is called by its
+    constructor before anything else.
+    """
+
+    module: nn.Module
+
+    def _init_surface(self) -> None:
+        self._post_partition_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
+        self._post_partition_hooks_ran = False
+
+    # --- what the torch module holds ---------------------------------------------------------------------
+
+    def get_module(self) -> nn.Module:
+        """The wrapped torch module (SMP's ``get_module()``; the same object as ``model.module``)."""
+        return self.module
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The torch module's parameters: what a torch optimizer is built on (``DistributedOptimizer`` finds
+        the model by them). Their values are those at wrapping time; ``state_dict()`` has the current ones."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The torch module's ``named_parameters()``: the names param groups are split by (decay / no decay)."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return self.module.buffers(recurse)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def children(self) -> Iterator[nn.Module]:
+        return self.module.children()
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        return self.module.named_children()
+
+    def modules(self) -> Iterator[nn.Module]:
+        """The torch module and its submodules (the wrapped module first, not the DistributedModel)."""
+        return self.module.modules()
+
+    def named_modules(
+        self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        return self.module.named_modules(memo=memo, prefix=prefix, remove_duplicate=remove_duplicate)
+
+    # --- this process's share (SMP's local_*) ------------------------------------------------------------
+
+    def local_named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters this process holds a piece of, by torch name.
+
+        In SMP a rank holds one pipeline stage; here one process drives all its devices, so this is every
+        parameter of the stages its devices hold: all of them on one host, and with pipeline parallelism
+        over several hosts (after the first step) those of this host's stages.
+        """
+        held = self._held_names()
+        for name, parameter in self.module.named_parameters():
+            if name in held:
+                yield prefix + ("." if prefix else "") + name, parameter
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters of ``local_named_parameters()``."""
+        return (parameter for _, parameter in self.local_named_parameters())
+
+    def local_named_buffers(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        """The buffers this process holds: all of them (buffers are replicated on every device)."""
+        return self.module.named_buffers(prefix=prefix)
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        return self.module.buffers()
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        """The modules with a local parameter in them, and those with no parameters (they run everywhere)."""
+        held = self._held_names()
+        for path, module in self.module.named_modules():
+            names = [path + ("." if path else "") + n for n, _ in module.named_parameters()]
+            if not names or any(n in held for n in names):
+                yield module
+
+    def _held_names(self) -> set[str]:
+        """Torch names of the parameters with a piece on one of this process's devices."""
+        mine = jax.process_index()
+        layout, pipeline = self.layout, self.pipeline
+        if pipeline is not None and pipeline.ready:
+            mesh = layout.mesh
+            by_stage = np.moveaxis(mesh.devices, mesh.axis_names.index("pp"), 0)
+            local = {
+                stage for stage, devices in enumerate(by_stage) if any(d.process_index == mine for d in devices.flat)
+            }
+            return {n for n, places in pipeline.layout.places.items() if any(p.stage in local for p in places)}
+        return {n for n in layout.names if any(d.process_index == mine for d in layout.sharding(n).device_set)}
+
+    # --- partitioning -------------------------------------------------------------------------------------
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether the model's layout is fixed: from construction without pipeline parallelism, from the
+        first step call (when the stages are cut) with it."""
+        return self.pipeline is None or self.pipeline.ready
+
+    def register_post_partition_hook(self, hook: Callable[[Any, Any], None]) -> RemovableHandle:
+        """Call ``hook(model, optimizer)`` once the model is partitioned, as SMP does: at the first step
+        call, before its forward runs (right away when that has happened). ``optimizer`` is the model's
+        ``DistributedOptimizer`` (None without one). Returns a handle whose ``remove()`` unregisters it.
+        """
+        if not callable(hook):
+            raise ArgumentTypeError(f"register_post_partition_hook takes a callable, not {type(hook).__name__}")
+        handle = RemovableHandle(self._post_partition_hooks)
+        if self._post_partition_hooks_ran:
+            hook(self, self.attached_optimizer)
+        else:
+            self._post_partition_hooks[handle.id] = hook
+        return handle
+
+    def _run_post_partition_hooks(self) -> None:
+        """At a step call: the registered post-partition hooks, once, when the model is partitioned."""
+        if self._post_partition_hooks_ran or not self.partitioned:
+            return
+        self._post_partition_hooks_ran = True
+        hooks = list(self._post_partition_hooks.values())
+        self._post_partition_hooks.clear()
+        for hook in hooks:
+            hook(self, self.attached_optimizer)
+
+    # --- gradients ------------------------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the accumulated gradients, as the optimizer's ``zero_grad()`` does."""
+        optimizer = self.attached_optimizer
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none)
+        self.training_state.grads = None
+
+    # --- devices and dtypes -----------------------------------------------------------------------------
+
+    def cpu(self) -> Any:
+        """No-op (returns the model): its arrays stay on the mesh's devices."""
+        return self._device_move("cpu()")
+
+    def cuda(self, device: Any = None) -> Any:
+        """No-op (returns the model): its arrays stay on the mesh's devices."""
+        return self._device_move("cuda()")
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``to(device)`` is a no-op returning the model; ``to(dtype)`` is refused unless it is the model's
+        dtype already (see ``half()``)."""
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None:
+            self._cast(dtype, f"to({dtype})")
+        return self._device_move("to(device)")
+
+    def half(self) -> Any:
+        """Refused unless the model already computes in float16: the dtype is fixed when the model is laid out.
+
+        Create the model in half precision (``smp.model_creation(dtype=torch.float16)``) or set the config's
+        ``fp16`` / ``bf16`` key instead.
+        """
+        return self._cast(torch.float16, "half()")
+
+    def bfloat16(self) -> Any:
+        """Refused unless the model already computes in bfloat16 (see ``half()``)."""
+        return self._cast(torch.bfloat16, "bfloat16()")
+
+    def float(self) -> Any:
+        """Refused unless the model already computes in float32 (see ``half()``)."""
+        return self._cast(torch.float32, "float()")
+
+    def double(self) -> Any:
+        """Refused unless the model already computes in float64 (see ``half()``)."""
+        return self._cast(torch.float64, "double()")
+
+    def _device_move(self, call: str) -> Any:
+        _log_once(
+            f"device-move:{call}",
+            "DistributedModel.%s: no-op; jmp keeps the model's arrays on the devices of smp.init's mesh",
+            call,
+        )
+        return self
+
+    def _cast(self, dtype: torch.dtype, call: str) -> Any:
+        if not dtype.is_floating_point:
+            raise ArgumentTypeError(f"DistributedModel.{call}: a model's parameters can only be a floating dtype")
+        target = jnp.dtype(str(dtype).removeprefix("torch."))
+        floating = {jnp.dtype(d) for d in self.precision.compute.values() if jnp.issubdtype(d, jnp.floating)}
+        if floating <= {target}:
+            return self  # already computed in that dtype
+        raise ConfigError(
+            f"DistributedModel.{call}: the model computes in {', '.join(sorted(d.name for d in floating))} and its "
+            "dtype cannot change after smp.DistributedModel lays it out. Create the model in the dtype you want "
+            f"(with smp.model_creation(dtype={dtype}): ...) or set the config key 'bf16' / 'fp16', then wrap it."
+        )
+
+    # --- other attributes: the torch module's, read-only ----------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names DistributedModel lacks. Private names and names asked for while the model is
+        # being built (before self.module exists) are not delegated: they are the model's own, missing.
+        module = self.__dict__.get("module")
+        if name.startswith("_") or module is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        try:
+            value = getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}', nor has its {type(module).__name__} module"
+            ) from None
+        if inspect.ismethod(value) or inspect.isfunction(value):
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no method '{name}'. The wrapped {type(module).__name__}'s "
+                f"{name}() would run on the torch module, not on the distributed model; call "
+                f"model.module.{name}() if that is what you mean."
+            )
+        return value
