@@ -13,8 +13,9 @@ Where jmp's default differs from SMP's, on purpose:
   keeps only biases and norms whole. Give the key to get SMP's behaviour.
 - ``sharded_data_parallel_degree`` / ``hybrid_shard_degree``: 1 (SMP v2: 0). 0 means "shard over
   all data-parallel devices", as in SMP v2; ``smp.init`` replaces it by that number.
-- ``sdp_gradient_clipping`` and ``active_microbatches``: None when not given (SMP: clip at 1.0 under
-  sharded data parallelism; ``partitions + 2`` microbatches in flight).
+- ``sdp_gradient_clipping``: None when not given (SMP: 1.0): jmp clips only when asked; given, the
+  optimizer clips the gradients' global norm to it under sharded data parallelism, as SMP does.
+- ``active_microbatches``: None when not given (SMP: ``partitions + 2`` microbatches in flight).
 - ``fp16_params: True`` trains in fp16 exactly as ``fp16: True`` does: jmp keeps float32 master
   parameters either way and computes in fp16 inside the step.
 """
@@ -61,7 +62,7 @@ class Config:
     prescaled_batch: bool = False
     # sharded data parallelism
     sdp_param_persistence_threshold: int = 1024  # elements; SMP's default is 1_000_000 (see above)
-    sdp_gradient_clipping: float | None = None  # stored, not used yet
+    sdp_gradient_clipping: float | None = None  # clipped to by DistributedOptimizer.step under fsdp
     sdp_reduce_bucket_size: int = 500_000_000
     sdp_max_live_parameters: int = 1_000_000_000
     sdp_hierarchical_allgather: bool = True

@@ -36,7 +36,6 @@ NO_EFFECT: dict[str, tuple[int, str]] = {
 # stored in Config and validated; the part of jmp they belong to does not use them yet
 NOT_YET: dict[str, tuple[int, str]] = {
     "active_microbatches": (logging.INFO, "the pipeline does not bound its in-flight microbatches by it"),
-    "sdp_gradient_clipping": (logging.WARNING, "gradients are not clipped by it (SMP clips their L2 norm)"),
 }
 CHANGED_MEANING: dict[str, tuple[int, str]] = {
     "fp16_params": (logging.INFO, "trains in fp16 as 'fp16': True does; float32 master parameters are kept"),

@@ -267,12 +267,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Apply the gradients accumulated since ``zero_grad()`` (none: no update, as in torch).
 
         With dynamic loss scaling an inf/nan gradient skips the update and lowers the scale (``overflow``
-        says so afterwards); nothing waits for the devices.
+        says so afterwards); nothing waits for the devices. Under sharded data parallelism with the config's
+        ``sdp_gradient_clipping``, the gradients' global norm is first clipped to it, as SMP does.
         """
         if closure is not None:
             raise OptimizerError("optimizer.step(closure) is not supported: run the step function, then call step()")
         if self.model.training_state.grads is None:
             return  # as in torch: no gradients, no update
+        clip = self.model.layout.config.sdp_gradient_clipping
+        if clip and self.model.layout.mesh.shape["fsdp"] > 1:  # SMP's sharded-data-parallel clipping
+            self.clip_master_grads(clip)
         dynamic = self.scaling.kind == "dynamic"
         scaling = self.scale_state if self.scale_state is not None else self._one
         scaling = self._run_update(scaling, self._no_inf, checked=dynamic, dynamic=dynamic)

@@ -147,3 +147,21 @@ def test_unsupported_optimizers_are_named_with_the_supported_ones():
         smp.DistributedOptimizer(torch.optim.LBFGS(module.parameters()))
     with pytest.raises(ModelLookupError, match="parameters belong to no smp.DistributedModel"):
         smp.DistributedOptimizer(torch.optim.SGD(SmallNet().parameters(), lr=0.1))
+
+
+def test_sdp_gradient_clipping_clips_under_sharded_data_parallelism():
+    """SMP's key: with sharded data parallelism the update sees gradients clipped to that global norm."""
+    module, data = SmallNet(), batches(4)
+    make = RULES["sgd_nesterov"]
+    reference = copy.deepcopy(module)
+    reference_optimizer = make(reference)
+    expected = []
+    for x, y in data:
+        reference_optimizer.zero_grad()
+        loss = F.cross_entropy(reference(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        reference_optimizer.step()
+        expected.append(float(loss))
+    model, optimizer, _ = setup(module, make, {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.05})
+    np.testing.assert_allclose(run(model, optimizer, data), expected, rtol=1e-4)
