@@ -15,7 +15,8 @@ Where jmp's default differs from SMP's, on purpose:
   all data-parallel devices", as in SMP v2; ``smp.init`` replaces it by that number.
 - ``sdp_gradient_clipping``: None when not given (SMP: 1.0): jmp clips only when asked; given, the
   optimizer clips the gradients' global norm to it under sharded data parallelism, as SMP does.
-- ``active_microbatches``: None when not given (SMP: ``partitions + 2`` microbatches in flight).
+- ``active_microbatches``: None when not given: the schedule's own bound (``interleaved`` keeps at most
+  ``partitions + 2``, as SMP's default; ``simple`` all); given, no stage has more in flight.
 - ``fp16_params: True`` trains in fp16 exactly as ``fp16: True`` does: jmp keeps float32 master
   parameters either way and computes in fp16 inside the step.
 """
@@ -49,7 +50,7 @@ class Config:
     pipeline: str = "interleaved"
     auto_partition: bool = True
     default_partition: int | None = None
-    active_microbatches: int | None = None  # SMP: partitions + 2; stored, not used yet
+    active_microbatches: int | None = None  # caps the pipeline's in-flight microbatches (jmp.pipeline.schedule)
     tensor_parallel_degree: int = 1
     expert_parallel_degree: int = 1
     expert_capacity_factor: float | None = None  # jmp: None sends every token to its experts (none dropped)

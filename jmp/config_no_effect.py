@@ -33,17 +33,12 @@ NO_EFFECT: dict[str, tuple[int, str]] = {
     "fsdp_cache_flush_warnings": (logging.INFO, "there is no PyTorch caching allocator to flush"),
     "allow_empty_shards": (logging.INFO, "a parameter that does not divide over the shards stays whole"),
 }
-# stored in Config and validated; the part of jmp they belong to does not use them yet
-NOT_YET: dict[str, tuple[int, str]] = {
-    "active_microbatches": (logging.INFO, "the pipeline does not bound its in-flight microbatches by it"),
-}
 CHANGED_MEANING: dict[str, tuple[int, str]] = {
     "fp16_params": (logging.INFO, "trains in fp16 as 'fp16': True does; float32 master parameters are kept"),
 }
 
 _TABLES = (
     (NO_EFFECT, "has no effect in jmp"),
-    (NOT_YET, "is accepted and has no effect yet"),
     (CHANGED_MEANING, "is accepted"),
 )
 _logged: set[str] = set()

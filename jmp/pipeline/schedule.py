@@ -10,6 +10,9 @@ the next tick (one ``ppermute`` per direction per tick).
 - ``interleaved``: one-forward-one-backward (1F1B). Stage *s* runs at most ``pp - s + 1`` forwards ahead of
   its backwards (one more than 1F1B's warm-up, which covers the one-tick hop), so at most ``pp + 2``
   microbatches' inputs are kept, however many microbatches there are.
+
+``active_microbatches`` lowers either bound: a stage then starts a forward only while fewer than that many
+of its microbatches await their backward.
 """
 
 from __future__ import annotations
@@ -39,8 +42,12 @@ class Schedule:
         return float(np.mean(self.action == IDLE))
 
 
-def build(kind: str, stages: int, microbatches: int, backward: bool = True) -> Schedule:
-    """The schedule of ``kind`` ("simple" or "interleaved") for ``stages`` x ``microbatches``."""
+def build(kind: str, stages: int, microbatches: int, backward: bool = True, active: int | None = None) -> Schedule:
+    """The schedule of ``kind`` ("simple" or "interleaved") for ``stages`` x ``microbatches``.
+
+    ``active`` (SMP's ``active_microbatches``) caps the microbatches a stage has started and not finished,
+    so at most that many are in flight at once (None: the schedule's own bound).
+    """
     if kind not in ("simple", "interleaved"):
         raise ValueError(f"unknown pipeline schedule {kind!r}; use 'simple' or 'interleaved'")
     pp, m_total = stages, microbatches
@@ -64,6 +71,8 @@ def build(kind: str, stages: int, microbatches: int, backward: bool = True) -> S
                 continue
             can_b = backward and next_b[s] < next_f[s] and next_b[s] in have_ct[s]
             limit = m_total if kind == "simple" or not backward else pp - s + 1
+            if backward and active is not None:
+                limit = min(limit, active)
             can_f = can_f and next_f[s] - next_b[s] < limit
             prefer_b = kind == "interleaved"
             if can_b and (prefer_b or not can_f):

@@ -124,7 +124,9 @@ class Pipeline:
             PipelineError: a buffer the forward updates is read on another stage than the one updating it.
         """
         _check_restarted(programs, inputs.rest)
-        plan = schedule.build(self.config.pipeline, self.stages, inputs.microbatches, inputs.backward)
+        plan = schedule.build(
+            self.config.pipeline, self.stages, inputs.microbatches, inputs.backward, self.config.active_microbatches
+        )
         outputs = engine.run(programs, self.layout, plan, inputs)
         if outputs.grads is None:
             return outputs

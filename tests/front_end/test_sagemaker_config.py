@@ -86,7 +86,7 @@ def test_sm_framework_params_without_modelparallel_parameters_gives_the_defaults
 
 def test_every_key_with_no_effect_logs_one_line_per_process(monkeypatch, caplog):
     monkeypatch.setattr(config_no_effect, "_logged", set())
-    quiet = {**config_no_effect.NO_EFFECT, **config_no_effect.NOT_YET, **config_no_effect.CHANGED_MEANING}
+    quiet = {**config_no_effect.NO_EFFECT, **config_no_effect.CHANGED_MEANING}
     defaults = Config()
     config = {key: getattr(defaults, key) for key in quiet}
     with caplog.at_level(logging.INFO, logger="jmp"):

@@ -220,3 +220,21 @@ def test_errors_say_what_to_change():
     model = smp.DistributedModel(net)
     with pytest.raises(smp.PipelineError, match=r"stage\(s\) \[1\] got no computation"):
         nll_step(model, *mnist_batch(8))
+
+
+def test_active_microbatches_changes_the_schedule_not_the_gradients():
+    """SMP's active_microbatches=1: one microbatch in flight per stage, the same loss and gradients."""
+    data, target = mnist_batch()
+    net = GroupedNet()
+    results = []
+    for extra in ({}, {"active_microbatches": 1}):
+        smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, **extra})
+        fresh = GroupedNet()
+        fresh.load_state_dict(net.state_dict())
+        model = smp.DistributedModel(fresh).eval()
+        loss = float(nll_step(model, data, target).reduce_mean())
+        results.append((loss, {n: np.asarray(g) for n, g in model.layout.by_name(model.grads).items()}))
+    (loss, grads), (loss_one, grads_one) = results
+    np.testing.assert_allclose(loss_one, loss, rtol=1e-6)
+    for name, grad in grads.items():
+        np.testing.assert_allclose(grads_one[name], grad, rtol=1e-5, atol=1e-7)

@@ -110,6 +110,21 @@ def test_interleaved_keeps_a_bounded_number_of_microbatches_in_flight(pp, microb
 
 
 @pytest.mark.parametrize("kind", ["simple", "interleaved"])
+@pytest.mark.parametrize("active", [1, 2])
+def test_active_microbatches_caps_what_a_stage_has_in_flight(kind, active):
+    """SMP's active_microbatches: no stage starts a forward while that many await their backward; the
+    schedule still runs every microbatch forward then backward, in order."""
+    pp, microbatches = 3, 6
+    plan = schedule.build(kind, pp, microbatches, active=active)
+    for s in range(pp - 1):
+        in_flight = np.cumsum(plan.action[:, s] == FORWARD) - np.cumsum(plan.action[:, s] == BACKWARD)
+        assert in_flight.max() <= active
+        assert sorted(ticks_of(plan, s, BACKWARD)) == list(range(microbatches))
+    assert plan.slots <= active + 1  # a stage's next input may arrive while it holds `active` microbatches
+    assert plan.ticks > schedule.build(kind, pp, microbatches).ticks  # fewer in flight: a longer pipeline
+
+
+@pytest.mark.parametrize("kind", ["simple", "interleaved"])
 @pytest.mark.parametrize(("pp", "microbatches"), SIZES)
 def test_idle_fraction(kind, pp, microbatches):
     plan = schedule.build(kind, pp, microbatches)
