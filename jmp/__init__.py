@@ -12,7 +12,7 @@ def train_step(model, data, target):
     return loss
 """
 
-from jmp import amp, torch_bridge
+from jmp import amp, nn, torch_bridge
 from jmp.errors import (
     ActivationCheckpointingError,
     ArgumentTypeError,
@@ -35,6 +35,7 @@ from jmp.pipeline import partition, set_partition
 from jmp.remat.api import checkpoint, checkpoint_sequential, set_activation_checkpointing
 from jmp.remat_policy import RematPolicy
 from jmp.sharding import set_tensor_parallelism, tensor_parallelism
+from jmp.sharding.tensor_parallel import tp_register, tp_register_with_module
 from jmp.state import (
     dp_rank,
     dp_size,
@@ -92,6 +93,7 @@ __all__ = [
     "mp_rank",
     "model_creation",
     "mp_size",
+    "nn",
     "partition",
     "pp_rank",
     "pp_size",
@@ -105,6 +107,8 @@ __all__ = [
     "step",
     "tensor_parallelism",
     "torch_bridge",
+    "tp_register",
+    "tp_register_with_module",
     "tp_rank",
     "tp_size",
 ]

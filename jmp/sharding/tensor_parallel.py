@@ -13,6 +13,14 @@ Which modules are distributed follows SMP: modules created inside
 module is marked, the whole model is. The split itself is a ``PartitionSpec``
 per parameter; XLA (GSPMD) inserts the collectives.
 
+SMP's API for declaring splits maps onto these rules: ``smp.tp_register`` /
+``smp.tp_register_with_module`` register a module class as one of ``smp.nn``'s
+distributed classes, so its instances split as that class does (by the rank of
+their parameters, whatever their names); modules are never replaced. The keyword
+options of ``smp.tensor_parallelism`` / ``smp.set_tensor_parallelism`` (SMP passed
+them to its distributed modules' constructors) are accepted and have no effect on
+the split.
+
 SMP's ``optimize`` key ("speed" | "memory") chose how much of the activations
 its tensor-parallel layers kept split; here XLA's SPMD partitioner makes that
 choice for the whole compiled step, so the key has no effect on tensor parallelism.
@@ -21,12 +29,17 @@ choice for the whole compiled step, so the key has no effect on tensor paralleli
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch import nn
 
 from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.module_marks import mark, mark_of, marking_created
+from jmp.nn import DistributedEmbedding, DistributedLinear, FusedLayerNorm
+
+logger = logging.getLogger("jmp")
 
 _MARK = "tensor_parallel"
 COLUMN, ROW, VOCAB = "column", "row", "vocab"
@@ -40,22 +53,115 @@ _KEY_VALUE_NAMES = frozenset({"k_proj", "v_proj", "key", "value"})
 _POSITION_NAMES = ("wpe", "position")  # position tables are small and indexed by position, not token: replicated
 
 
+_logged_options: set[str] = set()
+
+
+def _log_options(where: str, tp_config: dict[str, Any]) -> None:
+    """Log, once per process, the SMP tensor-parallel options given that jmp does not act on."""
+    new = sorted(set(tp_config) - _logged_options)
+    if new:
+        _logged_options.update(new)
+        logger.info(
+            "%s: tensor-parallel option(s) %s have no effect on jmp's split (its rules place every supported module)",
+            where,
+            new,
+        )
+
+
 @contextlib.contextmanager
-def tensor_parallelism(enabled: bool = True) -> Iterator[None]:
-    """Modules created inside the block are distributed over ``tp`` (``enabled=False`` keeps them whole)."""
+def tensor_parallelism(enabled: bool = True, **tp_config: Any) -> Iterator[None]:
+    """Modules created inside the block are distributed over ``tp`` (``enabled=False`` keeps them whole).
+
+    ``tp_config``: SMP's options for its distributed modules (``distribute_embedding``, ``fused_softmax``,
+    ``fused_bias_gelu``, ``attention_in_fp32``, ...): accepted, no effect on jmp's split (logged once).
+    """
+    _log_options("smp.tensor_parallelism", tp_config)
     with marking_created(_MARK, enabled):
         yield
 
 
-def set_tensor_parallelism(module: nn.Module, enabled: bool = True) -> None:
-    """Distribute ``module`` and its submodules over ``tp`` (or keep them whole with ``enabled=False``)."""
+def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **tp_config: Any) -> None:
+    """Distribute ``module`` and its submodules over ``tp`` (or keep them whole with ``enabled=False``).
+
+    ``tp_config``: SMP's per-module options, accepted as in ``tensor_parallelism``.
+    """
     if not isinstance(module, nn.Module):
         raise ArgumentTypeError(f"set_tensor_parallelism takes a torch nn.Module, not {type(module).__name__}")
+    _log_options("smp.set_tensor_parallelism", tp_config)
     for submodule in module.modules():
         mark(submodule, _MARK, enabled)
 
 
+# user module class -> the smp.nn class its instances split like (smp.tp_register / tp_register_with_module)
+_REGISTERED: dict[type, type] = {}
+_SPLITTABLE = (DistributedLinear, DistributedEmbedding, FusedLayerNorm)
+
+
+def tp_register_with_module(
+    module_cls: type,
+    dist_module: type,
+    init_hook: Callable | None = None,
+    forward_hook: Callable | None = None,
+    return_hook: Callable | None = None,
+) -> None:
+    """Split instances of ``module_cls`` over ``tp`` as ``dist_module`` (an ``smp.nn`` class) is split.
+
+    SMP replaced such instances by ``dist_module``; jmp keeps the module (and converts its own forward) and
+    gives its parameters ``dist_module``'s specs: as ``DistributedLinear``, every 2-D parameter is a
+    [out, in] weight and every 1-D one a bias (column- or row-parallel by jmp's rules); as
+    ``DistributedEmbedding``, 2-D parameters are [vocabulary, dim] tables split over the vocabulary;
+    as ``FusedLayerNorm``, its parameters stay whole. Applies where tensor parallelism is on.
+    """
+    if not (isinstance(module_cls, type) and issubclass(module_cls, nn.Module)):
+        raise ArgumentTypeError(f"tp_register_with_module takes a torch nn.Module class, not {module_cls!r}")
+    if not (isinstance(dist_module, type) and issubclass(dist_module, _SPLITTABLE)):
+        known = ", ".join(f"smp.nn.{c.__name__}" for c in _SPLITTABLE)
+        raise ArgumentTypeError(
+            f"tp_register: jmp cannot split {module_cls.__name__} as {dist_module!r}; it splits a module the way "
+            f"one of {known} is split (a PartitionSpec per parameter), so register it with one of those"
+        )
+    given = {"init_hook": init_hook, "forward_hook": forward_hook, "return_hook": return_hook}
+    hooks = [name for name, hook in given.items() if hook is not None]
+    if hooks:
+        raise ArgumentTypeError(
+            f"tp_register: {', '.join(hooks)} cannot be used in jmp: it converts {module_cls.__name__}'s own "
+            "forward and splits its parameters in place, so there is no distributed module to hook into; "
+            "pass None"
+        )
+    _REGISTERED[module_cls] = next(c for c in _SPLITTABLE if issubclass(dist_module, c))
+
+
+def tp_register(
+    dist_module: type,
+    init_hook: Callable | None = None,
+    forward_hook: Callable | None = None,
+    return_hook: Callable | None = None,
+) -> Callable[[type], type]:
+    """Class decorator: ``tp_register_with_module(cls, dist_module, ...)``; returns the class unchanged."""
+
+    def decorate(module_cls: type) -> type:
+        tp_register_with_module(module_cls, dist_module, init_hook, forward_hook, return_hook)
+        return module_cls
+
+    return decorate
+
+
+def _registered(module: nn.Module) -> type | None:
+    """The smp.nn class ``module``'s class (or a base) was registered as, if any."""
+    for klass in type(module).__mro__:
+        if klass in _REGISTERED:
+            return _REGISTERED[klass]
+    return None
+
+
 def _kind(module: nn.Module) -> str | None:
+    registered = _registered(module)
+    if registered is DistributedLinear:
+        return "registered_linear"
+    if registered is DistributedEmbedding:
+        return "registered_embedding"
+    if registered is FusedLayerNorm:
+        return None
     if isinstance(module, nn.Linear):
         return "linear"
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # Hugging Face GPT-2: weight [in, out]
@@ -71,6 +177,9 @@ def _sizes(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a linear-like module."""
     if _kind(module) == "conv1d":
         return module.weight.shape[0], module.weight.shape[1]
+    if _kind(module) == "registered_linear":
+        features_out, features_in = _matrix(module).shape
+        return features_in, features_out
     return module.in_features, module.out_features
 
 
@@ -83,12 +192,14 @@ def _roles(root: nn.Module) -> dict[str, tuple[str, nn.Module, nn.Module | None]
         enabled = mark_of(module, _MARK, enabled)
         kind = _kind(module)
         name = path.rsplit(".", 1)[-1]
-        if enabled and kind in ("linear", "conv1d"):
+        if enabled and kind in _LINEAR_KINDS:
             if name in _COLUMN_NAMES:
                 roles[path] = (COLUMN, module, parent)
             elif name in _ROW_NAMES:
                 roles[path] = (ROW, module, parent)
-        elif enabled and kind == "embedding" and not any(p in name for p in _POSITION_NAMES):
+            elif path not in roles and (kind == "registered_linear" or isinstance(module, DistributedLinear)):
+                roles[path] = (COLUMN, module, parent)  # smp.nn.DistributedLinear outside a pair
+        elif enabled and kind in _EMBEDDING_KINDS and not any(p in name for p in _POSITION_NAMES):
             roles[path] = (VOCAB, module, parent)
         elif enabled and kind == "attention":
             roles[path] = (COLUMN, module, parent)  # in_proj; its out_proj child is row-parallel by name
@@ -106,7 +217,7 @@ def _pair_by_structure(module: nn.Module, path: str, roles: dict) -> None:
     linears = [
         (f"{path}.{n}" if path else n, c)
         for n, c in module.named_children()
-        if _kind(c) in ("linear", "conv1d") and n not in _COLUMN_NAMES | _ROW_NAMES
+        if _kind(c) in _LINEAR_KINDS and n not in _COLUMN_NAMES | _ROW_NAMES
     ]
     index = 0
     while index + 1 < len(linears):
@@ -117,6 +228,34 @@ def _pair_by_structure(module: nn.Module, path: str, roles: dict) -> None:
             index += 2
         else:
             index += 1
+
+
+_LINEAR_KINDS = ("linear", "conv1d", "registered_linear")
+_EMBEDDING_KINDS = ("embedding", "registered_embedding")
+_BY_RANK = {  # registered kinds: (kind, role) -> {parameter rank: spec}
+    ("registered_linear", COLUMN): {2: ("tp", None), 1: ("tp",)},
+    ("registered_linear", ROW): {2: (None, "tp"), 1: (None,)},
+    ("registered_embedding", VOCAB): {2: ("tp", None)},
+}
+
+
+def _matrix(module: nn.Module):
+    """The first 2-D parameter of a registered module (its weight / table)."""
+    for parameter in module.parameters(recurse=False):
+        if parameter.dim() == 2:
+            return parameter
+    raise ConfigError(
+        f"{type(module).__name__} is registered with smp.tp_register as {_registered(module).__name__}, but has no "
+        "2-D parameter (a weight or table) of its own to split; register a class that holds one"
+    )
+
+
+def _module_specs(module: nn.Module, kind: str, role: str) -> dict[str, tuple]:
+    """Parameter name (relative to ``module``) -> spec, for a module with a role."""
+    if (kind, role) in _BY_RANK:
+        by_rank = _BY_RANK[(kind, role)]
+        return {n: by_rank[p.dim()] for n, p in module.named_parameters(recurse=False) if p.dim() in by_rank}
+    return {name: spec for name, spec in _SPECS[(kind, role)].items() if getattr(module, name, None) is not None}
 
 
 _SPECS = {  # (kind, role) -> {parameter name: spec}
@@ -143,9 +282,8 @@ def tensor_parallel_specs(root: nn.Module, degree: int) -> dict[str, tuple]:
     for path, (role, module, parent) in _roles(root).items():
         kind = _kind(module)
         _check_divisible(path, module, kind, role, parent, degree)
-        for name, spec in _SPECS[(kind, role)].items():
-            if getattr(module, name, None) is not None:
-                specs[f"{path}.{name}" if path else name] = spec
+        for name, spec in _module_specs(module, kind, role).items():
+            specs[f"{path}.{name}" if path else name] = spec
     return _with_tied_names(root, specs)
 
 
@@ -166,6 +304,8 @@ def _check_divisible(path: str, module: nn.Module, kind: str, role: str, parent:
     )
     if kind == "embedding":
         size, what = module.num_embeddings, "vocabulary entries"
+    elif kind == "registered_embedding":
+        size, what = _matrix(module).shape[0], "vocabulary entries"
     elif kind == "attention":
         size, what = module.num_heads, "attention heads"
     else:
