@@ -105,20 +105,25 @@ def test_state_dict_is_torchs_and_training_resumes_from_it_in_jmp_and_in_torch()
     np.testing.assert_allclose(torch_train(torch_module, torch_optimizer, data[5:]), continued, rtol=1e-4)
 
 
-def test_clip_master_grads_is_global_norm_clipping():
-    module, data = SmallNet(), batches(5)
-    make = RULES["sgd_nesterov"]
-
+def _torch_clipped_losses(module, make, data, max_norm: float) -> list[float]:
+    """torch's training with the gradients' global norm clipped before each step."""
     reference = copy.deepcopy(module)
     reference_optimizer = make(reference)
-    expected = []
+    losses = []
     for x, y in data:
         reference_optimizer.zero_grad()
         loss = F.cross_entropy(reference(x), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
         reference_optimizer.step()
-        expected.append(float(loss))
+        losses.append(float(loss))
+    return losses
+
+
+def test_clip_master_grads_is_global_norm_clipping():
+    module, data = SmallNet(), batches(5)
+    make = RULES["sgd_nesterov"]
+    expected = _torch_clipped_losses(module, make, data, 0.1)
     model, optimizer, _ = setup(module, make)
     np.testing.assert_allclose(run(model, optimizer, data, clip=0.1), expected, rtol=1e-4)
 
@@ -153,15 +158,6 @@ def test_sdp_gradient_clipping_clips_under_sharded_data_parallelism():
     """SMP's key: with sharded data parallelism the update sees gradients clipped to that global norm."""
     module, data = SmallNet(), batches(4)
     make = RULES["sgd_nesterov"]
-    reference = copy.deepcopy(module)
-    reference_optimizer = make(reference)
-    expected = []
-    for x, y in data:
-        reference_optimizer.zero_grad()
-        loss = F.cross_entropy(reference(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
-        reference_optimizer.step()
-        expected.append(float(loss))
+    expected = _torch_clipped_losses(module, make, data, 0.05)
     model, optimizer, _ = setup(module, make, {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.05})
     np.testing.assert_allclose(run(model, optimizer, data), expected, rtol=1e-4)
