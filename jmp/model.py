@@ -288,11 +288,9 @@ class DistributedModel(ModuleSurface):
         self.training_state.params = layout.pack(self.layout.by_name(self.training_state.params))
         for optimizer in self._live_optimizers():
             optimizer.parameters_moved()
-        self._run_post_partition_hooks()
 
     def check_mesh(self) -> None:
-        """At each step call: fail clearly when ``smp.init`` was called again with another config or mesh since
-        this model was built; at the first one of a partitioned model, run its post-partition hooks."""
+        """Fail clearly when ``smp.init`` was called again with another config or mesh since this model was built."""
         mesh, config = state.get_mesh(), state.get_config()
         if (mesh is not self.layout.mesh and mesh != self.layout.mesh) or (
             config is not self.layout.config and config != self.layout.config
@@ -302,7 +300,6 @@ class DistributedModel(ModuleSurface):
                 "the model is laid out for the first one. Build a new DistributedModel (and optimizer) after "
                 "smp.init, or call smp.init once."
             )
-        self._run_post_partition_hooks()
 
     def _live_optimizers(self) -> list[Any]:
         return [o for o in (ref() for ref in self._optimizers) if o is not None]

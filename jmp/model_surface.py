@@ -269,8 +269,8 @@ class ModuleSurface:
             self._post_partition_hooks[handle.id] = hook
         return handle
 
-    def _run_post_partition_hooks(self) -> None:
-        """At a step call: the registered post-partition hooks, once, when the model is partitioned."""
+    def run_post_partition_hooks(self) -> None:
+        """Called by each step call: the registered post-partition hooks, once, when the model is partitioned."""
         if self._post_partition_hooks_ran or not self.partitioned:
             return
         self._post_partition_hooks_ran = True

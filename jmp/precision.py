@@ -25,6 +25,7 @@ so activations are held in half precision only (``jmp.torch_bridge.autocast.forc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -39,6 +40,7 @@ from jmp.errors import ConfigError
 logger = logging.getLogger("jmp")
 
 HALF = {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
+_HALF_JAX = {jnp.dtype(d) for d in HALF.values()}
 MASTER = jnp.float32
 _warned: set[str] = set()
 
@@ -61,17 +63,15 @@ class Precision:
     compute: Mapping[str, Any]
     autocast: torch.dtype | None = None
 
-    @property
-    def mixed(self) -> bool:
-        """Whether any parameter is computed in half precision (masters kept in float32)."""
-        return any(jnp.dtype(d) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) for d in self.compute.values())
+    @functools.cached_property
+    def half_dtype(self) -> Any:
+        """The half-precision dtype some parameters are computed in (None: full precision)."""
+        return next((jnp.dtype(d) for d in self.compute.values() if jnp.dtype(d) in _HALF_JAX), None)
 
     @property
-    def half_dtype(self) -> Any:
-        """The half-precision dtype of this policy (None in full precision)."""
-        halves = {jnp.dtype(d) for d in self.compute.values()} - {jnp.dtype(MASTER)}
-        halves = {d for d in halves if d in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))}
-        return next(iter(halves)) if halves else None
+    def mixed(self) -> bool:
+        """Whether parameters are computed in half precision (masters kept in float32)."""
+        return self.half_dtype is not None
 
     @property
     def is_fp16(self) -> bool:

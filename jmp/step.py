@@ -290,17 +290,17 @@ class StepFunction:
             shards,
             scaling is not None and scaling.scales_in_step,
             torch.is_grad_enabled(),
-            bool(getattr(model, "average_grads_across_microbatches", True)),
+            model.average_grads_across_microbatches,
             model.graphdef,
         )
         if model.pipeline is not None and not model.pipeline.ready:
             self._partition(model, signature, [*arrays, model.loss_scale])
+        model.run_post_partition_hooks()
         program, traced = model.programs.get((self, signature), lambda: self._compile(model, signature))
-        call = _Call(model, [*arrays, model.loss_scale], program, traced)
-        if traced.output_spec is None:  # not traced yet; tracing may bind a GradScaler, so read the scale after
-            program.trace(*call.arguments)  # jax.jit keeps the trace for the call
-            call = _Call(model, [*arrays, model.loss_scale], program, traced)
-        return call
+        if traced.output_spec is None:  # first call: trace before reading the scale (tracing may bind a GradScaler)
+            training = model.training_state
+            program.trace(training.params, training.rest, [*arrays, model.loss_scale])  # jax.jit keeps the trace
+        return _Call(model, [*arrays, model.loss_scale], program, traced)
 
     def _partition(self, model: DistributedModel, signature: StepSignature, arrays: list) -> None:
         """Cut a pipelined model into stages from this call's forward (its first step), and move its parameters."""
