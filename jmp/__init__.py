@@ -16,6 +16,7 @@ from jmp import amp, nn, torch_bridge
 from jmp.errors import (
     ActivationCheckpointingError,
     ArgumentTypeError,
+    CheckpointError,
     ConfigError,
     ConversionError,
     JmpError,
@@ -34,6 +35,7 @@ from jmp.optimizer import DistributedOptimizer
 from jmp.pipeline import partition, set_partition
 from jmp.remat.api import checkpoint, checkpoint_sequential, set_activation_checkpointing
 from jmp.remat_policy import RematPolicy
+from jmp.saving import load, resume_from_checkpoint, save, save_checkpoint
 from jmp.sharding import set_tensor_parallelism, tensor_parallelism
 from jmp.sharding.tensor_parallel import tp_register, tp_register_with_module
 from jmp.state import (
@@ -63,6 +65,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ActivationCheckpointingError",
     "ArgumentTypeError",
+    "CheckpointError",
     "ConfigError",
     "ConversionError",
     "DistributedModel",
@@ -88,6 +91,7 @@ __all__ = [
     "init",
     "is_initialized",
     "is_tracing",
+    "load",
     "local_rank",
     "local_size",
     "mp_rank",
@@ -100,6 +104,9 @@ __all__ = [
     "rank",
     "rdp_rank",
     "rdp_size",
+    "resume_from_checkpoint",
+    "save",
+    "save_checkpoint",
     "set_tensor_parallelism",
     "set_activation_checkpointing",
     "set_partition",

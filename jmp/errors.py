@@ -53,3 +53,8 @@ class PipelineError(JmpError):
 
 class ActivationCheckpointingError(JmpError):
     """A module cannot be checkpointed as asked (layers that do not chain, a layer missing from its group)."""
+
+
+class CheckpointError(JmpError, RuntimeError):
+    """A checkpoint cannot be saved or resumed: a missing path or tag, an incomplete or corrupted
+    checkpoint, or one saved from another model."""

@@ -49,6 +49,8 @@ class Trace:
         self.loss: JaxTensor | None = None
 
 
+PARTIAL_MARK = "_smp_is_partial"  # SMP's key in a local_state_dict()
+
 _TRACE: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("jmp_model_trace", default=None)
 
 
@@ -72,7 +74,8 @@ class DistributedModel(ModuleSurface):
     ``modules()``, ``cpu()``, ``model.config``, ...: see ``jmp.model_surface``).
 
     Args:
-        module: the torch module; it stays the user's (``model.module``) and keeps its initial values.
+        module: the torch module; it stays the user's (``model.module``), and reading ``model.module``
+            after training writes the current values into its parameters and buffers.
         sharding_rules: (a jmp extension) regular expressions on torch parameter names mapped to
             ``PartitionSpec``s over the mesh axes; a matching rule places that parameter exactly as given.
         smp_options: SMP's keyword arguments (``trace_device``, ``backward_passes_per_step``,
@@ -103,7 +106,7 @@ class DistributedModel(ModuleSurface):
                     "remove it (data parallelism over all devices is available)."
                 )
         mesh = state.get_mesh()
-        self.module = module
+        self.torch_module = module  # read for its structure; ``module`` also writes the current values back
         graphdef, params, rest = nnx.split(convert(module, rngs=nnx.Rngs(config.random_seed)), nnx.Param, ...)
         leaves = [(torch_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
         shapes = {name: tuple(leaf.shape) for name, leaf in leaves}
@@ -122,6 +125,7 @@ class DistributedModel(ModuleSurface):
             params=jax.device_put(params, self.layout.shardings),
             rest=jax.device_put(rest, self.layout.replicated),
         )
+        self._module_version = self.training_state.version  # the torch module holds these values now
         self.programs = ProgramCache()
         self.call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
         self.may_drop_tokens = bool(self.call_hooks) and config.expert_capacity_factor is not None
@@ -134,6 +138,22 @@ class DistributedModel(ModuleSurface):
         self._graphdefs: dict[nnx.GraphDef, nnx.GraphDef] = {}
         self._graphdef = self._graphdefs.setdefault(graphdef, graphdef)
         model_registry.register(self)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The user's torch module, holding the current parameter and buffer values.
+
+        The values are written back when this is read after the model's state changed (a step, an update, a
+        load), so ``model.module.save_pretrained(...)`` saves the trained model; training itself never copies.
+        """
+        if self.training_state.version != self._module_version:
+            current = self.state_dict()
+            with torch.no_grad():
+                for name, tensor in self.torch_module.state_dict(keep_vars=True).items():
+                    if name in current:
+                        tensor.copy_(current[name])
+            self._module_version = self.training_state.version
+        return self.torch_module
 
     # --- inside a step function -------------------------------------------------------------------------
 
@@ -211,7 +231,7 @@ class DistributedModel(ModuleSurface):
         trace = Trace(self, module, loss_scale)
         token = _TRACE.set(trace)
         try:
-            with remat.tracing(self.module, module):  # activation checkpointing of annotated modules
+            with remat.tracing(self.torch_module, module):  # activation checkpointing of annotated modules
                 yield trace
         finally:
             _TRACE.reset(token)
@@ -317,7 +337,7 @@ class DistributedModel(ModuleSurface):
         avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.training_state.rest)
         module = nnx.merge(self._graphdef, self.layout.tree(dict(zip(self.layout.names, self.layout.avals()))), avals)
         module.train(mode)
-        self.module.train(mode)
+        self.torch_module.train(mode)
         graphdef = nnx.graphdef(module)
         self._graphdef = self._graphdefs.setdefault(graphdef, graphdef)
         return self
@@ -327,7 +347,7 @@ class DistributedModel(ModuleSurface):
 
     @property
     def training(self) -> bool:
-        return self.module.training
+        return self.torch_module.training
 
     @property
     def flax_module(self) -> TorchModule:
@@ -358,9 +378,12 @@ class DistributedModel(ModuleSurface):
         """Full parameters and persistent buffers as torch tensors under torch's names (gathered)."""
         return dict(to_state_dict(self.flax_module))
 
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This process's part of each parameter and buffer (all of it on one host; the local shards on many)."""
-        out = {}
+    def local_state_dict(self) -> dict[str, Any]:
+        """This process's part of each parameter and buffer (all of it on one host; the local shards on many).
+
+        As in SMP it holds ``"_smp_is_partial": True``; ``load_state_dict`` takes it back.
+        """
+        out: dict[str, Any] = {PARTIAL_MARK: True}
         for name, variable in named_variables(self.flax_module):
             if not variable.get_metadata("persistent", True):
                 continue
@@ -376,6 +399,7 @@ class DistributedModel(ModuleSurface):
         Raises:
             StateDictError: a shape differs, or (``strict``) keys are missing or unexpected.
         """
+        state_dict = {k: v for k, v in state_dict.items() if k != PARTIAL_MARK}
         module = self.flax_module
         variables = {n: v for n, v in named_variables(module) if v.get_metadata("persistent", True)}
         missing = sorted(set(variables) - set(state_dict))
@@ -412,7 +436,7 @@ class DistributedModel(ModuleSurface):
 
     def __repr__(self) -> str:
         return (
-            f"DistributedModel({type(self.module).__name__}, {self.layout.parameter_count():,} parameters, "
+            f"DistributedModel({type(self.torch_module).__name__}, {self.layout.parameter_count():,} parameters, "
             f"mesh {dict(self.layout.mesh.shape)})"
         )
 

@@ -14,10 +14,18 @@ from torch import nn
 from jmp.errors import ModelLookupError
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+_LATEST: weakref.ref | None = None
 
 
 def register(model: Any) -> None:
+    global _LATEST
     _LIVE.add(model)
+    _LATEST = weakref.ref(model)
+
+
+def latest() -> Any | None:
+    """The model built last, if it is still alive (SMP's one model of the run)."""
+    return _LATEST() if _LATEST is not None else None
 
 
 def live() -> list[Any]:
@@ -29,7 +37,7 @@ def live() -> list[Any]:
 
 def owners_of(module: nn.Module) -> list[Any]:
     """The live models whose torch module contains ``module``."""
-    return [model for model in live() if any(sub is module for sub in model.module.modules())]
+    return [model for model in live() if any(sub is module for sub in model.torch_module.modules())]
 
 
 def the_only(what: str, how_to_name: str) -> Any:

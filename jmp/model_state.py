@@ -79,6 +79,12 @@ class TrainingState:
     rest: Any
     grads: Any = None
     dropped_tokens: jax.Array | None = None
+    version: int = 0  # counts changes of ``params`` and ``rest`` (what a copy of them is checked against)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("params", "rest"):
+            object.__setattr__(self, "version", getattr(self, "version", 0) + 1)
+        object.__setattr__(self, name, value)
 
     def record_step(self, rest: Any, grads: Any, dropped_tokens: jax.Array) -> None:
         """Take a step program's results: new module state, gradients to add (None: no backward)."""

@@ -150,7 +150,8 @@ def _expect(name: str, value: Any, kind: type) -> None:
 class ModuleSurface:
     """``nn.Module``-like methods of ``DistributedModel`` (a mixin).
 
-    Expects of the class it is mixed into: ``module`` (the torch module), ``layout``, ``pipeline``,
+    Expects of the class it is mixed into: ``module`` (the torch module, its values current),
+    ``torch_module`` (the same module, read for its structure only), ``layout``, ``pipeline``,
     ``precision``, ``training_state`` and ``attached_optimizer``; ``_init_surface()`` is called by its
     constructor before anything else.
     """
@@ -169,7 +170,7 @@ class ModuleSurface:
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The torch module's parameters: what a torch optimizer is built on (``DistributedOptimizer`` finds
-        the model by them). Their values are those at wrapping time; ``state_dict()`` has the current ones."""
+        the model by them). They hold the current values (see ``DistributedModel.module``)."""
         return self.module.parameters(recurse)
 
     def named_parameters(
@@ -352,7 +353,7 @@ class ModuleSurface:
     def __getattr__(self, name: str) -> Any:
         # Called only for names DistributedModel lacks. Private names and names asked for while the model is
         # being built (before self.module exists) are not delegated: they are the model's own, missing.
-        module = self.__dict__.get("module")
+        module = self.__dict__.get("torch_module")
         if name.startswith("_") or module is None:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         try:

@@ -19,9 +19,9 @@ import optax
 import torch
 from flax import nnx
 
-from jmp import loss_scaling, model_registry, precision, sharding, torch_optimizers
+from jmp import loss_scaling, model_registry, portable_state, precision, sharding, torch_optimizers
 from jmp.errors import ArgumentTypeError, ModelLookupError, OptimizerError
-from jmp.model import DistributedModel
+from jmp.model import PARTIAL_MARK, DistributedModel
 from jmp.torch_bridge import torch_name as _name_of
 from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
 
@@ -136,7 +136,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "smp.DistributedOptimizer(<optax transformation>)", "pass model= to say which one it updates"
             )
         held = {id(p) for g in self.torch_optimizer.param_groups for p in g["params"]}
-        owners = [m for m in model_registry.live() if any(id(p) in held for p in m.module.parameters())]
+        owners = [m for m in model_registry.live() if any(id(p) in held for p in m.torch_module.parameters())]
         if len(owners) == 1:
             return owners[0]
         if not owners:
@@ -182,8 +182,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
 
     def parameters_moved(self) -> None:
-        """Called by the model when a pipelined model moves its parameters into the stages' buffers (first step)."""
+        """Called by the model when a pipelined model moves its parameters into the stages' buffers (first step):
+        the state moves with them (a loaded or resumed state survives)."""
+        arrays = portable_state.optimizer_arrays(self)
         self._build()
+        self.opt_state, self.scale_state = portable_state.optimizer_state_from(self, arrays)
 
     def param_labels(self) -> dict[str, str]:
         """Each parameter's optimizer label (its torch param group, or frozen) by torch name."""
@@ -191,7 +194,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.torch_optimizer is None:
             return {name: "all" for name in names}
         group_of = {id(p): i for i, g in enumerate(self.torch_optimizer.param_groups) for p in g["params"]}
-        by_name = dict(self.model.module.named_parameters(remove_duplicate=False))
+        by_name = dict(self.model.torch_module.named_parameters(remove_duplicate=False))
         known = {id(p) for p in by_name.values()}
         unknown = [p for g in self.torch_optimizer.param_groups for p in g["params"] if id(p) not in known]
         if unknown:
@@ -378,6 +381,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         saved["state"] = per_param
         return saved
 
+    def local_state_dict(self) -> dict:
+        """This process's optimizer state: all of it on one host (SMP's API; ``load_state_dict`` takes it)."""
+        return self.state_dict() | {PARTIAL_MARK: True}
+
     def load_state_dict(self, state_dict: dict) -> None:
         self._load_mixed_precision_state(state_dict)
         if self.torch_optimizer is None:
@@ -450,7 +457,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Whether the user's module holds half-precision parameters (jmp keeps float32 masters for them)."""
         if self.torch_optimizer is None:
             return False
-        return any(p.dtype in precision.HALF for p in self.model.module.parameters())
+        return any(p.dtype in precision.HALF for p in self.model.torch_module.parameters())
 
     def _names_by_position(self) -> dict[int, str]:
         """Index in torch's optimizer state_dict -> the parameter's torch name (the first of tied names)."""
@@ -482,7 +489,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _param_index(self) -> dict[str, int]:
         """torch parameter name (tied names too) -> its index in torch's optimizer state_dict."""
         positions = self._positions()
-        named = self.model.module.named_parameters(remove_duplicate=False)
+        named = self.model.torch_module.named_parameters(remove_duplicate=False)
         return {name: positions[id(p)] for name, p in named if id(p) in positions}
 
     def _group_indices(self, group: int) -> list[int]:

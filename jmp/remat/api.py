@@ -98,7 +98,8 @@ def set_activation_checkpointing(
     if strategy != "each" and not _is_container(module):
         raise ConfigError(
             f"{where}: strategy '{strategy}' groups the layers of an nn.Sequential or nn.ModuleList, but the "
-            f"{_describe(module, owners[0].module)} is not one; use strategy='each' (the module is one checkpoint)."
+            f"{_describe(module, owners[0].torch_module)} is not one; use strategy='each' "
+            "(the module is one checkpoint)."
         )
     _ANNOTATIONS[module] = _Annotation(strategy, parsed)
     for model in owners:

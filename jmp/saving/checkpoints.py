@@ -1,0 +1,272 @@
+"""``smp.save_checkpoint`` / ``smp.resume_from_checkpoint``: SMP v1's checkpoint API.
+
+``partial=True`` (the default) writes a sharded Orbax checkpoint that restores under any layout of the same
+model (``jmp.saving.partial``); ``partial=False`` writes full torch ``state_dict``s (``jmp.saving.full``).
+A resume loads into the run's ``DistributedModel`` and its ``DistributedOptimizer``, as SMP does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jmp import model_registry, portable_state
+from jmp.errors import ArgumentTypeError, CheckpointError
+from jmp.model import DistributedModel
+from jmp.optimizer import DistributedOptimizer
+from jmp.portable_state import BUFFERS, LOSS_SCALE, OPTIMIZER, PARAMS
+from jmp.saving import directory, full
+from jmp.saving import partial as partial_checkpoint
+
+logger = logging.getLogger("jmp")
+
+_SHOWN = 8  # names listed in a mismatch message
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    tag: str,
+    partial: bool = True,  # noqa: A002 - SMP's argument name
+    model: DistributedModel | None = None,
+    optimizer: DistributedOptimizer | None = None,
+    user_content: Any = None,
+    translate_if_full: bool = True,
+    num_kept_partial_checkpoints: int | None = None,
+) -> None:
+    """Save ``model``, ``optimizer`` and ``user_content`` under ``path`` as checkpoint ``tag``.
+
+    Args:
+        path: the checkpoint directory (created if missing).
+        tag: this checkpoint's name, usually the step count; the same on every process.
+        partial: True: a sharded checkpoint (``<tag>_partial/``, Orbax) holding parameters (float32
+            masters), buffers, the random stream, optimizer state (step counts, loss scale, hyper-parameters)
+            and ``user_content``; written in the background after this returns. False: full torch
+            ``state_dict``s (``<tag>``, ``optimizer_<tag>``, ``user_content_<tag>``).
+        model, optimizer: what to save (None: not saved).
+        user_content: plain data to save with it (an LR scheduler's ``state_dict()``, the data position);
+            ``resume_from_checkpoint`` returns it.
+        translate_if_full: SMP translated its own parameter names to Hugging Face's; jmp's are torch's
+            (and so Hugging Face's) already, so there is nothing to translate.
+        num_kept_partial_checkpoints: keep only this many newest partial checkpoints in ``path``.
+
+    Raises:
+        CheckpointError: a bad tag, nothing to save, or ``user_content`` that is not plain data.
+        ArgumentTypeError: ``model`` / ``optimizer`` of the wrong kind.
+    """
+    tag = directory.check_tag(tag)
+    if model is not None and not isinstance(model, DistributedModel):
+        raise ArgumentTypeError(f"save_checkpoint(model=...) takes an smp.DistributedModel, not {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
+        raise ArgumentTypeError(
+            f"save_checkpoint(optimizer=...) takes an smp.DistributedOptimizer, not {type(optimizer).__name__}"
+        )
+    if optimizer is not None and model is not None and optimizer.model is not model:
+        raise CheckpointError("save_checkpoint: the optimizer updates another model than the one given")
+    if model is None and optimizer is None and user_content is None:
+        raise CheckpointError("save_checkpoint: nothing to save; pass model=, optimizer= and/or user_content=")
+    if num_kept_partial_checkpoints is not None and (
+        isinstance(num_kept_partial_checkpoints, bool)
+        or not isinstance(num_kept_partial_checkpoints, int)
+        or num_kept_partial_checkpoints < 1
+    ):
+        raise CheckpointError(
+            f"save_checkpoint: num_kept_partial_checkpoints must be a positive int or None, "
+            f"not {num_kept_partial_checkpoints!r}"
+        )
+    root = Path(path)
+    if not partial:
+        partial_checkpoint.wait_for_saves()  # a pending partial save must not move 'newest' after this one
+        full.save(root, tag, model, optimizer, user_content)
+        return
+    arrays: dict[str, Any] = {}
+    if model is not None:
+        arrays |= portable_state.model_arrays(model)
+    if optimizer is not None:
+        arrays |= portable_state.optimizer_arrays(optimizer)
+    meta = {"model": _describe_model(model), "optimizer": _describe_optimizer(optimizer)}
+    partial_checkpoint.save(root, tag, arrays, meta, user_content, num_kept_partial_checkpoints)
+
+
+def resume_from_checkpoint(
+    path: str | os.PathLike,
+    tag: str | None = None,
+    partial: bool = True,  # noqa: A002 - SMP's argument name
+    strict: bool = True,
+    load_optimizer: bool = True,
+    load_sharded_optimizer_state: bool = True,
+    translate_function: Any = None,
+    *,
+    model: DistributedModel | None = None,
+) -> Any:
+    """Load checkpoint ``tag`` (None: the newest complete one) into the run's model and optimizer.
+
+    A partial checkpoint restores under any mesh and parallelism of the same model: each array is read
+    straight into its current sharding. Nothing the run holds changes unless the whole load succeeds.
+
+    Args:
+        strict: the checkpoint must hold exactly the model's (and optimizer's) values; with False the
+            matching part loads and the rest keeps its current values (shapes must still agree).
+        load_optimizer: restore the optimizer state too (it must exist: create the DistributedOptimizer first).
+        load_sharded_optimizer_state: False restores only the loss-scaling state of the optimizer (with the
+            model's float32 masters), not its moments and step counts.
+        translate_function: (full checkpoints) applied to the loaded state_dict before it is loaded.
+        model: (a jmp extension) the model to load into; default: the DistributedModel built last, and the
+            optimizer built on it last.
+
+    Returns:
+        The ``user_content`` saved with the checkpoint (None if there was none).
+
+    Raises:
+        CheckpointError: no such directory or tag, an incomplete or corrupted checkpoint, or one of another
+            model (names or shapes differ), or optimizer state with no optimizer to take it.
+    """
+    partial_checkpoint.wait_for_saves()
+    root = Path(path)
+    tag = directory.resolve_tag(root, tag, partial)
+    if not partial:
+        model = _the_model(model)
+        user_content, _ = full.resume(root, tag, model, strict, load_optimizer, translate_function)
+        logger.info("Resumed from full checkpoint %s", directory.full_file(root, tag))
+        return user_content
+    meta = partial_checkpoint.read_meta(root, tag)
+    saved = meta["arrays"]
+    has_optimizer = meta.get("optimizer") is not None and load_optimizer
+    model = _the_model(model) if meta.get("model") is not None or has_optimizer else None
+    optimizer = model.attached_optimizer if model is not None else None
+    wanted: dict[str, Any] = {}
+    if meta.get("model") is not None:
+        wanted |= _matching(portable_state.model_arrays(model), saved, (PARAMS, BUFFERS), strict)
+    if has_optimizer:
+        if optimizer is None:
+            raise CheckpointError(
+                f"resume_from_checkpoint: {directory.partial_dir(root, tag)} holds optimizer state but the model "
+                "has no smp.DistributedOptimizer yet; create it before resuming, or pass load_optimizer=False"
+            )
+        prefixes = (OPTIMIZER, LOSS_SCALE) if load_sharded_optimizer_state else (LOSS_SCALE,)
+        current = {k: v for k, v in portable_state.optimizer_arrays(optimizer).items() if k.startswith(prefixes)}
+        wanted |= _matching(current, saved, prefixes, strict)
+        groups = meta["optimizer"].get("param_groups")
+        _check_groups(optimizer, groups)
+    arrays, user_content = partial_checkpoint.restore(root, tag, portable_state.targets(wanted))
+    # everything is read: only now does the run's state change
+    if meta.get("model") is not None:
+        params, rest = portable_state.model_state_from(model, arrays)
+        model.training_state.params, model.training_state.rest = params, rest
+        model.training_state.grads = None
+    if has_optimizer:
+        optimizer.opt_state, optimizer.scale_state = portable_state.optimizer_state_from(optimizer, arrays)
+        _restore_groups(optimizer, groups)
+    logger.info("Resumed from partial checkpoint %s (%d arrays)", directory.partial_dir(root, tag), len(arrays))
+    return user_content
+
+
+def _the_model(given: DistributedModel | None) -> DistributedModel:
+    """The model to load into: given, else the one built last (SMP's model of the run)."""
+    if given is not None:
+        if not isinstance(given, DistributedModel):
+            raise ArgumentTypeError(
+                f"resume_from_checkpoint(model=...) takes an smp.DistributedModel, not {type(given).__name__}"
+            )
+        return given
+    model = model_registry.latest()
+    if model is None:
+        raise CheckpointError(
+            "resume_from_checkpoint loads into the run's model: create the smp.DistributedModel first"
+        )
+    return model
+
+
+def _matching(current: dict[str, Any], saved: dict[str, dict], prefixes: tuple[str, ...], strict: bool) -> dict:
+    """The current arrays the checkpoint has values for; an error for shapes that differ, and (strict) for
+    keys on one side only."""
+    in_checkpoint = {k for k in saved if k.startswith(tuple(p + "/" for p in prefixes)) or k in prefixes}
+    missing = sorted(set(current) - in_checkpoint)
+    unexpected = sorted(in_checkpoint - set(current))
+    mismatched = [
+        f"{k}: checkpoint {tuple(saved[k]['shape'])} vs run {tuple(current[k].shape)}"
+        for k in sorted(in_checkpoint & set(current))
+        if tuple(saved[k]["shape"]) != tuple(current[k].shape)
+    ]
+    problems = []
+    if mismatched:
+        problems.append(f"shapes differ: {_listed(mismatched)}")
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {_listed(missing)}")
+    if strict and unexpected:
+        problems.append(f"in the checkpoint but not in the run: {_listed(unexpected)}")
+    if problems:
+        hint = "" if not strict or mismatched else "; pass strict=False to load the matching part"
+        raise CheckpointError(
+            "resume_from_checkpoint: the checkpoint was saved from another model or optimizer ("
+            + " | ".join(problems)
+            + ")"
+            + hint
+        )
+    return {k: v for k, v in current.items() if k in in_checkpoint}
+
+
+def _listed(names: list[str]) -> str:
+    more = f", ... ({len(names)} in all)" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
+
+
+def _describe_model(model: DistributedModel | None) -> dict | None:
+    if model is None:
+        return None
+    return {
+        "class": type(model.torch_module).__name__,
+        "parameters": model.layout.parameter_count(),
+        "mesh": dict(model.layout.mesh.shape),
+    }
+
+
+def _describe_optimizer(optimizer: DistributedOptimizer | None) -> dict | None:
+    if optimizer is None:
+        return None
+    torch_optimizer = optimizer.torch_optimizer
+    return {
+        "class": type(torch_optimizer).__name__ if torch_optimizer is not None else "optax",
+        "loss_scaling": optimizer.scaling.kind,
+        "param_groups": [
+            {k: _plain(v) for k, v in group.items() if k != "params" and _plain(v) is not _UNSAVED}
+            for group in optimizer.param_groups
+        ],
+    }
+
+
+_UNSAVED = object()
+
+
+def _plain(value: Any) -> Any:
+    """A hyper-parameter as JSON (a tensor learning rate as its number); _UNSAVED for what JSON cannot hold."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return _UNSAVED if any(v is _UNSAVED for v in items) else items
+    return _UNSAVED
+
+
+def _check_groups(optimizer: DistributedOptimizer, groups: list[dict] | None) -> None:
+    if groups is not None and optimizer.torch_optimizer is not None and len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"resume_from_checkpoint: the checkpoint's optimizer has {len(groups)} param groups, the run's has "
+            f"{len(optimizer.param_groups)}; build the optimizer with the same param groups"
+        )
+
+
+def _restore_groups(optimizer: DistributedOptimizer, groups: list[dict] | None) -> None:
+    """The saved hyper-parameters (learning rates written by schedulers, ``initial_lr``, ...) back in place."""
+    for group, saved in zip(optimizer.param_groups, groups or ()):
+        for key, value in saved.items():
+            current = group.get(key)
+            if isinstance(current, torch.Tensor):
+                current.fill_(value) if current.dim() == 0 else current.copy_(torch.tensor(value))
+            else:
+                group[key] = tuple(value) if isinstance(current, tuple) else value

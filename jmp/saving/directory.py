@@ -1,0 +1,111 @@
+"""SMP's checkpoint directory: where each kind of checkpoint lives, and the ``newest`` pointer.
+
+```
+path/
+  <tag>_partial/          a partial checkpoint (an Orbax checkpoint directory, visible once complete)
+  <tag>                   a full checkpoint: the model's torch state_dict
+  optimizer_<tag>         its optimizer's torch state_dict (jmp's addition)
+  user_content_<tag>      its user_content
+  newest                  the tag of the newest complete checkpoint
+```
+
+Files are written under a temporary name and renamed into place, so a reader sees a whole file or none.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from jmp.errors import CheckpointError
+
+NEWEST = "newest"
+PARTIAL_SUFFIX = "_partial"
+
+
+def partial_dir(path: str | os.PathLike, tag: str) -> Path:
+    return Path(path) / f"{tag}{PARTIAL_SUFFIX}"
+
+
+def full_file(path: str | os.PathLike, tag: str) -> Path:
+    return Path(path) / tag
+
+
+def optimizer_file(path: str | os.PathLike, tag: str) -> Path:
+    return Path(path) / f"optimizer_{tag}"
+
+
+def user_content_file(path: str | os.PathLike, tag: str) -> Path:
+    return Path(path) / f"user_content_{tag}"
+
+
+def check_tag(tag: object) -> str:
+    """A tag names a file in the checkpoint directory: a non-empty string without a path separator."""
+    if not isinstance(tag, str) or not tag or "/" in tag or os.sep in tag or tag in (".", "..", NEWEST):
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not usable: give a non-empty string without '/' (and not 'newest'), "
+            "usually the step count, e.g. tag=f'total_steps{step}'"
+        )
+    return tag
+
+
+def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """``write(temporary path)``, then rename it to ``target``: readers see the old file or the whole new one."""
+    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        write(temporary)
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def point_newest(path: str | os.PathLike, tag: str) -> None:
+    write_atomically(Path(path) / NEWEST, lambda temporary: temporary.write_text(tag))
+
+
+def resolve_tag(path: str | os.PathLike, tag: str | None, partial: bool) -> str:
+    """The tag to resume: ``tag``, or the one ``newest`` names; checked to exist as that kind of checkpoint."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"resume_from_checkpoint: no checkpoint directory at {root}")
+    if tag is None:
+        pointer = root / NEWEST
+        if not pointer.is_file():
+            raise CheckpointError(
+                f"resume_from_checkpoint: {root} has no 'newest' file (no checkpoint was completed there); "
+                f"pass tag=... to name one{_available(root)}"
+            )
+        tag = pointer.read_text().strip()
+    check_tag(tag)
+    wanted = partial_dir(root, tag) if partial else full_file(root, tag)
+    if not wanted.exists():
+        kind = "partial" if partial else "full"
+        other = full_file(root, tag) if partial else partial_dir(root, tag)
+        hint = (
+            f"; a {'full' if partial else 'partial'} one exists: pass partial={not partial}" if other.exists() else ""
+        )
+        raise CheckpointError(f"resume_from_checkpoint: no {kind} checkpoint '{tag}' in {root}{hint}{_available(root)}")
+    return tag
+
+
+def partial_tags(path: str | os.PathLike) -> list[str]:
+    """Tags of the complete partial checkpoints in ``path`` (in-progress ones have another directory name)."""
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    return sorted(
+        p.name.removesuffix(PARTIAL_SUFFIX) for p in root.iterdir() if p.is_dir() and p.name.endswith(PARTIAL_SUFFIX)
+    )
+
+
+def _available(root: Path) -> str:
+    partial = partial_tags(root)
+    full = sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_file() and not p.name.startswith((".", "optimizer_", "user_content_")) and p.name != NEWEST
+    )
+    found = [f"partial: {', '.join(partial)}"] if partial else []
+    found += [f"full: {', '.join(full)}"] if full else []
+    return f" (checkpoints there: {'; '.join(found)})" if found else " (there are no checkpoints there)"

@@ -1,0 +1,85 @@
+"""Full checkpoints: gathered torch ``state_dict``s that plain PyTorch and Hugging Face load.
+
+``<path>/<tag>`` is the model's ``state_dict()`` under torch's names (a Hugging Face model built from the
+same config takes it with ``load_state_dict(strict=True)``); ``optimizer_<tag>`` is the optimizer's
+torch-format ``state_dict()`` (with the float32 masters of a half-precision model) and ``user_content_<tag>``
+the user's content. Process 0 writes them, each under a temporary name renamed into place, then ``newest``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import torch
+
+from jmp.errors import CheckpointError, StateDictError
+from jmp.saving import directory
+
+
+def save(root: Path, tag: str, model: Any, optimizer: Any, user_content: Any) -> None:
+    if model is None:
+        raise CheckpointError(
+            "save_checkpoint(partial=False) saves a model's full state_dict: pass model=... (an optimizer's "
+            "state alone goes in a partial checkpoint)"
+        )
+    model_state = model.state_dict()  # every process takes part in the gathering
+    optimizer_state = optimizer.state_dict() if optimizer is not None else None
+    if jax.process_index() != 0:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    if optimizer_state is not None:
+        _write(directory.optimizer_file(root, tag), optimizer_state)
+    if user_content is not None:
+        _write(directory.user_content_file(root, tag), user_content)
+    _write(directory.full_file(root, tag), model_state)  # the file that makes the checkpoint exist
+    directory.point_newest(root, tag)
+
+
+def _write(target: Path, obj: Any) -> None:
+    directory.write_atomically(target, lambda temporary: torch.save(obj, temporary))
+
+
+def read(file: Path) -> Any:
+    """A torch-saved file, loaded without running code (``weights_only``); errors name the file."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            f"resume_from_checkpoint: {file} cannot be read (truncated, corrupted, or not a torch file): "
+            f"{type(error).__name__}: {error}"
+        ) from error
+
+
+def resume(
+    root: Path, tag: str, model: Any, strict: bool, load_optimizer: bool, translate_function: Any
+) -> tuple[Any, Any]:
+    """Load ``tag`` into ``model`` (and its optimizer); returns (user_content, the optimizer loaded or None)."""
+    state_dict = read(directory.full_file(root, tag))
+    if translate_function is not None:
+        state_dict = translate_function(state_dict)
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(
+            f"resume_from_checkpoint: {directory.full_file(root, tag)} holds a {type(state_dict).__name__}, "
+            "not a model state_dict"
+        )
+    optimizer_path = directory.optimizer_file(root, tag)
+    optimizer_state = read(optimizer_path) if load_optimizer and optimizer_path.exists() else None
+    optimizer = model.attached_optimizer
+    if optimizer_state is not None and optimizer is None:
+        raise CheckpointError(
+            f"resume_from_checkpoint: {optimizer_path} holds optimizer state but the model has no "
+            "smp.DistributedOptimizer yet; create it before resuming, or pass load_optimizer=False"
+        )
+    content_path = directory.user_content_file(root, tag)
+    user_content = read(content_path) if content_path.exists() else None
+    try:
+        model.load_state_dict(state_dict, strict=strict)
+    except StateDictError as error:
+        raise CheckpointError(
+            f"resume_from_checkpoint: {directory.full_file(root, tag)} does not fit the model: {error}"
+        ) from error
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    return user_content, optimizer if optimizer_state is not None else None

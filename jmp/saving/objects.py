@@ -1,0 +1,59 @@
+"""``smp.save`` / ``smp.load``: ``torch.save`` / ``torch.load`` of any object, per model-parallel rank.
+
+With ``partial=True`` each model-parallel rank has its own file, ``<f>_<mp_rank>`` (what it holds of
+``model.local_state_dict()`` and ``optimizer.local_state_dict()``); with ``partial=False`` one file ``f``,
+written by model-parallel rank 0. The files are torch's own format: ``torch.load`` reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jmp import state
+from jmp.errors import ArgumentTypeError, CheckpointError
+from jmp.saving import directory
+
+
+def _file(f: Any, partial: bool, call: str) -> Path:
+    if not isinstance(f, (str, os.PathLike)):
+        raise ArgumentTypeError(f"smp.{call} takes a file name (str), not {type(f).__name__}, as SMP's does")
+    return Path(f"{os.fspath(f)}_{state.mp_rank()}") if partial else Path(f)
+
+
+def save(
+    obj: Any, f: str | os.PathLike, partial: bool = True, pickle_module: Any = pickle, pickle_protocol: int = 2
+) -> None:
+    """``torch.save(obj, ...)`` to ``f_<mp_rank>`` (partial) or ``f`` (written by model-parallel rank 0),
+    under a temporary name renamed into place, so a crash never leaves a half-written file."""
+    target = _file(f, partial, "save")
+    if not partial and state.mp_rank() != 0:
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    directory.write_atomically(
+        target,
+        lambda temporary: torch.save(obj, temporary, pickle_module=pickle_module, pickle_protocol=pickle_protocol),
+    )
+
+
+def load(
+    f: str | os.PathLike,
+    map_location: Any = None,
+    pickle_module: Any = None,
+    pickle_load_args: dict | None = None,
+    partial: bool = True,
+) -> Any:
+    """``torch.load`` of what ``smp.save`` wrote (``f_<mp_rank>`` when partial). Like ``torch.load`` it
+    refuses to unpickle code unless asked (``pickle_load_args={"weights_only": False}``, trusted files only)."""
+    source = _file(f, partial, "load")
+    if not source.is_file():
+        hint = f" (partial=True reads {source.name}, one file per model-parallel rank)" if partial else ""
+        raise CheckpointError(f"smp.load: no file {source}{hint}")
+    args = dict(pickle_load_args or {})
+    if pickle_module is not None:
+        args["pickle_module"] = pickle_module
+    return torch.load(source, map_location=map_location, **args)

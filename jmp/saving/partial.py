@@ -1,0 +1,167 @@
+"""Partial (sharded) checkpoints on Orbax: each process writes its own shards, asynchronously.
+
+One Orbax checkpoint directory per tag holds two items: ``state`` (a flat dict of arrays, see
+``jmp.saving.state_tree``, plus the ``user_content`` as bytes) and ``meta`` (JSON: what each array is,
+the optimizer's hyper-parameters, when it was saved). Orbax writes into a temporary directory and renames
+it when every process has finished, so a checkpoint is visible only when complete; the ``newest`` pointer
+moves and old checkpoints are pruned after that (in a thread waiting for Orbax: its own finalisation
+callback runs before the rename).
+
+``save`` returns once the arrays are copied off the devices (training may go on and overwrite them); the
+writing continues in the background. The next save, a resume, or the end of the process waits for it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import io
+import logging
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import torch
+
+from jmp.errors import CheckpointError
+from jmp.saving import directory
+
+logger = logging.getLogger("jmp")
+
+FORMAT = "jmp.partial_checkpoint"
+USER_CONTENT = "user_content"
+
+_pending: concurrent.futures.Future | None = None  # the last save, complete with its pointer moved
+_finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jmp-checkpoint")
+
+
+def wait_for_saves() -> None:
+    """Block until the last asynchronous save is complete (its errors are raised here)."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        pending.result()
+
+
+atexit.register(wait_for_saves)
+
+
+def user_content_bytes(user_content: Any) -> np.ndarray:
+    """``user_content`` serialised by ``torch.save``, checked to load back without running code
+    (``torch.load(weights_only=True)``): tensors, numbers, strings, lists, tuples and dicts of them."""
+    buffer = io.BytesIO()
+    torch.save(user_content, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            "save_checkpoint: user_content must be plain data (tensors, numbers, strings, lists, tuples, dicts) "
+            f"so that it loads back without unpickling code; it holds something else: {error}. Save that "
+            "object's state_dict() (or convert it to plain data) instead."
+        ) from error
+    return np.frombuffer(buffer.getvalue(), np.uint8)
+
+
+def save(
+    root: Path,
+    tag: str,
+    arrays: Mapping[str, jax.Array],
+    meta: dict,
+    user_content: Any,
+    keep: int | None,
+) -> None:
+    """Start writing ``<root>/<tag>_partial``; ``newest`` points at it (and older ones beyond ``keep`` are
+    deleted) once it is complete."""
+    global _pending
+    blob = user_content_bytes(user_content)
+    wait_for_saves()
+    meta = meta | {
+        "format": FORMAT,
+        "tag": tag,
+        "saved_at_ns": time.time_ns(),
+        "arrays": {key: {"shape": list(v.shape), "dtype": str(v.dtype)} for key, v in arrays.items()},
+    }
+    primary = jax.process_index() == 0
+
+    checkpointer = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+    if primary:
+        root.mkdir(parents=True, exist_ok=True)
+    checkpointer.save(
+        directory.partial_dir(root, tag).absolute(),
+        args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(dict(arrays) | {USER_CONTENT: blob}), meta=ocp.args.JsonSave(meta)
+        ),
+        force=True,
+    )
+
+    def finish() -> None:
+        try:
+            checkpointer.wait_until_finished()  # written, and renamed into place
+        finally:
+            checkpointer.close()
+        if primary:
+            directory.point_newest(root, tag)
+            if keep is not None:
+                _prune(root, keep, current=tag)
+
+    _pending = _finisher.submit(finish)
+
+
+def read_meta(root: Path, tag: str) -> dict:
+    """The checkpoint's JSON description; a CheckpointError when it is not a complete jmp checkpoint."""
+    where = directory.partial_dir(root, tag)
+    try:
+        meta = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+            where.absolute(), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+        )["meta"]
+    except Exception as error:
+        raise CheckpointError(
+            f"resume_from_checkpoint: {where} is not a readable jmp partial checkpoint (incomplete, corrupted, "
+            f"or written by something else): {type(error).__name__}: {error}"
+        ) from error
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"resume_from_checkpoint: {where} was not written by jmp's save_checkpoint")
+    return meta
+
+
+def restore(root: Path, tag: str, targets: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[dict[str, jax.Array], Any]:
+    """(the arrays named in ``targets``, each read into its sharding there; the user_content)."""
+    where = directory.partial_dir(root, tag)
+    item = dict(targets) | {USER_CONTENT: np.zeros(0, np.uint8)}
+    restore_args = ocp.checkpoint_utils.construct_restore_args(dict(targets)) | {
+        USER_CONTENT: ocp.RestoreArgs(restore_type=np.ndarray)
+    }
+    try:
+        state = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+            where.absolute(),
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+            ),
+        )["state"]
+        blob = state.pop(USER_CONTENT)
+        user_content = torch.load(io.BytesIO(np.asarray(blob).tobytes()), weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            f"resume_from_checkpoint: reading {where} failed (a truncated or corrupted checkpoint?): "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    return state, user_content
+
+
+def _prune(root: Path, keep: int, current: str) -> None:
+    """Delete the oldest complete partial checkpoints beyond the newest ``keep`` (never ``current``)."""
+    saved = []
+    for tag in directory.partial_tags(root):
+        try:
+            saved.append((read_meta(root, tag)["saved_at_ns"], tag))
+        except CheckpointError:
+            continue  # not ours, or damaged: left for the user to look at
+    for _, tag in sorted(saved)[: max(0, len(saved) - keep)]:
+        if tag != current:
+            shutil.rmtree(directory.partial_dir(root, tag), ignore_errors=True)
+            logger.info("save_checkpoint: removed partial checkpoint '%s' (num_kept_partial_checkpoints=%d)", tag, keep)
