@@ -394,30 +394,15 @@ class DistributedModel(ModuleSurface):
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load torch tensors by torch name.
+        """Load torch tensors by torch name (a ``local_state_dict()`` too).
 
         Raises:
-            StateDictError: a shape differs, or (``strict``) keys are missing or unexpected.
+            StateDictError: a shape differs, or (``strict``) keys are missing or unexpected; nothing is loaded.
         """
         state_dict = {k: v for k, v in state_dict.items() if k != PARTIAL_MARK}
         module = self.flax_module
         variables = {n: v for n, v in named_variables(module) if v.get_metadata("persistent", True)}
-        missing = sorted(set(variables) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(variables))
-        mismatched = [
-            f"{n}: checkpoint {tuple(state_dict[n].shape)} vs model {tuple(variables[n][...].shape)}"
-            for n in sorted(set(variables) & set(state_dict))
-            if tuple(state_dict[n].shape) != tuple(variables[n][...].shape)
-        ]
-        if mismatched or (strict and (missing or unexpected)):
-            problems = []
-            if missing:
-                problems.append(f"missing keys: {', '.join(missing)}")
-            if unexpected:
-                problems.append(f"unexpected keys: {', '.join(unexpected)}")
-            if mismatched:
-                problems.append(f"shape mismatches: {'; '.join(mismatched)}")
-            raise StateDictError("load_state_dict failed (" + " | ".join(problems) + ")")
+        _check_fit(state_dict, variables, strict)
         for name, tensor in state_dict.items():
             if name in variables:
                 current = variables[name][...]
@@ -427,6 +412,12 @@ class DistributedModel(ModuleSurface):
         if self.pipeline is not None and self.pipeline.ready:
             params = self.pipeline.layout.pack(self.layout.by_name(params))
         self.training_state.params, self.training_state.rest = params, rest
+
+    def check_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Raise the ``StateDictError`` that ``load_state_dict`` would, without loading anything."""
+        state_dict = {k: v for k, v in state_dict.items() if k != PARTIAL_MARK}
+        variables = {n: v for n, v in named_variables(self.flax_module) if v.get_metadata("persistent", True)}
+        _check_fit(state_dict, variables, strict)
 
     @property
     def dropped_tokens(self) -> int:
@@ -439,6 +430,26 @@ class DistributedModel(ModuleSurface):
             f"DistributedModel({type(self.torch_module).__name__}, {self.layout.parameter_count():,} parameters, "
             f"mesh {dict(self.layout.mesh.shape)})"
         )
+
+
+def _check_fit(state_dict: dict, variables: dict, strict: bool) -> None:
+    """A StateDictError listing what does not fit: shapes that differ, and (strict) keys on one side only."""
+    missing = sorted(set(variables) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(variables))
+    mismatched = [
+        f"{n}: checkpoint {tuple(state_dict[n].shape)} vs model {tuple(variables[n][...].shape)}"
+        for n in sorted(set(variables) & set(state_dict))
+        if tuple(state_dict[n].shape) != tuple(variables[n][...].shape)
+    ]
+    if mismatched or (strict and (missing or unexpected)):
+        problems = []
+        if missing:
+            problems.append(f"missing keys: {', '.join(missing)}")
+        if unexpected:
+            problems.append(f"unexpected keys: {', '.join(unexpected)}")
+        if mismatched:
+            problems.append(f"shape mismatches: {'; '.join(mismatched)}")
+        raise StateDictError("load_state_dict failed (" + " | ".join(problems) + ")")
 
 
 def _pipeline_for(module: torch.nn.Module, config: Any, mesh: Any, specs: dict, has_experts: bool):

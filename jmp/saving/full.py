@@ -15,7 +15,7 @@ import jax
 import torch
 
 from jmp.errors import CheckpointError, StateDictError
-from jmp.saving import directory
+from jmp.saving import directory, partial
 
 
 def save(root: Path, tag: str, model: Any, optimizer: Any, user_content: Any) -> None:
@@ -24,6 +24,8 @@ def save(root: Path, tag: str, model: Any, optimizer: Any, user_content: Any) ->
             "save_checkpoint(partial=False) saves a model's full state_dict: pass model=... (an optimizer's "
             "state alone goes in a partial checkpoint)"
         )
+    if user_content is not None:
+        partial.user_content_bytes(user_content)  # plain data, or an error before anything is written
     model_state = model.state_dict()  # every process takes part in the gathering
     optimizer_state = optimizer.state_dict() if optimizer is not None else None
     if jax.process_index() != 0:
@@ -75,11 +77,31 @@ def resume(
     content_path = directory.user_content_file(root, tag)
     user_content = read(content_path) if content_path.exists() else None
     try:
-        model.load_state_dict(state_dict, strict=strict)
+        model.check_state_dict(state_dict, strict=strict)
     except StateDictError as error:
         raise CheckpointError(
             f"resume_from_checkpoint: {directory.full_file(root, tag)} does not fit the model: {error}"
         ) from error
     if optimizer_state is not None:
+        _check_optimizer_state(optimizer, optimizer_state, optimizer_path)
+    model.load_state_dict(state_dict, strict=strict)  # everything is read and checked: the run changes now
+    if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
     return user_content, optimizer if optimizer_state is not None else None
+
+
+def _check_optimizer_state(optimizer: Any, saved: Any, where: Path) -> None:
+    """Refuse, before the model changes, an optimizer state whose param groups do not fit the optimizer's."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if groups is None:
+        if optimizer.torch_optimizer is not None or not isinstance(saved, dict) or "optax_state" not in saved:
+            raise CheckpointError(f"resume_from_checkpoint: {where} is not a DistributedOptimizer state_dict")
+        return
+    sizes = [len(g["params"]) for g in groups]
+    expected = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != expected:
+        raise CheckpointError(
+            f"resume_from_checkpoint: {where} was saved from an optimizer whose param groups hold {sizes} "
+            f"parameters; this one's hold {expected}. Build the optimizer as the saved run did, or pass "
+            "load_optimizer=False"
+        )

@@ -28,13 +28,17 @@ def named_variables(module: TorchModule, prefix: str = "") -> Iterator[tuple[str
 def to_state_dict(module: TorchModule, prefix: str = "") -> OrderedDict[str, torch.Tensor]:
     """Torch tensors under torch's key names and order, loadable with ``load_state_dict(strict=True)``.
 
-    Non-persistent buffers are left out, as in torch. Values are gathered to the host.
+    Non-persistent buffers are left out, as in torch. Values are gathered to the host; a tied parameter's
+    names share one tensor, as in torch (``torch.save`` writes it once).
     """
-    return OrderedDict(
-        (key, array_to_tensor(variable[...], variable.get_metadata("torch_dtype", None)))
-        for key, variable in named_variables(module, prefix)
-        if variable.get_metadata("persistent", True)
-    )
+    tensors: dict[int, torch.Tensor] = {}
+    out = OrderedDict()
+    for key, variable in named_variables(module, prefix):
+        if variable.get_metadata("persistent", True):
+            if id(variable) not in tensors:
+                tensors[id(variable)] = array_to_tensor(variable[...], variable.get_metadata("torch_dtype", None))
+            out[key] = tensors[id(variable)]
+    return out
 
 
 def torch_name(key_path: tuple) -> str:
