@@ -45,7 +45,7 @@ def _kill_before_newest_moves() -> None:
 
 
 def main(path: str, mode: str) -> None:
-    run = Run(FSDP_TP)
+    run = Run(FSDP_TP, kind="mlp")
     if mode == "resume":
         run.resume(path)
         print(json.dumps({"step": run.step, "losses": run.train(6)}), flush=True)

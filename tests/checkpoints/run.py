@@ -26,6 +26,15 @@ def gpt2(dropout: float = 0.1, layers: int = 2) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(config).train()
 
 
+def mlp(dropout: float = 0.1) -> torch.nn.Module:
+    """A plain-torch model for the tests that start processes (no transformers import, a quick compile)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(VOCAB, 32), torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Dropout(dropout),
+        torch.nn.Linear(64, VOCAB),
+    )  # fmt: skip
+
+
 def batch(step: int) -> torch.Tensor:
     """The data at position ``step`` (a stand-in for a data loader that resumes where it was)."""
     return torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(1000 + step))
@@ -33,17 +42,23 @@ def batch(step: int) -> torch.Tensor:
 
 @smp.step
 def train_step(model, ids):
-    out = model(input_ids=ids, labels=ids, use_cache=False)
-    model.backward(out.loss)
-    return out.loss
+    if isinstance(model.torch_module, torch.nn.Sequential):
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    else:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    model.backward(loss)
+    return loss
 
 
 class Run:
     """A model, its optimizer and LR scheduler under ``config``; ``step`` is the data position."""
 
-    def __init__(self, config: dict, dropout: float = 0.1, layers: int = 2, optimizer_args: dict | None = None):
+    def __init__(
+        self, config: dict, dropout: float = 0.1, layers: int = 2, optimizer_args: dict | None = None, kind="gpt2"
+    ):
         smp.init(config)
-        self.model = smp.DistributedModel(gpt2(dropout, layers))
+        self.model = smp.DistributedModel(gpt2(dropout, layers) if kind == "gpt2" else mlp(dropout))
         self.optimizer = smp.DistributedOptimizer(
             torch.optim.AdamW(self.model.parameters(), lr=3e-3), **(optimizer_args or {})
         )
