@@ -123,7 +123,7 @@ class DistributedModel(ModuleSurface):
         )
         self.training_state = TrainingState(
             params=jax.device_put(params, self.layout.shardings),
-            rest=jax.device_put(rest, self.layout.replicated),
+            rest=state.put_replicated(rest, self.layout.replicated),
         )
         self._module_version = self.training_state.version  # the torch module holds these values now
         self.programs = ProgramCache()

@@ -1,11 +1,12 @@
 """``smp.init``: the one mesh of a run, and the rank helpers.
 
-jmp is single-controller: one JAX process drives all of its host's devices and
-a multi-host run has one process per host (``jax.distributed``). SMP's ranks
-counted processes, each owning one GPU; here a rank helper counts *processes*
-along its parallelism axes, so the seed scripts' data sharding
-(``if smp.dp_size() > 1: dataset = shard(smp.dp_rank())``) stays right: one
-process loads the global batch and ``@smp.step`` splits it over the devices.
+One JAX process drives several devices (all of its host's, or those a launcher gives it) and a run of
+several processes uses JAX's multi-controller runtime (``jax.distributed``). SMP had one process per GPU.
+Here the *sizes* of model parallelism are the degrees, as in SMP (``pp_size()``, ``tp_size()``,
+``mp_size()``), while the data helpers count processes: ``dp_size()`` is how many different shares of the
+data the processes load and ``dp_rank()`` which one this process loads, so the seed scripts' sharding
+(``if smp.dp_size() > 1: dataset = shard(smp.dp_rank())``) stays right: a process passes its share of the
+global batch and ``@smp.step`` splits it over its devices.
 """
 
 from __future__ import annotations
@@ -103,23 +104,66 @@ def _build_mesh(shape: dict[str, int], devices: list, placement: str) -> Mesh:
 
 
 def _start_distributed_runtime() -> None:
-    """Call ``jax.distributed.initialize`` when this process was launched as one of several."""
+    """Call ``jax.distributed.initialize`` when this process was launched as one of several.
+
+    Launchers: JAX's own variables (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``),
+    SLURM, Open MPI (``mpirun``), and torchrun's (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``;
+    also what ``python -m jmp.launch`` sets). A process that does not join within ``JMP_INIT_TIMEOUT``
+    seconds (default 120), or stops answering for ``JMP_HEARTBEAT_TIMEOUT`` (default 60), makes the others
+    fail with JAX's error instead of waiting forever.
+    """
     if jax.distributed.is_initialized():
         return
     env = os.environ
-    if (
+    timeouts = {
+        "initialization_timeout": int(env.get("JMP_INIT_TIMEOUT", "120")),
+        "heartbeat_timeout_seconds": int(env.get("JMP_HEARTBEAT_TIMEOUT", "60")),
+    }
+    if env.get("JAX_COORDINATOR_ADDRESS") and env.get("JAX_NUM_PROCESSES"):
+        arguments = {
+            "coordinator_address": env["JAX_COORDINATOR_ADDRESS"],
+            "num_processes": int(env["JAX_NUM_PROCESSES"]),
+            "process_id": int(env.get("JAX_PROCESS_ID", "0")),
+        }
+    elif (
         env.get("JAX_COORDINATOR_ADDRESS")
         or int(env.get("SLURM_NTASKS", "1")) > 1
         or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
     ):
-        jax.distributed.initialize()  # JAX detects the cluster from the environment
+        arguments = {}  # JAX detects the cluster from the environment
     elif int(env.get("WORLD_SIZE", "1")) > 1 and env.get("MASTER_ADDR"):  # torchrun-style launch
         port = int(env.get("MASTER_PORT", "29500")) + 1  # the torch port may be taken by the launcher
-        jax.distributed.initialize(
-            coordinator_address=f"{env['MASTER_ADDR']}:{port}",
-            num_processes=int(env["WORLD_SIZE"]),
-            process_id=int(env.get("RANK", "0")),
-        )
+        arguments = {
+            "coordinator_address": f"{env['MASTER_ADDR']}:{port}",
+            "num_processes": int(env["WORLD_SIZE"]),
+            "process_id": int(env.get("RANK", "0")),
+        }
+    else:
+        return
+    # collectives between processes on CPU (tests, laptops) need an implementation; GPUs and TPUs bring theirs
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(**arguments, **timeouts)
+    except RuntimeError as error:
+        if "before any JAX" in str(error) or "backend" in str(error).lower():
+            raise ConfigError(
+                "smp.init must start JAX's multi-process runtime before JAX is used: call smp.init() before "
+                f"anything touches JAX devices or arrays ({error})"
+            ) from error
+        raise
+
+
+def put_replicated(tree: Any, sharding: Any) -> Any:
+    """``jax.device_put(tree, sharding)`` of values every process holds alike, random keys included
+    (``device_put`` refuses typed keys for a sharding spanning several processes; their raw data it takes)."""
+
+    def put(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            data = jax.device_put(np.asarray(jax.random.key_data(leaf)), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+        return jax.device_put(leaf, sharding)
+
+    return jax.tree.map(put, tree)
 
 
 def is_initialized() -> bool:
@@ -153,6 +197,29 @@ def _process_group(axes: tuple[str, ...]) -> tuple[int, int]:
     groups = sorted({frozenset(c) for c in coordinates.values()}, key=sorted)
     mine = frozenset(coordinates[jax.process_index()])
     return groups.index(mine), len(groups)
+
+
+# SMP's process groups, by the mesh axes along which their members differ (they share the coordinates on the
+# other axes): WORLD every process; DP the processes holding the same model part, MP those holding the same data.
+GROUP_AXES = {
+    "WORLD": AXES,
+    "DP_GROUP": ("dp", "fsdp"),
+    "RDP_GROUP": ("dp", "fsdp"),
+    "MP_GROUP": MODEL_AXES,
+    "PP_GROUP": ("pp",),
+    "TP_GROUP": ("tp",),
+}
+
+
+def group_members(group: str) -> list[int]:
+    """The process indices of this process's ``group`` (a ``GROUP_AXES`` name), sorted."""
+    mesh = get_mesh()
+    fixed = [i for i, axis in enumerate(AXES) if axis not in GROUP_AXES[group]]
+    coordinates: dict[int, set] = {}
+    for position, device in np.ndenumerate(mesh.devices):
+        coordinates.setdefault(device.process_index, set()).add(tuple(position[i] for i in fixed))
+    mine = coordinates[jax.process_index()]
+    return sorted(p for p, held in coordinates.items() if held == mine)
 
 
 def rank() -> int:
@@ -196,21 +263,25 @@ def rdp_size() -> int:
 
 
 def tp_rank() -> int:
-    """This process's rank among processes holding different tensor-parallel slices."""
+    """This process's rank among processes holding different tensor-parallel slices (0 when one process
+    holds all of a layer's slices)."""
     return _process_group(("tp",))[0]
 
 
 def tp_size() -> int:
-    return _process_group(("tp",))[1]
+    """The tensor-parallel degree, as in SMP (how many slices a split layer has)."""
+    return get_mesh().shape["tp"]
 
 
 def pp_rank() -> int:
-    """This process's rank among processes holding different pipeline stages."""
+    """This process's rank among processes holding different pipeline stages (0 when one process holds
+    every stage)."""
     return _process_group(("pp",))[0]
 
 
 def pp_size() -> int:
-    return _process_group(("pp",))[1]
+    """The pipeline-parallel degree, as in SMP (the number of stages: ``divmod(layers, smp.pp_size())``)."""
+    return get_mesh().shape["pp"]
 
 
 def mp_rank() -> int:
@@ -219,4 +290,6 @@ def mp_rank() -> int:
 
 
 def mp_size() -> int:
-    return _process_group(MODEL_AXES)[1]
+    """The model-parallel degree, as in SMP: pipeline x expert x tensor-parallel degrees."""
+    mesh = get_mesh()
+    return int(np.prod([mesh.shape[a] for a in MODEL_AXES]))

@@ -49,21 +49,50 @@ logger = logging.getLogger("jmp")
 _MODEL = object()  # marks the DistributedModel among the flattened arguments
 
 
-class StepOutput:
-    """One returned value of a step function: its value for each microbatch."""
+@dataclasses.dataclass(frozen=True)
+class ProcessShare:
+    """Which rows of a step's batch this process fed, when several processes feed it (``smp.dp_rank()`` of
+    ``smp.dp_size()`` equal shares): as in SMP, its step outputs are its own rows."""
 
-    def __init__(self, stacked: jax.Array, torch_dtype: torch.dtype, data_shards: int):
+    index: int
+    count: int
+    rows: int | None  # rows of one microbatch in the whole batch (None: no input was split)
+    replicated: NamedSharding  # every device of the mesh holds the whole value
+
+
+class StepOutput:
+    """One returned value of a step function: its value for each microbatch.
+
+    With several processes, every process reads the same values, except that outputs with a batch dimension
+    (``outputs``, ``stack()``, ``concat()``) hold only the rows this process fed; reading one is a collective
+    (every process makes the same calls, as SMP scripts do).
+    """
+
+    def __init__(
+        self, stacked: jax.Array, torch_dtype: torch.dtype, data_shards: int, share: ProcessShare | None = None
+    ):
         self._stacked = stacked  # [microbatches, ...]
         self._torch_dtype = torch_dtype
         self._data_shards = data_shards
+        self._share = share
 
-    def _wrap(self, value: jax.Array) -> JaxTensor:
+    def _wrap(self, value: jax.Array, rows_axis: int | None = None, rows: int = 0) -> JaxTensor:
+        share = self._share
+        if share is not None and not value.is_fully_addressable:
+            value = _replicate(value, share.replicated)
+            if rows_axis is not None and value.ndim > rows_axis and rows and value.shape[rows_axis] == rows:
+                block = rows // share.count
+                value = jax.lax.slice_in_dim(value, share.index * block, (share.index + 1) * block, axis=rows_axis)
         return JaxTensor(value, self._torch_dtype)
+
+    @property
+    def _rows(self) -> int:
+        return 0 if self._share is None or self._share.rows is None else self._share.rows
 
     @property
     def outputs(self) -> list[JaxTensor]:
         """The value of each microbatch, in order."""
-        return [self._wrap(v) for v in self._stacked]
+        return [self._wrap(v, 0, self._rows) for v in self._stacked]
 
     def reduce_mean(self) -> JaxTensor:
         return self._wrap(_mean_over_microbatches(self._stacked))
@@ -72,7 +101,7 @@ class StepOutput:
         return self._wrap(_sum_over_microbatches(self._stacked))
 
     def stack(self) -> JaxTensor:
-        return self._wrap(self._stacked)
+        return self._wrap(self._stacked, 1, self._rows)
 
     def concat(self) -> JaxTensor:
         """Microbatch values joined along dim 0, rows back in the order of the input batch."""
@@ -85,7 +114,7 @@ class StepOutput:
         # each microbatch holds an equal slice of every data shard (see _split_microbatches)
         per_shard = stacked.reshape((microbatches, shards, rows // shards) + stacked.shape[2:])
         ordered = jnp.swapaxes(per_shard, 0, 1).reshape((microbatches * rows,) + stacked.shape[2:])
-        return self._wrap(ordered)
+        return self._wrap(ordered, 0, microbatches * self._rows)
 
     def __len__(self) -> int:
         return self._stacked.shape[0]
@@ -97,6 +126,11 @@ class StepOutput:
 # one compiled program each instead of op-by-op dispatch: these run after every step
 _mean_over_microbatches = jax.jit(functools.partial(jnp.mean, axis=0))
 _sum_over_microbatches = jax.jit(functools.partial(jnp.sum, axis=0))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _replicate(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(value, sharding)
 
 
 class _Static:
@@ -196,6 +230,7 @@ class _Call:
     arrays: list[jax.Array]
     program: Any  # jax.jit of StepFunction._run
     traced: _Traced
+    share: ProcessShare | None = None  # several processes feed the batch
 
     @property
     def arguments(self) -> tuple:
@@ -229,7 +264,7 @@ class StepFunction:
         shards = _data_shards(call.model.layout.mesh)
         arrays = iter(outputs)
         results = [
-            StepOutput(next(arrays), leaf, shards) if isinstance(leaf, torch.dtype) else leaf.value
+            StepOutput(next(arrays), leaf, shards, call.share) if isinstance(leaf, torch.dtype) else leaf.value
             for leaf in call.traced.output_leaves
         ]
         return torch_pytree.tree_unflatten(results, call.traced.output_spec)
@@ -263,6 +298,8 @@ class StepFunction:
         mesh = model.layout.mesh
         microbatches = model.layout.config.microbatches
         shards = _data_shards(mesh)
+        processes = state.dp_size() if jax.process_count() > 1 else 1  # equal shares of the batch, one each
+        rows = None
         leaves: list[_Leaf] = []
         arrays: list[jax.Array] = []
         for value, name in zip(flat, _argument_names(bound)):
@@ -274,11 +311,13 @@ class StepFunction:
                 if axis is not None and array.ndim == 0:
                     axis = None  # a scalar has no batch to split
                 if axis is not None:
-                    _check_divisible(name, array.shape, axis, microbatches, shards)
+                    shape = _whole_batch_shape(array, axis, processes)
+                    _check_divisible(name, shape, axis, microbatches, shards, processes)
+                    rows = shape[axis] // microbatches if rows is None else rows
                     sharding = NamedSharding(mesh, PartitionSpec(*([None] * axis), state.DATA_AXES))
-                else:
-                    sharding = NamedSharding(mesh, PartitionSpec())
-                arrays.append(jax.device_put(array, sharding))
+                    arrays.append(_whole_batch(array, sharding, shape))
+                else:  # the same value on every process
+                    arrays.append(jax.device_put(array, NamedSharding(mesh, PartitionSpec())))
                 leaves.append(_Leaf("array", axis, dtype))
             else:
                 leaves.append(_Leaf("static", static=_Static(value)))
@@ -300,7 +339,10 @@ class StepFunction:
         if traced.output_spec is None:  # first call: trace before reading the scale (tracing may bind a GradScaler)
             training = model.training_state
             program.trace(training.params, training.rest, [*arrays, model.loss_scale])  # jax.jit keeps the trace
-        return _Call(model, [*arrays, model.loss_scale], program, traced)
+        share = None
+        if jax.process_count() > 1:
+            share = ProcessShare(state.dp_rank(), processes, rows, NamedSharding(mesh, PartitionSpec()))
+        return _Call(model, [*arrays, model.loss_scale], program, traced, share)
 
     def _partition(self, model: DistributedModel, signature: StepSignature, arrays: list) -> None:
         """Cut a pipelined model into stages from this call's forward (its first step), and move its parameters."""
@@ -601,10 +643,33 @@ def _host_or_device_array(value: Any) -> tuple[Any, torch.dtype]:
     return array, to_torch_dtype(jax.dtypes.canonicalize_dtype(array.dtype))
 
 
-def _check_divisible(name: str, shape: tuple, axis: int, microbatches: int, shards: int) -> None:
+def _whole_batch_shape(array: Any, axis: int, processes: int) -> tuple[int, ...]:
+    """The shape of the whole batch when each of ``processes`` passes an equal share (its own rows)."""
+    shape = tuple(array.shape)
+    if processes == 1 or axis >= len(shape) or (isinstance(array, jax.Array) and not array.is_fully_addressable):
+        return shape  # one process, or already a global array
+    return shape[:axis] + (shape[axis] * processes,) + shape[axis + 1 :]
+
+
+def _whole_batch(array: Any, sharding: NamedSharding, shape: tuple[int, ...]) -> jax.Array:
+    """The batch as one array over the mesh; with several processes, built from each one's rows."""
+    if jax.process_count() == 1 or (isinstance(array, jax.Array) and not array.is_fully_addressable):
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_process_local_data(sharding, np.asarray(array), shape)
+
+
+def _check_divisible(name: str, shape: tuple, axis: int, microbatches: int, shards: int, processes: int = 1) -> None:
     if axis >= len(shape):
         raise StepError(f"step input '{name}' has {len(shape)} dimensions; it cannot be split on axis {axis}")
     if shape[axis] % (microbatches * shards):
+        if processes > 1:
+            raise StepError(
+                f"step input '{name}': the {processes} processes' shares of {shape[axis] // processes} rows make a "
+                f"batch of {shape[axis]} (axis {axis}), which does not divide into {microbatches} microbatches x "
+                f"{shards} data-parallel shards = {microbatches * shards}. Give each process a multiple of "
+                f"{max(1, microbatches * shards // processes)} rows (DataLoader(..., drop_last=True) drops the "
+                "short last batch)."
+            )
         raise StepError(
             f"step input '{name}' has batch size {shape[axis]} (axis {axis}), which does not divide into "
             f"{microbatches} microbatches x {shards} data-parallel shards = {microbatches * shards}. Use a batch "

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import torch
+from jax.experimental import multihost_utils
 
 from jmp.torch_bridge.dtypes import to_jax_dtype
 
@@ -24,7 +25,12 @@ def tensor_to_array(tensor: torch.Tensor) -> jax.Array:
 
 
 def array_to_tensor(array, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A torch tensor holding a copy of a JAX array, cast to ``dtype`` if given."""
+    """A torch tensor holding a copy of a JAX array, cast to ``dtype`` if given.
+
+    An array spread over several processes is gathered (a collective: every process must make the call).
+    """
+    if isinstance(array, jax.Array) and not array.is_fully_addressable and not array.is_fully_replicated:
+        array = multihost_utils.process_allgather(array, tiled=True)
     host = np.asarray(jax.device_get(array))
     if host.dtype == ml_dtypes.bfloat16:
         tensor = torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)

@@ -1,0 +1,115 @@
+"""Two processes x 4 devices train like one process x 8 devices: the same losses on every process (rel 1e-5),
+each process's step outputs are its own rows, and the gathered state_dict() matches.
+
+Each process feeds its share of the batch (``smp.dp_rank()`` of ``smp.dp_size()``); the one-process reference
+runs here, on the test's 8 devices, on the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import jmp as smp
+from tests.multiprocess import mnist_seed
+from tests.multiprocess.train_gpt2 import train
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+FSDP_TP = {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2}
+PP_ACROSS_PROCESSES = {"pipeline_parallel_degree": 2, "microbatches": 2, "placement_strategy": "PDT"}
+
+
+def _env(**extra: str) -> dict:
+    return os.environ | {"PYTHONPATH": str(ROOT), "JMP_HEARTBEAT_TIMEOUT": "30"} | extra
+
+
+def _reports(result: subprocess.CompletedProcess, processes: int = 2) -> dict[int, dict]:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in reports) == list(range(processes)), result.stdout
+    return {r["rank"]: r for r in reports}
+
+
+def _launch(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -m jmp.launch -n 2 --cpu-devices 4 ...``"""
+    command = [sys.executable, "-m", "jmp.launch", "-n", "2", "--cpu-devices", "4", *args]
+    return subprocess.run(command, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=300)
+
+
+def _torchrun_style(*args: str) -> subprocess.CompletedProcess:
+    """Two processes started with torchrun's environment by hand (what a cluster launcher sets)."""
+    env = _env(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29731", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    )  # fmt: skip
+    children = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env=env | {"RANK": str(i), "LOCAL_RANK": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    outputs = [child.communicate(timeout=300) for child in children]
+    code = max(abs(child.returncode) for child in children)
+    return subprocess.CompletedProcess(args, code, "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
+
+
+@pytest.mark.parametrize(
+    ("layout", "launcher"),
+    [(FSDP_TP, _launch), (PP_ACROSS_PROCESSES, _torchrun_style)],
+    ids=["fsdp4xtp2-jmp.launch", "pp2-across-processes-torchrun-env"],
+)
+def test_two_processes_train_gpt2_like_one(tmp_path, layout, launcher):
+    reports = _reports(launcher("tests/multiprocess/train_gpt2.py", json.dumps(layout), str(tmp_path)))
+    model, losses, logits = train(layout)
+    shares = reports[0]["dp"][1]
+    for report in reports.values():
+        np.testing.assert_allclose(report["losses"], losses, rtol=1e-5)
+        dp_rank, dp_size = report["dp"]
+        assert dp_size == shares and report["size"] == 2
+        mine = logits.chunk(dp_size)[dp_rank]  # the rows this process fed
+        assert report["logits_shape"] == list(mine.shape)
+        assert report["logits_sum"] == pytest.approx(float(mine.sum()), rel=1e-4)
+    assert shares == (2 if layout is FSDP_TP else 1)  # pipeline stages across processes: both feed the whole batch
+    gathered = torch.load(tmp_path / "state_dict.pt", weights_only=True)
+    expected = model.state_dict()
+    assert gathered.keys() == expected.keys()
+    for name, value in expected.items():  # AdamW turns reduction-order noise into at most ~lr/100
+        torch.testing.assert_close(gathered[name], value, rtol=0, atol=1e-4)
+
+
+def test_the_seed_mnist_script_with_two_processes_equals_one(monkeypatch):
+    config = {"microbatches": 2, "ddp": True}
+    reports = _reports(_launch("tests/multiprocess/mnist_seed.py", SM_HP_MP_PARAMETERS=json.dumps(config)))
+    # one process, the same global batches: each step joins the two processes' batches of that step
+    smp.init(config)
+    images, labels = mnist_seed.dataset().tensors
+    half = mnist_seed.ROWS // 2
+    torch.manual_seed(0)
+    model = smp.DistributedModel(mnist_seed.GroupedNet())
+    optimizer = smp.DistributedOptimizer(torch.optim.Adadelta(model.parameters(), lr=4.0))
+    losses = []
+    for step in range(2):
+        rows = torch.cat(
+            [torch.arange(64 * step, 64 * step + 64), torch.arange(half + 64 * step, half + 64 * step + 64)]
+        )
+        optimizer.zero_grad()
+        _, loss = mnist_seed.train_step(model, images[rows], labels[rows])
+        optimizer.step()
+        losses.append(float(loss.reduce_mean()))
+    for report in reports.values():
+        assert report["dp"][1] == 2
+        np.testing.assert_allclose(report["losses"], losses, rtol=1e-5)

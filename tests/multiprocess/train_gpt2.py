@@ -1,0 +1,61 @@
+"""GPT-2 trained by every process of a multi-process run, each feeding its share of the batch.
+
+``python -m jmp.launch -n 2 --cpu-devices 4 tests/multiprocess/train_gpt2.py LAYOUT_JSON OUT_DIR``: each
+process prints one JSON line (its ranks, the losses and a step output's rows); process 0 saves the gathered
+``state_dict()`` to OUT_DIR/state_dict.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import jmp as smp
+from tests.sharding.models import causal_lm, token_batches
+
+STEPS = 3
+
+
+@smp.step
+def train_step(model, ids):
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    model.backward(out.loss)
+    return out.loss, out.logits
+
+
+def train(layout: dict) -> tuple[smp.DistributedModel, list[float], torch.Tensor]:
+    """(model, losses, the last step's logits of this process's rows)."""
+    smp.init(layout)
+    model = smp.DistributedModel(causal_lm("gpt2"))
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    losses = []
+    for ids in token_batches(STEPS):
+        share = ids.chunk(smp.dp_size())[smp.dp_rank()]  # what this process's data loader yields
+        optimizer.zero_grad()
+        loss, logits = train_step(model, share)
+        optimizer.step()
+        losses.append(float(loss.reduce_mean()))
+    return model, losses, logits.concat()
+
+
+def main(layout_json: str, out_dir: str) -> None:
+    model, losses, logits = train(json.loads(layout_json))
+    state_dict = model.state_dict()
+    report = {
+        "rank": smp.rank(),
+        "size": smp.size(),
+        "dp": [smp.dp_rank(), smp.dp_size()],
+        "losses": losses,
+        "logits_shape": list(logits.shape),
+        "logits_sum": float(logits.float().sum()),
+    }
+    print(json.dumps(report), flush=True)
+    if smp.rank() == 0:
+        torch.save(state_dict, Path(out_dir) / "state_dict.pt")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
