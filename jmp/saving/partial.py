@@ -13,11 +13,11 @@ writing continues in the background. The next save, a resume, or the end of the 
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import io
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,7 +48,9 @@ def wait_for_saves() -> None:
         pending.result()
 
 
-atexit.register(wait_for_saves)
+# Before the interpreter's shutdown stops thread pools (Orbax's writers among them), not after: an atexit
+# handler would be too late. concurrent.futures uses the same hook.
+threading._register_atexit(wait_for_saves)
 
 
 def user_content_bytes(user_content: Any) -> np.ndarray:
@@ -102,6 +104,9 @@ def save(
     def finish() -> None:
         try:
             checkpointer.wait_until_finished()  # written, and renamed into place
+        except Exception:
+            logger.exception("save_checkpoint: writing %s failed", directory.partial_dir(root, tag))
+            raise
         finally:
             checkpointer.close()
         if primary:

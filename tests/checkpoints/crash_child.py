@@ -4,6 +4,7 @@ MODE ``kill-writing`` / ``kill-finalising``: train 3 steps, save ``step3`` and w
 print the losses of steps 3-5 (the uninterrupted run), then save ``step6`` and die by SIGKILL inside that
 save: while Orbax writes the arrays, or once the checkpoint is complete but before ``newest`` names it.
 MODE ``resume``: resume from DIR's newest checkpoint, train to step 6, print the losses.
+MODE ``save-and-exit``: train 3 steps, save ``step3`` and exit at once (the write finishes before the exit).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main(path: str, mode: str) -> None:
         return
     run.train(3)
     run.save(path)
+    if mode == "save-and-exit":
+        return
     smp.saving.wait_for_saves()
     print(json.dumps({"step": 3, "losses": run.train(6)}), flush=True)
     {"kill-writing": _kill_while_writing_arrays, "kill-finalising": _kill_before_newest_moves}[mode]()

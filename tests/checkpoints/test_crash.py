@@ -46,3 +46,11 @@ def test_sigkill_inside_save_checkpoint(tmp_path, moment):
     resumed = _child(tmp_path, "resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _losses(resumed) == before_kill  # from step 3, bitwise
+
+
+def test_a_process_that_exits_right_after_saving_completes_the_checkpoint(tmp_path):
+    """``save_checkpoint`` returns before the files are written; the interpreter's exit waits for them."""
+    saved = _child(tmp_path, "save-and-exit")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    assert (tmp_path / "newest").read_text() == "step3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["newest", "step3_partial"]

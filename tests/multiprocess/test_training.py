@@ -1,5 +1,6 @@
 """Two processes x 4 devices train like one process x 8 devices: the same losses on every process (rel 1e-5),
-each process's step outputs are its own rows, and the gathered state_dict() matches.
+each process's step outputs are its own rows, and the gathered state_dict() matches; the checkpoint they
+save together resumes in one process.
 
 Each process feeds its share of the batch (``smp.dp_rank()`` of ``smp.dp_size()``); the one-process reference
 runs here, on the test's 8 devices, on the whole batch.
@@ -89,6 +90,10 @@ def test_two_processes_train_gpt2_like_one(tmp_path, layout, launcher):
     assert gathered.keys() == expected.keys()
     for name, value in expected.items():  # AdamW turns reduction-order noise into at most ~lr/100
         torch.testing.assert_close(gathered[name], value, rtol=0, atol=1e-4)
+    # the processes' partial checkpoint resumes in this one process, on 8 devices: their values exactly
+    smp.resume_from_checkpoint(tmp_path / "checkpoints", model=model)
+    resumed = model.state_dict()
+    assert all(torch.equal(resumed[name], gathered[name]) for name in gathered)
 
 
 def test_the_seed_mnist_script_with_two_processes_equals_one(monkeypatch):

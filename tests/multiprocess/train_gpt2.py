@@ -2,7 +2,7 @@
 
 ``python -m jmp.launch -n 2 --cpu-devices 4 tests/multiprocess/train_gpt2.py LAYOUT_JSON OUT_DIR``: each
 process prints one JSON line (its ranks, the losses and a step output's rows); process 0 saves the gathered
-``state_dict()`` to OUT_DIR/state_dict.pt.
+``state_dict()`` to OUT_DIR/state_dict.pt, and all save a partial checkpoint in OUT_DIR/checkpoints.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def train_step(model, ids):
 
 
 def train(layout: dict) -> tuple[smp.DistributedModel, list[float], torch.Tensor]:
-    """(model, losses, the last step's logits of this process's rows)."""
+    """(model, losses, the last step's logits of this process's rows); the optimizer is the model's."""
     smp.init(layout)
     model = smp.DistributedModel(causal_lm("gpt2"))
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
@@ -55,6 +55,7 @@ def main(layout_json: str, out_dir: str) -> None:
     print(json.dumps(report), flush=True)
     if smp.rank() == 0:
         torch.save(state_dict, Path(out_dir) / "state_dict.pt")
+    smp.save_checkpoint(Path(out_dir) / "checkpoints", "step3", model=model, optimizer=model.attached_optimizer)
 
 
 if __name__ == "__main__":
