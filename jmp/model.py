@@ -121,6 +121,10 @@ class DistributedModel(ModuleSurface):
             mesh=mesh,
             config=config,
         )
+        state.check_same_on_every_process(
+            f"the model ({type(module).__name__})",
+            repr([(n, shapes[n], str(self.layout.dtypes[n])) for n in self.layout.names]),
+        )
         self.training_state = TrainingState(
             params=jax.device_put(params, self.layout.shardings),
             rest=state.put_replicated(rest, self.layout.replicated),

@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import zlib
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
 from jmp import config_no_effect, sagemaker_config
@@ -59,6 +61,7 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
     parsed = parse(config, source)
     config_no_effect.log_once(ALIASES.get(key, key) for key in config or {})
     _start_distributed_runtime()
+    check_same_on_every_process("the smp config", repr(parsed))
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
     if parsed.sharded_data_parallel_degree == 0:  # SMP v2's hybrid_shard_degree 0: all data-parallel devices
@@ -151,6 +154,21 @@ def _start_distributed_runtime() -> None:
                 f"anything touches JAX devices or arrays ({error})"
             ) from error
         raise
+
+
+def check_same_on_every_process(what: str, description: str) -> None:
+    """Raise on every process when ``description`` (of the config, of a model) differs between processes,
+    instead of letting them run different programs and hang."""
+    if jax.process_count() == 1:
+        return
+    digest = np.uint32(zlib.crc32(description.encode()))
+    digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
+    differing = [p for p, d in enumerate(digests) if d != digests[0]]
+    if differing:
+        raise ConfigError(
+            f"{what} differs between processes: processes {differing} have another than process 0; every "
+            "process must run the same script with the same arguments and config"
+        )
 
 
 def put_replicated(tree: Any, sharding: Any) -> Any:

@@ -118,3 +118,10 @@ def test_the_seed_mnist_script_with_two_processes_equals_one(monkeypatch):
     for report in reports.values():
         assert report["dp"][1] == 2
         np.testing.assert_allclose(report["losses"], losses, rtol=1e-5)
+
+
+def test_processes_with_different_configs_all_stop_with_an_error():
+    result = _launch("tests/multiprocess/mismatch.py")
+    assert result.returncode != 0
+    assert "the smp config differs between processes: processes [1]" in result.stderr
+    assert "not reached" not in result.stdout
