@@ -1,7 +1,7 @@
 """GPT-2 trained by every process of a multi-process run, each feeding its share of the batch.
 
-``python -m jmp.launch -n 2 --cpu-devices 4 tests/multiprocess/train_gpt2.py LAYOUT_JSON OUT_DIR``: each
-process prints one JSON line (its ranks, the losses and a step output's rows); process 0 saves the gathered
+``PYTHONPATH=. python -m jmp.launch -n 2 --cpu-devices 4 tests/multiprocess/train_gpt2.py LAYOUT OUT_DIR``:
+each process prints one JSON line (its ranks, the losses and a step output's rows); process 0 saves the gathered
 ``state_dict()`` to OUT_DIR/state_dict.pt, and all save a partial checkpoint in OUT_DIR/checkpoints.
 """
 
