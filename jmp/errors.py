@@ -58,3 +58,8 @@ class ActivationCheckpointingError(JmpError):
 class CheckpointError(JmpError, RuntimeError):
     """A checkpoint cannot be saved or resumed: a missing path or tag, an incomplete or corrupted
     checkpoint, or one saved from another model."""
+
+
+class CommError(JmpError, RuntimeError):
+    """A barrier, broadcast, send or allgather did not complete: a peer did not make the matching call in
+    time (``JMP_COMM_TIMEOUT``), or the distributed runtime failed."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import zlib
 from typing import Any
 
@@ -128,19 +129,19 @@ def _start_distributed_runtime() -> None:
             "num_processes": int(env["JAX_NUM_PROCESSES"]),
             "process_id": int(env.get("JAX_PROCESS_ID", "0")),
         }
-    elif (
-        env.get("JAX_COORDINATOR_ADDRESS")
-        or int(env.get("SLURM_NTASKS", "1")) > 1
-        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
-    ):
-        arguments = {}  # JAX detects the cluster from the environment
-    elif int(env.get("WORLD_SIZE", "1")) > 1 and env.get("MASTER_ADDR"):  # torchrun-style launch
+    elif int(env.get("WORLD_SIZE", "1")) > 1 and env.get("MASTER_ADDR"):  # torchrun or jmp.launch, even in SLURM
         port = int(env.get("MASTER_PORT", "29500")) + 1  # the torch port may be taken by the launcher
         arguments = {
             "coordinator_address": f"{env['MASTER_ADDR']}:{port}",
             "num_processes": int(env["WORLD_SIZE"]),
             "process_id": int(env.get("RANK", "0")),
         }
+    elif (
+        env.get("JAX_COORDINATOR_ADDRESS")
+        or int(env.get("SLURM_NTASKS", "1")) > 1
+        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+    ):
+        arguments = {}  # JAX detects the cluster from the environment
     else:
         return
     # collectives between processes on CPU (tests, laptops) need an implementation; GPUs and TPUs bring theirs
@@ -154,6 +155,23 @@ def _start_distributed_runtime() -> None:
                 f"anything touches JAX devices or arrays ({error})"
             ) from error
         raise
+    sys.excepthook = _exit_on_uncaught(sys.excepthook)
+
+
+def _exit_on_uncaught(previous: Any) -> Any:
+    """An excepthook that reports the error, then ends the process at once.
+
+    JAX's exit handler waits at a shutdown barrier for every process (minutes); a process that failed would
+    sit there while its peers wait for it, and the launcher (torchrun, jmp.launch) would not see the failure.
+    """
+
+    def hook(kind: type, value: BaseException, traceback: Any) -> None:
+        previous(kind, value, traceback)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    return hook
 
 
 def check_same_on_every_process(what: str, description: str) -> None:
