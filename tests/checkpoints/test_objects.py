@@ -2,37 +2,14 @@
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
-from typing import Any
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import jmp as smp
+from tests.checkpoints.small_run import IN, OUT, Run, assert_same, state_of, train
 
-IN, OUT = 8, 4
 PARTIAL_MARK = "_smp_is_partial"
-
-
-@smp.step
-def train_step(model, data, target):
-    loss = F.cross_entropy(model(data), target)
-    model.backward(loss)
-    return loss
-
-
-def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(16, IN, generator=generator), torch.randint(0, OUT, (16,), generator=generator)
-
-
-@dataclass
-class Run:
-    model: Any
-    optimizer: Any
 
 
 @pytest.fixture(scope="module")
@@ -43,36 +20,6 @@ def run() -> Run:
     run = Run(model, smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2)))
     train(run, seed=1)  # moments and a step count in the optimizer state
     return run
-
-
-def train(run: Run, seed: int) -> float:
-    run.optimizer.zero_grad()
-    loss = train_step(run.model, *batch(seed))
-    run.optimizer.step()
-    return float(loss.reduce_mean())
-
-
-def state_of(run: Run) -> tuple[dict, dict]:
-    return (
-        {name: tensor.clone() for name, tensor in run.model.state_dict().items()},
-        copy.deepcopy(run.optimizer.state_dict()),
-    )
-
-
-def assert_same(actual: Any, expected: Any, where: str = "") -> None:
-    """Equal, tensors exactly (torch.equal), through dicts, lists and tuples."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and torch.equal(actual, expected), f"{where} differs"
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and actual.keys() == expected.keys(), f"{where} keys differ"
-        for key, value in expected.items():
-            assert_same(actual[key], value, f"{where}/{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert type(actual) is type(expected) and len(actual) == len(expected), f"{where} differs"
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_same(a, e, f"{where}[{i}]")
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
 def without_mark(state_dict: dict) -> dict:

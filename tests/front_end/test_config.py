@@ -1,5 +1,7 @@
 """``smp.init``: config validation, the mesh, and the rank helpers."""
 
+import sys
+
 import jax
 import pytest
 
@@ -36,8 +38,9 @@ def test_cluster_placement_keeps_a_replicas_tensor_parallel_devices_adjacent():
 
 def test_one_process_loads_the_whole_batch():
     smp.init({"tensor_parallel_degree": 2})
-    assert (smp.rank(), smp.size(), smp.dp_rank(), smp.dp_size(), smp.tp_size(), smp.pp_size()) == (0, 1, 0, 1, 1, 1)
-    assert (smp.mp_rank(), smp.mp_size(), smp.rdp_size(), smp.local_rank(), smp.local_size()) == (0, 1, 1, 0, 1)
+    assert (smp.rank(), smp.size(), smp.dp_rank(), smp.dp_size(), smp.tp_rank(), smp.pp_rank()) == (0, 1, 0, 1, 0, 0)
+    assert (smp.mp_rank(), smp.rdp_size(), smp.local_rank(), smp.local_size()) == (0, 1, 0, 1)
+    assert (smp.tp_size(), smp.pp_size(), smp.mp_size()) == (2, 1, 2)  # the degrees, as in SMP
 
 
 def test_unknown_key_lists_valid_keys_and_the_closest_match():
@@ -75,8 +78,11 @@ def test_multi_process_launches_start_jax_distributed(monkeypatch):
     calls = []
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)  # this process keeps its own settings
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
     for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JMP_INIT_TIMEOUT", "30")
     state._start_distributed_runtime()
     assert calls == []  # a single process stays single
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -84,4 +90,13 @@ def test_multi_process_launches_start_jax_distributed(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     state._start_distributed_runtime()
-    assert calls == [{"coordinator_address": "10.0.0.1:29501", "num_processes": 4, "process_id": 2}]
+    assert calls == [
+        {
+            "coordinator_address": "10.0.0.1:29501",
+            "num_processes": 4,
+            "process_id": 2,
+            "initialization_timeout": 30,
+            "heartbeat_timeout_seconds": 60,
+        }
+    ]
+    assert sys.excepthook is not sys.__excepthook__  # an uncaught error now ends the process at once

@@ -8,6 +8,7 @@ runs here, on the test's 8 devices, on the whole batch.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ import torch
 import jmp as smp
 from tests.multiprocess import mnist_seed
 from tests.multiprocess.train_gpt2 import train
+from tests.sharding.models import causal_lm
 
 pytest.importorskip("transformers")
 
@@ -75,25 +77,34 @@ def _torchrun_style(*args: str) -> subprocess.CompletedProcess:
 )
 def test_two_processes_train_gpt2_like_one(tmp_path, layout, launcher):
     reports = _reports(launcher("tests/multiprocess/train_gpt2.py", json.dumps(layout), str(tmp_path)))
-    model, losses, logits = train(layout)
-    shares = reports[0]["dp"][1]
+    expected, losses, logits = _one_process()  # every layout computes the same (to float rounding)
     for report in reports.values():
         np.testing.assert_allclose(report["losses"], losses, rtol=1e-5)
         dp_rank, dp_size = report["dp"]
-        assert dp_size == shares and report["size"] == 2
+        assert report["size"] == 2
         mine = logits.chunk(dp_size)[dp_rank]  # the rows this process fed
         assert report["logits_shape"] == list(mine.shape)
         assert report["logits_sum"] == pytest.approx(float(mine.sum()), rel=1e-4)
-    assert shares == (2 if layout is FSDP_TP else 1)  # pipeline stages across processes: both feed the whole batch
+    # the data is split over the processes; pipeline stages across processes: both feed the whole batch
+    assert reports[0]["dp"][1] == (2 if layout is FSDP_TP else 1)
     gathered = torch.load(tmp_path / "state_dict.pt", weights_only=True)
-    expected = model.state_dict()
     assert gathered.keys() == expected.keys()
     for name, value in expected.items():  # AdamW turns reduction-order noise into at most ~lr/100
         torch.testing.assert_close(gathered[name], value, rtol=0, atol=1e-4)
     # the processes' partial checkpoint resumes in this one process, on 8 devices: their values exactly
-    smp.resume_from_checkpoint(tmp_path / "checkpoints", model=model)
-    resumed = model.state_dict()
+    smp.init(FSDP_TP)
+    fresh = smp.DistributedModel(causal_lm("gpt2"))
+    smp.DistributedOptimizer(torch.optim.AdamW(fresh.parameters(), lr=3e-3))
+    smp.resume_from_checkpoint(tmp_path / "checkpoints", model=fresh)
+    resumed = fresh.state_dict()
     assert all(torch.equal(resumed[name], gathered[name]) for name in gathered)
+
+
+@functools.cache
+def _one_process() -> tuple[dict, list[float], torch.Tensor]:
+    """(state_dict, losses, logits) of the run on one process with the test's 8 devices."""
+    model, losses, logits = train(FSDP_TP)
+    return model.state_dict(), losses, logits
 
 
 def test_the_seed_mnist_script_with_two_processes_equals_one(monkeypatch):
