@@ -284,10 +284,15 @@ def notes(saves: dict, restores: dict, plain: dict, state_bytes: int, tied_bytes
         f"the partial checkpoint holds {disk['partial'] / state_bytes:.2f}x the bytes of the state "
         f"({disk['partial'] / MIB:.1f} of {state_bytes / MIB:.1f} MiB): zstd compression (random float32 weights "
         "and fresh AdamW moments compress a little), plus JSON metadata.",
-        f"jmp's model.state_dict() returns the tied embedding twice (transformer.wte.weight and lm_head.weight "
-        f"as separate tensors, {tied_bytes / MIB:.1f} MiB), where torch's share storage and torch.save writes "
-        f"it once: the full checkpoint and the torch file of the jmp state are {disk['torch_save'] / MIB:.1f} MiB "
-        f"against {plain['disk_bytes'] / MIB:.1f} MiB for pure torch (jmp loads them back: the restore column).",
+        (
+            f"jmp's model.state_dict() returns the tied embedding twice (transformer.wte.weight and lm_head.weight "
+            f"as separate tensors, {tied_bytes / MIB:.1f} MiB), where torch's share storage and torch.save writes "
+            f"it once: the full checkpoint and the torch file of the jmp state are {disk['torch_save'] / MIB:.1f} "
+            f"MiB against {plain['disk_bytes'] / MIB:.1f} MiB for pure torch."
+            if disk["torch_save"] > 1.02 * plain["disk_bytes"]
+            else f"the full checkpoint holds the tied embedding ({tied_bytes / MIB:.1f} MiB) once, as torch's does: "
+            f"{disk['full'] / MIB:.1f} MiB against {plain['disk_bytes'] / MIB:.1f} MiB for pure torch."
+        ),
         "restores are timed into a freshly built model and optimizer (built untimed) until the arrays are "
         "ready, reading files the page cache holds. Restored values against what was saved, max abs difference: "
         f"partial {restores['partial']['restored_max_abs_difference']}, full "

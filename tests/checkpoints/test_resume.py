@@ -68,7 +68,7 @@ def test_fp16_resume_restores_the_loss_scale(tmp_path):
 
 
 def test_newest_or_named_tag(tmp_path):
-    run = Run(FSDP_TP)
+    run = Run(FSDP_TP, kind="mlp")
     run.train(2)
     run.save(tmp_path)
     run.train(4)
