@@ -30,7 +30,7 @@ from jmp.pipeline.stepping import Pipeline
 from jmp.remat import api as remat
 from jmp.sharding import experts
 from jmp.torch_bridge import JaxTensor, TorchModule, convert, named_variables, to_state_dict, torch_name
-from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
+from jmp.torch_bridge.interop import array_to_tensor, local_piece, tensor_to_array
 
 logger = logging.getLogger("jmp")
 
@@ -391,10 +391,7 @@ class DistributedModel(ModuleSurface):
         for name, variable in named_variables(self.flax_module):
             if not variable.get_metadata("persistent", True):
                 continue
-            value = variable[...]
-            if isinstance(value, jax.Array) and not value.is_fully_addressable:
-                value = value.addressable_shards[0].data  # one of this process's pieces
-            out[name] = array_to_tensor(value, variable.get_metadata("torch_dtype", None))
+            out[name] = array_to_tensor(local_piece(variable[...]), variable.get_metadata("torch_dtype", None))
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:

@@ -23,7 +23,7 @@ from jmp import loss_scaling, model_registry, portable_state, precision, shardin
 from jmp.errors import ArgumentTypeError, ModelLookupError, OptimizerError
 from jmp.model import PARTIAL_MARK, DistributedModel
 from jmp.torch_bridge import torch_name as _name_of
-from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
+from jmp.torch_bridge.interop import array_to_tensor, host_array, local_piece, tensor_to_array
 
 _FROZEN = "frozen"  # label of parameters the torch optimizer does not own
 _DYNAMIC_KEYS = tuple(field.name for field in dataclasses.fields(loss_scaling.DynamicLossScaleArgs))
@@ -363,9 +363,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         and ``fp32_from_fp16`` (the float32 master parameters, per param group, when the module's own
         parameters are half precision: ``model.state_dict()`` then holds them rounded).
         """
+        return self._state_dict(lambda array: array)
+
+    def local_state_dict(self) -> dict:
+        """``state_dict()`` with this process's piece of each array (all of it on one host), as SMP's; it
+        holds ``"_smp_is_partial": True`` and ``load_state_dict`` takes it back."""
+        return self._state_dict(local_piece) | {PARTIAL_MARK: True}
+
+    def _state_dict(self, piece: Any) -> dict:
+        """``state_dict()`` of ``piece(array)`` of each array (the whole array, or this process's piece)."""
+        to_tensor = lambda array: array_to_tensor(piece(array))  # noqa: E731
         if self.torch_optimizer is None:
-            return {"optax_state": jax.tree.map(np.asarray, self.opt_state)} | self._mixed_precision_state()
-        saved = self.torch_optimizer.state_dict() | self._mixed_precision_state()
+            optax_state = jax.tree.map(lambda array: host_array(piece(array)), self.opt_state)
+            return {"optax_state": optax_state} | self._mixed_precision_state(to_tensor)
+        saved = self.torch_optimizer.state_dict() | self._mixed_precision_state(to_tensor)
         index = self._param_index()
         per_param: dict[int, dict[str, torch.Tensor]] = {}
         for group, inject_state in _group_states(self.opt_state):
@@ -373,17 +384,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for found in _find_states(inject_state.inner_state, state_type):
                     for field, torch_name in fields.items():
                         if torch_name != "step":
-                            _collect_field(self._by_name(getattr(found, field)), torch_name, index, per_param)
+                            field_state = self._by_name(getattr(found, field))
+                            _collect_field(field_state, torch_name, index, per_param, to_tensor)
             if self.rule.factory is not torch_optimizers.sgd:  # torch's SGD keeps no step count
                 step = torch.tensor(float(inject_state.count), dtype=torch.float32)
                 for i in self._group_indices(group):
                     per_param.setdefault(i, {})["step"] = step.clone()
         saved["state"] = per_param
         return saved
-
-    def local_state_dict(self) -> dict:
-        """This process's optimizer state: all of it on one host (SMP's API; ``load_state_dict`` takes it)."""
-        return self.state_dict() | {PARTIAL_MARK: True}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._load_mixed_precision_state(state_dict)
@@ -408,7 +416,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             replaced[group] = inject_state._replace(inner_state=inner, count=jnp.array(count))
         self.opt_state = _with_group_states(self.opt_state, replaced)
 
-    def _mixed_precision_state(self) -> dict:
+    def _mixed_precision_state(self, to_tensor: Any) -> dict:
         saved: dict[str, Any] = {}
         if self.scaling.kind is not None:
             saved["dynamic_loss_scale"] = self.scaling.kind == "dynamic"
@@ -425,8 +433,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             params = self.model.layout.by_name(self.model.params)
             names = self._names_by_position()
             saved["fp32_from_fp16"] = [
-                [array_to_tensor(params[names[i]]) for i in self._group_indices(g)]
-                for g in range(len(self.param_groups))
+                [to_tensor(params[names[i]]) for i in self._group_indices(g)] for g in range(len(self.param_groups))
             ]
         return saved
 
@@ -618,12 +625,12 @@ def _per_param_leaves(field: Any):
         yield _name_of(path), leaf
 
 
-def _collect_field(field: Any, torch_name: str, index: dict, per_param: dict) -> None:
+def _collect_field(field: Any, torch_name: str, index: dict, per_param: dict, to_tensor: Any) -> None:
     if not hasattr(field, "items") and not isinstance(field, nnx.State):
         return  # a scalar field such as count: handled as "step"
     for name, leaf in _per_param_leaves(field):
         if name in index and isinstance(leaf, jax.Array):
-            per_param.setdefault(index[name], {})[torch_name] = array_to_tensor(leaf)
+            per_param.setdefault(index[name], {})[torch_name] = to_tensor(leaf)
 
 
 def _loaded_field(field: Any, torch_name: str, index: dict, tensors: dict) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -29,11 +31,23 @@ def array_to_tensor(array, dtype: torch.dtype | None = None) -> torch.Tensor:
 
     An array spread over several processes is gathered (a collective: every process must make the call).
     """
-    if isinstance(array, jax.Array) and not array.is_fully_addressable and not array.is_fully_replicated:
-        array = multihost_utils.process_allgather(array, tiled=True)
-    host = np.asarray(jax.device_get(array))
+    host = host_array(array)
     if host.dtype == ml_dtypes.bfloat16:
         tensor = torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
     else:
         tensor = torch.from_numpy(host.copy())
     return tensor if dtype is None else tensor.to(dtype)
+
+
+def host_array(array: Any) -> np.ndarray:
+    """A JAX array's value in host memory; gathered when spread over several processes (a collective)."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable and not array.is_fully_replicated:
+        array = multihost_utils.process_allgather(array, tiled=True)
+    return np.asarray(jax.device_get(array))
+
+
+def local_piece(array: Any) -> Any:
+    """This process's piece of an array spread over several processes (the array itself otherwise)."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        return array.addressable_shards[0].data
+    return array

@@ -87,6 +87,12 @@ def test_two_processes_train_gpt2_like_one(tmp_path, layout, launcher):
         assert report["logits_sum"] == pytest.approx(float(mine.sum()), rel=1e-4)
     # the data is split over the processes; pipeline stages across processes: both feed the whole batch
     assert reports[0]["dp"][1] == (2 if layout is FSDP_TP else 1)
+    for report in reports.values():  # local_state_dict()s hold pieces (fsdp4 x tp2: at most half of the model)
+        if layout is FSDP_TP:
+            assert report["local_numel"] <= report["numel"] // 2
+            assert report["local_moment_numel"] <= report["local_numel"]
+        else:
+            assert report["local_numel"] == report["numel"]  # a stage's parameters are whole arrays
     gathered = torch.load(tmp_path / "state_dict.pt", weights_only=True)
     assert gathered.keys() == expected.keys()
     for name, value in expected.items():  # AdamW turns reduction-order noise into at most ~lr/100

@@ -44,7 +44,12 @@ def train(layout: dict) -> tuple[smp.DistributedModel, list[float], torch.Tensor
 def main(layout_json: str, out_dir: str) -> None:
     model, losses, logits = train(json.loads(layout_json))
     state_dict = model.state_dict()
+    local = model.local_state_dict()
+    local_moments = model.attached_optimizer.local_state_dict()["state"]
     report = {
+        "numel": sum(t.numel() for t in state_dict.values()),
+        "local_numel": sum(t.numel() for k, t in local.items() if k != "_smp_is_partial"),
+        "local_moment_numel": sum(s["exp_avg"].numel() for s in local_moments.values()),
         "rank": smp.rank(),
         "size": smp.size(),
         "dp": [smp.dp_rank(), smp.dp_size()],
