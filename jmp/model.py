@@ -400,6 +400,12 @@ class DistributedModel(ModuleSurface):
         Raises:
             StateDictError: a shape differs, or (``strict``) keys are missing or unexpected; nothing is loaded.
         """
+        if state_dict.get(PARTIAL_MARK) and jax.process_count() > 1:
+            raise StateDictError(
+                "load_state_dict got a local_state_dict() of a multi-process run: it holds this process's pieces "
+                "only. Load a full state_dict(), or save and resume with smp.save_checkpoint / "
+                "smp.resume_from_checkpoint, which restore each process's shards."
+            )
         state_dict = {k: v for k, v in state_dict.items() if k != PARTIAL_MARK}
         module = self.flax_module
         variables = {n: v for n, v in named_variables(module) if v.get_metadata("persistent", True)}

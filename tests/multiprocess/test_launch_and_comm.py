@@ -17,6 +17,7 @@ import pytest
 import jmp as smp
 from jmp import launch
 from jmp.launch import child_environment, free_port_pair
+from tests.multiprocess.reports import json_objects
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/multiprocess/comm_script.py"
@@ -55,7 +56,7 @@ def _launch_here(capfd, monkeypatch, *args: str) -> tuple[int, str, str]:
 
 
 def _records(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return json_objects(stdout)
 
 
 def _alive(pid: int) -> bool:

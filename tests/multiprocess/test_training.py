@@ -21,6 +21,7 @@ import torch
 
 import jmp as smp
 from tests.multiprocess import mnist_seed
+from tests.multiprocess.reports import json_objects
 from tests.multiprocess.train_gpt2 import train
 from tests.sharding.models import causal_lm
 
@@ -37,7 +38,7 @@ def _env(**extra: str) -> dict:
 
 def _reports(result: subprocess.CompletedProcess, processes: int = 2) -> dict[int, dict]:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    reports = [r for r in json_objects(result.stdout) if isinstance(r, dict) and "rank" in r]
     assert sorted(r["rank"] for r in reports) == list(range(processes)), result.stdout
     return {r["rank"]: r for r in reports}
 
@@ -88,6 +89,7 @@ def test_two_processes_train_gpt2_like_one(tmp_path, layout, launcher):
     # the data is split over the processes; pipeline stages across processes: both feed the whole batch
     assert reports[0]["dp"][1] == (2 if layout is FSDP_TP else 1)
     for report in reports.values():  # local_state_dict()s hold pieces (fsdp4 x tp2: at most half of the model)
+        assert "smp.save_checkpoint" in report["local_load_refused"]
         if layout is FSDP_TP:
             assert report["local_numel"] <= report["numel"] // 2
             assert report["local_moment_numel"] <= report["local_numel"]

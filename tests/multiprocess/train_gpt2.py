@@ -46,7 +46,13 @@ def main(layout_json: str, out_dir: str) -> None:
     state_dict = model.state_dict()
     local = model.local_state_dict()
     local_moments = model.attached_optimizer.local_state_dict()["state"]
+    try:
+        model.load_state_dict(local)
+        refused = ""
+    except smp.StateDictError as error:  # pieces of a multi-process run: not a state to load
+        refused = str(error)
     report = {
+        "local_load_refused": refused,
         "numel": sum(t.numel() for t in state_dict.values()),
         "local_numel": sum(t.numel() for k, t in local.items() if k != "_smp_is_partial"),
         "local_moment_numel": sum(s["exp_avg"].numel() for s in local_moments.values()),
