@@ -12,6 +12,7 @@ global batch and ``@smp.step`` splits it over its devices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -225,7 +226,11 @@ def _process_group(axes: tuple[str, ...]) -> tuple[int, int]:
     Two processes share a rank when their devices hold the same coordinates on
     ``axes`` (they are each other's peers on the other axes).
     """
-    mesh = get_mesh()
+    return _process_group_in(get_mesh(), axes)
+
+
+@functools.lru_cache(maxsize=64)  # a step call asks for its data share each time; the mesh rarely changes
+def _process_group_in(mesh: Mesh, axes: tuple[str, ...]) -> tuple[int, int]:
     index = [AXES.index(a) for a in axes]
     coordinates: dict[int, set] = {}
     for position, device in np.ndenumerate(mesh.devices):

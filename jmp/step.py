@@ -79,7 +79,8 @@ class StepOutput:
     def _wrap(self, value: jax.Array, rows_axis: int | None = None, rows: int = 0) -> JaxTensor:
         share = self._share
         if share is not None and not value.is_fully_addressable:
-            value = _replicate(value, share.replicated)
+            if not value.is_fully_replicated:  # a loss is already on every device
+                value = _replicate(value, share.replicated)
             if rows_axis is not None and value.ndim > rows_axis and rows and value.shape[rows_axis] == rows:
                 block = rows // share.count
                 value = jax.lax.slice_in_dim(value, share.index * block, (share.index + 1) * block, axis=rows_axis)

@@ -231,14 +231,17 @@ def _describe_optimizer(optimizer: DistributedOptimizer | None) -> dict | None:
     return {
         "class": type(torch_optimizer).__name__ if torch_optimizer is not None else "optax",
         "loss_scaling": optimizer.scaling.kind,
-        "param_groups": [
-            {k: _plain(v) for k, v in group.items() if k != "params" and _plain(v) is not _UNSAVED}
-            for group in optimizer.param_groups
-        ],
+        "param_groups": [_plain_group(group) for group in optimizer.param_groups],
     }
 
 
 _UNSAVED = object()
+
+
+def _plain_group(group: dict) -> dict:
+    """A param group's hyper-parameters as JSON (its parameters and what JSON cannot hold left out)."""
+    plain = {k: _plain(v) for k, v in group.items() if k != "params"}
+    return {k: v for k, v in plain.items() if v is not _UNSAVED}
 
 
 def _plain(value: Any) -> Any:
