@@ -79,6 +79,7 @@ class Config:
     activation_checkpointing_policy: str = "full"  # jmp: the remat policy of checkpointed modules (see jmp.remat)
     delayed_parameter_initialization: bool = False
     random_seed: int = 0x12345678
+    compilation_cache: bool = True  # jmp: JAX's persistent compilation cache (see jmp.compilation)
     # runtime details of SMP's own engine (no effect here)
     horovod: bool = False
     ddp_port: int | None = None
@@ -212,7 +213,8 @@ _COUNT = _integer(0, "a non-negative integer")
 _BOOLEANS = (
     "auto_partition ddp prescaled_batch sdp_hierarchical_allgather shard_optimizer_state allow_empty_shards "
     "fsdp_cache_flush_warnings fp16 fp16_params bf16 offload_activations delayed_parameter_initialization horovod "
-    "contiguous deterministic_server skip_tracing static_mode fast_mode predefined_hooks load_partition"
+    "contiguous deterministic_server skip_tracing static_mode fast_mode predefined_hooks load_partition "
+    "compilation_cache"
 ).split()
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(_BOOLEANS, _boolean),

@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
-from jmp import config_no_effect, sagemaker_config
+from jmp import compilation, config_no_effect, sagemaker_config
 from jmp.config import ALIASES, Config, parse
 from jmp.errors import ConfigError, JmpError
 
@@ -62,6 +62,7 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
             logger.info("smp.init(): the config comes from %s: %s", source, config)
     parsed = parse(config, source)
     config_no_effect.log_once(ALIASES.get(key, key) for key in config or {})
+    compilation.configure_cache(parsed.compilation_cache)
     _start_distributed_runtime()
     check_same_on_every_process("the smp config", repr(parsed))
     devices = list(jax.devices() if devices is None else devices)

@@ -33,7 +33,7 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp import model_registry, state
+from jmp import compilation, model_registry, state
 from jmp.errors import StepError
 from jmp.model import DistributedModel, current_trace
 from jmp.pipeline.engine import StepInputs
@@ -259,8 +259,9 @@ class StepFunction:
             raise StepError(f"@smp.step of {fn.__name__}: {sorted(unknown)} are not arguments of the function")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = self._prepare(args, kwargs)
-        outputs, rest, grads, dropped = call.program(*call.arguments)
+        with compilation.timed(self.__name__):  # logs only when this call compiled something
+            call = self._prepare(args, kwargs)
+            outputs, rest, grads, dropped = call.program(*call.arguments)
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, dropped)
         shards = _data_shards(call.model.layout.mesh)
         arrays = iter(outputs)

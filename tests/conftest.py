@@ -1,10 +1,18 @@
 """Test setup: 8 emulated CPU devices (set before JAX is imported anywhere)."""
 
 import os
+import shutil
+import tempfile
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+# a compilation cache of this session's own (jmp turns JAX's persistent cache on): programs compiled by one
+# test are loaded by the next, and a run's timing does not depend on what earlier runs left behind
+_OWN_CACHE = None
+if "JMP_COMPILATION_CACHE" not in os.environ:
+    _OWN_CACHE = os.environ["JMP_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jmp-test-xla-cache-")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -19,3 +27,8 @@ def _seeded():
 
 def pytest_report_header(config):
     return f"jax {jax.__version__} on {jax.device_count()} {jax.default_backend()} devices; torch {torch.__version__}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

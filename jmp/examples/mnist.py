@@ -13,6 +13,7 @@ machine without accelerators it emulates 8 devices: 2 stages x 4 data-parallel.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--partitions", type=int, default=2, help="pipeline stages (1: data parallel only)")
     args = parser.parse_args(argv)
+    # jmp's INFO lines (what compiling took); force: a library imported above put a handler on the root logger
+    logging.basicConfig(format="%(message)s", force=True)
+    logging.getLogger("jmp").setLevel(logging.INFO)
 
     smp.init(
         {

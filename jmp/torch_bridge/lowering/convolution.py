@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from jmp.torch_bridge.dtypes import to_jax_dtype
+from jmp.torch_bridge.lowering import cpu_convolution
 from jmp.torch_bridge.registry import register_lowering
 
 _INDEX = to_jax_dtype(torch.int64)
@@ -55,7 +56,8 @@ def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
 def _convolve(x, weight, bias, **conv_args):
     """``lax.conv_general_dilated`` in torch's layout, plus the per-channel bias."""
     nd = weight.ndim - 2
-    out = jax.lax.conv_general_dilated(x, weight.astype(x.dtype), dimension_numbers=_LAYOUTS[nd], **conv_args)
+    convolve = cpu_convolution.conv_general_dilated if jax.default_backend() == "cpu" else jax.lax.conv_general_dilated
+    out = convolve(x, weight.astype(x.dtype), dimension_numbers=_LAYOUTS[nd], **conv_args)
     if bias is not None:
         out = out + bias.astype(out.dtype).reshape((1, -1) + (1,) * nd)
     return out
