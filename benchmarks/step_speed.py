@@ -45,6 +45,7 @@ from benchmarks.harness import (
     token_ids,
     write_results,
 )
+from jmp import compilation
 from jmp.examples.models import GroupedNet
 
 IMAGES = 64
@@ -209,6 +210,7 @@ def main() -> None:
     parser.add_argument("--skip-main-job", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/step_speed.json")
     args = parser.parse_args()
+    os.environ.setdefault(compilation.ENVIRONMENT, "off")  # first steps here compile; the main job's runs say
     transformers.logging.set_verbosity_error()
     emulate_devices()
     result = {"machine": machine(), "torch_threads": torch.get_num_threads()}
