@@ -12,7 +12,7 @@ def train_step(model, data, target):
     return loss
 """
 
-from jmp import amp, nn, torch_bridge
+from jmp import amp, grad_clipping, nn, torch_bridge
 from jmp.comm import (
     DP_GROUP,
     MP_GROUP,
@@ -79,6 +79,8 @@ from jmp.state import (
     tp_size,
 )
 from jmp.step import StepOutput, is_tracing, step
+
+grad_clipping.install()  # torch.nn.utils.clip_grad_norm_ on a DistributedModel's parameters
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,171 @@
+"""``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on a ``DistributedModel``'s parameters.
+
+jmp keeps gradients on the devices (the model's training state), not in ``p.grad``: torch's own
+functions would find no gradient and silently clip nothing. ``import jmp`` replaces them in
+``torch.nn.utils`` with these, which clip a DistributedModel's gradients where they are (the norm is
+global across devices and processes, as torch's is over one process' tensors) and hand any other
+tensors to torch's originals. The norm is that of the unscaled gradients when the loss is scaled.
+
+A script that bound torch's function before jmp was imported (``from torch.nn.utils import
+clip_grad_norm_`` above ``import jmp``) keeps torch's, which finds no gradient: import jmp first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+
+from jmp import model_registry
+from jmp.errors import OptimizerError
+
+_TORCH_NORM = torch.nn.utils.clip_grad.clip_grad_norm_
+_TORCH_VALUE = torch.nn.utils.clip_grad.clip_grad_value_
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """torch's ``clip_grad_norm_``: scale the gradients so that their total norm is at most ``max_norm``;
+    returns the total norm before clipping."""
+    tensors = _listed(parameters)
+    owner = _owner(tensors, "clip_grad_norm_")
+    if owner is None:
+        return _TORCH_NORM(tensors, max_norm, norm_type, error_if_nonfinite, foreach)
+    model, names = owner
+    training = model.training_state
+    if training.grads is None:
+        return torch.zeros(())
+    mask = _mask(model, names)
+    norm, training.grads = _clip_norm(training.grads, mask, float(max_norm), float(norm_type), _scale(model))
+    norm = torch.tensor(float(norm))
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`"
+        )
+    return norm
+
+
+def clip_grad_value_(
+    parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float, foreach: bool | None = None
+) -> None:
+    """torch's ``clip_grad_value_``: clamp each gradient element to ``[-clip_value, clip_value]``."""
+    tensors = _listed(parameters)
+    owner = _owner(tensors, "clip_grad_value_")
+    if owner is None:
+        return _TORCH_VALUE(tensors, clip_value, foreach)
+    model, names = owner
+    training = model.training_state
+    if training.grads is not None:
+        training.grads = _clip_value(training.grads, _mask(model, names), float(clip_value), _scale(model))
+    return None
+
+
+def clip_grad_norm(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
+    """torch's deprecated spelling of ``clip_grad_norm_``."""
+    return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def install() -> None:
+    """Put these in ``torch.nn.utils`` (and ``torch.nn.utils.clip_grad``), where scripts look them up."""
+    for namespace in (torch.nn.utils, torch.nn.utils.clip_grad):
+        namespace.clip_grad_norm_ = clip_grad_norm_
+        namespace.clip_grad_value_ = clip_grad_value_
+        namespace.clip_grad_norm = clip_grad_norm
+
+
+# --- which model, which gradients ---------------------------------------------------------------------------
+
+
+def _listed(parameters: Any) -> list:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def _owner(tensors: list, call: str) -> tuple[Any, list[str]] | None:
+    """(the DistributedModel these are parameters of, their names), or None for other tensors."""
+    ids = {id(t) for t in tensors}
+    owners = []
+    for model in model_registry.live():
+        names = [n for n, p in model.torch_module.named_parameters(remove_duplicate=False) if id(p) in ids]
+        if names:
+            owners.append((model, names))
+    if not owners:
+        return None
+    if len(owners) > 1:
+        raise OptimizerError(f"torch.nn.utils.{call} got parameters of {len(owners)} DistributedModels; clip each")
+    model, names = owners[0]
+    held = {id(p) for p in model.torch_module.parameters()}
+    strangers = sum(id(t) not in held for t in tensors)
+    if strangers:
+        raise OptimizerError(
+            f"torch.nn.utils.{call} got {strangers} tensor(s) that are not parameters of the DistributedModel "
+            "beside its parameters; clip the model's parameters and other tensors in separate calls"
+        )
+    return model, names
+
+
+def _mask(model: Any, names: list[str]) -> tuple[bool, ...] | None:
+    """Per gradient leaf (the layout's name order): whether it is one of ``names``' (None: all of them)."""
+    layout_names = model.layout.names
+    chosen = set(names) & set(layout_names)
+    if len(chosen) == len(layout_names):
+        return None
+    if model.pipeline is not None and model.pipeline.ready:
+        raise OptimizerError(
+            "clipping the gradients of some of a pipelined model's parameters is not supported; clip "
+            "model.parameters() (all of them), or use optimizer.clip_master_grads"
+        )
+    return tuple(name in chosen for name in layout_names)
+
+
+def _scale(model: Any) -> jax.Array:
+    """What the gradients are multiplied by: the loss scale, unless a GradScaler has unscaled them."""
+    optimizers = model._live_optimizers()
+    if optimizers and optimizers[0].grads_unscaled:
+        return jnp.ones((), jnp.float32)
+    return model.loss_scale
+
+
+def _selected(grads: Any, mask: tuple[bool, ...] | None) -> list:
+    leaves = jax.tree.leaves(grads)
+    return leaves if mask is None else [g for g, m in zip(leaves, mask) if m]
+
+
+def _apply(grads: Any, mask: tuple[bool, ...] | None, fn) -> Any:
+    leaves, treedef = jax.tree.flatten(grads)
+    chosen = mask or (True,) * len(leaves)
+    return jax.tree.unflatten(treedef, [fn(g) if m else g for g, m in zip(leaves, chosen)])
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _clip_norm(grads: Any, mask: Any, max_norm: float, norm_type: float, scale: jax.Array) -> tuple[jax.Array, Any]:
+    """(total norm, clipped gradients), torch's rule on the unscaled gradients: factor
+    min(1, max_norm / (norm + 1e-6)); gradients keep their scale and dtype."""
+    unscaled = [g.astype(jnp.float32) / scale for g in _selected(grads, mask)]
+    if not unscaled:
+        return jnp.zeros((), jnp.float32), grads
+    if math.isinf(norm_type):
+        norm = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in unscaled]))
+    else:
+        norm = sum(jnp.sum(jnp.abs(g) ** norm_type) for g in unscaled) ** (1.0 / norm_type)
+    factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return norm, _apply(grads, mask, lambda g: (g.astype(jnp.float32) * factor).astype(g.dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _clip_value(grads: Any, mask: Any, clip_value: float, scale: jax.Array) -> Any:
+    bound = clip_value * scale
+    return _apply(grads, mask, lambda g: jnp.clip(g.astype(jnp.float32), -bound, bound).astype(g.dtype))
