@@ -133,8 +133,8 @@ def _mask(model: Any, names: list[str]) -> tuple[bool, ...] | None:
 
 def _scale(model: Any) -> jax.Array:
     """What the gradients are multiplied by: the loss scale, unless a GradScaler has unscaled them."""
-    optimizers = model._live_optimizers()
-    if optimizers and optimizers[0].grads_unscaled:
+    optimizer = model.attached_optimizer
+    if optimizer is not None and optimizer.grads_unscaled:
         return jnp.ones((), jnp.float32)
     return model.loss_scale
 

@@ -226,8 +226,10 @@ def test_bf16_turns_dynamic_scaling_off_with_a_warning(caplog):
     assert "does not scale the loss" in caplog.text or "dynamic-bfloat16" in precision._warned
 
 
-def test_grad_scaler_unscale_then_clip_like_torch():
-    """scaler.unscale_(optimizer) then clip_master_grads: the norm torch's clip_grad_norm_ gives after unscale_."""
+@pytest.mark.parametrize("clip", ["clip_master_grads", "torch_clip_grad_norm_"])
+def test_grad_scaler_unscale_then_clip_like_torch(clip):
+    """scaler.unscale_(optimizer) then SMP's clip_master_grads or torch's clip_grad_norm_ on the model's
+    parameters: the norm torch's clip_grad_norm_ gives after unscale_."""
     x, y, _ = next(batches())
     reference = net()
     torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -254,7 +256,11 @@ def test_grad_scaler_unscale_then_clip_like_torch():
     scaler.unscale_(optimizer)
     with pytest.raises(RuntimeError, match="already been called"):
         scaler.unscale_(optimizer)
-    np.testing.assert_allclose(float(optimizer.clip_master_grads(0.05)), expected_norm, rtol=1e-5)
+    if clip == "clip_master_grads":
+        norm = optimizer.clip_master_grads(0.05)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    np.testing.assert_allclose(float(norm), expected_norm, rtol=1e-5)
     scaler.step(optimizer)
     scaler.update()
     for name, value in model.state_dict().items():
