@@ -20,6 +20,20 @@ def train_step(model, data, target):
     return loss
 
 
+def train_with_clipping(module, config, data, clip):
+    """A copy of ``module`` trained by jmp (SGD), ``clip(model)`` between each step and update: (model, clips)."""
+    smp.init(config)
+    model = smp.DistributedModel(copy.deepcopy(module))
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    results = []
+    for x, y in data:
+        optimizer.zero_grad()
+        train_step(model, x, y)
+        results.append(clip(model))
+        optimizer.step()
+    return model, results
+
+
 def no_bias(model):
     return [p for n, p in model.named_parameters() if "bias" not in n]
 
@@ -55,16 +69,7 @@ def test_clipping_in_the_loop_trains_as_torch(case):
         expected_norms.append(clip(which(reference)))
         torch_optimizer.step()
 
-    smp.init(config)
-    model = smp.DistributedModel(copy.deepcopy(module))
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
-    norms = []
-    for x, y in data:
-        optimizer.zero_grad()
-        train_step(model, x, y)
-        norms.append(clip(which(model)))
-        optimizer.step()
-
+    model, norms = train_with_clipping(module, config, data, lambda model: clip(which(model)))
     np.testing.assert_allclose(norms, expected_norms, rtol=1e-5)
     if case.startswith("norm"):
         assert min(expected_norms) > 0.05  # above max_norm: every step clipped
@@ -83,15 +88,12 @@ def test_a_pipelined_model_clips_all_its_gradients():
         expected.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)))
         torch.optim.SGD(reference.parameters(), lr=0.5).step()
 
-    smp.init({"partitions": 2, "microbatches": 2})
-    model = smp.DistributedModel(copy.deepcopy(module))
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
-    norms = []
-    for x, y in data:
-        optimizer.zero_grad()
-        train_step(model, x, y)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)))
-        optimizer.step()
+    model, norms = train_with_clipping(
+        module,
+        {"partitions": 2, "microbatches": 2},
+        data,
+        lambda model: float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)),
+    )
     np.testing.assert_allclose(norms, expected, rtol=1e-5)
     with pytest.raises(OptimizerError, match="some of a pipelined model's parameters"):
         torch.nn.utils.clip_grad_norm_(list(model.parameters())[:1], 0.01)
