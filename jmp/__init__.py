@@ -49,6 +49,7 @@ from jmp.errors import (
     TracedControlFlowError,
     UnsupportedOpError,
 )
+from jmp.delayed_init import delay_param_initialization
 from jmp.model import DistributedModel
 from jmp.model_creation import model_creation
 from jmp.optimizer import DistributedOptimizer
@@ -120,6 +121,7 @@ __all__ = [
     "checkpoint_sequential",
     "dp_barrier",
     "dp_rank",
+    "delay_param_initialization",
     "dp_size",
     "get_config",
     "get_mesh",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import weakref
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ import torch
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jmp import model_registry, precision, sharding, state
+from jmp import compilation, delayed_init, model_registry, precision, sharding, state
 from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
 from jmp.model_state import ParameterLayout, ProgramCache, TrainingState, copy_tree
 from jmp.model_surface import ModelOptions, ModuleSurface
@@ -59,12 +60,6 @@ def current_trace() -> Trace | None:
     return _TRACE.get()
 
 
-# Config keys whose features later work will add; until then a model refuses them rather than ignoring them.
-_NOT_YET = {
-    "delayed_parameter_initialization": False,
-}
-
-
 class DistributedModel(ModuleSurface):
     """Wraps a torch ``nn.Module``: converted to Flax NNX, its parameters placed on the mesh.
 
@@ -99,23 +94,19 @@ class DistributedModel(ModuleSurface):
         self.backward_passes_per_step = self.options.backward_passes_per_step
         self.average_grads_across_microbatches = self.options.average_grads_across_microbatches
         config = state.get_config()
-        for key, default in _NOT_YET.items():
-            if getattr(config, key) != default:
-                raise ConfigError(
-                    f"config key '{key}' = {getattr(config, key)!r} is not supported by DistributedModel yet; "
-                    "remove it (data parallelism over all devices is available)."
-                )
         mesh = state.get_mesh()
         self.torch_module = module  # read for its structure; ``module`` also writes the current values back
-        graphdef, params, rest = nnx.split(convert(module, rngs=nnx.Rngs(config.random_seed)), nnx.Param, ...)
+        self.delayed = _is_delayed(module)
+        converted = convert(module, rngs=nnx.Rngs(config.random_seed), allow_meta=self.delayed)
+        graphdef, params, rest = nnx.split(converted, nnx.Param, ...)
         leaves = [(torch_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
         shapes = {name: tuple(leaf.shape) for name, leaf in leaves}
         self.precision = precision.resolve(config, {n: leaf.dtype for n, leaf in leaves}, mesh.devices.flat[0].platform)
-        params = precision.masters(params, self.precision)
+        masters = functools.partial(precision.masters, precision=self.precision)
         self.layout = ParameterLayout(
             names=tuple(name for name, _ in leaves),
             shapes=shapes,
-            dtypes={name: leaf.dtype for name, leaf in zip(shapes, jax.tree.leaves(params))},
+            dtypes={name: leaf.dtype for name, leaf in zip(shapes, jax.tree.leaves(jax.eval_shape(masters, params)))},
             specs=sharding.parameter_specs(module, shapes, mesh, sharding_rules),
             treedef=jax.tree_util.tree_structure(params),
             mesh=mesh,
@@ -125,11 +116,16 @@ class DistributedModel(ModuleSurface):
             f"the model ({type(module).__name__})",
             repr([(n, shapes[n], str(self.layout.dtypes[n])) for n in self.layout.names]),
         )
-        self.training_state = TrainingState(
-            params=jax.device_put(params, self.layout.shardings),
-            rest=state.put_replicated(rest, self.layout.replicated),
-        )
-        self._module_version = self.training_state.version  # the torch module holds these values now
+        if self.delayed:
+            params, rest = _initialise_in_shards(graphdef, params, rest, masters, self.layout)
+            self.training_state = TrainingState(params=params, rest=rest)
+            self._module_version = None  # the torch module holds no values
+        else:
+            self.training_state = TrainingState(
+                params=jax.device_put(masters(params), self.layout.shardings),
+                rest=state.put_replicated(rest, self.layout.replicated),
+            )
+            self._module_version = self.training_state.version  # the torch module holds these values now
         self.programs = ProgramCache()
         self.call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
         self.may_drop_tokens = bool(self.call_hooks) and config.expert_capacity_factor is not None
@@ -149,7 +145,17 @@ class DistributedModel(ModuleSurface):
 
         The values are written back when this is read after the model's state changed (a step, an update, a
         load), so ``model.module.save_pretrained(...)`` saves the trained model; training itself never copies.
+        A model built on the meta device (delayed initialisation) gets CPU tensors here, at the first read:
+        this holds the whole model in this process, which ``parameters()``, ``named_parameters()`` and the
+        other module-like methods never do.
         """
+        if self._module_version is None:
+            delayed_init.materialise(self.torch_module)
+            buffers = dict(self.torch_module.named_buffers())
+            with torch.no_grad():  # non-persistent buffers (not in state_dict) were computed by the init code too
+                for name, variable in named_variables(self.flax_module):
+                    if not variable.get_metadata("persistent", True) and name in buffers:
+                        buffers[name].copy_(array_to_tensor(variable[...], variable.get_metadata("torch_dtype", None)))
         if self.training_state.version != self._module_version:
             current = self.state_dict()
             with torch.no_grad():
@@ -158,6 +164,12 @@ class DistributedModel(ModuleSurface):
                         tensor.copy_(current[name])
             self._module_version = self.training_state.version
         return self.torch_module
+
+    @property
+    def current_module(self) -> torch.nn.Module:
+        """``module``, except for a model built on the meta device that nothing has given values yet: then the
+        module as built, its tensors on the meta device (its values live only in its shards)."""
+        return self.torch_module if self._module_version is None else self.module
 
     # --- inside a step function -------------------------------------------------------------------------
 
@@ -476,6 +488,39 @@ def _pipeline_for(module: torch.nn.Module, config: Any, mesh: Any, specs: dict, 
                 "pp and the remaining devices do plain data parallelism. Use one of the two."
             )
     return Pipeline(module, config, mesh, specs)
+
+
+def _is_delayed(module: torch.nn.Module) -> bool:
+    """Whether the module was built on the meta device (delayed parameter initialisation); all or nothing."""
+    meta, real = delayed_init.meta_names(module)
+    if meta and real:
+        raise ConfigError(
+            f"{type(module).__name__} has {len(meta)} tensors on the meta device ({', '.join(meta[:3])}, ...) and "
+            f"{len(real)} with values ({', '.join(real[:3])}, ...). Build the whole model inside "
+            "smp.delay_param_initialization() (jmp initialises it into its shards), or none of it."
+        )
+    return bool(meta)
+
+
+def _initialise_in_shards(
+    graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, masters: Any, layout: ParameterLayout
+) -> tuple[nnx.State, nnx.State]:
+    """Run a meta-device model's initialisation code in one program whose outputs are its parameters' shards."""
+    count = sum(int(np.prod(shape)) for shape in layout.shapes.values())
+    logger.info(
+        "initialising %s parameters directly into their shards (delayed parameter initialisation)", f"{count:,}"
+    )
+    with compilation.timed("parameter initialisation"):
+        lowered, inputs = delayed_init.initialisation(
+            graphdef,
+            params,
+            rest,
+            seed=layout.config.random_seed,
+            param_shardings=layout.shardings,
+            replicated=layout.replicated,
+            finish=masters,
+        )
+        return lowered.compile()(inputs)
 
 
 def _log_layout(specs: dict[str, PartitionSpec], mesh: Any) -> None:

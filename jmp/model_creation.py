@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from jmp import state
+from jmp.delayed_init import delay_param_initialization
 from jmp.errors import ArgumentTypeError
 from jmp.sharding import tensor_parallelism as tensor_parallel_context
 
@@ -27,7 +29,9 @@ def model_creation(
     """Build a model inside: its parameters are created in ``dtype`` and its modules marked for tensor parallelism.
 
     A model created in ``torch.bfloat16`` / ``torch.float16`` trains in that dtype, with float32 master
-    parameters kept by jmp (see ``jmp.precision``).
+    parameters kept by jmp (see ``jmp.precision``). With the config key ``delayed_parameter_initialization``
+    (``smp.init`` first), the model is built on the meta device and ``smp.DistributedModel`` initialises it
+    directly into its shards (see ``smp.delay_param_initialization``).
 
     Args:
         tensor_parallelism: distribute the modules created inside over ``tp`` (``smp.tensor_parallelism``).
@@ -45,10 +49,14 @@ def model_creation(
             sorted(tensor_parallel_config) + (["distribute_embedding"] if distribute_embedding else []),
         )
     previous = torch.get_default_dtype()
+    delayed = state.is_initialized() and state.get_config().delayed_parameter_initialization
     try:
         if dtype is not None:
             torch.set_default_dtype(dtype)
-        with tensor_parallel_context(tensor_parallelism) if tensor_parallelism else contextlib.nullcontext():
+        with (
+            tensor_parallel_context(tensor_parallelism) if tensor_parallelism else contextlib.nullcontext(),
+            delay_param_initialization(delayed),
+        ):
             yield
     finally:
         torch.set_default_dtype(previous)

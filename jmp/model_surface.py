@@ -151,12 +151,14 @@ class ModuleSurface:
     """``nn.Module``-like methods of ``DistributedModel`` (a mixin).
 
     Expects of the class it is mixed into: ``module`` (the torch module, its values current),
-    ``torch_module`` (the same module, read for its structure only), ``layout``, ``pipeline``,
+    ``current_module`` (the same, without giving a meta-device model values), ``torch_module`` (the same
+    module, read for its structure only), ``layout``, ``pipeline``,
     ``precision``, ``training_state`` and ``attached_optimizer``; ``_init_surface()`` is called by its
     constructor before anything else.
     """
 
     module: nn.Module
+    current_module: nn.Module
 
     def _init_surface(self) -> None:
         self._post_partition_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
@@ -170,37 +172,38 @@ class ModuleSurface:
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The torch module's parameters: what a torch optimizer is built on (``DistributedOptimizer`` finds
-        the model by them). They hold the current values (see ``DistributedModel.module``)."""
-        return self.module.parameters(recurse)
+        the model by them). They hold the current values (see ``DistributedModel.module``), except those of
+        a model built on the meta device, which stay there (its values live only in its shards)."""
+        return self.current_module.parameters(recurse)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """The torch module's ``named_parameters()``: the names param groups are split by (decay / no decay)."""
-        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        return self.current_module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        return self.module.buffers(recurse)
+        return self.current_module.buffers(recurse)
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        return self.current_module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def children(self) -> Iterator[nn.Module]:
-        return self.module.children()
+        return self.current_module.children()
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
-        return self.module.named_children()
+        return self.current_module.named_children()
 
     def modules(self) -> Iterator[nn.Module]:
         """The torch module and its submodules (the wrapped module first, not the DistributedModel)."""
-        return self.module.modules()
+        return self.current_module.modules()
 
     def named_modules(
         self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Module]]:
-        return self.module.named_modules(memo=memo, prefix=prefix, remove_duplicate=remove_duplicate)
+        return self.current_module.named_modules(memo=memo, prefix=prefix, remove_duplicate=remove_duplicate)
 
     # --- this process's share (SMP's local_*) ------------------------------------------------------------
 
@@ -212,7 +215,7 @@ class ModuleSurface:
         over several hosts (after the first step) those of this host's stages.
         """
         held = self._held_names()
-        for name, parameter in self.module.named_parameters():
+        for name, parameter in self.current_module.named_parameters():
             if name in held:
                 yield prefix + ("." if prefix else "") + name, parameter
 
@@ -222,15 +225,15 @@ class ModuleSurface:
 
     def local_named_buffers(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
         """The buffers this process holds: all of them (buffers are replicated on every device)."""
-        return self.module.named_buffers(prefix=prefix)
+        return self.current_module.named_buffers(prefix=prefix)
 
     def local_buffers(self) -> Iterator[torch.Tensor]:
-        return self.module.buffers()
+        return self.current_module.buffers()
 
     def local_modules(self) -> Iterator[nn.Module]:
         """The modules with a local parameter in them, and those with no parameters (they run everywhere)."""
         held = self._held_names()
-        for path, module in self.module.named_modules():
+        for path, module in self.current_module.named_modules():
             names = [path + ("." if path else "") + n for n, _ in module.named_parameters()]
             if not names or any(n in held for n in names):
                 yield module

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import torch
 from flax import nnx
 
 from jmp.errors import ConversionError
+from jmp.torch_bridge.dtypes import to_jax_dtype
 from jmp.torch_bridge.interop import tensor_to_array
 from jmp.torch_bridge.module import GenericModule, TorchModule
 
@@ -41,8 +43,9 @@ def layer_class(torch_module: torch.nn.Module) -> type[TorchModule]:
 class Converter:
     """One conversion: shares Variables between tied torch tensors and one random stream."""
 
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, allow_meta: bool = False):
         self.rngs = rngs
+        self.allow_meta = allow_meta
         self._variables: dict[int, nnx.Variable] = {}
         self._first_names: dict[int, str] = {}  # tensor -> the torch name it was converted under first
         self._ties: list[tuple[str, str]] = []  # (later name, first name) of tied tensors, not yet claimed
@@ -84,14 +87,19 @@ class Converter:
         existing = self._variables.get(id(tensor))
         if existing is not None:
             return existing
-        if tensor.is_meta:
+        if tensor.is_meta and not self.allow_meta:
             raise ConversionError(
                 f"'{_join(path, name)}' is on the meta device (no values). Materialise the module "
-                "(e.g. module.to_empty(device='cpu') and initialise it) before converting."
+                "(e.g. module.to_empty(device='cpu') and initialise it) before converting, or wrap it in "
+                "smp.DistributedModel, which initialises it directly into its shards."
             )
         if kind is nnx.Param:
             metadata["requires_grad"] = tensor.requires_grad
-        variable = kind(tensor_to_array(tensor), torch_dtype=tensor.dtype, **metadata)
+        if tensor.is_meta:
+            value = jax.ShapeDtypeStruct(tuple(tensor.shape), to_jax_dtype(tensor.dtype))
+        else:
+            value = tensor_to_array(tensor)
+        variable = kind(value, torch_dtype=tensor.dtype, **metadata)
         self._variables[id(tensor)] = variable
         self._first_names[id(tensor)] = _join(path, name)
         return variable
@@ -127,7 +135,7 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def convert(module: torch.nn.Module, *, rngs: nnx.Rngs | int | None = None) -> TorchModule:
+def convert(module: torch.nn.Module, *, rngs: nnx.Rngs | int | None = None, allow_meta: bool = False) -> TorchModule:
     """Convert a torch module tree to Flax NNX, parameters and buffers copied exactly.
 
     The result mirrors the torch tree (parameter paths equal ``state_dict`` keys; tied tensors stay tied)
@@ -138,17 +146,20 @@ def convert(module: torch.nn.Module, *, rngs: nnx.Rngs | int | None = None) -> T
         rngs: seeds dropout and ``torch.rand*`` inside the model: an ``nnx.Rngs`` or an int seed. By
             default it follows torch's seed (``torch.manual_seed``), so a seeded torch script is
             reproducible here too.
+        allow_meta: tensors on the meta device become Variables holding ``jax.ShapeDtypeStruct``s, for
+            ``jmp.delayed_init`` to fill by running the module's initialisation code (else an error).
 
     Returns:
         The converted ``flax.nnx.Module`` (a ``TorchModule``).
 
     Raises:
         ConversionError: a submodule is not a ``torch.nn.Module``, is a TorchScript module or is wrapped in
-            ``DistributedDataParallel``; a tensor is on the meta device; an attribute's name clashes with
-            the converted module's own; an ``nn.Embedding`` uses ``max_norm`` or ``scale_grad_by_freq``.
+            ``DistributedDataParallel``; a tensor is on the meta device (without ``allow_meta``); an
+            attribute's name clashes with the converted module's own; an ``nn.Embedding`` uses ``max_norm``
+            or ``scale_grad_by_freq``.
             Unsupported torch ops are not found here but when the converted module runs
             (``UnsupportedOpError``).
     """
     if not isinstance(rngs, nnx.Rngs):
         rngs = nnx.Rngs(torch.initial_seed() % 2**32 if rngs is None else rngs)
-    return Converter(rngs).module(module, "")
+    return Converter(rngs, allow_meta).module(module, "")

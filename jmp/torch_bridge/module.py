@@ -273,14 +273,14 @@ _NO_FORWARD = object()
 
 
 @contextlib.contextmanager
-def bound_state(root: TorchModule) -> Iterator[None]:
+def bound_state(root: TorchModule, written: set[int] | None = None) -> Iterator[None]:
     """Bind the NNX state of ``root``'s subtree to its torch modules for one forward.
 
     Parameters and buffers become JaxTensors of the current NNX values, every
     descendant's ``forward`` is redirected to its NNX twin, and ``training``
     follows the NNX modules. On exit, buffers that forward updated in place or
-    reassigned are written back to their NNX variables, and the torch modules
-    are restored.
+    reassigned are written back to their NNX variables (whose ids are added to
+    ``written``, when given), and the torch modules are restored.
     """
     bindings = []
     modules = []
@@ -308,6 +308,8 @@ def bound_state(root: TorchModule) -> Iterator[None]:
             changed = current is not tensor or tensor._jmp_version > 0
             if changed and isinstance(current, torch.Tensor):
                 variable[...] = unwrap(current)
+                if written is not None:
+                    written.add(id(variable))
             slots[name] = previous
             if changed and isinstance(previous, JaxTensor):
                 previous._value = variable[...]

@@ -9,6 +9,7 @@ from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their regis
     elementwise,
     factories,
     indexing,
+    initialisers,
     linalg,
     losses,
     nn_functional,
