@@ -32,6 +32,7 @@ from jmp.comm import (
     send,
     tp_barrier,
 )
+from jmp.delayed_init import delay_param_initialization
 from jmp.errors import (
     ActivationCheckpointingError,
     ArgumentTypeError,
@@ -49,7 +50,6 @@ from jmp.errors import (
     TracedControlFlowError,
     UnsupportedOpError,
 )
-from jmp.delayed_init import delay_param_initialization
 from jmp.model import DistributedModel
 from jmp.model_creation import model_creation
 from jmp.optimizer import DistributedOptimizer

@@ -19,7 +19,6 @@ CPU generator would give.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -125,12 +124,9 @@ def run_initialisation_code(module: TorchModule, rngs: nnx.Rngs, written: set[in
     """Run the torch module's initialisation code on the converted module's values (ids of written Variables
     are added to ``written``)."""
     root = module.torch_module
-    with dispatch.session(rngs), bound_state(module, written), torch.no_grad():
+    with dispatch.session(rngs), bound_state(module, written), torch.no_grad(), initialisers.jax_initialisers():
         hugging_face = getattr(root, "initialize_weights", None) or getattr(root, "init_weights", None)
         if callable(hugging_face) and hasattr(root, "_init_weights"):
-            hf_init = sys.modules.get("transformers.initialization")
-            if hf_init is not None:
-                initialisers.lower_like_torch(hf_init)
             with _hugging_face_flags_cleared(root):
                 hugging_face()
             return

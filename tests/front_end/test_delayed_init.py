@@ -198,3 +198,6 @@ def test_delay_param_initialization_disabled_builds_values():
     smp.init({})  # without the config key, model_creation builds values
     with smp.model_creation():
         assert not nn.Linear(2, 2).weight.is_meta
+    smp.init({"delayed_parameter_initialization": True})  # a model built with values outside model_creation
+    module = nn.Linear(2, 2)
+    torch.testing.assert_close(smp.DistributedModel(module).state_dict()["weight"], module.weight.detach())

@@ -161,12 +161,6 @@ def _split(t):
     return [m.reshape((-1,) + t.shape[1:]) for m in t.reshape((8, 4, 1) + t.shape[1:]).transpose(0, 1).unbind(0)]
 
 
-def test_unsupported_parallelism_is_refused_until_it_exists():
-    smp.init({"delayed_parameter_initialization": True})
-    with pytest.raises(smp.ConfigError, match="'delayed_parameter_initialization' = True is not supported"):
-        smp.DistributedModel(SmallNet())
-
-
 def test_optimizer_state_is_laid_out_like_the_parameters(model):
     optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.module.parameters()))
     params = jax.tree.leaves(model.params)

@@ -1,20 +1,28 @@
 """``torch.nn.init``: a module's own initialisation code, run on the bridge's tensors.
 
-Each ``torch.nn.init.*_`` fills its tensor in place with draws from the random stream of the running
-session (JAX's counter-based generator, so a sharded draw equals the whole draw; torch's global generator
-has no place in a compiled program). Fans, gains and bounds follow torch's formulas. Half-precision
-tensors are drawn in float32 and rounded, as torch samples them at higher precision.
+Most of ``torch.nn.init`` is Python over tensor methods (``uniform_``, ``normal_``, ``fill_``, ``zero_``,
+``torch.eye(out=...)``, item assignment), which the bridge lowers one by one. This module adds the rest:
 
-These functions dispatch to the bridge themselves (``handle_torch_function`` with the tensor as a keyword),
-so their lowerings take the bridge's tensors (``raw``) and write into them.
+- the functions that dispatch to the bridge as a whole (``uniform_``, ``normal_``, ``constant_``,
+  ``kaiming_uniform_``: ``handle_torch_function`` with the tensor as a keyword) are lowered here, taking the
+  bridge's tensors (``raw``) and writing into them;
+- two cannot run as torch code under ``jit``: ``trunc_normal_`` redraws until no value is out of bounds
+  (a loop on values) and ``orthogonal_`` transposes in place (``t_``, a shape change). While
+  ``jax_initialisers()`` is active they run as JAX, for the bridge's tensors only.
+
+Draws come from the running session's random stream (JAX's counter-based generator, so a sharded draw
+equals the whole draw; torch's global generator has no place in a compiled program). Fans, gains and bounds
+follow torch's formulas. Half-precision tensors are drawn in float32 and rounded, as torch samples them at
+higher precision.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-from collections.abc import Callable
-from typing import Any
+import sys
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -27,18 +35,6 @@ from jmp.torch_bridge.tensor import JaxTensor
 
 init = torch.nn.init
 _LOWERED: dict[str, Callable] = {}  # torch.nn.init function name -> its torch function
-
-
-def lower_like_torch(namespace: Any) -> None:
-    """Lower the functions of ``namespace`` named as ``torch.nn.init``'s as torch's.
-
-    For libraries that install their own wrappers into ``torch.nn.init`` while their initialisation code runs
-    (Hugging Face's ``guard_torch_init_functions``): torch's functions then dispatch under the wrapper's name.
-    """
-    for name, torch_fn in _LOWERED.items():
-        own = getattr(namespace, name, None)
-        if own is not None and own is not torch_fn:
-            LOWERINGS[own] = LOWERINGS[torch_fn]
 
 
 def _in_place(torch_fn: Callable) -> Callable:
@@ -56,8 +52,7 @@ def _in_place(torch_fn: Callable) -> Callable:
             arguments.pop("generator", None)
             if not isinstance(tensor, JaxTensor):
                 raise LoweringError(f"torch.nn.init.{torch_fn.__name__} got a {type(tensor).__name__}, not a tensor")
-            value = fill(tuple(tensor.shape), tensor.value.dtype, **arguments)
-            tensor.set_value(value)
+            tensor.set_value(fill(tuple(tensor.shape), tensor.value.dtype, **arguments))
             return tensor
 
         return fill
@@ -67,13 +62,6 @@ def _in_place(torch_fn: Callable) -> Callable:
 
 def _draw_dtype(dtype: jnp.dtype) -> jnp.dtype:
     return jnp.float32 if jnp.finfo(dtype).bits < 32 else dtype
-
-
-def _fans(shape: tuple[int, ...]) -> tuple[int, int]:
-    if len(shape) < 2:
-        raise ValueError("fan in and fan out can not be computed for a tensor with fewer than 2 dimensions")
-    receptive = math.prod(shape[2:])
-    return shape[1] * receptive, shape[0] * receptive
 
 
 def _uniform(shape, dtype, low, high):
@@ -94,61 +82,9 @@ def normal_(shape, dtype, mean, std):
     return _normal(shape, dtype, mean, std)
 
 
-@_in_place(init.trunc_normal_)
-def trunc_normal_(shape, dtype, mean, std, a, b):
-    lower, upper = (a - mean) / std, (b - mean) / std
-    draw = jax.random.truncated_normal(next_key(), lower, upper, shape, _draw_dtype(dtype))
-    return jnp.clip(mean + std * draw, a, b).astype(dtype)
-
-
 @_in_place(init.constant_)
 def constant_(shape, dtype, val):
     return jnp.full(shape, val, dtype)
-
-
-@_in_place(init.ones_)
-def ones_(shape, dtype):
-    return jnp.ones(shape, dtype)
-
-
-@_in_place(init.zeros_)
-def zeros_(shape, dtype):
-    return jnp.zeros(shape, dtype)
-
-
-@_in_place(init.eye_)
-def eye_(shape, dtype):
-    if len(shape) != 2:
-        raise ValueError("Only tensors with 2 dimensions are supported")
-    return jnp.eye(*shape, dtype=dtype)
-
-
-@_in_place(init.dirac_)
-def dirac_(shape, dtype, groups):
-    if len(shape) not in (3, 4, 5):
-        raise ValueError("Only tensors with 3, 4, or 5 dimensions are supported")
-    if shape[0] % groups:
-        raise ValueError("dim 0 must be divisible by groups")
-    out_per_group = shape[0] // groups
-    value = jnp.zeros(shape, dtype)
-    centre = tuple(size // 2 for size in shape[2:])
-    for group in range(groups):
-        for d in range(min(out_per_group, shape[1])):
-            value = value.at[(group * out_per_group + d, d) + centre].set(1)
-    return value
-
-
-@_in_place(init.xavier_uniform_)
-def xavier_uniform_(shape, dtype, gain):
-    fan_in, fan_out = _fans(shape)
-    bound = math.sqrt(3.0) * gain * math.sqrt(2.0 / float(fan_in + fan_out))
-    return _uniform(shape, dtype, -bound, bound)
-
-
-@_in_place(init.xavier_normal_)
-def xavier_normal_(shape, dtype, gain):
-    fan_in, fan_out = _fans(shape)
-    return _normal(shape, dtype, 0.0, gain * math.sqrt(2.0 / float(fan_in + fan_out)))
 
 
 def _kaiming_std(shape, a, mode, nonlinearity) -> float:
@@ -166,18 +102,28 @@ def kaiming_uniform_(shape, dtype, a, mode, nonlinearity):
     return _uniform(shape, dtype, -bound, bound)
 
 
-@_in_place(init.kaiming_normal_)
-def kaiming_normal_(shape, dtype, a, mode, nonlinearity):
-    return _normal(shape, dtype, 0.0, _kaiming_std(shape, a, mode, nonlinearity))
-
-
-@_in_place(init.orthogonal_)
-def orthogonal_(shape, dtype, gain):
+def _fans(shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) < 2:
+        raise ValueError("Fan in and fan out can not be computed for tensor with fewer than 2 dimensions")
+    receptive = math.prod(shape[2:])
+    return shape[1] * receptive, shape[0] * receptive
+
+
+def _trunc_normal(tensor, mean, std, a, b, generator=None):
+    lower, upper = (a - mean) / std, (b - mean) / std
+    dtype = tensor.value.dtype
+    draw = jax.random.truncated_normal(next_key(), lower, upper, tuple(tensor.shape), _draw_dtype(dtype))
+    tensor.set_value(jnp.clip(mean + std * draw, a, b).astype(dtype))
+    return tensor
+
+
+def _orthogonal(tensor, gain=1, generator=None):
+    if tensor.ndim < 2:
         raise ValueError("Only tensors with 2 or more dimensions are supported")
-    if 0 in shape:
-        return jnp.zeros(shape, dtype)
-    rows, cols = shape[0], math.prod(shape[1:])
+    if tensor.numel() == 0:
+        return tensor
+    rows, cols = tensor.shape[0], tensor.numel() // tensor.shape[0]
+    dtype = tensor.value.dtype
     flat = jax.random.normal(next_key(), (rows, cols), _draw_dtype(dtype))
     if rows < cols:
         flat = flat.T
@@ -185,16 +131,48 @@ def orthogonal_(shape, dtype, gain):
     q = q * jnp.sign(jnp.diagonal(r))  # uniform over the orthogonal group, as torch makes it
     if rows < cols:
         q = q.T
-    return (gain * q).reshape(shape).astype(dtype)
+    tensor.set_value((gain * q).reshape(tuple(tensor.shape)).astype(dtype))
+    return tensor
 
 
-@_in_place(init.sparse_)
-def sparse_(shape, dtype, sparsity, std):
-    if len(shape) != 2:
-        raise ValueError("Only tensors with 2 dimensions are supported")
-    rows, cols = shape
-    zeros_per_column = math.ceil(sparsity * rows)
-    value = _normal(shape, dtype, 0.0, std)
-    keys = jax.random.split(next_key(), cols)
-    order = jax.vmap(lambda key: jax.random.permutation(key, rows))(keys).T  # (rows, cols)
-    return jnp.where(order < zeros_per_column, jnp.zeros((), dtype), value)
+# torch.nn.init's name -> (its function, the JAX version for the bridge's tensors)
+_REPLACED = {"_no_grad_trunc_normal_": _trunc_normal, "orthogonal_": _orthogonal}
+
+
+def _for_bridge_tensors(jax_version: Callable, torch_version: Callable) -> Callable:
+    def either(tensor, *args, **kwargs):
+        chosen = jax_version if isinstance(tensor, JaxTensor) else torch_version
+        return chosen(tensor, *args, **kwargs)
+
+    return either
+
+
+@contextlib.contextmanager
+def jax_initialisers() -> Iterator[None]:
+    """While inside, ``trunc_normal_`` and ``orthogonal_`` fill the bridge's tensors with JAX draws.
+
+    Also covers Hugging Face's initialisation: its wrappers, which it installs into ``torch.nn.init`` while its
+    ``initialize_weights()`` runs (torch's functions then dispatch under the wrapper's name), and its table of
+    torch's functions.
+    """
+    hugging_face = sys.modules.get("transformers.initialization")
+    targets = [(vars(init), name, jax_version) for name, jax_version in _REPLACED.items()]
+    table = getattr(hugging_face, "TORCH_INIT_FUNCTIONS", None)
+    if isinstance(table, dict) and "orthogonal_" in table:
+        targets.append((table, "orthogonal_", _orthogonal))
+    originals = [(namespace, name, namespace[name]) for namespace, name, _ in targets]
+    for namespace, name, jax_version in targets:
+        namespace[name] = _for_bridge_tensors(jax_version, namespace[name])
+    aliases = []
+    for name, torch_fn in _LOWERED.items():
+        own = getattr(hugging_face, name, None)
+        if own is not None and own is not torch_fn and own not in LOWERINGS:
+            aliases.append(own)
+            LOWERINGS[own] = LOWERINGS[torch_fn]
+    try:
+        yield
+    finally:
+        for namespace, name, original in reversed(originals):
+            namespace[name] = original
+        for own in aliases:
+            LOWERINGS.pop(own, None)
