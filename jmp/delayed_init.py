@@ -101,7 +101,33 @@ def initialisation(
         return finish(new_params), new_rest
 
     concrete = state.put_replicated([leaf for leaf, empty in zip(leaves, abstract) if not empty], replicated)
-    return jax.jit(program, out_shardings=(param_shardings, replicated)).lower(concrete), concrete
+    with _threefry_unrolled_on_cpu():
+        return jax.jit(program, out_shardings=(param_shardings, replicated)).lower(concrete), concrete
+
+
+@contextlib.contextmanager
+def _threefry_unrolled_on_cpu() -> Iterator[None]:
+    """Lower JAX's threefry without its loop on CPU while inside.
+
+    On CPU JAX emits threefry's rounds as a loop (to compile faster), and the loop's state, two uint32 arrays
+    the size of each draw, stays live: 1.1-1.4x the parameters' bytes of temporaries per device, so a
+    process's peak was 2.4x its share of the model. Unrolled, each draw fuses into the computation of its
+    values: no temporaries, and 3.6x faster (Llama, 670M parameters over 8 devices). Same numbers either way.
+    """
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.random import threefry2x32 as threefry
+
+        primitive, unrolled = threefry.threefry2x32_p, threefry._threefry2x32_lowering_rule
+        rolled = threefry._threefry2x32_cpu_lowering_rule
+    except (ImportError, AttributeError):  # another JAX: keep its lowering
+        yield
+        return
+    mlir.register_lowering(primitive, unrolled, platform="cpu")
+    try:
+        yield
+    finally:
+        mlir.register_lowering(primitive, rolled, platform="cpu")
 
 
 def materialise(module: torch.nn.Module) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import numpy as np
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jmp as smp
+from jmp import delayed_init
 from jmp.errors import ConfigError, ConversionError
 from jmp.torch_bridge import convert
 from tests.front_end.helpers import torch_train
@@ -201,3 +203,38 @@ def test_delay_param_initialization_disabled_builds_values():
     smp.init({"delayed_parameter_initialization": True})  # a model built with values outside model_creation
     module = nn.Linear(2, 2)
     torch.testing.assert_close(smp.DistributedModel(module).state_dict()["weight"], module.weight.detach())
+
+
+class _Compiled(Exception):
+    """Stops DistributedModel once its initialisation program is compiled (the model is too big to run here)."""
+
+
+def test_a_model_bigger_than_this_machine_compiles_to_per_device_shares(monkeypatch):
+    smp.init({"sharded_data_parallel_degree": 8})
+    config = transformers.LlamaConfig(
+        num_hidden_layers=8,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    )
+    with smp.delay_param_initialization():
+        module = transformers.AutoModelForCausalLM.from_config(config)
+    total = sum(4 * p.numel() for p in module.parameters())  # fp32 bytes
+    assert total > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # more than this machine holds
+    captured = {}
+    initialisation = delayed_init.initialisation
+
+    def compile_only(*args, **kwargs):
+        lowered, _ = initialisation(*args, **kwargs)
+        captured["memory"] = lowered.compile().memory_analysis()
+        raise _Compiled
+
+    monkeypatch.setattr(delayed_init, "initialisation", compile_only)
+    with pytest.raises(_Compiled):
+        smp.DistributedModel(module)
+    memory = captured["memory"]
+    share = total / 8
+    assert memory.output_size_in_bytes <= 1.01 * share  # each device's outputs: its shard of every parameter
+    assert memory.temp_size_in_bytes <= 0.01 * share  # drawn where they are stored, never gathered
