@@ -50,6 +50,7 @@ from jmp.errors import (
     TracedControlFlowError,
     UnsupportedOpError,
 )
+from jmp.memory_estimate import MemoryEstimate, estimate_memory, what_fits
 from jmp.model import DistributedModel
 from jmp.model_creation import model_creation
 from jmp.optimizer import DistributedOptimizer
@@ -122,6 +123,7 @@ __all__ = [
     "dp_barrier",
     "dp_rank",
     "delay_param_initialization",
+    "estimate_memory",
     "dp_size",
     "get_config",
     "get_mesh",
@@ -134,6 +136,8 @@ __all__ = [
     "mp_barrier",
     "mp_rank",
     "model_creation",
+    "MemoryEstimate",
+    "what_fits",
     "mp_size",
     "nn",
     "partition",

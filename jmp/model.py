@@ -53,6 +53,25 @@ class Trace:
 PARTIAL_MARK = "_smp_is_partial"  # SMP's key in a local_state_dict()
 
 _TRACE: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("jmp_model_trace", default=None)
+_ABSTRACT: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_abstract_models", default=False)
+
+
+@contextlib.contextmanager
+def abstract_models() -> Iterator[None]:
+    """``DistributedModel``s built inside hold shapes and shardings only (``jax.ShapeDtypeStruct``s): their step
+    programs can be lowered and compiled for their memory, nothing runs, and they are not the run's models."""
+    token = _ABSTRACT.set(True)
+    try:
+        yield
+    finally:
+        _ABSTRACT.reset(token)
+
+
+def with_shardings(shapes: Any, shardings: Any) -> Any:
+    """``jax.ShapeDtypeStruct``s placed by ``shardings`` (a tree like ``shapes``, or one sharding for all)."""
+    if not isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings), shapes)
 
 
 def current_trace() -> Trace | None:
@@ -116,7 +135,14 @@ class DistributedModel(ModuleSurface):
             f"the model ({type(module).__name__})",
             repr([(n, shapes[n], str(self.layout.dtypes[n])) for n in self.layout.names]),
         )
-        if self.delayed:
+        self.abstract = _ABSTRACT.get()
+        if self.abstract:  # shapes and shardings only (jmp.memory_estimate): nothing is computed or placed
+            self.training_state = TrainingState(
+                params=with_shardings(jax.eval_shape(masters, params), self.layout.shardings),
+                rest=with_shardings(jax.eval_shape(lambda r: r, rest), self.layout.replicated),
+            )
+            self._module_version = None
+        elif self.delayed:
             params, rest = _initialise_in_shards(graphdef, params, rest, masters, self.layout)
             self.training_state = TrainingState(params=params, rest=rest)
             self._module_version = None  # the torch module holds no values
@@ -137,7 +163,8 @@ class DistributedModel(ModuleSurface):
         # one graphdef object per train/eval configuration: step programs are cached by it (see train())
         self._graphdefs: dict[nnx.GraphDef, nnx.GraphDef] = {}
         self._graphdef = self._graphdefs.setdefault(graphdef, graphdef)
-        model_registry.register(self)
+        if not self.abstract:
+            model_registry.register(self)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -321,7 +348,11 @@ class DistributedModel(ModuleSurface):
         for optimizer in self._live_optimizers():
             labels = optimizer.param_labels()
         layout = self.pipeline.plan(jaxpr, list(self.layout.names), rest_count, labels)
-        self.training_state.params = layout.pack(self.layout.by_name(self.training_state.params))
+        named = self.layout.by_name(self.training_state.params)
+        if self.abstract:
+            self.training_state.params = with_shardings(jax.eval_shape(layout.pack, named), layout.shardings)
+        else:
+            self.training_state.params = layout.pack(named)
         for optimizer in self._live_optimizers():
             optimizer.parameters_moved()
 

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jmp import loss_scaling, model_registry, portable_state, precision, sharding, torch_optimizers
 from jmp.errors import ArgumentTypeError, ModelLookupError, OptimizerError
-from jmp.model import PARTIAL_MARK, DistributedModel
+from jmp.model import PARTIAL_MARK, DistributedModel, with_shardings
 from jmp.torch_bridge import torch_name as _name_of
 from jmp.torch_bridge.interop import array_to_tensor, host_array, local_piece, tensor_to_array
 
@@ -173,7 +173,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._state_shardings = pipeline.layout.state_shardings(jax.eval_shape(self.tx.init, params))
         else:
             self._state_shardings = self._layout(params)
-        self.opt_state = jax.jit(self.tx.init, out_shardings=self._state_shardings)(params)
+        if model.abstract:  # shapes and shardings only (jmp.memory_estimate)
+            self.opt_state = with_shardings(jax.eval_shape(self.tx.init, params), self._state_shardings)
+        else:
+            self.opt_state = jax.jit(self.tx.init, out_shardings=self._state_shardings)(params)
         self._update = jax.jit(
             self._apply,
             static_argnames=("checked", "dynamic"),

@@ -11,12 +11,14 @@ global batch and ``@smp.step`` splits it over its devices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import sys
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -86,6 +88,18 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
         "tp": parsed.tensor_parallel_degree,
     }
     _config, _mesh = parsed, _build_mesh(shape, devices, parsed.placement_strategy)
+
+
+@contextlib.contextmanager
+def using(config: dict[str, Any]) -> Iterator[None]:
+    """Inside, the run's config and mesh are ``config``'s (as ``init(config)`` makes them); then they are restored."""
+    global _config, _mesh
+    saved = _config, _mesh
+    try:
+        init(config)
+        yield
+    finally:
+        _config, _mesh = saved
 
 
 # SMP's placement letters: D (data parallelism; here dp, fsdp and ep, which split the batch), P, T.

@@ -106,6 +106,29 @@ def set_activation_checkpointing(
         model.programs.clear()  # programs traced before the annotation do not checkpoint
 
 
+@contextlib.contextmanager
+def planned(root: nn.Module, strategies: dict[str, str]) -> Iterator[None]:
+    """Within the block, the submodules of ``root`` at these torch paths are checkpointed with these strategies,
+    as ``smp.set_activation_checkpointing`` would mark them (for a model not wrapped yet: a memory estimate)."""
+    where = "smp.estimate_memory(activation_checkpointing=...)"
+    modules = dict(root.named_modules())
+    saved = {}
+    for path, strategy in strategies.items():
+        if path not in modules:
+            raise ArgumentTypeError(f"{where}: the model has no submodule '{path}'")
+        module = modules[path]
+        saved[module] = _ANNOTATIONS.get(module)
+        _ANNOTATIONS[module] = _Annotation(parse_strategy(strategy, where), None)
+    try:
+        yield
+    finally:
+        for module, previous in saved.items():
+            if previous is None:
+                _ANNOTATIONS.pop(module, None)
+            else:
+                _ANNOTATIONS[module] = previous
+
+
 def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, policy: Any = None, **kwargs: Any):
     """``module(*args, **kwargs)`` as one checkpoint (inside a forward); outside a step, just the call."""
     where = "smp.checkpoint"

@@ -1,0 +1,310 @@
+"""``smp.estimate_memory``: the bytes per device a model trains in, under a config, before anything runs.
+
+The model is laid out as ``DistributedModel`` would lay it out, with shapes and shardings only
+(``jmp.model.abstract_models``): nothing is initialised or placed, and a model built on the meta device
+works. Parameters, gradients, optimizer state and buffers are counted from their shardings (each device's
+shard). Given a batch, the step program is lowered and compiled ahead of time, as a step would compile it,
+and XLA's ``memory_analysis`` gives the rest: the inputs and the temporaries (activations kept for the
+backward, gathered weights, pipeline buffers).
+
+``estimate_memory(num_params, config)`` is the back-of-envelope figure for a size alone, per parameter:
+4 bytes stored (float32, the masters in mixed precision), gradients in the compute dtype, the optimizer's
+slots in float32, split as the degrees split them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import torch
+
+from jmp import state
+from jmp.config import parse
+from jmp.errors import ArgumentTypeError
+from jmp.model import DistributedModel, abstract_models
+from jmp.optimizer import DistributedOptimizer
+from jmp.remat import api as remat
+from jmp.step import step as smp_step
+
+_FIELDS = ("parameters", "master_copies", "gradients", "optimizer_state", "buffers", "inputs", "temporaries")
+_SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}  # float32 slots per parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device (the device holding the most), by what holds them.
+
+    ``parameters`` / ``master_copies``: the stored parameters (float32 masters of those computed in half
+    precision are ``master_copies``); ``gradients``: one step's gradients, as kept for the optimizer;
+    ``optimizer_state``: the optimizer's slots; ``buffers``: buffers and the random stream; ``inputs``: the
+    batch's share; ``temporaries``: the compiled step's working memory. None: not estimated (no batch given).
+    """
+
+    layout: dict[str, int]
+    parameters: int
+    master_copies: int
+    gradients: int
+    optimizer_state: int
+    buffers: int
+    inputs: int | None = None
+    temporaries: int | None = None
+    method: str = "layout rules"
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, name) or 0 for name in _FIELDS)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values (JSON-ready): the fields, ``total`` and the method."""
+        return {
+            "layout": dict(self.layout),
+            **{n: getattr(self, n) for n in _FIELDS},
+            "total": self.total,
+            "method": self.method,
+        }
+
+    def fits(self, budget_bytes: int) -> bool:
+        return self.total <= budget_bytes
+
+    def _rows(self) -> list[tuple[str, str]]:
+        rows = [(name.replace("_", " "), _size(getattr(self, name))) for name in _FIELDS]
+        return rows + [("total per device", _size(self.total))]
+
+    def __repr__(self) -> str:
+        degrees = " x ".join(f"{axis}{size}" for axis, size in self.layout.items() if size > 1) or "1 device"
+        width = max(len(name) for name, _ in self._rows())
+        lines = [f"MemoryEstimate ({degrees}; {self.method})"]
+        lines += [f"  {name:<{width}}  {value:>10}" for name, value in self._rows()]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        cells = "".join(
+            f"<tr><td>{html.escape(n)}</td><td style='text-align:right'>{v}</td></tr>" for n, v in self._rows()
+        )
+        return f"<table><caption>{html.escape(repr(self).splitlines()[0])}</caption>{cells}</table>"
+
+
+def _size(count: int | None) -> str:
+    if count is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return f"{count} B"
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of placed arrays or ``ShapeDtypeStruct``s with shardings."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize  # random keys' dtypes have an itemsize too
+    return total
+
+
+def estimate_memory(
+    model: torch.nn.Module | DistributedModel | int,
+    config: dict[str, Any] | None = None,
+    batch: Any = None,
+    optimizer: Any = torch.optim.AdamW,
+    step: Callable | None = None,
+    activation_checkpointing: dict[str, str] | None = None,
+) -> MemoryEstimate:
+    """Bytes per device of training ``model`` under ``config`` (default: the current one), without running it.
+
+    Args:
+        model: a torch module (built on the meta device or not), a ``DistributedModel``, or a parameter count.
+        config: an smp config; None: the one ``smp.init`` set (a given config is used for this estimate only).
+        batch: the step's inputs: a dict of the module's keyword arguments, a tensor, or a tuple of them. With
+            it, the step is compiled ahead of time and its inputs and temporaries are counted.
+        optimizer: a torch optimizer class, a function of the parameters returning a torch optimizer, or an
+            optax transformation (None: no optimizer state).
+        step: an ``@smp.step`` function called as ``step(model, batch)`` (default: the module's forward on
+            the batch, then ``model.backward`` of its ``loss`` or, without one, of its first output's mean).
+        activation_checkpointing: torch paths of submodules -> strategy (``{"transformer.h": "each"}``), as
+            ``smp.set_activation_checkpointing`` would set them, for this estimate (modules already marked
+            keep their marks).
+    """
+    if isinstance(model, (int, np.integer)):
+        return _rule_of_thumb(int(model), config, optimizer)
+    if config is not None:
+        with state.using(config):
+            return estimate_memory(model, None, batch, optimizer, step, activation_checkpointing)
+    module = model.torch_module if isinstance(model, DistributedModel) else model
+    if not isinstance(module, torch.nn.Module):
+        raise ArgumentTypeError(
+            "smp.estimate_memory takes a torch module, a DistributedModel or a parameter count, "
+            f"not {type(model).__name__}"
+        )
+    with abstract_models(), remat.planned(module, activation_checkpointing or {}):
+        laid_out = DistributedModel(module)
+        tx = _optimizer(optimizer, laid_out)
+        layout = dict(laid_out.layout.mesh.shape)
+        if batch is None:
+            return _from_layout(laid_out, tx, layout)
+        run = step or _default_step
+        arguments = batch if isinstance(batch, tuple) else (batch,)
+        compiled = run.lower(laid_out, *arguments).compile()
+    memory = compiled.memory_analysis()
+    params = per_device_bytes(laid_out.training_state.params)
+    rest = per_device_bytes(laid_out.training_state.rest)
+    grads_info = compiled.out_info[2] if isinstance(compiled.out_info, (tuple, list)) else None
+    gradients = per_device_bytes(_placed_like(grads_info, laid_out.stored_shardings)) if grads_info else 0
+    masters = _master_share(laid_out) * params
+    return MemoryEstimate(
+        layout=layout,
+        parameters=params - int(masters),
+        master_copies=int(masters),
+        gradients=gradients,
+        optimizer_state=per_device_bytes(tx.opt_state) if tx is not None else 0,
+        buffers=rest,
+        inputs=max(0, memory.argument_size_in_bytes - params - rest),
+        temporaries=memory.temp_size_in_bytes,
+        method="compiled step",
+    )
+
+
+@smp_step
+def _default_step(model, batch):
+    output = model(**batch) if isinstance(batch, dict) else model(batch)
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        first = next(v for v in jax.tree.leaves(output, is_leaf=lambda x: isinstance(x, torch.Tensor)))
+        loss = first.float().mean()
+    model.backward(loss)
+    return loss
+
+
+def _optimizer(optimizer: Any, model: DistributedModel) -> DistributedOptimizer | None:
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, optax.GradientTransformation):
+        return DistributedOptimizer(optimizer, model=model)
+    if isinstance(optimizer, torch.optim.Optimizer):  # a fresh one with its groups' options
+        groups = [{**group} for group in optimizer.param_groups]
+        return DistributedOptimizer(type(optimizer)(groups), model=model)
+    if callable(optimizer):
+        return DistributedOptimizer(optimizer(model.parameters()), model=model)
+    raise ArgumentTypeError(
+        "smp.estimate_memory(optimizer=...) takes a torch optimizer class or instance, a function of the "
+        f"parameters, or an optax transformation, not {type(optimizer).__name__}"
+    )
+
+
+def _placed_like(shapes: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+
+
+def _master_share(model: DistributedModel) -> float:
+    """The fraction of the stored parameter bytes that are float32 masters of half-precision parameters."""
+    layout, policy = model.layout, model.precision
+    if not policy.mixed:
+        return 0.0
+    sizes = {n: math.prod(layout.shapes[n]) * np.dtype(layout.dtypes[n]).itemsize for n in layout.names}
+    half = sum(
+        size for n, size in sizes.items() if np.dtype(policy.compute[n]).itemsize < np.dtype(layout.dtypes[n]).itemsize
+    )
+    return half / max(1, sum(sizes.values()))
+
+
+def _from_layout(model: DistributedModel, tx: DistributedOptimizer | None, layout: dict[str, int]) -> MemoryEstimate:
+    params = per_device_bytes(model.training_state.params)
+    masters = int(_master_share(model) * params)
+    policy = model.layout, model.precision
+    grads = jax.tree.map(
+        lambda p, name: jax.ShapeDtypeStruct(p.shape, policy[1].grad_dtype([name]), sharding=p.sharding),
+        model.training_state.params,
+        policy[0].tree({n: n for n in policy[0].names}),
+    )
+    return MemoryEstimate(
+        layout=layout,
+        parameters=params - masters,
+        master_copies=masters,
+        gradients=per_device_bytes(grads),
+        optimizer_state=per_device_bytes(tx.opt_state) if tx is not None else 0,
+        buffers=per_device_bytes(model.training_state.rest),
+    )
+
+
+def _rule_of_thumb(count: int, config: dict[str, Any] | None, optimizer: Any) -> MemoryEstimate:
+    parsed = parse(config or {}) if config is not None or not state.is_initialized() else state.get_config()
+    split = (
+        parsed.pipeline_parallel_degree * parsed.tensor_parallel_degree * max(1, parsed.sharded_data_parallel_degree)
+    )
+    mixed = parsed.bf16 or parsed.fp16
+    name = getattr(optimizer, "__name__", type(optimizer).__name__).lower() if optimizer is not None else ""
+    slots = 0 if optimizer is None else _SLOTS.get(name, 2)
+    dp = max(1, jax.device_count() // (split * parsed.expert_parallel_degree))
+    state_split = split * (dp if parsed.shard_optimizer_state else 1)
+    stored = 4 * count // split
+    return MemoryEstimate(
+        layout={
+            "pp": parsed.pipeline_parallel_degree,
+            "dp": dp,
+            "fsdp": max(1, parsed.sharded_data_parallel_degree),
+            "ep": parsed.expert_parallel_degree,
+            "tp": parsed.tensor_parallel_degree,
+        },  # fmt: skip
+        parameters=0 if mixed else stored,
+        master_copies=stored if mixed else 0,
+        gradients=(2 if mixed else 4) * count // split,
+        optimizer_state=4 * slots * count // state_split,
+        buffers=0,
+        method="per-parameter rule",
+    )
+
+
+def candidate_layouts(devices: int, *, max_tp: int = 8) -> Iterable[dict[str, Any]]:
+    """Configs over ``devices``: tensor and sharded-data degrees that divide them, with and without ZeRO-1."""
+    for tp in (d for d in range(1, min(devices, max_tp) + 1) if devices % d == 0):
+        for fsdp in (d for d in range(1, devices // tp + 1) if (devices // tp) % d == 0):
+            dp = devices // (tp * fsdp)
+            for zero1 in (False, True) if dp > 1 else (False,):
+                yield {
+                    "tensor_parallel_degree": tp,
+                    "sharded_data_parallel_degree": fsdp,
+                    "shard_optimizer_state": zero1,
+                }
+
+
+def what_fits(
+    model: torch.nn.Module,
+    budget_bytes: int,
+    batch: Any = None,
+    optimizer: Any = torch.optim.AdamW,
+    layouts: Iterable[dict[str, Any]] | None = None,
+    step: Callable | None = None,
+    activation_checkpointing: dict[str, str] | None = None,
+) -> list[tuple[dict[str, Any], MemoryEstimate]]:
+    """The layouts under which ``model`` trains in ``budget_bytes`` per device, cheapest communication first.
+
+    Each of ``layouts`` (default: ``candidate_layouts`` of all devices) is estimated with
+    ``estimate_memory``; those whose total fits are returned with their estimates. Order: data parallelism
+    (one gradient all-reduce) before ZeRO-1 (plus a parameter all-gather), sharded data parallelism (weights
+    gathered in every forward and backward) and tensor parallelism (activations exchanged in every layer).
+    """
+    options = list(layouts if layouts is not None else candidate_layouts(jax.device_count()))
+    fitting = []
+    for config in options:
+        estimate = estimate_memory(model, config, batch, optimizer, step, activation_checkpointing)
+        if estimate.fits(budget_bytes):
+            fitting.append((config, estimate))
+
+    def cost(item: tuple[dict[str, Any], MemoryEstimate]) -> tuple:
+        config = item[0]
+        return (
+            config.get("pipeline_parallel_degree", config.get("partitions", 1)),
+            config.get("tensor_parallel_degree", 1),
+            config.get("sharded_data_parallel_degree", 1),
+            bool(config.get("shard_optimizer_state", False)),
+            item[1].total,
+        )
+
+    return sorted(fitting, key=cost)

@@ -1,0 +1,101 @@
+"""``smp.estimate_memory`` against what a built model holds and what its compiled step reports."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+import torch
+
+import jmp as smp
+from jmp.memory_estimate import per_device_bytes
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=32, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+IDS = torch.randint(0, 256, (16, 32), generator=torch.Generator().manual_seed(0))
+BATCH = {"input_ids": IDS, "labels": IDS}
+
+
+def _gpt2(meta: bool = False) -> torch.nn.Module:
+    with smp.delay_param_initialization(meta):
+        return transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(**CONFIG))
+
+
+@smp.step
+def lm_step(model, batch):
+    loss = model(**batch)["loss"]
+    model.backward(loss)
+    return loss
+
+
+LAYOUTS = {
+    "dp8": ({}, False),
+    "fsdp8": ({"sharded_data_parallel_degree": 8}, False),
+    "fsdp8-checkpointed": ({"sharded_data_parallel_degree": 8}, True),
+    "tp2xfsdp2-zero1": (
+        {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
+        False,
+    ),
+    "tp2xdp4-checkpointed": ({"tensor_parallel_degree": 2}, True),
+    "pp2xdp4": ({"partitions": 2, "microbatches": 2}, False),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_estimate_is_within_ten_percent_of_the_built_model_and_its_compiled_step(layout):
+    config, remat = LAYOUTS[layout]
+    checkpointing = {"transformer.h": "each"} if remat else None
+    estimate = smp.estimate_memory(_gpt2(meta=True), config, batch=BATCH, activation_checkpointing=checkpointing)
+    assert estimate.method == "compiled step"
+
+    smp.init(config)
+    model = smp.DistributedModel(_gpt2())
+    if remat:
+        smp.set_activation_checkpointing(model.module.transformer.h, strategy="each")
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters()))
+    lm_step(model, BATCH)  # a pipelined model is cut into stages here
+    measured = {
+        "parameters": per_device_bytes(model.training_state.params),
+        "gradients": per_device_bytes(model.training_state.grads),
+        "optimizer_state": per_device_bytes(optimizer.opt_state),
+        "temporaries": lm_step.lower(model, BATCH).compile().memory_analysis().temp_size_in_bytes,
+    }
+    estimated = {**estimate.as_dict(), "parameters": estimate.parameters + estimate.master_copies}
+    for name, value in measured.items():
+        assert abs(estimated[name] - value) <= 0.1 * value, (name, estimated[name], value)
+    held = sum(measured[n] for n in ("parameters", "gradients", "optimizer_state"))
+    assert abs(estimate.total - held - measured["temporaries"]) <= 0.1 * (held + measured["temporaries"])
+
+
+def test_without_a_batch_the_layout_rules_give_the_state():
+    module = _gpt2(meta=True)
+    rules = smp.estimate_memory(module, {"sharded_data_parallel_degree": 8})
+    assert rules.method == "layout rules" and rules.temporaries is None
+    full = smp.estimate_memory(module, {}, optimizer=None)
+    assert full.optimizer_state == 0
+    assert rules.parameters < 0.2 * full.parameters  # split 8 ways (norms and biases stay whole)
+    assert 0 <= rules.optimizer_state - 2 * rules.parameters < 64  # AdamW: two float32 slots (+ step counts)
+    # a model nothing initialised: its parameters are still on the meta device
+    assert all(p.is_meta for p in module.parameters())
+
+
+def test_a_parameter_count_gives_the_back_of_envelope_figure():
+    estimate = smp.estimate_memory(1_000_000_000, {"bf16": True, "sharded_data_parallel_degree": 8})
+    assert estimate.method == "per-parameter rule"
+    # float32 masters 4 B + bf16 gradients 2 B + AdamW 8 B = 14 B per parameter, over 8 devices
+    assert estimate.total == 14 * 1_000_000_000 // 8
+    assert "total per device" in repr(estimate) and "<table>" in estimate._repr_html_()
+
+
+def test_what_fits_lists_the_layouts_under_the_budget_cheapest_first():
+    module = _gpt2(meta=True)
+    layouts = [{}, {"sharded_data_parallel_degree": 8}, {"sharded_data_parallel_degree": 2}]
+    needs = {
+        i: smp.estimate_memory(module, config, optimizer=torch.optim.AdamW).total for i, config in enumerate(layouts)
+    }
+    budget = needs[2] + 1  # fsdp2 just fits, fsdp8 fits too, plain data parallelism does not
+    assert needs[0] > budget
+    fitting = smp.what_fits(module, budget, layouts=layouts)
+    assert [config for config, _ in fitting] == [layouts[2], layouts[1]]
+    assert smp.what_fits(module, needs[1] - 1, layouts=layouts) == []
+    assert jax.device_count() == 8
