@@ -1,4 +1,4 @@
-"""Temporary memory of the compiled step (``memory_analysis``), GPT-2 with 4 layers, d_model 256, sequence 512, batch 8.
+"""Temporary memory of the compiled step (``memory_analysis``), GPT-2 with 4 layers, d_model 256, sequence 256, batch 8.
 
 Compiled only, never run. Without checkpointing the backward pass keeps every layer's activations
 (attention weights above all); ``each`` keeps each layer's input and recomputes one layer at a time;
@@ -11,7 +11,7 @@ import pytest
 import jmp as smp
 from tests.remat.helpers import gpt2, lm_step, token_batch
 
-LENGTH = 512
+LENGTH = 256
 
 
 @pytest.fixture(scope="module")
