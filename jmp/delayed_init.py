@@ -112,7 +112,7 @@ def _threefry_unrolled_on_cpu() -> Iterator[None]:
     On CPU JAX emits threefry's rounds as a loop (to compile faster), and the loop's state, two uint32 arrays
     the size of each draw, stays live: 1.1-1.4x the parameters' bytes of temporaries per device, so a
     process's peak was 2.4x its share of the model. Unrolled, each draw fuses into the computation of its
-    values: no temporaries, and 3.6x faster (Llama, 670M parameters over 8 devices). Same numbers either way.
+    values: no temporaries, and 3.6x faster (a Llama of 167M parameters over 8 devices). Same numbers.
     """
     try:
         from jax._src.interpreters import mlir
