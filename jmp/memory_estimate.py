@@ -39,7 +39,7 @@ _SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device (the device holding the most), by what holds them.
+    """Bytes per device (each holds a shard of the same shape), by what holds them.
 
     ``parameters`` / ``master_copies``: the stored parameters (float32 masters of those computed in half
     precision are ``master_copies``); ``gradients``: one step's gradients, as kept for the optimizer;
@@ -131,6 +131,9 @@ def estimate_memory(
         activation_checkpointing: torch paths of submodules -> strategy (``{"transformer.h": "each"}``), as
             ``smp.set_activation_checkpointing`` would set them, for this estimate (modules already marked
             keep their marks).
+
+    In a multi-process run, call it on every process (with a config, it checks the config is the same
+    everywhere, as ``smp.init`` does).
     """
     if isinstance(model, (int, np.integer)):
         return _rule_of_thumb(int(model), config, optimizer)
@@ -217,11 +220,11 @@ def _master_share(model: DistributedModel) -> float:
 def _from_layout(model: DistributedModel, tx: DistributedOptimizer | None, layout: dict[str, int]) -> MemoryEstimate:
     params = per_device_bytes(model.training_state.params)
     masters = int(_master_share(model) * params)
-    policy = model.layout, model.precision
+    names = model.layout.tree({name: name for name in model.layout.names})
     grads = jax.tree.map(
-        lambda p, name: jax.ShapeDtypeStruct(p.shape, policy[1].grad_dtype([name]), sharding=p.sharding),
+        lambda p, name: jax.ShapeDtypeStruct(p.shape, model.precision.grad_dtype([name]), sharding=p.sharding),
         model.training_state.params,
-        policy[0].tree({n: n for n in policy[0].names}),
+        names,
     )
     return MemoryEstimate(
         layout=layout,
