@@ -28,7 +28,7 @@ import torch
 from jmp import state
 from jmp.config import parse
 from jmp.errors import ArgumentTypeError
-from jmp.model import DistributedModel, abstract_models
+from jmp.model import DistributedModel, abstract_models, with_shardings
 from jmp.optimizer import DistributedOptimizer
 from jmp.remat import api as remat
 from jmp.step import step as smp_step
@@ -159,7 +159,7 @@ def estimate_memory(
     params = per_device_bytes(laid_out.training_state.params)
     rest = per_device_bytes(laid_out.training_state.rest)
     grads_info = compiled.out_info[2] if isinstance(compiled.out_info, (tuple, list)) else None
-    gradients = per_device_bytes(_placed_like(grads_info, laid_out.stored_shardings)) if grads_info else 0
+    gradients = per_device_bytes(with_shardings(grads_info, laid_out.stored_shardings)) if grads_info else 0
     masters = _master_share(laid_out) * params
     return MemoryEstimate(
         layout=layout,
@@ -199,10 +199,6 @@ def _optimizer(optimizer: Any, model: DistributedModel) -> DistributedOptimizer 
         "smp.estimate_memory(optimizer=...) takes a torch optimizer class or instance, a function of the "
         f"parameters, or an optax transformation, not {type(optimizer).__name__}"
     )
-
-
-def _placed_like(shapes: Any, shardings: Any) -> Any:
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
 
 
 def _master_share(model: DistributedModel) -> float:
