@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import logging
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -27,11 +28,13 @@ import torch
 
 from jmp import state
 from jmp.config import parse
-from jmp.errors import ArgumentTypeError
+from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.model import DistributedModel, abstract_models, with_shardings
 from jmp.optimizer import DistributedOptimizer
 from jmp.remat import api as remat
 from jmp.step import step as smp_step
+
+logger = logging.getLogger(__name__)
 
 _FIELDS = ("parameters", "master_copies", "gradients", "optimizer_state", "buffers", "inputs", "temporaries")
 _SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}  # float32 slots per parameter
@@ -288,11 +291,20 @@ def what_fits(
     ``estimate_memory``; those whose total fits are returned with their estimates. Order: data parallelism
     (one gradient all-reduce) before ZeRO-1 (plus a parameter all-gather), sharded data parallelism (weights
     gathered in every forward and backward) and tensor parallelism (activations exchanged in every layer).
+    A default candidate the model cannot take (a tensor-parallel degree that does not divide its heads) is
+    skipped with an INFO log; one of ``layouts`` given explicitly raises the ``ConfigError``.
     """
-    options = list(layouts if layouts is not None else candidate_layouts(jax.device_count()))
+    explicit = layouts is not None
+    options = list(layouts if explicit else candidate_layouts(jax.device_count()))
     fitting = []
     for config in options:
-        estimate = estimate_memory(model, config, batch, optimizer, step, activation_checkpointing)
+        try:
+            estimate = estimate_memory(model, config, batch, optimizer, step, activation_checkpointing)
+        except ConfigError as error:
+            if explicit:
+                raise
+            logger.info("what_fits: skipping %s: %s", config, error)
+            continue
         if estimate.fits(budget_bytes):
             fitting.append((config, estimate))
 

@@ -32,3 +32,8 @@ def pytest_report_header(config):
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one test process per core, at most 4 (each emulates 8 devices and compiles on every core)."""
+    return max(1, min(os.cpu_count() or 1, 4))

@@ -97,3 +97,12 @@ def test_what_fits_lists_the_layouts_under_the_budget_cheapest_first():
     fitting = smp.what_fits(module, budget, layouts=layouts)
     assert [config for config, _ in fitting] == [layouts[2], layouts[1]]
     assert smp.what_fits(module, needs[1] - 1, layouts=layouts) == []
+
+
+def test_what_fits_skips_default_layouts_the_model_cannot_take_and_refuses_explicit_ones():
+    module = _gpt2(meta=True)  # 4 heads: tensor-parallel degree 8 does not divide them
+    fitting = smp.what_fits(module, 2**40)
+    degrees = {(c["tensor_parallel_degree"], c["sharded_data_parallel_degree"]) for c, _ in fitting}
+    assert degrees == {(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)}
+    with pytest.raises(smp.ConfigError, match="does not divide the 4 attention heads"):
+        smp.what_fits(module, 2**40, layouts=[{"tensor_parallel_degree": 8}])

@@ -1,0 +1,41 @@
+"""The notebooks in ``notebooks/`` run top to bottom (each ends with a cell asserting what it showed)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
+
+
+def test_the_four_notebooks_are_there():
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_convert_and_train.ipynb",
+        "02_hf_llm_sharded.ipynb",
+        "03_pipeline.ipynb",
+        "04_memory_tradeoffs.ipynb",
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_kept_without_outputs(path):
+    code = [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
+    assert code and all(not cell.outputs and cell.execution_count is None for cell in code), (
+        f"{path.name} holds outputs: clear them before committing (Jupyter: Edit > Clear Outputs of All Cells)"
+    )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_and_its_checks_pass(path, tmp_path):
+    notebook = nbformat.read(path, as_version=4)
+    # the kernel inherits this process's environment: 8 emulated devices, the session's compilation cache
+    client = nbclient.NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+    images = [o for c in notebook.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert images, f"{path.name} drew no figure"
