@@ -15,9 +15,27 @@ IDS = torch.randint(0, 256, (16, 32), generator=torch.Generator().manual_seed(0)
 BATCH = {"input_ids": IDS, "labels": IDS}
 
 
+MIXTRAL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=32,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+)
+
+
 def _gpt2(meta: bool = False) -> torch.nn.Module:
     with smp.delay_param_initialization(meta):
         return transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(**CONFIG))
+
+
+def _mixtral(meta: bool = False) -> torch.nn.Module:
+    with smp.delay_param_initialization(meta):
+        return transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(**MIXTRAL))
 
 
 @smp.step
@@ -27,30 +45,32 @@ def lm_step(model, batch):
     return loss
 
 
-LAYOUTS = {
-    "dp8": ({}, False),
-    "fsdp8": ({"sharded_data_parallel_degree": 8}, False),
-    "fsdp8-checkpointed": ({"sharded_data_parallel_degree": 8}, True),
+LAYOUTS = {  # name -> (config, the model, the layers checkpointed or None)
+    "dp8": ({}, _gpt2, None),
+    "fsdp8": ({"sharded_data_parallel_degree": 8}, _gpt2, None),
+    "fsdp8-checkpointed": ({"sharded_data_parallel_degree": 8}, _gpt2, "transformer.h"),
     "tp2xfsdp2-zero1": (
         {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
-        False,
+        _gpt2,
+        None,
     ),
-    "tp2xdp4-checkpointed": ({"tensor_parallel_degree": 2}, True),
-    "pp2xdp4": ({"partitions": 2, "microbatches": 2}, False),
+    "tp2xdp4-checkpointed": ({"tensor_parallel_degree": 2}, _gpt2, "transformer.h"),
+    "pp2xdp4": ({"partitions": 2, "microbatches": 2}, _gpt2, None),
+    "ep4xdp2-mixtral-checkpointed": ({"expert_parallel_degree": 4}, _mixtral, "model.layers"),
 }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_estimate_is_within_ten_percent_of_the_built_model_and_its_compiled_step(layout):
-    config, remat = LAYOUTS[layout]
-    checkpointing = {"transformer.h": "each"} if remat else None
-    estimate = smp.estimate_memory(_gpt2(meta=True), config, batch=BATCH, activation_checkpointing=checkpointing)
+    config, build, checkpointed = LAYOUTS[layout]
+    checkpointing = {checkpointed: "each"} if checkpointed else None
+    estimate = smp.estimate_memory(build(meta=True), config, batch=BATCH, activation_checkpointing=checkpointing)
     assert estimate.method == "compiled step"
 
     smp.init(config)
-    model = smp.DistributedModel(_gpt2())
-    if remat:
-        smp.set_activation_checkpointing(model.module.transformer.h, strategy="each")
+    model = smp.DistributedModel(build())
+    if checkpointed:
+        smp.set_activation_checkpointing(model.module.get_submodule(checkpointed), strategy="each")
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters()))
     temporaries = lm_step.lower(model, BATCH).compile().memory_analysis().temp_size_in_bytes  # pipelines: staged
     measured = {
