@@ -251,8 +251,15 @@ def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
     return rule
 
 
-def group_transform(rule: Rule, group: dict) -> optax.GradientTransformation:
-    """One param group's transformation, its numeric hyper-parameters injected (changeable per step)."""
+def group_transform(
+    rule: Rule, group: dict, fused: Callable[[Callable, dict], Callable | None] | None = None
+) -> optax.GradientTransformation:
+    """One param group's transformation, its numeric hyper-parameters injected (changeable per step).
+
+    ``fused(factory, static_options)`` may give a fused factory computing the same (``jmp.kernels``); None
+    from it, or no ``fused``, keeps the optax chain.
+    """
     numeric, static = rule.hyperparams(group)
-    injected = optax.inject_hyperparams(rule.factory, static_args=tuple(static))
+    factory = (fused(rule.factory, static) if fused is not None else None) or rule.factory
+    injected = optax.inject_hyperparams(factory, static_args=tuple(static))
     return injected(**numeric, **static)

@@ -1,4 +1,9 @@
-"""The place for fused optimizer-update kernels (Pallas), each an ``optax.GradientTransformation``.
+"""Fused optimizer-update kernels (Pallas), each an ``optax.GradientTransformation``.
 
-Empty until those kernels land: today every optimizer update is a plain optax transformation.
+``DistributedOptimizer`` runs them with the config key ``fused_optimizer: True`` (compiled on GPU, in
+interpret mode elsewhere); they can be used alone in any optax code. See ``jmp.kernels.optimizers``.
 """
+
+from jmp.kernels.optimizers import fused_adagrad, fused_adam, fused_adamw, fused_sgd, fused_version
+
+__all__ = ["fused_adagrad", "fused_adam", "fused_adamw", "fused_sgd", "fused_version"]

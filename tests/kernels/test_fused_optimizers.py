@@ -1,0 +1,236 @@
+"""Fused (Pallas) optimizer kernels, in interpret mode on CPU: the numbers of the optax path, one launch per
+(param group, dtype), and DistributedOptimizer using them on each device's shards."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+
+import jmp as smp
+from jmp import torch_optimizers
+from jmp.kernels import optimizers as kernels
+
+transformers = pytest.importorskip("transformers")
+
+# (optax chain, fused version, numeric hyper-parameters, static options, largest difference after 5 steps in ulp
+# of the largest value; 0: bitwise. Adam's updates differ by up to 3 ulp in a step: XLA rounds the two
+# programs' arithmetic differently)
+CASES = {
+    "adam-l2": (
+        torch_optimizers.adam,
+        kernels.fused_adam,
+        dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1),
+        dict(amsgrad=False, maximize=False),
+        4,
+    ),
+    "adamw-maximize": (
+        torch_optimizers.adamw,
+        kernels.fused_adamw,
+        dict(lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1),
+        dict(amsgrad=False, maximize=True),
+        4,
+    ),
+    "sgd-nesterov": (
+        torch_optimizers.sgd,
+        kernels.fused_sgd,
+        dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.1),
+        dict(nesterov=True, maximize=False, has_momentum=True),
+        0,
+    ),
+    "sgd-dampened": (
+        torch_optimizers.sgd,
+        kernels.fused_sgd,
+        dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.0),
+        dict(nesterov=False, maximize=False, has_momentum=True),
+        0,
+    ),
+    "sgd-plain": (
+        torch_optimizers.sgd,
+        kernels.fused_sgd,
+        dict(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.01),
+        dict(nesterov=False, maximize=False, has_momentum=False),
+        0,
+    ),
+    "adagrad": (
+        torch_optimizers.adagrad,
+        kernels.fused_adagrad,
+        dict(lr=1e-2, lr_decay=0.01, weight_decay=0.1, eps=1e-10),
+        dict(initial_accumulator_value=0.1, maximize=False),
+        0,
+    ),
+}
+PARAMS = {
+    "w": jax.random.normal(jax.random.PRNGKey(0), (33, 17)),
+    "b": jax.random.normal(jax.random.PRNGKey(1), (5,)),
+    "e": jax.random.normal(jax.random.PRNGKey(2), (300, 40)),  # more than one block of the packed buffer
+}
+GRADS = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.PRNGKey(10 + i), p.shape), PARAMS) for i in range(5)]
+
+
+def _five_steps(factory, numeric, static):
+    tx = optax.inject_hyperparams(factory, static_args=tuple(static))(**numeric, **static)
+    params, state = PARAMS, tx.init(PARAMS)
+    update = jax.jit(tx.update)
+    for grads in GRADS:
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def _within_ulps(got, expected, ulps):
+    """Every element within ``ulps`` units in the last place of the array's largest magnitude (0: bitwise)."""
+    got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
+    if ulps == 0:
+        return np.array_equal(got, expected)
+    return np.max(np.abs(got - expected)) <= ulps * np.spacing(np.max(np.abs(expected)))
+
+
+_STATE_TYPES = (optax.ScaleByAdamState, torch_optimizers.TorchMomentumState, torch_optimizers.TorchAdagradState)
+
+
+def _states(tree):
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, _STATE_TYPES))
+    return [x for x in leaves if isinstance(x, _STATE_TYPES)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_kernel_computes_what_the_optax_chain_computes(case):
+    chain, fused, numeric, static, max_ulp = CASES[case]
+    expected, expected_state = _five_steps(chain, numeric, static)
+    got, got_state = _five_steps(functools.partial(fused, interpret=True), numeric, static)
+    for name in PARAMS:
+        assert _within_ulps(got[name], expected[name], max_ulp), name
+    # the same state types (torch-format state dicts read them alike), holding the same moments
+    assert [type(x) for x in _states(got_state)] == [type(x) for x in _states(expected_state)]
+    for mine, theirs in zip(_states(got_state), _states(expected_state)):
+        for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+            assert _within_ulps(x, y, max_ulp)
+
+
+def test_the_gpu_program_has_one_kernel_per_param_group_and_dtype():
+    params = {
+        "decayed": {"w1": jnp.ones((64, 32)), "w2": jnp.ones((7, 3)), "h": jnp.ones((16,), jnp.bfloat16)},
+        "plain": {"b1": jnp.ones((32,)), "b2": jnp.ones((3,)), "n": jnp.ones((9,), jnp.bfloat16)},
+    }
+    labels = {group: {name: group for name in tensors} for group, tensors in params.items()}
+    adamw = optax.inject_hyperparams(functools.partial(kernels.fused_adamw, interpret=False), static_args=("maximize",))
+    tx = optax.multi_transform(
+        {
+            g: adamw(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd, maximize=False)
+            for g, wd in (("decayed", 0.1), ("plain", 0.0))
+        },
+        labels,
+    )
+    state = jax.eval_shape(tx.init, params)
+    text = jax.jit(tx.update).trace(params, state, params).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"stablehlo.custom_call @(\S+?)\(", text)
+    assert calls == ["__gpu$xla.gpu.triton"] * 4  # 2 groups x 2 dtypes, for 6 tensors
+
+
+# --- DistributedOptimizer -------------------------------------------------------------------------------------
+
+# Llama: no biases, so no parameter whose gradient is zero but for rounding (a key projection's bias has one,
+# and Adam and Adagrad turn its rounding noise into steps of the full learning rate, on either path)
+LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
+IDS = torch.randint(0, 256, (16, 32), generator=torch.Generator().manual_seed(0))
+LAYOUT = {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}  # x dp 2: every kind of shard
+
+
+@smp.step
+def lm_step(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    model.backward(loss)
+    return loss
+
+
+def _train(fused, make_optimizer, steps, config=None, clip=None, **optimizer_options):
+    smp.init({**LAYOUT, **(config or {}), "fused_optimizer": fused})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA)))
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if "norm" not in n], "weight_decay": 0.1},
+        {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
+    ]
+    optimizer = smp.DistributedOptimizer(make_optimizer(groups), **optimizer_options)
+    losses, overflows = [], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        losses.append(float(lm_step(model, IDS).reduce_mean()))
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        overflows.append(optimizer.overflow)
+    return losses, overflows, model.state_dict(), optimizer
+
+
+def test_adamw_kernels_train_like_the_optax_path_in_fp16_with_clipping_and_an_overflow_step():
+    def adamw(groups):
+        return torch.optim.AdamW(groups, lr=3e-3)
+
+    options = dict(
+        config={"fp16": True},
+        clip=1.0,
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 2.0**20, "scale_window": 4},
+    )
+    fused = _train(True, adamw, 10, **options)
+    plain = _train(False, adamw, 10, **options)
+    assert fused[3].fused == "interpret" and plain[3].fused is None
+    assert fused[1] == plain[1] and any(fused[1])  # the scale grows every 4 steps, until a step overflows
+    # in fp16 a last-place difference of a float32 master can round a half-precision value the other way (the
+    # float32 tests below compare parameters)
+    np.testing.assert_allclose(fused[0], plain[0], rtol=1e-4)
+    assert fused[3].loss_scale == plain[3].loss_scale
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True),
+        lambda groups: torch.optim.Adagrad(groups, lr=1e-2, lr_decay=0.01),
+        lambda groups: torch.optim.Adam(groups, lr=1e-2),
+    ],
+    ids=["sgd-nesterov", "adagrad", "adam"],
+)
+def test_kernels_update_each_devices_shards_as_the_optax_path_does(make):
+    fused_losses, _, fused_params, optimizer = _train(True, make, 3)
+    plain_losses, _, plain_params, plain = _train(False, make, 3)
+    assert optimizer.fused == "interpret"
+    np.testing.assert_allclose(fused_losses, plain_losses, rtol=1e-6)
+    for name, value in plain_params.items():
+        np.testing.assert_allclose(fused_params[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
+    # the torch-format state dict is the same, and either path loads the other's
+    fused_state, plain_state = optimizer.state_dict()["state"], plain.state_dict()["state"]
+    assert fused_state.keys() == plain_state.keys()
+    for index, entries in plain_state.items():
+        assert fused_state[index].keys() == entries.keys()
+        for key, value in entries.items():
+            np.testing.assert_allclose(np.asarray(fused_state[index][key]), np.asarray(value), rtol=1e-5, atol=1e-6)
+    optimizer.load_state_dict(plain.state_dict())
+
+
+def test_the_optax_update_runs_by_default_and_with_shard_optimizer_state():
+    smp.init({"shard_optimizer_state": True, "fused_optimizer": True})
+    model = smp.DistributedModel(torch.nn.Linear(64, 64))
+    assert smp.DistributedOptimizer(torch.optim.AdamW(model.parameters())).fused is None
+    smp.init({})
+    model = smp.DistributedModel(torch.nn.Linear(64, 64))
+    assert smp.DistributedOptimizer(torch.optim.AdamW(model.parameters())).fused is None
+    with pytest.raises(smp.ConfigError, match="fused_optimizer"):
+        smp.init({"fused_optimizer": "yes"})
