@@ -80,6 +80,7 @@ class Config:
     delayed_parameter_initialization: bool = False
     random_seed: int = 0x12345678
     compilation_cache: bool = True  # jmp: JAX's persistent compilation cache (see jmp.compilation)
+    fused_optimizer: bool = False  # jmp: the update as Pallas kernels (jmp.kernels; interpret mode off GPU)
     # runtime details of SMP's own engine (no effect here)
     horovod: bool = False
     ddp_port: int | None = None
@@ -214,7 +215,7 @@ _BOOLEANS = (
     "auto_partition ddp prescaled_batch sdp_hierarchical_allgather shard_optimizer_state allow_empty_shards "
     "fsdp_cache_flush_warnings fp16 fp16_params bf16 offload_activations delayed_parameter_initialization horovod "
     "contiguous deterministic_server skip_tracing static_mode fast_mode predefined_hooks load_partition "
-    "compilation_cache"
+    "compilation_cache fused_optimizer"
 ).split()
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(_BOOLEANS, _boolean),

@@ -10,6 +10,8 @@ laid out like the parameters on the mesh.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from typing import Any
 
 import jax
@@ -19,11 +21,13 @@ import optax
 import torch
 from flax import nnx
 
-from jmp import loss_scaling, model_registry, portable_state, precision, sharding, torch_optimizers
+from jmp import kernels, loss_scaling, model_registry, portable_state, precision, sharding, torch_optimizers
 from jmp.errors import ArgumentTypeError, ModelLookupError, OptimizerError
 from jmp.model import PARTIAL_MARK, DistributedModel, with_shardings
 from jmp.torch_bridge import torch_name as _name_of
 from jmp.torch_bridge.interop import array_to_tensor, host_array, local_piece, tensor_to_array
+
+logger = logging.getLogger(__name__)
 
 _FROZEN = "frozen"  # label of parameters the torch optimizer does not own
 _DYNAMIC_KEYS = tuple(field.name for field in dataclasses.fields(loss_scaling.DynamicLossScaleArgs))
@@ -155,6 +159,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params = model.training_state.params
         pipeline = model.pipeline
         packed = pipeline is not None and pipeline.ready
+        self.fused = None
         if self.torch_optimizer is None:
             self.tx = self._optax
         else:
@@ -164,8 +169,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._check_buffer_labels(pipeline.layout)
             else:
                 labels = model.layout.tree(self.param_labels())
+            self.fused = self._fused_mode()
+            fused = (
+                None
+                if self.fused is None
+                else functools.partial(kernels.fused_version, interpret=self.fused == "interpret")
+            )
             self.tx = optax.multi_transform(
-                {_label(i): torch_optimizers.group_transform(self.rule, g) for i, g in enumerate(groups)}
+                {_label(i): torch_optimizers.group_transform(self.rule, g, fused) for i, g in enumerate(groups)}
                 | {_FROZEN: optax.set_to_zero()},
                 labels,
             )
@@ -183,6 +194,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
             donate_argnums=(0, 2),
             out_shardings=(model.stored_shardings, self._state_shardings, self._replicated, self._replicated),
         )
+
+    def _fused_mode(self) -> str | None:
+        """How the update runs: "compiled" Pallas kernels, "interpret"ed ones, or None (the optax chain)."""
+        config = self.model.layout.config
+        if not config.fused_optimizer:
+            return None
+        if config.shard_optimizer_state and self.model.layout.mesh.shape["dp"] > 1:
+            logger.warning("fused_optimizer: not with shard_optimizer_state (ZeRO-1) yet; the optax update runs")
+            return None
+        if jax.default_backend() == "gpu":
+            return "compiled"
+        logger.warning(
+            "fused_optimizer on %s: the Pallas kernels run in interpret mode (the GPU kernels' numbers, slowly)",
+            jax.default_backend(),
+        )
+        return "interpret"
+
+    def _update_directions(self, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+        """``tx.update``; fused kernels run per device (``shard_map``), each on its own shards."""
+        if self.fused is None:
+            return self.tx.update(grads, opt_state, params)
+        param_specs = jax.tree.map(lambda s: s.spec, self.model.stored_shardings)
+        state_specs = jax.tree.map(lambda s: s.spec, self._state_shardings)
+        local = jax.shard_map(
+            self.tx.update,
+            mesh=self.model.layout.mesh,
+            in_specs=(param_specs, state_specs, param_specs),
+            out_specs=(param_specs, state_specs),
+            check_vma=False,
+        )
+        return local(grads, opt_state, params)
 
     def parameters_moved(self) -> None:
         """Called by the model when a pipelined model moves its parameters into the stages' buffers (first step):
@@ -257,7 +299,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         scale = scaling.scale if dynamic else scaling
         grads = loss_scaling.unscaled(grads, 1.0 / scale)  # float32, whatever the gradients are kept in
         opt_state = _set_hyperparams(opt_state, hyperparams)
-        updates, new_state = self.tx.update(grads, opt_state, params)
+        updates, new_state = self._update_directions(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if not checked:
             return new_params, new_state, scaling, known_inf
