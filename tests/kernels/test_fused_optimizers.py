@@ -158,8 +158,8 @@ def lm_step(model, ids):
     return loss
 
 
-def _train(fused, make_optimizer, steps, config=None, clip=None, **optimizer_options):
-    smp.init({**LAYOUT, **(config or {}), "fused_optimizer": fused})
+def _train(fused, make_optimizer, steps, config=None, clip=None, layout=None, **optimizer_options):
+    smp.init({**(LAYOUT if layout is None else layout), **(config or {}), "fused_optimizer": fused})
     torch.manual_seed(0)
     model = smp.DistributedModel(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA)))
     named = list(model.named_parameters())
@@ -200,17 +200,17 @@ def test_adamw_kernels_train_like_the_optax_path_in_fp16_with_clipping_and_an_ov
 
 
 @pytest.mark.parametrize(
-    "make",
+    "make, layout",
     [
-        lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True),
-        lambda groups: torch.optim.Adagrad(groups, lr=1e-2, lr_decay=0.01),
-        lambda groups: torch.optim.Adam(groups, lr=1e-2),
+        (lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True), None),
+        (lambda groups: torch.optim.Adagrad(groups, lr=1e-2, lr_decay=0.01), None),
+        (lambda groups: torch.optim.Adam(groups, lr=1e-2), {"partitions": 2, "microbatches": 2}),  # stage buffers
     ],
-    ids=["sgd-nesterov", "adagrad", "adam"],
+    ids=["sgd-nesterov-tp2xfsdp2", "adagrad-tp2xfsdp2", "adam-pp2"],
 )
-def test_kernels_update_each_devices_shards_as_the_optax_path_does(make):
-    fused_losses, _, fused_params, optimizer = _train(True, make, 3)
-    plain_losses, _, plain_params, plain = _train(False, make, 3)
+def test_kernels_update_each_devices_shards_as_the_optax_path_does(make, layout):
+    fused_losses, _, fused_params, optimizer = _train(True, make, 3, layout=layout)
+    plain_losses, _, plain_params, plain = _train(False, make, 3, layout=layout)
     assert optimizer.fused == "interpret"
     np.testing.assert_allclose(fused_losses, plain_losses, rtol=1e-6)
     for name, value in plain_params.items():
