@@ -2,10 +2,10 @@
 
 ``fused_adam``, ``fused_sgd`` and ``fused_adagrad`` compute what ``jmp.torch_optimizers``' optax chains for
 ``torch.optim.Adam`` / ``AdamW``, ``SGD`` and ``Adagrad`` compute, in the same order of operations, and keep
-the same state types (so torch-format state dicts and checkpoints read them alike). One pass reads gradient,
-parameter and state and writes the update and the new state; the tensors of each dtype go through one
-``pallas_call`` (see ``jmp.kernels.multi_tensor``). Like any optax transformation, the result is an update to
-add with ``optax.apply_updates``.
+the chains' own state, tree for tree (torch-format state dicts and checkpoints are the same on both paths).
+One pass reads gradient, parameter and state and writes the update and the new state; the tensors of each
+dtype go through one ``pallas_call`` (see ``jmp.kernels.multi_tensor``). Like any optax transformation, the
+result is an update to add with ``optax.apply_updates``.
 
 ``interpret=True`` runs the kernels in Pallas' interpret mode: on a CPU (which Pallas does not compile for)
 they then give the compiled kernels' numbers, slowly; this is how the tests check them without a GPU.
@@ -57,6 +57,15 @@ def _leaves(*trees: Any) -> tuple[list[list[jax.Array]], Any]:
     return [leaves for leaves, _ in flat], flat[0][1]
 
 
+def _position(chain_state: tuple, state_type: type) -> int:
+    """Where in an ``optax.chain``'s state tuple the piece of ``state_type`` keeps its state."""
+    return next(i for i, piece in enumerate(chain_state) if isinstance(piece, state_type))
+
+
+def _replaced(chain_state: tuple, position: int, piece: Any) -> tuple:
+    return chain_state[:position] + (piece,) + chain_state[position + 1 :]
+
+
 # --- Adam, AdamW ----------------------------------------------------------------------------------------------
 
 
@@ -80,30 +89,35 @@ def _adam_body(decoupled: bool, maximize: bool):
 def fused_adam(
     lr, beta1, beta2, eps, weight_decay, *, amsgrad=False, maximize=False, decoupled=False, interpret=False
 ) -> optax.GradientTransformation:
-    """torch's ``Adam`` (``decoupled=True``: ``AdamW``) in one kernel per dtype; state ``ScaleByAdamState``."""
+    """torch's ``Adam`` (``decoupled=True``: ``AdamW``) in one kernel per dtype.
+
+    Its state is the optax chain's (``jmp.torch_optimizers.adam`` / ``adamw``), tree for tree, so a checkpoint
+    of either path resumes on the other.
+    """
     if amsgrad:
         raise ValueError("fused_adam has no AMSGrad; use jmp.torch_optimizers.adam(..., amsgrad=True)")
+    chain = (torch_optimizers.adamw if decoupled else torch_optimizers.adam)(
+        lr, beta1, beta2, eps, weight_decay, amsgrad=False, maximize=maximize
+    )
     body = _adam_body(decoupled, maximize)
 
-    def init(params):
-        zeros = optax.tree.zeros_like(params)
-        return optax.ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, optax.tree.zeros_like(params))
-
     def update(updates, state, params=None):
-        count = optax.safe_increment(state.count)
-        (grads, mu, nu, ps), treedef = _leaves(updates, state.mu, state.nu, params)
+        at = _position(state, optax.ScaleByAdamState)
+        adam = state[at]
+        count = optax.safe_increment(adam.count)
+        (grads, mu, nu, ps), treedef = _leaves(updates, adam.mu, adam.nu, params)
         if not grads:
-            return updates, optax.ScaleByAdamState(count, state.mu, state.nu)
+            return updates, _replaced(state, at, adam._replace(count=count))
         scalars = multi_tensor.scalar_vector(
             lr, beta1, beta2, eps, weight_decay, 1 - beta1**count, 1 - beta2**count, 1 - beta1, 1 - beta2
         )
         new, mu, nu = _update_by_dtype(
             body, scalars, [grads, mu, nu, ps], 3, interpret=interpret, name="adamw" if decoupled else "adam"
         )
-        new_state = optax.ScaleByAdamState(count, jax.tree.unflatten(treedef, mu), jax.tree.unflatten(treedef, nu))
-        return jax.tree.unflatten(treedef, new), new_state
+        adam = optax.ScaleByAdamState(count, jax.tree.unflatten(treedef, mu), jax.tree.unflatten(treedef, nu))
+        return jax.tree.unflatten(treedef, new), _replaced(state, at, adam)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(chain.init, update)
 
 
 def fused_adamw(lr, beta1, beta2, eps, weight_decay, *, amsgrad=False, maximize=False, interpret=False):
@@ -135,28 +149,27 @@ def _sgd_body(nesterov: bool, maximize: bool, has_momentum: bool):
 def fused_sgd(
     lr, momentum, dampening, weight_decay, *, nesterov, maximize, has_momentum, interpret=False
 ) -> optax.GradientTransformation:
-    """torch's ``SGD`` (momentum, dampening, Nesterov) in one kernel per dtype; state ``TorchMomentumState``."""
+    """torch's ``SGD`` (momentum, dampening, Nesterov) in one kernel per dtype; state: the optax chain's."""
+    chain = torch_optimizers.sgd(
+        lr, momentum, dampening, weight_decay, nesterov=nesterov, maximize=maximize, has_momentum=has_momentum
+    )
     body = _sgd_body(nesterov, maximize, has_momentum)
 
-    def init(params):
-        if not has_momentum:
-            return optax.EmptyState()
-        return TorchMomentumState(optax.tree.zeros_like(params), jnp.zeros([], jnp.bool_))
-
     def update(updates, state, params=None):
-        buffers = [state.momentum_buffer] if has_momentum else []
+        at = _position(state, TorchMomentumState) if has_momentum else None
+        buffers = [state[at].momentum_buffer] if has_momentum else []
         (grads, *columns), treedef = _leaves(updates, *buffers, params)
-        if grads:
-            scalars = multi_tensor.scalar_vector(
-                lr, momentum, 1 - dampening, weight_decay, state.started if has_momentum else 0.0
-            )
-            new = _update_by_dtype(body, scalars, [grads, *columns], 1 + has_momentum, interpret=interpret, name="sgd")
-            updates = jax.tree.unflatten(treedef, new[0])
-            if has_momentum:
-                state = TorchMomentumState(jax.tree.unflatten(treedef, new[1]), jnp.ones([], jnp.bool_))
-        return updates, state
+        if not grads:
+            return updates, state
+        started = state[at].started if has_momentum else 0.0
+        scalars = multi_tensor.scalar_vector(lr, momentum, 1 - dampening, weight_decay, started)
+        new = _update_by_dtype(body, scalars, [grads, *columns], 1 + has_momentum, interpret=interpret, name="sgd")
+        if has_momentum:
+            buffer = TorchMomentumState(jax.tree.unflatten(treedef, new[1]), jnp.ones([], jnp.bool_))
+            state = _replaced(state, at, buffer)
+        return jax.tree.unflatten(treedef, new[0]), state
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(chain.init, update)
 
 
 # --- Adagrad ---------------------------------------------------------------------------------------------------
@@ -177,24 +190,26 @@ def _adagrad_body(maximize: bool):
 def fused_adagrad(
     lr, lr_decay, weight_decay, eps, *, initial_accumulator_value, maximize, interpret=False
 ) -> optax.GradientTransformation:
-    """torch's ``Adagrad`` (``lr_decay``, eps outside the root) in one kernel per dtype; state
-    ``TorchAdagradState``."""
+    """torch's ``Adagrad`` (``lr_decay``, eps outside the root) in one kernel per dtype; state: the optax
+    chain's."""
+    chain = torch_optimizers.adagrad(
+        lr, lr_decay, weight_decay, eps, initial_accumulator_value=initial_accumulator_value, maximize=maximize
+    )
     body = _adagrad_body(maximize)
 
-    def init(params):
-        return TorchAdagradState(jnp.zeros([], jnp.int32), optax.tree.full_like(params, initial_accumulator_value))
-
     def update(updates, state, params=None):
-        count = state.count + 1
-        (grads, total, ps), treedef = _leaves(updates, state.sum, params)
+        at = _position(state, TorchAdagradState)
+        count = state[at].count + 1
+        (grads, total, ps), treedef = _leaves(updates, state[at].sum, params)
         if not grads:
-            return updates, TorchAdagradState(count, state.sum)
+            return updates, _replaced(state, at, state[at]._replace(count=count))
         decay = 1.0 / (1.0 + (count - 1) * lr_decay)
         scalars = multi_tensor.scalar_vector(lr, weight_decay, decay, eps)
         new, total = _update_by_dtype(body, scalars, [grads, total, ps], 2, interpret=interpret, name="adagrad")
-        return jax.tree.unflatten(treedef, new), TorchAdagradState(count, jax.tree.unflatten(treedef, total))
+        adagrad = TorchAdagradState(count, jax.tree.unflatten(treedef, total))
+        return jax.tree.unflatten(treedef, new), _replaced(state, at, adagrad)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(chain.init, update)
 
 
 # --- which torch optimizers have a fused update ---------------------------------------------------------------

@@ -208,7 +208,7 @@ def test_adamw_kernels_train_like_the_optax_path_in_fp16_with_clipping_and_an_ov
     ],
     ids=["sgd-nesterov-tp2xfsdp2", "adagrad-tp2xfsdp2", "adam-pp2"],
 )
-def test_kernels_update_each_devices_shards_as_the_optax_path_does(make, layout):
+def test_kernels_update_each_devices_shards_as_the_optax_path_does(make, layout, tmp_path):
     fused_losses, _, fused_params, optimizer = _train(True, make, 3, layout=layout)
     plain_losses, _, plain_params, plain = _train(False, make, 3, layout=layout)
     assert optimizer.fused == "interpret"
@@ -222,6 +222,12 @@ def test_kernels_update_each_devices_shards_as_the_optax_path_does(make, layout)
         assert fused_state[index].keys() == entries.keys()
         for key, value in entries.items():
             np.testing.assert_allclose(np.asarray(fused_state[index][key]), np.asarray(value), rtol=1e-5, atol=1e-6)
+    # an Orbax checkpoint of the fused path resumes on the optax path: the state trees are the same
+    smp.save_checkpoint(tmp_path, tag="fused", partial=True, model=optimizer.model, optimizer=optimizer)
+    smp.resume_from_checkpoint(tmp_path, tag="fused", model=plain.model)
+    for index, entries in plain.state_dict()["state"].items():
+        for key, value in entries.items():
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(optimizer.state_dict()["state"][index][key]))
     optimizer.load_state_dict(plain.state_dict())
 
 
