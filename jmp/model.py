@@ -156,7 +156,7 @@ class DistributedModel(ModuleSurface):
         self.call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
         self.may_drop_tokens = bool(self.call_hooks) and config.expert_capacity_factor is not None
         _log_layout(self.layout.specs, mesh)
-        self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs, bool(self.call_hooks))
+        self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs)
         self._optimizers: list[weakref.ref] = []
         self._loss_scaling: weakref.ref | None = None  # a GradScaler used by a step function
         self._unit_scale: jax.Array | None = None
@@ -502,23 +502,8 @@ def _check_fit(state_dict: dict, variables: dict, strict: bool) -> None:
         raise StateDictError("load_state_dict failed (" + " | ".join(problems) + ")")
 
 
-def _pipeline_for(module: torch.nn.Module, config: Any, mesh: Any, specs: dict, has_experts: bool):
-    if config.pipeline_parallel_degree == 1:
-        return None
-    # XLA's SPMD partitioner aborts the process (a failed check in spmd_partitioner_util.cc) when a stage's
-    # weights are split over tp or fsdp inside the pipeline's shard_map; refuse instead of crashing.
-    for key, value, why in (
-        ("expert_parallel_degree", has_experts and config.expert_parallel_degree > 1, "expert dispatch"),
-        ("shard_optimizer_state", config.shard_optimizer_state, "optimizer-state sharding over dp"),
-        ("tensor_parallel_degree", config.tensor_parallel_degree > 1, "tensor parallelism"),
-        ("sharded_data_parallel_degree", config.sharded_data_parallel_degree > 1, "sharded data parallelism"),
-    ):
-        if value:
-            raise ConfigError(
-                f"pipeline_parallel_degree > 1 with '{key}' ({why}) is not supported yet: stages are split over "
-                "pp and the remaining devices do plain data parallelism. Use one of the two."
-            )
-    return Pipeline(module, config, mesh, specs)
+def _pipeline_for(module: torch.nn.Module, config: Any, mesh: Any, specs: dict) -> Pipeline | None:
+    return None if config.pipeline_parallel_degree == 1 else Pipeline(module, config, mesh, specs)
 
 
 def _is_delayed(module: torch.nn.Module) -> bool:

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jmp import compilation, model_registry, state
 from jmp.errors import StepError
 from jmp.model import DistributedModel, current_trace
+from jmp.pipeline import engine
 from jmp.pipeline.engine import StepInputs
 from jmp.remat import xla as remat_xla
 from jmp.sharding import experts
@@ -221,6 +222,7 @@ class _Traced:
     output_count: int = 0  # the returned values that are tensors (the program's outputs)
     output_spec: Any = None
     output_leaves: tuple = ()  # per returned leaf: its torch dtype (a tensor), or _Returned (a value as is)
+    compiled: Any = None  # a pipelined program, compiled ahead and checked (engine.check_compiled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +263,12 @@ class StepFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with compilation.timed(self.__name__):  # logs only when this call compiled something
             call = self._prepare(args, kwargs)
-            outputs, rest, grads, dropped = call.program(*call.arguments)
+            program = call.program
+            if call.model.pipeline is not None:  # compiled ahead, to check XLA's collectives before running them
+                if call.traced.compiled is None:
+                    call.traced.compiled = engine.check_compiled(call.program.lower(*call.arguments).compile())
+                program = call.traced.compiled
+            outputs, rest, grads, dropped = program(*call.arguments)
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, dropped)
         shards = _data_shards(call.model.layout.mesh)
         arrays = iter(outputs)

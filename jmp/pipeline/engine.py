@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jmp.errors import PipelineError
 from jmp.pipeline.layout import StageLayout
 from jmp.pipeline.schedule import BACKWARD, FORWARD, IDLE, Schedule
 from jmp.pipeline.split import StagePrograms
@@ -105,6 +107,28 @@ def run(programs: StagePrograms, layout: StageLayout, schedule: Schedule, inputs
     for i, rows in zip(programs.updated, buffers):  # each updated buffer from the row of the stage owning it
         rest[i] = rows[programs.owner[i]]
     return StepOutputs([f[last] for f in finals], jax.tree.unflatten(treedef, rest), grads if inputs.backward else None)
+
+
+_PERMUTE_IN_BRANCH = re.compile(r"collective-permute\(.*op_name=\"([^\"]*/cond/[^\"]*)\"")
+
+
+def check_compiled(compiled: jax.stages.Compiled) -> jax.stages.Compiled:
+    """``compiled``, unless XLA put a collective permute inside a stage's code (it would hang the step).
+
+    Each device runs only its own stage's branch of the ``lax.switch``, so a collective inside a branch is
+    reached by one stage's devices. All-reduces, all-gathers and all-to-alls wait only for their group; a
+    collective permute waits for every device of the program, and the step would hang.
+    """
+    found = _PERMUTE_IN_BRANCH.search(compiled.as_text() or "")
+    if found:
+        raise PipelineError(
+            f"XLA's partitioner moves data with a collective permute inside a pipeline stage ({found.group(1)}), "
+            "which waits for devices of every stage while only one stage's devices run that code, so the step "
+            "would hang. It comes from slicing or splitting a tensor along a dimension that tensor, sharded-data "
+            "or expert parallelism splits, in pieces that do not line up with the shards. Lower that degree, or "
+            "slice along another dimension."
+        )
+    return compiled
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,15 +76,34 @@ def run_equations(eqns: Sequence[core.JaxprEqn], env: dict) -> dict:
                 if not isinstance(var, core.DropVar):
                     env[var] = value
             continue
+        if eqn.primitive.name == "split":
+            args[0] = _whole_along(args[0], eqn.params["axis"])
         params = eqn.primitive.get_bind_params(eqn.params)
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*args, **params)
         if not eqn.primitive.multiple_results:
             outs = [outs]
+        if eqn.primitive.name == "split":
+            outs = [_whole_along(o, eqn.params["axis"]) for o in outs]
         for var, value in zip(eqn.outvars, outs):
             if not isinstance(var, core.DropVar):
                 env[var] = value
     return env
+
+
+def _whole_along(value: jax.Array, axis: int) -> jax.Array:
+    """``value`` gathered along ``axis`` when tensor parallelism may have split it (the rest left to XLA).
+
+    Splitting a tensor-parallel output into pieces that do not line up with its shards (GPT-2's fused q, k,
+    v) makes XLA move the pieces with collective permutes; inside the pipeline's ``lax.switch`` only one
+    stage's devices reach them, and a collective permute waits for every device (XLA:CPU deadlocks). An
+    all-gather, which waits only for its group, does the same move.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get("tp", 1) == 1 or axis != value.ndim - 1:
+        return value
+    free = jax.sharding.PartitionSpec.UNCONSTRAINED
+    return jax.lax.with_sharding_constraint(value, jax.sharding.PartitionSpec(*[free] * axis, None))
 
 
 def read(env: dict, var: Any) -> Any:

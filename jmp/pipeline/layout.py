@@ -98,8 +98,12 @@ class StageLayout:
         stages: Mapping[str, tuple[int, ...]],
         labels: Mapping[str, str],
         mesh: Mesh,
+        shard_optimizer_state: bool = False,
     ):
         self.mesh = mesh
+        # ZeRO-1: the optimizer state's buffers are split over dp along their length as well
+        self.state_axis = "dp" if shard_optimizer_state and mesh.shape["dp"] > 1 else None
+        multiple = math.lcm(128, mesh.shape["dp"]) if self.state_axis else 128
         self.stages = dict(stages)
         self.packing: dict[str, Packing] = {}
         self.places: dict[str, list[Place]] = {}
@@ -117,8 +121,9 @@ class StageLayout:
                 offset = lengths.get((key, stage), 0)
                 self.places.setdefault(name, []).append(Place(stage, key, offset, size))
                 lengths[(key, stage)] = offset + size
+        longest = {key: max(n for (k, _), n in lengths.items() if k == key) for key in signatures}
         self.buffers = {
-            key: Buffer(dtype, axes, sizes, _padded(max(n for (k, _), n in lengths.items() if k == key)), label)
+            key: Buffer(dtype, axes, sizes, _padded(longest[key], multiple), label)
             for key, (dtype, axes, sizes, label) in signatures.items()
         }
         self.shardings = {key: NamedSharding(mesh, b.spec) for key, b in self.buffers.items()}
@@ -196,14 +201,16 @@ class StageLayout:
         return grads
 
     def state_shardings(self, state_shape: Any) -> Any:
-        """Shardings of an optimizer state over the packed buffers: buffer-shaped leaves like their buffer."""
+        """Shardings of an optimizer state over the packed buffers: buffer-shaped leaves like their buffer (ZeRO-1:
+        split over dp along the length too)."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
 
         def place(path: tuple, leaf: Any) -> Any:
             for entry in path:
                 key = getattr(entry, "key", None)
                 if key in self.buffers and getattr(leaf, "ndim", 0) == len(self.buffers[key].grid_axes) + 2:
-                    return self.shardings[key]
+                    spec = PartitionSpec(*self.buffers[key].spec[:-1], self.state_axis)
+                    return NamedSharding(self.mesh, spec)
             return replicated
 
         return jax.tree_util.tree_map_with_path(place, state_shape)
@@ -212,10 +219,14 @@ class StageLayout:
 
     def stage_params(self, rows: Mapping[str, jax.Array], stage: int, names: list[str]) -> dict[str, jax.Array]:
         """Parameters ``names`` of ``stage`` from this device's rows ``[1, *grid, length]``."""
+        gather = not jax.sharding.get_abstract_mesh().empty  # inside the pipeline's shard_map
         out = {}
         for name in names:
             place = next(p for p in self.places[name] if p.stage == stage)
             out[name] = self._read(rows[place.key], place, name, row=0)
+            if gather:  # FSDP: the stage uses the whole weight, gathered over fsdp where it is used
+                whole = PartitionSpec(*(_without(entry, "fsdp") for entry in self.param_shardings[name].spec))
+                out[name] = jax.lax.with_sharding_constraint(out[name], whole)
         return out
 
     def stage_names(self, stage: int) -> list[str]:
@@ -237,6 +248,11 @@ def _axes(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _without(entry: Any, axis: str) -> Any:
+    kept = tuple(a for a in _axes(entry) if a != axis)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def _padded(length: int, multiple: int = 128) -> int:

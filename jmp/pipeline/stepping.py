@@ -71,7 +71,7 @@ class Pipeline:
         usage = programs.stage_usage
         shapes = {n: tuple(v.aval.shape) for n, v in zip(names, params)}
         dtypes = {n: v.aval.dtype for n, v in zip(names, params)}
-        self.layout = StageLayout(shapes, dtypes, self.specs, usage, labels, self.mesh)
+        self.layout = StageLayout(shapes, dtypes, self.specs, usage, labels, self.mesh, config.shard_optimizer_state)
         self._log(jaxpr, programs)
         return self.layout
 

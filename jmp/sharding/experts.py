@@ -169,7 +169,11 @@ def _dispatch(module: TorchModule, mesh: Mesh, capacity_factor: float | None, x,
         tokens,
         tokens,
     )
-    run = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(tokens, PartitionSpec()))
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:  # inside the pipeline's shard_map: pp is manual already
+        mesh = context
+    automatic = set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
+    run = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(tokens, PartitionSpec()), axis_names=automatic)
     return run(params, rest, x, top_k_index, unwrap(top_k_weights))
 
 

@@ -209,9 +209,6 @@ def test_errors_say_what_to_change():
     with pytest.raises(smp.ConfigError, match="non-negative integer"):
         with smp.partition(-1):
             pass
-    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2})
-    with pytest.raises(smp.ConfigError, match="tensor_parallel_degree"):
-        smp.DistributedModel(GroupedNet())
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
     with smp.partition(0):

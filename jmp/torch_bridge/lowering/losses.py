@@ -31,6 +31,18 @@ def _class_axis(input):
     return 1 if input.ndim > 1 else 0
 
 
+def _pick(input, index, ax):
+    """``take_along_axis(input, index)`` along the class axis, as a masked sum (the same value exactly).
+
+    A gather whose gathered axis is split over a mesh axis aborts XLA's SPMD partitioner inside a partially
+    manual ``shard_map`` (the pipeline's, under tensor parallelism's vocabulary-split logits); the masked sum
+    partitions as Megatron's vocabulary-parallel cross entropy does: a local sum, then one all-reduce.
+    """
+    classes = jax.lax.broadcasted_iota(index.dtype, input.shape, ax)
+    chosen = classes == jnp.expand_dims(index, ax)
+    return jnp.sum(jnp.where(chosen, input, jnp.zeros((), input.dtype)), axis=ax)
+
+
 @register_lowering(F.nll_loss)
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     reduction = reduction_mode(reduction, size_average, reduce)
@@ -39,7 +51,7 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
     ax = _class_axis(input)
     ignored = target == ignore_index
     safe = jnp.where(ignored, 0, target)
-    picked = jnp.squeeze(jnp.take_along_axis(input, jnp.expand_dims(safe, ax), axis=ax), ax)
+    picked = _pick(input, safe, ax)
     w = jnp.ones((), input.dtype) if weight is None else weight.astype(input.dtype)[safe]
     w = jnp.where(ignored, jnp.zeros((), input.dtype), w)
     loss = -w * picked
