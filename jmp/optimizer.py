@@ -195,6 +195,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             out_shardings=(model.stored_shardings, self._state_shardings, self._replicated, self._replicated),
         )
 
+    @property
+    def state_shardings(self) -> Any:
+        """Where each leaf of ``opt_state`` lives (ZeRO-1: split over ``dp`` as well)."""
+        return self._state_shardings
+
     def _fused_mode(self) -> str | None:
         """How the update runs: "compiled" Pallas kernels, "interpret"ed ones, or None (the optax chain)."""
         config = self.model.layout.config

@@ -136,6 +136,11 @@ def optimizer_state_from(optimizer: Any, arrays: Mapping[str, jax.Array]) -> tup
         return layout.pack_present(named, like=node)
 
     opt_state = jax.tree_util.tree_map_with_path(rebuild, optimizer.opt_state, is_leaf=is_field)
+    opt_state = jax.tree.map(  # packed fields come back laid out as the parameters; ZeRO-1 splits them further
+        lambda leaf, sharding: jax.device_put(leaf, sharding) if isinstance(leaf, jax.Array) else leaf,
+        opt_state,
+        optimizer.state_shardings,
+    )
     scale_state = optimizer.scale_state
     if scale_state is not None:
         scale_state = jax.tree_util.tree_map_with_path(

@@ -56,6 +56,16 @@ LAYOUTS = {  # name -> (config, the model, the layers checkpointed or None)
     ),
     "tp2xdp4-checkpointed": ({"tensor_parallel_degree": 2}, _gpt2, "transformer.h"),
     "pp2xdp4": ({"partitions": 2, "microbatches": 2}, _gpt2, None),
+    "pp2xtp2xfsdp2": (
+        {"partitions": 2, "microbatches": 2, "tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2},
+        _gpt2,
+        None,
+    ),
+    "pp2xfsdp2xdp2-zero1": (
+        {"partitions": 2, "microbatches": 2, "sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
+        _gpt2,
+        None,
+    ),
     "ep4xdp2-mixtral-checkpointed": ({"expert_parallel_degree": 4}, _mixtral, "model.layers"),
 }
 
