@@ -222,7 +222,7 @@ class _Traced:
     output_count: int = 0  # the returned values that are tensors (the program's outputs)
     output_spec: Any = None
     output_leaves: tuple = ()  # per returned leaf: its torch dtype (a tensor), or _Returned (a value as is)
-    compiled: Any = None  # a pipelined program, compiled ahead and checked (engine.check_compiled)
+    checked: bool = False  # a pipelined program's compiled collectives were checked (engine.check_compiled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,12 +263,11 @@ class StepFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with compilation.timed(self.__name__):  # logs only when this call compiled something
             call = self._prepare(args, kwargs)
-            program = call.program
-            if call.model.pipeline is not None:  # compiled ahead, to check XLA's collectives before running them
-                if call.traced.compiled is None:
-                    call.traced.compiled = engine.check_compiled(call.program.lower(*call.arguments).compile())
-                program = call.traced.compiled
-            outputs, rest, grads, dropped = program(*call.arguments)
+            if call.model.pipeline is not None and not call.traced.checked:
+                # XLA's collectives checked before they run (the call then loads the program from JAX's cache)
+                engine.check_compiled(call.program.lower(*call.arguments).compile())
+                call.traced.checked = True
+            outputs, rest, grads, dropped = call.program(*call.arguments)
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, dropped)
         shards = _data_shards(call.model.layout.mesh)
         arrays = iter(outputs)

@@ -72,9 +72,10 @@ def run_equations(eqns: Sequence[core.JaxprEqn], env: dict) -> dict:
             inner = eqn.params["jaxpr"]
             local = dict(zip(inner.jaxpr.constvars, inner.consts)) | dict(zip(inner.jaxpr.invars, args))
             run_equations(inner.jaxpr.eqns, local)
-            for var, value in zip(eqn.outvars, [read(local, v) for v in inner.jaxpr.outvars]):
-                if not isinstance(var, core.DropVar):
-                    env[var] = value
+            _bind_outputs(eqn, [read(local, v) for v in inner.jaxpr.outvars], env)
+            continue
+        if eqn.primitive.name in ("checkpoint", "remat2"):  # its equations replayed here too (splits: ``_whole_along``)
+            _bind_outputs(eqn, _checkpoint(eqn, args), env)
             continue
         if eqn.primitive.name == "split":
             args[0] = _whole_along(args[0], eqn.params["axis"])
@@ -85,10 +86,26 @@ def run_equations(eqns: Sequence[core.JaxprEqn], env: dict) -> dict:
             outs = [outs]
         if eqn.primitive.name == "split":
             outs = [_whole_along(o, eqn.params["axis"]) for o in outs]
-        for var, value in zip(eqn.outvars, outs):
-            if not isinstance(var, core.DropVar):
-                env[var] = value
+        _bind_outputs(eqn, outs, env)
     return env
+
+
+def _bind_outputs(eqn: core.JaxprEqn, values: Sequence[Any], env: dict) -> None:
+    for var, value in zip(eqn.outvars, values):
+        if not isinstance(var, core.DropVar):
+            env[var] = value
+
+
+def _checkpoint(eqn: core.JaxprEqn, args: list) -> list:
+    """A ``jax.checkpoint`` region run again as one, its equations evaluated by ``run_equations``."""
+    inner = eqn.params["jaxpr"]
+
+    def region(*values: Any) -> list:
+        local = run_equations(inner.eqns, dict(zip(inner.invars, values)))
+        return [read(local, v) for v in inner.outvars]
+
+    with eqn.ctx.manager:
+        return jax.checkpoint(region, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])(*args)
 
 
 def _whole_along(value: jax.Array, axis: int) -> jax.Array:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import torch
 import torch.utils._pytree as torch_pytree
 from flax import nnx
@@ -24,6 +25,7 @@ from jmp.errors import ActivationCheckpointingError, ConfigError
 from jmp.remat import context
 from jmp.remat.policies import Resolved
 from jmp.remat_policy import INPUT
+from jmp.sharding import experts
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.module import CallHook, TorchModule, call_hooks, hooked_call, walk
 from jmp.torch_bridge.tensor import JaxTensor
@@ -90,7 +92,7 @@ def run(
             leaves[i] = tensor
         call_args, call_kwargs = torch_pytree.tree_unflatten(leaves, spec)
         outputs = []
-        with context.copies(copies), dispatch.session(inner_rngs):
+        with context.copies(copies), dispatch.session(inner_rngs), experts.counting_dropped() as dropped:
             for k, copy in enumerate(copies):
                 with call_hooks(_naming_hooks(copy, policy.names)):
                     out = hooked_call(copy, inside[k])(*call_args, **call_kwargs)
@@ -103,10 +105,15 @@ def run(
         traced["mutated"] = [i for i, t in enumerate(wrapped) if t._jmp_version > 0]
         mutated = [wrapped[i].value for i in traced["mutated"]]
         new_rest = nnx.split((copies, inner_rngs), nnx.Param, ...)[2]
-        return [v.value for v in out_flat if isinstance(v, JaxTensor)], mutated, new_rest
+        values = [v.value for v in out_flat if isinstance(v, JaxTensor)]
+        return values, mutated, new_rest, sum(dropped, jnp.zeros((), jnp.int32))  # counts leave as outputs
 
     checkpointed = jax.checkpoint(region, policy=policy.jax_policy)
-    out_arrays, mutated, new_rest = checkpointed(params, rest, [t.value for t in inputs])
+    out_arrays, mutated, new_rest, dropped = checkpointed(params, rest, [t.value for t in inputs])
+    experts.record_dropped(dropped)
+    # a random key leaves the region unchanged: keeping the one that went in means the region's output key
+    # is not read later (in a pipeline, a key cannot travel between stages; the stream's count does)
+    new_rest = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_rest, rest)
     nnx.update(graph, new_rest)
     _refresh_bindings(units, versions)
     for i, value in zip(traced["mutated"], mutated):
@@ -114,6 +121,10 @@ def run(
     arrays = iter(zip(out_arrays, traced["dtypes"]))
     leaves = [JaxTensor(*next(arrays)) if leaf is None else leaf for leaf in traced["leaves"]]
     return torch_pytree.tree_unflatten(leaves, traced["spec"])
+
+
+def _is_key(value: Any) -> bool:
+    return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
 
 
 def _run_plain(units, inside, args: tuple, kwargs: dict, chain: str) -> list[Any]:

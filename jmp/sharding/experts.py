@@ -91,6 +91,13 @@ def expert_specs(root: nn.Module, expert_degree: int, tensor_degree: int) -> dic
     return specs
 
 
+def record_dropped(count: jax.Array) -> None:
+    """Add a dispatch's dropped-row count to the innermost ``counting_dropped`` block (if any)."""
+    counts = _DROPPED.get()
+    if counts is not None:
+        counts.append(count)
+
+
 @contextlib.contextmanager
 def counting_dropped() -> Iterator[list]:
     """Collects the dropped-row counts (traced scalars) of the expert dispatches traced inside the block."""
@@ -116,9 +123,7 @@ def expert_parallel_hooks(root: nn.Module, mesh: Mesh, capacity_factor: float | 
 
     def hook(module: TorchModule, call: Callable, hidden: Any, top_k_index: Any, top_k_weights: Any) -> JaxTensor:
         out, dropped = _dispatch(module, mesh, capacity_factor, unwrap(hidden), unwrap(top_k_index), top_k_weights)
-        counts = _DROPPED.get()
-        if counts is not None:
-            counts.append(dropped)
+        record_dropped(dropped)
         return JaxTensor(out, hidden.dtype)
 
     return dict.fromkeys(found, hook)

@@ -56,10 +56,10 @@ LAYOUTS = {  # name -> (config, the model, the layers checkpointed or None)
     ),
     "tp2xdp4-checkpointed": ({"tensor_parallel_degree": 2}, _gpt2, "transformer.h"),
     "pp2xdp4": ({"partitions": 2, "microbatches": 2}, _gpt2, None),
-    "pp2xtp2xfsdp2": (
+    "pp2xtp2xfsdp2-checkpointed": (
         {"partitions": 2, "microbatches": 2, "tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2},
         _gpt2,
-        None,
+        "transformer.h",
     ),
     "pp2xfsdp2xdp2-zero1": (
         {"partitions": 2, "microbatches": 2, "sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
