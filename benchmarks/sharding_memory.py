@@ -63,9 +63,11 @@ with 4 key/value heads at tp=8 is probed on purpose to show it.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import re
+import statistics
 import time
 from collections.abc import Callable
 
@@ -83,6 +85,7 @@ from benchmarks.harness import (
     lm_step,
     machine,
     shape_bytes,
+    time_interleaved,
     token_ids,
     write_results,
 )
@@ -91,6 +94,10 @@ from jmp.errors import ConfigError
 BATCH, SEQUENCE, POSITIONS, VOCAB, LR = 8, 64, 96, 640, 1e-3
 DEGREES = (1, 2, 4, 8)
 STRATEGIES = {"fsdp": "sharded_data_parallel_degree", "tp": "tensor_parallel_degree"}
+# fsdp-once: sharded data parallelism with ``reshard_after_forward: False`` (each weight gathered once and
+# kept until its backward: the behaviour before reshard_after_forward existed)
+VARIANTS = {"fsdp-once": ("fsdp", {"reshard_after_forward": False})}
+TIMED_STEPS = 10
 MIB = 2**20
 
 MODELS = {
@@ -117,9 +124,14 @@ def layers_and_hidden(spec: dict) -> tuple[int, int]:
     return spec["num_hidden_layers"], spec["hidden_size"]
 
 
+def strategy_config(strategy: str, degree: int) -> dict:
+    base, extra = VARIANTS.get(strategy, (strategy, {}))
+    return {STRATEGIES[base]: degree, **extra} if degree > 1 else {}
+
+
 def compile_step(spec: dict, strategy: str, degree: int):
     """(model, optimizer, compiled step) on the first ``degree`` devices; raises jmp's ConfigError."""
-    smp.init({STRATEGIES[strategy]: degree} if degree > 1 else {}, devices=jax.devices()[:degree])
+    smp.init(strategy_config(strategy, degree), devices=jax.devices()[:degree])
     model = smp.DistributedModel(causal_lm(spec))
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.module.parameters(), lr=LR))
     ids = token_ids(BATCH, SEQUENCE, VOCAB)
@@ -254,7 +266,7 @@ def theoretical(strategy: str, degree: int, params: dict, spec: dict) -> dict:
     """Logical collective bytes the strategy needs per step (see the module docstring)."""
     if degree == 1:
         return {"all_gather": 0, "grad_reduction": 0, "activations": 0, "total": 0}
-    if strategy == "fsdp":
+    if strategy.startswith("fsdp"):
         gathers, reduction = 2 * params["fsdp_split"], params["all"]
         return {"all_gather": gathers, "grad_reduction": reduction, "activations": 0, "total": gathers + reduction}
     layers, hidden = layers_and_hidden(spec)
@@ -269,7 +281,7 @@ def comm_ratios(strategy: str, measured: dict, theory: dict) -> dict:
     reduction = measured["all-reduce"]["parameter"] + measured["reduce-scatter"]["parameter"]
     return {
         "all_gather": _ratio(measured["all-gather"]["parameter"], theory["all_gather"]),
-        "grad_reduction": _ratio(reduction, theory["grad_reduction"]) if strategy == "fsdp" else None,
+        "grad_reduction": _ratio(reduction, theory["grad_reduction"]) if strategy.startswith("fsdp") else None,
         "total": _ratio(total, theory["total"]),
     }
 
@@ -312,6 +324,38 @@ def measure(name: str, spec: dict, strategy: str, degree: int) -> dict:
     return row
 
 
+def step_times(degree: int = 8) -> list[dict]:
+    """Seconds per training step (forward, backward and AdamW update) under fsdp, with and without
+    reshard_after_forward, timed round-robin in one process (medians)."""
+    rows = []
+    ids = token_ids(BATCH, SEQUENCE, VOCAB)
+    for name, spec in MODELS.items():
+        runs, prepare = {}, {}
+        for strategy in ("fsdp", "fsdp-once"):
+            config = strategy_config(strategy, degree)
+            smp.init(config)
+            model = smp.DistributedModel(causal_lm(spec))
+            optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.module.parameters(), lr=LR))
+
+            def step(model=model, optimizer=optimizer):
+                optimizer.zero_grad()
+                loss = lm_step(model, ids)
+                optimizer.step()
+                return loss.reduce_mean()
+
+            runs[strategy], prepare[strategy] = step, functools.partial(smp.init, config)
+        samples = time_interleaved(runs, TIMED_STEPS, prepare=prepare)
+        medians = {k: statistics.median(v) for k, v in samples.items()}
+        rows.append({
+            "model": name,
+            "degree": degree,
+            "seconds": medians,
+            "reshard_cost": medians["fsdp"] / medians["fsdp-once"],
+        })  # fmt: skip
+        print(f"  {name} fsdp={degree} step: {medians} (ratio {rows[-1]['reshard_cost']:.2f})", flush=True)
+    return rows
+
+
 def add_memory_ideals(rows: list[dict]) -> None:
     """args + temp against (args + temp at degree 1) / N, per model."""
     base = {r["model"]: r["memory"]["args_plus_temp"] for r in rows if r["degree"] == 1}
@@ -324,7 +368,8 @@ def add_memory_ideals(rows: list[dict]) -> None:
 def run_all() -> tuple[list[dict], list[dict]]:
     rows, errors = [], []
     plan = [(n, s, "fsdp", 1) for n, s in MODELS.items()]
-    plan += [(n, s, strategy, d) for n, s in MODELS.items() for strategy in STRATEGIES for d in DEGREES if d > 1]
+    strategies = [*STRATEGIES, *VARIANTS]
+    plan += [(n, s, strategy, d) for n, s in MODELS.items() for strategy in strategies for d in DEGREES if d > 1]
     plan.append(GQA_PROBE)
     for name, spec, strategy, degree in plan:
         try:
@@ -400,6 +445,7 @@ def main() -> None:
     emulate_devices()
 
     rows, errors = run_all()
+    timings = step_times()
     print()
     print(table(rows))
     for e in errors:
@@ -421,8 +467,11 @@ def main() -> None:
             "XLA:CPU forms no reduce-scatter: the fsdp gradient reduction is an all-reduce + dynamic-slice here",
             "fsdp theory: 2 all-gathers of the fsdp-split parameters + one reduction of every gradient",
             "tp theory: (4 layers + 2) activation all-reduces of [tokens, hidden] + 3 [tokens] loss reductions",
+            "fsdp: reshard_after_forward (the default); fsdp-once: reshard_after_forward False",
+            "step_times: medians of round-robin timed steps on this CPU; reshard_cost = fsdp / fsdp-once",
         ],
         "rows": rows,
+        "step_times": timings,
         "errors": errors,
     }
     write_results(args.out, result)

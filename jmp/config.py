@@ -17,6 +17,10 @@ Where jmp's default differs from SMP's, on purpose:
   optimizer clips the gradients' global norm to it under sharded data parallelism, as SMP does.
 - ``active_microbatches``: None when not given: the schedule's own bound (``interleaved`` keeps at most
   ``partitions + 2``, as SMP's default; ``simple`` all); given, no stage has more in flight.
+- ``reshard_after_forward`` (jmp's key, PyTorch FSDP's name; default True): under sharded data parallelism
+  each layer of the model's layer lists gathers its weights inside a checkpoint that keeps everything but
+  them, so a layer's whole weights live during its forward and again during its backward, not in between
+  (weights gathered twice per step). False gathers each weight once and keeps it until its backward.
 - ``fp16_params: True`` trains in fp16 exactly as ``fp16: True`` does: jmp keeps float32 master
   parameters either way and computes in fp16 inside the step.
 """
@@ -67,6 +71,7 @@ class Config:
     sdp_reduce_bucket_size: int = 500_000_000
     sdp_max_live_parameters: int = 1_000_000_000
     sdp_hierarchical_allgather: bool = True
+    reshard_after_forward: bool = True  # jmp (PyTorch FSDP's name): a layer's gathered weights are freed after it
     shard_optimizer_state: bool = False
     allow_empty_shards: bool = False  # v2
     fsdp_cache_flush_warnings: bool = True  # v2
@@ -215,7 +220,7 @@ _BOOLEANS = (
     "auto_partition ddp prescaled_batch sdp_hierarchical_allgather shard_optimizer_state allow_empty_shards "
     "fsdp_cache_flush_warnings fp16 fp16_params bf16 offload_activations delayed_parameter_initialization horovod "
     "contiguous deterministic_server skip_tracing static_mode fast_mode predefined_hooks load_partition "
-    "compilation_cache fused_optimizer"
+    "compilation_cache fused_optimizer reshard_after_forward"
 ).split()
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(_BOOLEANS, _boolean),

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp import compilation, delayed_init, model_registry, precision, sharding, state
 from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
@@ -274,10 +274,21 @@ class DistributedModel(ModuleSurface):
         trace = Trace(self, module, loss_scale)
         token = _TRACE.set(trace)
         try:
-            with remat.tracing(self.torch_module, module):  # activation checkpointing of annotated modules
+            with remat.tracing(self.torch_module, module, self._gathered()):  # activation checkpointing
                 yield trace
         finally:
             _TRACE.reset(token)
+
+    def _gathered(self) -> tuple[tuple[str, NamedSharding], ...]:
+        """The parameters split over fsdp, each with its sharding gathered over fsdp (``reshard_after_forward``)."""
+        mesh, config = self.layout.mesh, self.layout.config
+        if not config.reshard_after_forward or mesh.shape["fsdp"] == 1 or self.pipeline is not None:
+            return ()  # a pipeline stage gathers its weights itself, where it runs
+        return tuple(
+            (name, NamedSharding(mesh, sharding.without_axis(spec, "fsdp")))
+            for name, spec in self.layout.specs.items()
+            if sharding.splits_over(spec, "fsdp")
+        )
 
     # --- what step functions and optimizers share with the model --------------------------------------------
 

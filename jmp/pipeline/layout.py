@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jmp.sharding.layout import without_axis
+
 
 @dataclasses.dataclass(frozen=True)
 class Place:
@@ -225,7 +227,7 @@ class StageLayout:
             place = next(p for p in self.places[name] if p.stage == stage)
             out[name] = self._read(rows[place.key], place, name, row=0)
             if gather:  # FSDP: the stage uses the whole weight, gathered over fsdp where it is used
-                whole = PartitionSpec(*(_without(entry, "fsdp") for entry in self.param_shardings[name].spec))
+                whole = without_axis(self.param_shardings[name].spec, "fsdp")
                 out[name] = jax.lax.with_sharding_constraint(out[name], whole)
         return out
 
@@ -248,11 +250,6 @@ def _axes(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _without(entry: Any, axis: str) -> Any:
-    kept = tuple(a for a in _axes(entry) if a != axis)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def _padded(length: int, multiple: int = 128) -> int:

@@ -34,7 +34,7 @@ from jmp.config import Config
 from jmp.errors import ArgumentTypeError, ConfigError, ModelLookupError
 from jmp.remat import context, region
 from jmp.remat.groups import LayerGroups
-from jmp.remat.policies import Resolved, resolve
+from jmp.remat.policies import KEEP_ALL_BUT_GATHERED, Resolved, resolve
 from jmp.remat.strategies import groups, parse_strategy
 from jmp.remat_policy import Policy, parse_policy
 from jmp.torch_bridge.module import TorchModule, call_hooks
@@ -172,13 +172,38 @@ def checkpoint_sequential(
 
 
 @contextlib.contextmanager
-def tracing(torch_root: nn.Module, twin_root: TorchModule) -> Iterator[None]:
-    """While a step traces a model: its annotated modules are checkpointed, and ``checkpoint`` finds its twins."""
-    with context.tracing(torch_root, twin_root) as trace, call_hooks(_annotation_hooks(trace)):
-        yield
+def tracing(
+    torch_root: nn.Module, twin_root: TorchModule, gathered: tuple[tuple[str, Any], ...] = ()
+) -> Iterator[None]:
+    """While a step traces a model: its annotated modules are checkpointed, and ``checkpoint`` finds its twins.
+
+    ``gathered`` (torch name -> spec without fsdp, for the parameters split over fsdp): every layer of the
+    model's layer lists gathers its weights inside a checkpoint that keeps everything but them, so they are
+    freed after the layer's forward and gathered again for its backward (FSDP's reshard after forward).
+    """
+    with context.tracing(torch_root, twin_root) as trace:
+        hooks = _reshard_hooks(trace.modules, gathered) if gathered else {}
+        with call_hooks(hooks | _annotation_hooks(trace, gathered)):
+            yield
 
 
-def _annotation_hooks(trace: context.Trace) -> dict[str, Any]:
+def _reshard_hooks(modules: dict[str, nn.Module], gathered: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """One checkpoint per layer of the outermost layer lists holding parameters split over fsdp."""
+    names = [name for name, _ in gathered]
+    policy = KEEP_ALL_BUT_GATHERED.with_gathered(gathered)
+    hooks: dict[str, Any] = {}
+    for path, module in modules.items():
+        if not _is_container(module) or any(path.startswith(f"{p}.") for p in hooks):
+            continue
+        paths = [f"{path}.{name}" if path else name for name, child in module.named_children() if child is not None]
+        paths = [p for p in paths if any(n.startswith(f"{p}.") for n in names)]
+        if paths:
+            hook = LayerGroups(paths, groups("each", len(paths)), policy, "first", "each")
+            hooks.update({p: hook for p in paths})
+    return hooks
+
+
+def _annotation_hooks(trace: context.Trace, gathered: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
     hooks: dict[str, Any] = {}
     for path, module in trace.modules.items():
         annotation = _ANNOTATIONS.get(module)
@@ -190,7 +215,7 @@ def _annotation_hooks(trace: context.Trace) -> dict[str, Any]:
             chain = "whole" if isinstance(module, nn.Sequential) else "first"
         else:
             paths, chain = [path], "whole"
-        resolved = _resolve(annotation.policy)
+        resolved = _resolve(annotation.policy).with_gathered(gathered)
         hook = LayerGroups(paths, groups(annotation.strategy, len(paths)), resolved, chain, annotation.strategy)
         hooks.update({p: hook for p in paths})
     return hooks

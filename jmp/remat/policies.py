@@ -34,6 +34,36 @@ class Resolved:
     jax_policy: Callable[..., Any]
     names: frozenset[str]  # submodule outputs to tag with ``checkpoint_name`` (relative torch paths)
     tag_inputs: bool  # tag the module's inputs as ``INPUT``
+    # sharded-data parallelism resharding after the forward: torch name -> the spec a parameter split over
+    # fsdp is gathered to inside the checkpoint, tagged ``GATHERED`` (gathered again in the backward)
+    gathered: tuple[tuple[str, Any], ...] = ()
+
+    def with_gathered(self, gathered: tuple[tuple[str, Any], ...]) -> Resolved:
+        return dataclasses.replace(self, gathered=gathered)
+
+
+GATHERED = "jmp_fsdp_gathered"
+# the checkpoint of a layer under reshard_after_forward that activation checkpointing does not cover: it keeps
+# everything (``without_weights`` then leaves the gathered weights out)
+KEEP_ALL_BUT_GATHERED = Resolved(jax.checkpoint_policies.dots_saveable, frozenset(), False)
+
+
+def without_weights(policy: Callable[..., Any], weight_shapes: frozenset[tuple[int, ...]]) -> Callable[..., Any]:
+    """``policy``, except that no value computed from whole weights alone is kept: the gathered weight (its
+    sharding constraint and tag) and what only reshapes, transposes or casts it. The backward recomputes
+    them from the weights' shards, gathering again. A value is judged by its inputs: every array input shaped
+    like a weight of the region means it is made from weights (an activation of that shape would be
+    recomputed too, which costs time, never correctness)."""
+
+    def keep(prim: Any, *args: Any, **params: Any) -> Any:
+        if prim.name == "sharding_constraint" or (prim.name == "name" and params.get("name") == GATHERED):
+            return False
+        arrays = [a for a in args if getattr(a, "ndim", 0) > 0]
+        if arrays and all(tuple(a.shape) in weight_shapes for a in arrays):
+            return False
+        return policy(prim, *args, **params)
+
+    return keep
 
 
 def resolve(policy: Policy, offload: bool) -> Resolved:

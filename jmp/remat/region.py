@@ -23,11 +23,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jmp import module_marks
 from jmp.errors import ActivationCheckpointingError, ConfigError
 from jmp.remat import context
-from jmp.remat.policies import Resolved
+from jmp.remat.policies import GATHERED, Resolved, without_weights
 from jmp.remat_policy import INPUT
 from jmp.sharding import experts
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.module import CallHook, TorchModule, call_hooks, hooked_call, walk
+from jmp.torch_bridge.state_dict import torch_name
 from jmp.torch_bridge.tensor import JaxTensor
 
 logger = logging.getLogger("jmp")
@@ -81,6 +82,8 @@ def run(
     traced: dict[str, Any] = {}
 
     def region(params: nnx.State, rest: nnx.State, arrays: list[jax.Array]):
+        if policy.gathered:
+            params = _gathered(params, [u.torch_path for u in units], dict(policy.gathered))
         copies, inner_rngs = nnx.merge(graphdef, params, rest, copy=True)
         if policy.names:
             _check_names(copies, policy.names)
@@ -108,8 +111,20 @@ def run(
         values = [v.value for v in out_flat if isinstance(v, JaxTensor)]
         return values, mutated, new_rest, sum(dropped, jnp.zeros((), jnp.int32))  # counts leave as outputs
 
-    checkpointed = jax.checkpoint(region, policy=policy.jax_policy)
-    out_arrays, mutated, new_rest, dropped = checkpointed(params, rest, [t.value for t in inputs])
+    jax_policy = policy.jax_policy
+    if policy.gathered:
+        gathered = dict(policy.gathered)
+        shapes = {
+            tuple(value.shape)
+            for path, value in jax.tree_util.tree_leaves_with_path(params)
+            if _unit_name(path, [u.torch_path for u in units]) in gathered
+        }
+        jax_policy = without_weights(jax_policy, frozenset(shapes))
+    checkpointed = jax.checkpoint(region, policy=jax_policy)
+    values = [t.value for t in inputs]
+    if policy.gathered:
+        params, values = _reduced_before_earlier_layers(params, values)
+    out_arrays, mutated, new_rest, dropped = checkpointed(params, rest, values)
     experts.record_dropped(dropped)
     # a random key leaves the region unchanged: keeping the one that went in means the region's output key
     # is not read later (in a pipeline, a key cannot travel between stages; the stream's count does)
@@ -121,6 +136,48 @@ def run(
     arrays = iter(zip(out_arrays, traced["dtypes"]))
     leaves = [JaxTensor(*next(arrays)) if leaf is None else leaf for leaf in traced["leaves"]]
     return torch_pytree.tree_unflatten(leaves, traced["spec"])
+
+
+def _gathered(params: nnx.State, paths: list[str], specs: dict[str, Any]) -> nnx.State:
+    """The units' parameters split over fsdp, gathered to ``specs`` and tagged ``GATHERED`` (so that a policy can
+    leave them out of what the backward keeps: they are gathered again there, as FSDP's reshard after forward)."""
+
+    def gather(path: tuple, value: Any) -> Any:
+        name = _unit_name(path, paths)
+        if name not in specs:
+            return value
+        return checkpoint_name(jax.lax.with_sharding_constraint(value, specs[name]), GATHERED)
+
+    return jax.tree_util.tree_map_with_path(gather, params)
+
+
+@jax.custom_vjp
+def _reduced_before_earlier_layers(params: Any, values: Any) -> tuple[Any, Any]:
+    """The identity; in the backward, the cotangent of the layer's inputs waits for its weights' gradients.
+
+    So the gradient reduction of each layer happens before the backward of the layers before it, and XLA
+    cannot merge every layer's reduction into one at the end (which would keep every layer's whole
+    gradient alive at once).
+    """
+    return params, values
+
+
+def _tie_forward(params: Any, values: Any) -> tuple[tuple[Any, Any], None]:
+    return (params, values), None
+
+
+def _tie_backward(_: None, cotangents: tuple[Any, Any]) -> tuple[Any, Any]:
+    return jax.lax.optimization_barrier(cotangents)
+
+
+_reduced_before_earlier_layers.defvjp(_tie_forward, _tie_backward)
+
+
+def _unit_name(path: tuple, paths: list[str]) -> str:
+    """The torch name of a leaf of the (units, random stream) state: its path starts with 0 (the units), then
+    the unit's index."""
+    keys = [k for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return ".".join(filter(None, [paths[keys[1].key], torch_name(tuple(keys[2:]))]))
 
 
 def _is_key(value: Any) -> bool:

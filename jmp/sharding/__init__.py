@@ -14,7 +14,9 @@ from jmp.sharding.layout import (
     named_shardings,
     optimizer_specs,
     parameter_specs,
+    splits_over,
     state_shardings,
+    without_axis,
 )
 from jmp.sharding.tensor_parallel import set_tensor_parallelism, tensor_parallelism
 
@@ -24,6 +26,8 @@ __all__ = [
     "optimizer_specs",
     "parameter_specs",
     "set_tensor_parallelism",
+    "splits_over",
     "state_shardings",
     "tensor_parallelism",
+    "without_axis",
 ]

@@ -101,6 +101,16 @@ def add_axis(
     return tuple(spec)  # nothing divides: stays whole along these axes
 
 
+def without_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    """``spec`` with ``axis`` removed from every dimension (a parameter split over fsdp, gathered over it)."""
+    kept = [tuple(a for a in _axes_of(entry) if a != axis) for entry in spec]
+    return PartitionSpec(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in kept))
+
+
+def splits_over(spec: PartitionSpec, axis: str) -> bool:
+    return any(axis in _axes_of(entry) for entry in spec)
+
+
 def named_shardings(tree: Any, specs: Mapping[str, PartitionSpec], mesh: Mesh) -> Any:
     """A tree like ``tree`` (an ``nnx.State`` of parameters) of ``NamedSharding``s, by torch name."""
     return jax.tree_util.tree_map_with_path(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import jmp as smp
-from tests.sharding.models import causal_lm
+from tests.sharding.models import causal_lm, lm_step, token_batches
 
 pytest.importorskip("transformers")
 
@@ -52,3 +52,21 @@ def test_shard_optimizer_state_splits_only_the_optimizer_state():
     assert held <= 1.10 * total / 8
     params_held, params_total = _per_device(model.params)
     assert params_held == params_total  # parameters stay whole on every device (ZeRO-1)
+
+
+def test_fsdp8_reshards_after_forward_within_1_3x_of_an_eighth_of_one_device():
+    """Args + temporaries of the compiled step per device at fsdp=8, against one device's over 8: a layer's
+    gathered weights are freed after its forward (gathered again for its backward), unless turned off."""
+    ids = token_batches(1, batch=16, length=32)[0]
+
+    def args_and_temporaries(config: dict, devices=None) -> int:
+        smp.init(config, devices=devices)
+        model = smp.DistributedModel(causal_lm("gpt2", hidden=128, layers=4))
+        memory = lm_step.lower(model, ids).compile().memory_analysis()
+        return memory.argument_size_in_bytes + memory.temp_size_in_bytes
+
+    ideal = args_and_temporaries({}, devices=jax.devices()[:1]) / 8
+    resharded = args_and_temporaries({"sharded_data_parallel_degree": 8})
+    gathered_once = args_and_temporaries({"sharded_data_parallel_degree": 8, "reshard_after_forward": False})
+    assert resharded <= 1.3 * ideal, f"{resharded / ideal:.2f}x the ideal"
+    assert gathered_once > 1.3 * ideal  # the weights gathered once and kept through the backward
