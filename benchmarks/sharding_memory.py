@@ -388,7 +388,7 @@ def run_all() -> tuple[list[dict], list[dict]]:
 
 _COLUMNS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("model", "<6", lambda r: r["model"]),
-    ("strat", "<5", lambda r: r["strategy"]),
+    ("strat", "<9", lambda r: r["strategy"]),
     ("N", ">2", lambda r: str(r["degree"])),
     ("args", ">6", lambda r: _mib(r["memory"]["argument"])),
     ("temp", ">6", lambda r: _mib(r["memory"]["temp"])),
