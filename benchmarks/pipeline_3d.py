@@ -86,10 +86,10 @@ def measure(name: str, layout: str, steps: int) -> dict:
         optimizer.zero_grad()
         loss = lm_step(model, ids)
         optimizer.step()
-        return loss.reduce_mean()
+        return loss.reduce_mean().value, model.training_state.params  # ready once the update is done
 
     start = time.perf_counter()
-    first_loss = float(step())  # the first call partitions a pipelined model and compiles
+    first_loss = float(step()[0])  # the first call partitions a pipelined model and compiles
     first_call = time.perf_counter() - start
     temp = lm_step.lower(model, ids).compile().memory_analysis().temp_size_in_bytes
     held, total = held_bytes(model.training_state.params, optimizer.opt_state)
