@@ -25,7 +25,8 @@ pytest.importorskip("transformers")
 
 LAYOUTS = {
     "gpt2-pp2xtp2xfsdp2": ("gpt2", {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}),
-    "llama-pp2xfsdp4": ("llama", {"sharded_data_parallel_degree": 4}),
+    # the layout; with dp 1 ZeRO-1 has nothing to split, so the next layout checks it with dp 2
+    "llama-pp2xfsdp4-zero1": ("llama", {"sharded_data_parallel_degree": 4, "shard_optimizer_state": True}),
     "llama-pp2xfsdp2xdp2-zero1": ("llama", {"sharded_data_parallel_degree": 2, "shard_optimizer_state": True}),
     "mixtral-pp2xep2xfsdp2": ("mixtral", {"expert_parallel_degree": 2, "sharded_data_parallel_degree": 2}),
 }
