@@ -18,9 +18,10 @@ Where jmp's default differs from SMP's, on purpose:
 - ``active_microbatches``: None when not given: the schedule's own bound (``interleaved`` keeps at most
   ``partitions + 2``, as SMP's default; ``simple`` all); given, no stage has more in flight.
 - ``reshard_after_forward`` (jmp's key, PyTorch FSDP's name; default True): under sharded data parallelism
-  each layer of the model's layer lists gathers its weights inside a checkpoint that keeps everything but
-  them, so a layer's whole weights live during its forward and again during its backward, not in between
-  (weights gathered twice per step). False gathers each weight once and keeps it until its backward.
+  each layer of the model's layer lists (``nn.ModuleList`` / ``nn.Sequential``) gathers its weights inside a
+  checkpoint that keeps its matmul outputs but not the weights (its elementwise ops are recomputed), so a
+  layer's whole weights live during its forward and again during its backward, not in between (weights
+  gathered twice per step). False gathers each weight once and keeps it until its backward.
 - ``fp16_params: True`` trains in fp16 exactly as ``fp16: True`` does: jmp keeps float32 master
   parameters either way and computes in fp16 inside the step.
 """

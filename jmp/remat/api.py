@@ -34,7 +34,7 @@ from jmp.config import Config
 from jmp.errors import ArgumentTypeError, ConfigError, ModelLookupError
 from jmp.remat import context, region
 from jmp.remat.groups import LayerGroups
-from jmp.remat.policies import KEEP_ALL_BUT_GATHERED, Resolved, resolve
+from jmp.remat.policies import KEEP_MATMULS, Resolved, resolve
 from jmp.remat.strategies import groups, parse_strategy
 from jmp.remat_policy import Policy, parse_policy
 from jmp.torch_bridge.module import TorchModule, call_hooks
@@ -177,9 +177,10 @@ def tracing(
 ) -> Iterator[None]:
     """While a step traces a model: its annotated modules are checkpointed, and ``checkpoint`` finds its twins.
 
-    ``gathered`` (torch name -> spec without fsdp, for the parameters split over fsdp): every layer of the
-    model's layer lists gathers its weights inside a checkpoint that keeps everything but them, so they are
-    freed after the layer's forward and gathered again for its backward (FSDP's reshard after forward).
+    ``gathered`` (torch name -> sharding without fsdp, for the parameters split over fsdp): every layer of the
+    model's layer lists gathers its weights inside a checkpoint that keeps its matmul outputs but not the
+    weights, so they are freed after the layer's forward and gathered again for its backward (FSDP's reshard
+    after forward); an annotated layer's own checkpoint gathers them the same way.
     """
     with context.tracing(torch_root, twin_root) as trace:
         hooks = _reshard_hooks(trace.modules, gathered) if gathered else {}
@@ -190,7 +191,7 @@ def tracing(
 def _reshard_hooks(modules: dict[str, nn.Module], gathered: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
     """One checkpoint per layer of the outermost layer lists holding parameters split over fsdp."""
     names = [name for name, _ in gathered]
-    policy = KEEP_ALL_BUT_GATHERED.with_gathered(gathered)
+    policy = KEEP_MATMULS.with_gathered(gathered)
     hooks: dict[str, Any] = {}
     for path, module in modules.items():
         if not _is_container(module) or any(path.startswith(f"{p}.") for p in hooks):

@@ -34,7 +34,7 @@ class Resolved:
     jax_policy: Callable[..., Any]
     names: frozenset[str]  # submodule outputs to tag with ``checkpoint_name`` (relative torch paths)
     tag_inputs: bool  # tag the module's inputs as ``INPUT``
-    # sharded-data parallelism resharding after the forward: torch name -> the spec a parameter split over
+    # sharded-data parallelism resharding after the forward: torch name -> the sharding a parameter split over
     # fsdp is gathered to inside the checkpoint, tagged ``GATHERED`` (gathered again in the backward)
     gathered: tuple[tuple[str, Any], ...] = ()
 
@@ -44,8 +44,9 @@ class Resolved:
 
 GATHERED = "jmp_fsdp_gathered"
 # the checkpoint of a layer under reshard_after_forward that activation checkpointing does not cover: it keeps
-# everything (``without_weights`` then leaves the gathered weights out)
-KEEP_ALL_BUT_GATHERED = Resolved(jax.checkpoint_policies.dots_saveable, frozenset(), False)
+# matmul outputs (``without_weights`` then leaves the gathered weights out) and recomputes elementwise ops,
+# which the checkpoint's barriers would otherwise make XLA keep as separate buffers
+KEEP_MATMULS = Resolved(jax.checkpoint_policies.dots_saveable, frozenset(), False)
 
 
 def without_weights(policy: Callable[..., Any], weight_shapes: frozenset[tuple[int, ...]]) -> Callable[..., Any]:
