@@ -16,7 +16,11 @@ Where jmp's default differs from SMP's, on purpose:
 - ``sdp_gradient_clipping``: None when not given (SMP: 1.0): jmp clips only when asked; given, the
   optimizer clips the gradients' global norm to it under sharded data parallelism, as SMP does.
 - ``active_microbatches``: None when not given: the schedule's own bound (``interleaved`` keeps at most
-  ``partitions + 2``, as SMP's default; ``simple`` all); given, no stage has more in flight.
+  ``partitions + 1``, as SMP's default; ``simple`` all); given, no stage has more in flight.
+- ``pipeline_recompute`` (jmp's key; default False): a pipeline stage keeps what its backward needs from its
+  forward, as SMP does (activation checkpointing inside the stage still recomputes what it checkpoints).
+  True keeps only each microbatch's stage input and runs the stage's forward again in its backward
+  (GPipe's trade: less memory, about a third more compute).
 - ``reshard_after_forward`` (jmp's key, PyTorch FSDP's name; default True): under sharded data parallelism
   each layer of the model's layer lists (``nn.ModuleList`` / ``nn.Sequential``) gathers its weights inside a
   checkpoint that keeps its matmul outputs but not the weights (its elementwise ops are recomputed), so a
@@ -56,6 +60,7 @@ class Config:
     auto_partition: bool = True
     default_partition: int | None = None
     active_microbatches: int | None = None  # caps the pipeline's in-flight microbatches (jmp.pipeline.schedule)
+    pipeline_recompute: bool = False  # jmp: a stage's backward reruns its forward instead of keeping residuals
     tensor_parallel_degree: int = 1
     expert_parallel_degree: int = 1
     expert_capacity_factor: float | None = None  # jmp: None sends every token to its experts (none dropped)
@@ -221,7 +226,7 @@ _BOOLEANS = (
     "auto_partition ddp prescaled_batch sdp_hierarchical_allgather shard_optimizer_state allow_empty_shards "
     "fsdp_cache_flush_warnings fp16 fp16_params bf16 offload_activations delayed_parameter_initialization horovod "
     "contiguous deterministic_server skip_tracing static_mode fast_mode predefined_hooks load_partition "
-    "compilation_cache fused_optimizer reshard_after_forward"
+    "compilation_cache fused_optimizer reshard_after_forward pipeline_recompute"
 ).split()
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(_BOOLEANS, _boolean),

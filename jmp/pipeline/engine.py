@@ -5,11 +5,13 @@ Each device runs its stage (``lax.switch`` on its ``pp`` index) under the schedu
 each per tick. Only ``pp`` is manual: data, sharded-data and tensor parallelism inside a stage stay with
 XLA's SPMD partitioner, as in the rest of jmp.
 
-A stage keeps the inputs (carry) of the microbatches in flight and, for the backward, recomputes its
-forward under ``jax.vjp`` (as GPipe does): what a stage holds between its forward and backward of a
-microbatch is the carry, not every intermediate. Buffers the forward updates thread through the
-microbatches in order on the stage that owns them (``split``); a buffer whose value reaches the carry is
-also kept per microbatch in flight, so the backward's recompute sees it as the forward did.
+A stage keeps the inputs (carry) of the microbatches in flight. By default its forward tick runs the
+stage under ``jax.vjp`` and keeps the residuals its backward tick needs (``residuals``), as a run without
+the pipeline does; with ``recompute`` the backward tick instead runs the forward again from the carry under
+``jax.vjp`` (as GPipe does), so what a stage holds between a microbatch's forward and backward is its carry
+alone. Buffers the forward updates thread through the microbatches in order on the stage that owns them
+(``split``); when recomputing, a buffer whose value reaches the stage's output is also kept per microbatch
+in flight, so the recompute sees it as the forward did.
 
 Everything a device carries from tick to tick is one ``LoopState``; each tick (``_Engine.tick``) reads it,
 runs one branch on a ``Work`` and returns the next state.
@@ -29,8 +31,9 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jmp.errors import PipelineError
+from jmp.pipeline import residuals
 from jmp.pipeline.layout import StageLayout
-from jmp.pipeline.schedule import BACKWARD, FORWARD, IDLE, Schedule
+from jmp.pipeline.schedule import BACKWARD, FORWARD, Schedule
 from jmp.pipeline.split import StagePrograms
 
 
@@ -57,7 +60,8 @@ class LoopState(NamedTuple):
 
     held: tuple[jax.Array, ...]  # per carry slot, [depth, ...]: the stage inputs of the microbatches in flight
     held_ct: tuple[jax.Array, ...]  # per differentiable slot, [depth, ...]: their output cotangents
-    held_buffers: tuple[jax.Array, ...]  # per buffer reaching the carry, [depth, ...]: as their forwards saw it
+    held_buffers: tuple[jax.Array, ...]  # per buffer reaching the output, [depth, ...]: as their forwards saw it
+    residuals: tuple[jax.Array, ...]  # per residual pool entry, [depth, ...]: kept from forward to backward
     buffers: tuple[jax.Array, ...]  # per updated buffer: as this device's microbatches left it so far
     grads: dict[str, jax.Array]  # gradients so far, laid out like the device's rows
     finals: tuple[jax.Array, ...]  # per final output, [microbatches, ...] (written on the last stage)
@@ -72,7 +76,8 @@ class Work(NamedTuple):
     carry: tuple[jax.Array, ...]  # the microbatch's stage input
     ct: tuple[jax.Array, ...]  # the cotangent of its stage output (differentiable slots)
     buffers: tuple[jax.Array, ...]  # updated buffers as they stand
-    seen: tuple[jax.Array, ...]  # the buffers reaching the carry as this microbatch's forward saw them
+    seen: tuple[jax.Array, ...]  # the buffers reaching the output as this microbatch's forward saw them
+    residuals: tuple[jax.Array, ...]  # this microbatch's kept residuals (pool entries)
     grads: dict[str, jax.Array]
 
 
@@ -84,17 +89,23 @@ class Done(NamedTuple):
     buffers: tuple[jax.Array, ...]
     grads: dict[str, jax.Array]
     finals: tuple[jax.Array, ...]  # the microbatch's finals (zeros unless on the last stage)
+    residuals: tuple[jax.Array, ...]  # what a forward keeps for its backward (pool entries)
 
 
-def run(programs: StagePrograms, layout: StageLayout, schedule: Schedule, inputs: StepInputs) -> StepOutputs:
-    """Run one step through the pipeline (gradients summed over microbatches, not yet averaged)."""
+def run(
+    programs: StagePrograms, layout: StageLayout, schedule: Schedule, inputs: StepInputs, recompute: bool = False
+) -> StepOutputs:
+    """Run one step through the pipeline (gradients summed over microbatches, not yet averaged).
+
+    ``recompute``: each backward runs its stage's forward again instead of reading residuals its forward kept.
+    """
     rest, treedef = jax.tree.flatten(inputs.rest)
     last = layout.pp - 1
     mb0 = _microbatch(inputs.pieces, inputs.whole, 0)
     finals_shape = jax.eval_shape(
         lambda: programs.run(last, _param_shapes(layout, last), rest, mb0, programs.empty_carry()).finals
     )
-    engine = _Engine(programs, layout, schedule, inputs.microbatches, inputs.backward, tuple(finals_shape))
+    engine = _Engine(programs, layout, schedule, inputs.microbatches, inputs.backward, tuple(finals_shape), recompute)
     sharded = jax.shard_map(
         engine.per_device,
         mesh=layout.mesh,
@@ -141,6 +152,11 @@ class _Engine:
     microbatches: int
     backward: bool
     finals_shape: tuple[jax.ShapeDtypeStruct, ...]
+    recompute: bool
+
+    @property
+    def keeps_residuals(self) -> bool:
+        return self.backward and not self.recompute
 
     @functools.cached_property
     def diff_slots(self) -> list[int]:
@@ -154,7 +170,7 @@ class _Engine:
     def held_positions(self) -> list[int]:
         """Where in ``LoopState.buffers`` the buffers kept per microbatch for the backward are."""
         updated = self.programs.updated
-        return [updated.index(i) for i in self.programs.held] if self.backward else []
+        return [updated.index(i) for i in self.programs.held] if self.backward and self.recompute else []
 
     @property
     def depth(self) -> int:
@@ -165,24 +181,40 @@ class _Engine:
         inputs = StepInputs(rows, tuple(rest), tuple(pieces), tuple(whole), self.microbatches, self.backward)
         stage = jax.lax.axis_index("pp")
         pp = self.layout.pp
+        kept = self.residual_plan(inputs)
         branches: list[Callable[[Work], Done]] = [
-            functools.partial(self.idle_branch, inputs),
-            *(functools.partial(self.forward_branch, inputs, s) for s in range(pp)),
-            *(functools.partial(self.backward_branch, inputs, s) for s in range(pp)),
+            functools.partial(self.idle_branch, inputs, kept),
+            *(functools.partial(self.forward_branch, inputs, kept, s) for s in range(pp)),
+            *(functools.partial(self.backward_branch, inputs, kept, s) for s in range(pp)),
         ]
         plan = self.schedule
         table = np.stack([plan.action, plan.microbatch, plan.received_forward, plan.received_backward], axis=-1)
         tick = functools.partial(self.tick, branches, stage)
-        state, _ = jax.lax.scan(tick, self.start(inputs), jnp.asarray(table))
+        state, _ = jax.lax.scan(tick, self.start(inputs, kept), jnp.asarray(table))
         return [f[None] for f in state.finals], [b[None] for b in state.buffers], state.grads
 
-    def start(self, inputs: StepInputs) -> LoopState:
+    def residual_plan(self, inputs: StepInputs) -> residuals.ResidualPlan:
+        """What each stage's forward keeps for its backward (nothing when recomputing or without backward)."""
+        pp = self.layout.pp
+        if not self.keeps_residuals:
+            return residuals.ResidualPlan(((),) * pp, ())
+        buffers = tuple(inputs.rest[i] for i in self.programs.updated)
+        data = (
+            self.programs.empty_carry(),
+            self.rest_seen(inputs, buffers, 0),
+            _microbatch(inputs.pieces, inputs.whole, 0),
+        )
+        pullbacks = [lambda w, d, s=s: self.stage_vjp(s, w, *d)[0] for s in range(pp)]
+        return residuals.plan(pullbacks, [(inputs.rows, data)] * pp)
+
+    def start(self, inputs: StepInputs, kept: residuals.ResidualPlan) -> LoopState:
         slots, depth = self.programs.slots, self.depth
         buffers = tuple(inputs.rest[i] for i in self.programs.updated)
         return LoopState(
             held=tuple(jnp.zeros((depth,) + s.shape, s.dtype) for s in slots),
             held_ct=tuple(jnp.zeros((depth,) + slots[i].shape, slots[i].dtype) for i in self.diff_slots),
             held_buffers=tuple(jnp.zeros((depth,) + buffers[k].shape, buffers[k].dtype) for k in self.held_positions),
+            residuals=kept.empty(depth),
             buffers=buffers,
             grads={k: jnp.zeros_like(inputs.rows[k]) for k in self.diff_keys} if self.backward else {},
             finals=tuple(jnp.zeros((self.microbatches,) + f.shape, f.dtype) for f in self.finals_shape),
@@ -202,69 +234,89 @@ class _Engine:
             ct=tuple(h[slot] for h in held_ct),
             buffers=state.buffers,
             seen=tuple(h[slot] for h in state.held_buffers),
+            residuals=tuple(r[slot] for r in state.residuals),
             grads=state.grads,
         )
         pp = self.layout.pp
         index = jnp.where(action == FORWARD, 1 + stage, jnp.where(action == BACKWARD, 1 + pp + stage, 0))
         done = jax.lax.switch(index, branches, work)
-        # the buffers this tick's forward saw, for its backward
+        # what this tick's forward saw and kept, for its backward
         forwarded = jnp.where(action == FORWARD, m, -1)
         held_buffers = _store(
             state.held_buffers, [state.buffers[k] for k in self.held_positions], forwarded, self.depth
         )
-        finished = (stage == pp - 1) & (action != IDLE)
+        kept = _store(state.residuals, done.residuals, forwarded, self.depth)
+        finished = (stage == pp - 1) & (action == FORWARD)
         finals = tuple(f.at[m].set(jnp.where(finished, p, f[m])) for f, p in zip(state.finals, done.finals))
         message = tuple(_shift(done.carry, pp, +1))
         message_ct = tuple(_shift(done.ct, pp, -1))
-        return LoopState(held, held_ct, held_buffers, done.buffers, done.grads, finals, message, message_ct), None
+        state = LoopState(held, held_ct, held_buffers, kept, done.buffers, done.grads, finals, message, message_ct)
+        return state, None
 
     # --- the branches: what a stage does at a tick -------------------------------------------------------
 
-    def idle_branch(self, inputs: StepInputs, work: Work) -> Done:
-        return Done(self.programs.empty_carry(), self.zero_ct(), work.buffers, work.grads, self.zero_finals())
+    def idle_branch(self, inputs: StepInputs, kept: residuals.ResidualPlan, work: Work) -> Done:
+        return Done(
+            self.programs.empty_carry(), self.zero_ct(), work.buffers, work.grads, self.zero_finals(), kept.zeros()
+        )
 
-    def forward_branch(self, inputs: StepInputs, stage: int, work: Work) -> Done:
+    def forward_branch(self, inputs: StepInputs, kept: residuals.ResidualPlan, stage: int, work: Work) -> Done:
+        """Run the stage's forward of the microbatch (under ``jax.vjp`` when keeping its residuals)."""
         rest = self.rest_seen(inputs, work.buffers, work.microbatch)
-        out = self.run_stage(inputs, stage, inputs.rows, rest, work.carry, work.microbatch)
+        microbatch = _microbatch(inputs.pieces, inputs.whole, work.microbatch)
+        if self.keeps_residuals:
+            pullback, out = self.stage_vjp(stage, inputs.rows, work.carry, rest, microbatch)
+            stored = kept.pack(stage, pullback)
+        else:
+            out = self.run_stage(stage, inputs.rows, rest, microbatch, work.carry)
+            stored = kept.zeros()
         buffers = self.buffers_after(stage, out.rest, work.buffers)
         finals = tuple(out.finals) if out.finals is not None else self.zero_finals()
-        return Done(out.carry, self.zero_ct(), buffers, work.grads, finals)
+        return Done(out.carry, self.zero_ct(), buffers, work.grads, finals, stored)
 
-    def backward_branch(self, inputs: StepInputs, stage: int, work: Work) -> Done:
-        """Recompute the stage's forward of the microbatch under ``jax.vjp`` and pull its cotangents back.
+    def backward_branch(self, inputs: StepInputs, kept: residuals.ResidualPlan, stage: int, work: Work) -> Done:
+        """Pull the microbatch's output cotangents (the loss's, on the last stage) back through the stage.
 
-        The last stage runs its forward here (the loss seeds its cotangent), so it also updates its buffers;
-        another stage's forward ran earlier, and its recompute reads the buffers as that forward saw them.
+        The pullback is traced again here; when keeping residuals the forward's are swapped into it and XLA
+        drops the computation that made them. When recomputing, the forward runs again and reads the buffers
+        as the microbatch's forward saw them.
         """
         last = stage == self.layout.pp - 1
         rest = self.rest_seen(inputs, work.buffers, work.microbatch)
-        if not last:
-            for i, value in zip(self.programs.held, work.seen):
-                rest[i] = value
-
-        def differentiable(diff_rows, diff_carry):
-            carry = list(work.carry)
-            for i, value in zip(self.diff_slots, diff_carry):
-                carry[i] = value
-            out = self.run_stage(inputs, stage, {**inputs.rows, **diff_rows}, rest, tuple(carry), work.microbatch)
-            loss = out.finals[0] if out.finals is not None else jnp.zeros((), jnp.float32)
-            return ([out.carry[i] for i in self.diff_slots], loss), out
-
-        diff_rows = {k: inputs.rows[k] for k in self.diff_keys}
-        diff_carry = [work.carry[i] for i in self.diff_slots]
-        (_, loss), pullback, out = jax.vjp(differentiable, diff_rows, diff_carry, has_aux=True)
-        out_ct = list(work.ct) if not last else [jnp.zeros_like(c) for c in work.ct]
+        for i, value in zip(self.programs.held, work.seen):
+            rest[i] = value
+        microbatch = _microbatch(inputs.pieces, inputs.whole, work.microbatch)
+        pullback, out = self.stage_vjp(stage, inputs.rows, work.carry, rest, microbatch)
+        if self.keeps_residuals:
+            pullback = kept.unpack(stage, pullback, work.residuals)
+        loss = out.finals[0] if last else jnp.zeros((), jnp.float32)
+        out_ct = [jnp.zeros_like(c) for c in work.ct] if last else list(work.ct)
         d_rows, d_carry = pullback((out_ct, jnp.ones_like(loss) if last else jnp.zeros_like(loss)))
         grads = {k: work.grads[k] + d_rows[k] for k in work.grads}
-        buffers = self.buffers_after(stage, out.rest, work.buffers) if last else work.buffers
-        finals = tuple(out.finals) if out.finals is not None else self.zero_finals()
-        return Done(self.programs.empty_carry(), tuple(d_carry), buffers, grads, finals)
+        return Done(self.programs.empty_carry(), tuple(d_carry), work.buffers, grads, self.zero_finals(), kept.zeros())
+
+    def stage_vjp(self, stage: int, rows: dict, carry: tuple, rest: list, microbatch: list):
+        """``jax.vjp`` of the stage's (carry out, loss) in its parameter rows and carry: (pullback, output)."""
+        last = stage == self.layout.pp - 1
+
+        def differentiable(diff_rows, diff_carry):
+            full = list(carry)
+            for i, value in zip(self.diff_slots, diff_carry):
+                full[i] = value
+            out = self.run_stage(stage, {**rows, **diff_rows}, rest, microbatch, tuple(full))
+            loss = out.finals[0] if last else jnp.zeros((), jnp.float32)
+            return ([out.carry[i] for i in self.diff_slots], loss), out
+
+        diff_rows = {k: rows[k] for k in self.diff_keys}
+        diff_carry = [carry[i] for i in self.diff_slots]
+        _, pullback, out = jax.vjp(differentiable, diff_rows, diff_carry, has_aux=True)
+        return pullback, out
 
     # --- helpers of the branches -------------------------------------------------------------------------
 
-    def run_stage(self, inputs: StepInputs, stage: int, rows: dict, rest: list, carry: tuple, m: jax.Array):
+    def run_stage(self, stage: int, rows: dict, rest: list, microbatch: list, carry: tuple):
         params = self.layout.stage_params(rows, stage, self.programs.stage_params[stage])
-        return self.programs.run(stage, params, rest, _microbatch(inputs.pieces, inputs.whole, m), carry)
+        return self.programs.run(stage, params, rest, microbatch, carry)
 
     def rest_seen(self, inputs: StepInputs, buffers: Sequence[jax.Array], m: jax.Array) -> list[jax.Array]:
         """The rest a microbatch's forward reads: threaded buffers as they stand, the others as the step got

@@ -1,18 +1,18 @@
 """Pipeline schedules as tables: what each stage does at each tick of the compiled program.
 
 At every tick each stage does at most one unit of work: ``FORWARD`` a microbatch, or ``BACKWARD`` one
-(recompute its forward and apply the VJP); the last stage does both at once (``BACKWARD`` there follows
-its own forward directly, since the loss gives its cotangent). A stage's result reaches its neighbour at
-the next tick (one ``ppermute`` per direction per tick).
+(pull its output cotangent back through the stage; on the last stage the loss gives that cotangent). A
+stage's result reaches its neighbour at the next tick (one ``ppermute`` per direction per tick).
 
 - ``simple``: every stage runs all its forwards, then all its backwards (GPipe). A stage keeps the inputs
   of every microbatch until its backward: memory grows with ``microbatches``.
-- ``interleaved``: one-forward-one-backward (1F1B). Stage *s* runs at most ``pp - s + 1`` forwards ahead of
-  its backwards (one more than 1F1B's warm-up, which covers the one-tick hop), so at most ``pp + 2``
-  microbatches' inputs are kept, however many microbatches there are.
+- ``interleaved``: one-forward-one-backward (1F1B). Stage *s* runs at most ``pp - s`` forwards ahead of its
+  backwards, so it holds at most ``pp + 1`` microbatches (its next input may arrive while it holds
+  ``pp``), however many microbatches there are.
 
-``active_microbatches`` lowers either bound: a stage then starts a forward only while fewer than that many
-of its microbatches await their backward.
+Both take the textbook ``2 (M + pp - 1)`` ticks for ``M`` microbatches, idle ``(pp - 1) / (M + pp - 1)``
+of the stage-ticks. ``active_microbatches`` lowers either bound: a stage then starts a forward only while
+fewer than that many of its microbatches await their backward.
 """
 
 from __future__ import annotations
@@ -65,12 +65,8 @@ def build(kind: str, stages: int, microbatches: int, backward: bool = True, acti
         action, micro = [IDLE] * pp, [0] * pp
         for s in range(pp):
             can_f = next_f[s] < m_total and next_f[s] in have_input[s]
-            if backward and s == last:
-                if can_f:
-                    action[s], micro[s] = BACKWARD, next_f[s]
-                continue
             can_b = backward and next_b[s] < next_f[s] and next_b[s] in have_ct[s]
-            limit = m_total if kind == "simple" or not backward else pp - s + 1
+            limit = m_total if kind == "simple" or not backward else pp - s
             if backward and active is not None:
                 limit = min(limit, active)
             can_f = can_f and next_f[s] - next_b[s] < limit
@@ -87,9 +83,9 @@ def build(kind: str, stages: int, microbatches: int, backward: bool = True, acti
                 if s < last:
                     have_input[s + 1].add(micro[s])
                     arrived_f[s + 1] = micro[s]
+                else:  # the loss gives the last stage its output cotangent
+                    have_ct[s].add(micro[s])
             elif action[s] == BACKWARD:
-                if s == last:
-                    next_f[s] += 1
                 next_b[s] += 1
                 if s > 0:
                     have_ct[s - 1].add(micro[s])

@@ -81,7 +81,7 @@ class StagePrograms:
         self.slot_of = dict(zip(travelling, slot_of))
         self.received = [[v for v in reads[s] if v in born and born[v] < s] for s in range(self.pp)]
         self.sent = [[v for v in defined_vars(self.eqns[s]) if v in self.slot_of] for s in range(self.pp)]
-        self.held = [i for i in self.threaded if self.owner[i] < last and self._feeds_carry(i)]
+        self.held = [i for i in self.threaded if self._feeds_output(i)]
 
     def _place_rest(self, born: dict, reads: list[set]) -> None:
         """Sort the updated rest leaves into threaded and restarted ones (module docstring), each with its stage."""
@@ -105,14 +105,16 @@ class StagePrograms:
                 self.owner[i] = last
         self.written = [[i for i in self.updated if self.owner[i] == s] for s in range(self.pp)]
 
-    def _feeds_carry(self, leaf: int) -> bool:
-        """Whether a rest leaf's value reaches what its stage sends on (then its backward must see it as it was)."""
+    def _feeds_output(self, leaf: int) -> bool:
+        """Whether a rest leaf's value reaches what its stage sends on or, on the last stage, the finals (then
+        a backward recomputing the stage must see it as its forward did)."""
         stage = self.owner[leaf]
         reached = {self.rest_vars[leaf]}
         for eqn in self.eqns[stage]:
             if any(_is_var(v) and v in reached for v in eqn.invars):
                 reached.update(v for v in eqn.outvars if not isinstance(v, core.DropVar))
-        return any(v in reached for v in self.sent[stage])
+        outputs = self.sent[stage] + (self.final_vars if stage == self.pp - 1 else [])
+        return any(_is_var(v) and v in reached for v in outputs)
 
     @property
     def stage_usage(self) -> dict[str, tuple[int, ...]]:

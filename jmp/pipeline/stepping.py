@@ -127,7 +127,7 @@ class Pipeline:
         plan = schedule.build(
             self.config.pipeline, self.stages, inputs.microbatches, inputs.backward, self.config.active_microbatches
         )
-        outputs = engine.run(programs, self.layout, plan, inputs)
+        outputs = engine.run(programs, self.layout, plan, inputs, self.config.pipeline_recompute)
         if outputs.grads is None:
             return outputs
         grads = self.layout.sync_tied(outputs.grads)

@@ -131,10 +131,12 @@ def gpt2_reference():
     return net, reference, ids, float(out.loss)
 
 
-@pytest.mark.parametrize("schedule", ["simple", "interleaved"])
-def test_gpt2_four_stages_equal_pytorch(gpt2_reference, schedule):
+@pytest.mark.parametrize(("schedule", "recompute"), [("simple", True), ("interleaved", False)])
+def test_gpt2_four_stages_equal_pytorch(gpt2_reference, schedule, recompute):
+    """Whether a stage's backward reads the residuals its forward kept or runs the forward again."""
     net, reference, ids, torch_loss = gpt2_reference
-    smp.init({"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline": schedule})  # dp = 2 on 8 devices
+    config = {"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline": schedule, "pipeline_recompute": recompute}
+    smp.init(config)  # dp = 2 on 8 devices
     model = smp.DistributedModel(net)
     loss = lm_step(model, ids).reduce_mean()
     np.testing.assert_allclose(float(loss), torch_loss, rtol=1e-5)
@@ -150,8 +152,15 @@ def test_gpt2_four_stages_equal_pytorch(gpt2_reference, schedule):
     assert held < 0.4 * whole
 
 
-def _temp_bytes(schedule: str, microbatches: int) -> int:
-    smp.init({"pipeline_parallel_degree": 4, "microbatches": microbatches, "pipeline": schedule})
+def _temp_bytes(schedule: str, microbatches: int, recompute: bool = False) -> int:
+    smp.init(
+        {
+            "pipeline_parallel_degree": 4,
+            "microbatches": microbatches,
+            "pipeline": schedule,
+            "pipeline_recompute": recompute,
+        }
+    )
     model = smp.DistributedModel(causal_lm("gpt2", hidden=64, layers=4))
     ids = token_batches(1, batch=4 * microbatches, length=32)[0]  # 2 rows per microbatch per data shard
     return lm_step.lower(model, ids).compile().memory_analysis().temp_size_in_bytes  # lowering cuts the stages
@@ -167,6 +176,9 @@ def test_interleaved_memory_follows_stages_not_microbatches():
     per_microbatch = 2 * (2 * 32 * 64 * 4)
     assert simple[1] - simple[0] >= 12 * per_microbatch
     assert interleaved[1] - interleaved[0] < 0.25 * (simple[1] - simple[0])
+    # keeping only each microbatch's stage input, and running the forward again in the backward, holds less
+    recomputed = _temp_bytes("interleaved", 16, recompute=True)
+    assert recomputed < 0.6 * interleaved[1]
 
 
 def test_checkpoint_across_stages_is_skipped_with_a_warning(caplog):

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,7 @@ from jax.sharding import Mesh, PartitionSpec
 from torch import nn
 
 import jmp as smp
-from jmp.pipeline import placement, schedule
+from jmp.pipeline import placement, residuals, schedule
 from jmp.pipeline.graph import Call
 from jmp.pipeline.layout import StageLayout
 from jmp.pipeline.schedule import BACKWARD, FORWARD, IDLE
@@ -48,21 +49,17 @@ def ticks_of(plan: schedule.Schedule, stage: int, action: int) -> dict[int, int]
 @pytest.mark.parametrize(("pp", "microbatches"), SIZES)
 def test_every_stage_runs_each_microbatch_forward_then_backward_once(kind, pp, microbatches):
     plan = schedule.build(kind, pp, microbatches)
-    last, everyone = pp - 1, list(range(microbatches))
+    everyone = list(range(microbatches))
     forwards = [ticks_of(plan, s, FORWARD) for s in range(pp)]
     backwards = [ticks_of(plan, s, BACKWARD) for s in range(pp)]
-    assert forwards[last] == {}  # the last stage's BACKWARD runs its forward too
     for s in range(pp):
-        assert sorted(backwards[s]) == everyone
-        assert sorted(backwards[s], key=backwards[s].get) == everyone  # in order
-        if s < last:
-            assert sorted(forwards[s]) == everyone
-            assert sorted(forwards[s], key=forwards[s].get) == everyone
-            assert all(forwards[s][m] < backwards[s][m] for m in everyone)
+        assert sorted(forwards[s], key=forwards[s].get) == everyone  # each once, in order
+        assert sorted(backwards[s], key=backwards[s].get) == everyone
+        assert all(forwards[s][m] < backwards[s][m] for m in everyone)
+        if s + 1 < pp:
             assert all(backwards[s][m] > backwards[s + 1][m] for m in everyone)  # its cotangent comes from s + 1
         if s > 0:
-            started = forwards[s] if s < last else backwards[s]
-            assert all(started[m] > forwards[s - 1][m] for m in everyone)  # its input comes from s - 1
+            assert all(forwards[s][m] > forwards[s - 1][m] for m in everyone)  # its input comes from s - 1
 
 
 @pytest.mark.parametrize("kind", ["simple", "interleaved"])
@@ -93,20 +90,22 @@ def test_microbatches_a_stage_holds_at_once_have_distinct_slots(kind, pp, microb
         for tick in range(plan.ticks):
             held = [m for m in range(microbatches) if m in arrived and arrived[m] <= tick <= finished[m]]
             if s == 0:  # stage 0 takes its inputs from the batch: held from its forward on
-                started = ticks_of(plan, 0, FORWARD if pp > 1 else BACKWARD)
+                started = ticks_of(plan, 0, FORWARD)
                 held = [m for m in range(microbatches) if started[m] <= tick <= finished[m]]
             assert len({m % plan.slots for m in held}) == len(held), (s, tick, held)
 
 
 @pytest.mark.parametrize(("pp", "microbatches"), SIZES)
 def test_interleaved_keeps_a_bounded_number_of_microbatches_in_flight(pp, microbatches):
+    """1F1B: stage s starts at most pp - s forwards ahead of its backwards, so a stage holds at most pp + 1
+    microbatches (its next input may arrive while it holds pp), however many microbatches there are."""
     plan = schedule.build("interleaved", pp, microbatches)
-    for s in range(pp - 1):
+    for s in range(pp):
         in_flight = np.cumsum(plan.action[:, s] == FORWARD) - np.cumsum(plan.action[:, s] == BACKWARD)
-        assert in_flight.max() <= pp - s + 1
-    assert plan.slots <= min(pp + 2, microbatches)
+        assert in_flight.max() == min(pp - s, microbatches)
+    assert plan.slots <= min(pp + 1, microbatches)
     simple = schedule.build("simple", pp, microbatches)
-    assert simple.slots == (microbatches if pp > 1 else 1)  # every microbatch's input kept until its backward
+    assert simple.slots == microbatches  # every microbatch's input kept until its backward
 
 
 @pytest.mark.parametrize("kind", ["simple", "interleaved"])
@@ -127,17 +126,64 @@ def test_active_microbatches_caps_what_a_stage_has_in_flight(kind, active):
 @pytest.mark.parametrize("kind", ["simple", "interleaved"])
 @pytest.mark.parametrize(("pp", "microbatches"), SIZES)
 def test_idle_fraction(kind, pp, microbatches):
+    """Forwards and backwards take a tick each on every stage: the textbook 2 (M + pp - 1) ticks and idle
+    fraction (pp - 1) / (M + pp - 1), interleaved or not."""
     plan = schedule.build(kind, pp, microbatches)
-    busy = microbatches * (2 * pp - 1)  # a forward and a backward per stage; the last stage does both in one tick
-    assert plan.bubble == pytest.approx(1 - busy / (pp * plan.ticks))
-    assert np.sum(plan.action != IDLE) == busy
-    if kind == "simple" and pp > 1:
-        # forwards fill ticks s .. s + M - 1; backwards leave the last stage one tick after its first forward
-        # and walk back one stage per tick, after each stage's own forwards
-        assert plan.ticks == 2 * pp - 4 + microbatches + max(microbatches, 2)
+    assert np.sum(plan.action != IDLE) == 2 * microbatches * pp
+    assert plan.ticks == 2 * (microbatches + pp - 1)
+    assert plan.bubble == pytest.approx((pp - 1) / (microbatches + pp - 1))
+    assert plan.ticks <= schedule.build("simple", pp, microbatches).ticks
     forward_only = schedule.build(kind, pp, microbatches, backward=False)
     assert forward_only.ticks == microbatches + pp - 1
     assert forward_only.bubble == pytest.approx((pp - 1) / (microbatches + pp - 1))  # GPipe's bubble
+
+
+# --- residuals kept from forward to backward --------------------------------------------------------------
+
+
+def _layer(weights, data):
+    """A dense layer: ``x @ w.T`` (jax.vjp keeps the transposed weight, computed from the weight alone)."""
+    (x,) = data
+    return jax.vjp(lambda w, x: jnp.tanh(x @ w.T).sum(), weights["w"], x)[1]
+
+
+def _head(weights, data):
+    (x,) = data
+    return jax.vjp(lambda w, x: jnp.sin(x @ w.T).sum() + jnp.cos(x).sum(), weights["w"], x)[1]
+
+
+def test_residuals_store_activations_not_weights_or_inputs():
+    weights, data = {"w": jnp.ones((16, 8))}, (jnp.ones((4, 8)),)
+    plan = residuals.plan([_layer, _layer, _head], [(weights, data)] * 3)
+    # tanh's output and 1 - tanh for its derivative; sin's cos and cos's sin; the transposed weight [8, 16]
+    # and the input x are derived again
+    assert [[plan.pool[e].shape for _, e in stage] for stage in plan.stored] == [[(4, 16)] * 2] * 2 + [
+        [(4, 16), (4, 8)]
+    ]
+    assert [e.shape for e in plan.pool] == [(4, 16), (4, 16), (4, 8)]  # equal stages share their pool entries
+    assert plan.stored[0] == plan.stored[1]
+    assert plan.stored[2][0][1] == plan.stored[0][0][1]
+
+
+def test_a_pullback_with_its_residuals_swapped_in_gives_the_gradient():
+    weights, data = (
+        {"w": jax.random.normal(jax.random.key(0), (16, 8))},
+        (jax.random.normal(jax.random.key(1), (4, 8)),),
+    )
+    plan = residuals.plan([_head], [(weights, data)])
+    kept = jax.jit(lambda w, d: plan.pack(0, _head(w, d)))(weights, data)
+
+    @jax.jit
+    def backward(w, d, entries):
+        return plan.unpack(0, _head(w, d), entries)(jnp.ones(()))
+
+    expected = jax.grad(lambda w, x: jnp.sin(x @ w.T).sum() + jnp.cos(x).sum(), argnums=(0, 1))(weights["w"], data[0])
+    chex.assert_trees_all_close(backward(weights, data, kept), expected, rtol=1e-6)
+    # the backward reads the stored entries, not a recomputation of them
+    zeroed = backward(weights, data, tuple(jnp.zeros_like(e) for e in kept))
+    assert not np.allclose(zeroed[1], expected[1])
+    compiled = backward.lower(weights, data, kept).compile().as_text()
+    assert " sine(" not in compiled and " cosine(" not in compiled  # XLA dropped the forward traced again
 
 
 def test_an_unknown_schedule_is_refused():
