@@ -12,7 +12,7 @@ def train_step(model, data, target):
     return loss
 """
 
-from jmp import amp, grad_clipping, nn, torch_bridge
+from jmp import amp, grad_clipping, nn, optimizers, torch_bridge
 from jmp.comm import (
     DP_GROUP,
     MP_GROUP,
@@ -140,6 +140,7 @@ __all__ = [
     "what_fits",
     "mp_size",
     "nn",
+    "optimizers",
     "partition",
     "pp_barrier",
     "pp_rank",

@@ -81,6 +81,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if dynamic_loss_args is not None and not isinstance(dynamic_loss_args, dict):
             raise OptimizerError(f"dynamic_loss_args must be a dict, not {type(dynamic_loss_args).__name__}")
         self.torch_optimizer: torch.optim.Optimizer | None = None
+        self._clip_before = 0.0  # a global gradient-norm clip the torch optimizer's rule applies first (apex LAMB)
         self._last_hyperparams: tuple[dict, dict] = ({}, {})
         if isinstance(optimizer, optax.GradientTransformation):
             self._optax = optimizer
@@ -88,6 +89,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.torch_optimizer = optimizer
             self.rule = torch_optimizers.rule_for(optimizer)
             self._check_torch_options(optimizer)
+            if self.rule.clip_before is not None:
+                self._clip_before = float(optimizer.defaults[self.rule.clip_before])
         else:
             raise ArgumentTypeError(
                 f"DistributedOptimizer takes a torch.optim.Optimizer or an optax.GradientTransformation, "
@@ -303,6 +306,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         scale = scaling.scale if dynamic else scaling
         grads = loss_scaling.unscaled(grads, 1.0 / scale)  # float32, whatever the gradients are kept in
+        if self._clip_before:  # the rule's own clipping over every group's gradients (apex LAMB)
+            grads = torch_optimizers.apex_clip(grads, self._clip_before)
         opt_state = _set_hyperparams(opt_state, hyperparams)
         updates, new_state = self._update_directions(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 import torch
 
+from jmp import optimizers
 from jmp.errors import OptimizerError
 
 # --- torch-specific pieces --------------------------------------------------------------------------------
@@ -143,6 +144,74 @@ def adamw(lr, beta1, beta2, eps, weight_decay, *, amsgrad, maximize):
     )
 
 
+def apex_moments(beta1: float, beta2: float, eps: float, *, bias_correction: bool, grad_averaging: bool):
+    """apex's Adam direction ``m / (sqrt(v) + eps)``: bias correction optional, and without ``grad_averaging``
+    the first moment adds the whole gradient (weight 1, not ``1 - beta1``). State as ``optax.scale_by_adam``."""
+
+    def init(params):
+        zeros = optax.tree.zeros_like(params)
+        return optax.ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, optax.tree.zeros_like(params))
+
+    def update(updates, state, params=None):
+        count = optax.safe_increment(state.count)
+        keep1 = 1 - beta1 if grad_averaging else 1.0
+        mu = jax.tree.map(lambda g, m: keep1 * g + beta1 * m, updates, state.mu)
+        nu = jax.tree.map(lambda g, v: (1 - beta2) * (g * g) + beta2 * v, updates, state.nu)
+        correction1 = 1 - beta1**count if bias_correction else 1.0
+        correction2 = 1 - beta2**count if bias_correction else 1.0
+        direction = jax.tree.map(lambda m, v: (m / correction1) / (jnp.sqrt(v / correction2) + eps), mu, nu)
+        return direction, optax.ScaleByAdamState(count, mu, nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def lamb_trust_ratio(weight_decay, use_nvlamb: bool) -> optax.GradientTransformation:
+    """Each tensor's update times ``||p|| / ||update||`` (1 where either is 0), when the group decays weights
+    or ``use_nvlamb`` (``weight_decay`` may change per step, so the choice is made on the device)."""
+    ratio = optax.scale_by_trust_ratio()
+
+    def update(updates, state, params=None):
+        scaled, state = ratio.update(updates, state, params)
+        active = jnp.logical_or(use_nvlamb, weight_decay != 0)
+        return jax.tree.map(lambda s, u: jnp.where(active, s, u), scaled, updates), state
+
+    return optax.GradientTransformation(ratio.init, update)
+
+
+def apex_adam(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correction):
+    """apex's ``FusedAdam`` (``jmp.optimizers``): torch's AdamW (``adam_w_mode``) or Adam."""
+    if bias_correction:
+        factory = adamw if adam_w_mode else adam
+        return factory(lr, beta1, beta2, eps, weight_decay, amsgrad=False, maximize=False)
+    return _steps(
+        None if adam_w_mode else optax.add_decayed_weights(weight_decay),
+        apex_moments(beta1, beta2, eps, bias_correction=False, grad_averaging=True),
+        optax.add_decayed_weights(weight_decay) if adam_w_mode else None,
+        optax.scale(-lr),
+    )
+
+
+def lamb(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correction, grad_averaging, use_nvlamb):
+    """apex's ``FusedLAMB`` per param group (its global gradient clipping comes first, over all groups:
+    ``apex_clip``)."""
+    return _steps(
+        None if adam_w_mode else optax.add_decayed_weights(weight_decay),
+        apex_moments(beta1, beta2, eps, bias_correction=bias_correction, grad_averaging=grad_averaging),
+        optax.add_decayed_weights(weight_decay) if adam_w_mode else None,
+        lamb_trust_ratio(weight_decay, use_nvlamb),
+        optax.scale(-lr),
+    )
+
+
+def apex_clip(grads: Any, max_norm: float) -> Any:
+    """apex LAMB's clipping: gradients divided by ``norm / max_norm`` when their global norm is above it."""
+    if max_norm <= 0:
+        return grads
+    norm = optax.global_norm(grads)
+    divisor = jnp.where(norm > max_norm, norm / max_norm, 1.0)
+    return jax.tree.map(lambda g: g / divisor, grads)
+
+
 def adadelta(lr, rho, eps, weight_decay, *, maximize):
     return _steps(
         _ascent(maximize),
@@ -181,6 +250,7 @@ class Rule:
     static: tuple[str, ...]  # structure-setting ones
     # torch state name for each optax state field, by state type
     state_fields: dict = dataclasses.field(default_factory=dict)
+    clip_before: str | None = None  # the optimizer default holding a global clipping norm applied first (apex)
 
     def hyperparams(self, group: dict) -> tuple[dict[str, float], dict[str, Any]]:
         values = dict(group)
@@ -237,13 +307,26 @@ RULES: dict[type, Rule] = {
         },
     ),
 }
+RULES[optimizers.FusedAdam] = Rule(
+    apex_adam, ("lr", "beta1", "beta2", "eps", "weight_decay"), ("adam_w_mode", "bias_correction"), _ADAM_FIELDS
+)
+RULES[optimizers.FusedLAMB] = Rule(
+    lamb,
+    ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    ("adam_w_mode", "bias_correction", "grad_averaging", "use_nvlamb"),
+    _ADAM_FIELDS,
+    clip_before="max_grad_norm",
+)
 UNSUPPORTED_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
 
 
 def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
     rule = RULES.get(type(optimizer))
     if rule is None:
-        supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in RULES)
+        supported = ", ".join(
+            f"{'torch.optim' if cls.__module__.startswith('torch') else 'smp.optimizers'}.{cls.__name__}"
+            for cls in RULES
+        )
         raise OptimizerError(
             f"{type(optimizer).__module__}.{type(optimizer).__name__} is not supported by DistributedOptimizer. "
             f"Supported: {supported}, or pass an optax.GradientTransformation."

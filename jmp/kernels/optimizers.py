@@ -127,6 +127,13 @@ def fused_adamw(lr, beta1, beta2, eps, weight_decay, *, amsgrad=False, maximize=
     )
 
 
+def fused_apex_adam(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correction, interpret=False):
+    """apex's ``FusedAdam`` (``smp.optimizers``): ``fused_adamw`` (``adam_w_mode``) or ``fused_adam``."""
+    if not bias_correction:
+        raise ValueError("fused_apex_adam corrects the moments' bias; use jmp.torch_optimizers.apex_adam without")
+    return fused_adam(lr, beta1, beta2, eps, weight_decay, decoupled=adam_w_mode, interpret=interpret)
+
+
 # --- SGD -------------------------------------------------------------------------------------------------------
 
 
@@ -219,13 +226,14 @@ _FUSED = {
     torch_optimizers.adamw: fused_adamw,
     torch_optimizers.sgd: fused_sgd,
     torch_optimizers.adagrad: fused_adagrad,
+    torch_optimizers.apex_adam: fused_apex_adam,
 }
 
 
 def fused_version(factory: Callable, static: dict[str, Any], *, interpret: bool) -> Callable | None:
     """The fused factory computing what ``factory`` (a ``jmp.torch_optimizers`` chain) computes with the options
-    ``static``, None where there is none (Adadelta, RMSprop, AMSGrad)."""
+    ``static``, None where there is none (Adadelta, RMSprop, AMSGrad, LAMB, apex Adam without bias correction)."""
     fused = _FUSED.get(factory)
-    if fused is None or static.get("amsgrad"):
+    if fused is None or static.get("amsgrad") or static.get("bias_correction") is False:
         return None
     return functools.partial(fused, interpret=interpret)

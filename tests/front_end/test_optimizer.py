@@ -1,6 +1,7 @@
 """DistributedOptimizer: torch.optim update rules reproduced exactly, state in torch's format, clipping."""
 
 import copy
+import functools
 
 import numpy as np
 import optax
@@ -58,6 +59,23 @@ RULES = {
         m.parameters(), lr=3e-3, momentum=0.5, centered=True, weight_decay=0.01
     ),
     "rmsprop": lambda m: torch.optim.RMSprop(m.parameters(), lr=3e-3),
+    # apex's fused optimizers as SMP scripts import them (smp.optimizers), against their eager torch steps
+    "apex_fused_adam": lambda m: smp.optimizers.FusedAdam(m.parameters(), lr=3e-3, weight_decay=0.01),
+    "apex_fused_adam_l2_uncorrected": lambda m: smp.optimizers.FusedAdam(
+        m.parameters(), lr=3e-3, weight_decay=0.05, adam_w_mode=False, bias_correction=False
+    ),
+    "apex_fused_lamb_two_groups_clipped": lambda m: smp.optimizers.FusedLAMB(
+        [
+            {"params": [p for p in m.parameters() if p.ndim > 1]},
+            {"params": [p for p in m.parameters() if p.ndim == 1], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        weight_decay=0.01,
+        max_grad_norm=0.05,
+    ),  # fmt: skip
+    "apex_fused_lamb_l2_nvlamb": lambda m: smp.optimizers.FusedLamb(
+        m.parameters(), lr=1e-2, weight_decay=0.0, adam_w_mode=False, grad_averaging=False, use_nvlamb=True
+    ),
 }
 
 
@@ -67,6 +85,26 @@ def test_update_rules_match_torch(name):
     expected = torch_losses(module, RULES[name], data)
     model, optimizer, _ = setup(module, RULES[name])
     np.testing.assert_allclose(run(model, optimizer, data), expected, rtol=1e-4)
+
+
+def test_apex_optimizers_follow_their_published_rules():
+    """smp.optimizers' eager steps: FusedAdam is torch's AdamW / Adam; FusedLAMB's first step worked by hand."""
+    module, data = SmallNet(), batches(3)
+    for adam_w_mode, torch_class in ((True, torch.optim.AdamW), (False, torch.optim.Adam)):
+        make_torch = functools.partial(torch_class, lr=1e-2, weight_decay=0.1)
+        make_apex = functools.partial(smp.optimizers.FusedAdam, lr=1e-2, weight_decay=0.1, adam_w_mode=adam_w_mode)
+        expected = torch_losses(module, lambda m, make=make_torch: make(m.parameters()), data)
+        got = torch_losses(module, lambda m, make=make_apex: make(m.parameters()), data)
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+    p = torch.tensor([3.0, 4.0], requires_grad=True)  # ||p|| = 5
+    p.grad = torch.tensor([6.0, 8.0])  # global norm 10 > max_grad_norm 2: divided by 5, to [1.2, 1.6]
+    smp.optimizers.FusedLAMB([p], lr=0.1, weight_decay=0.5, max_grad_norm=2.0, eps=0.0).step()
+    # first step: m / (1 - b1) = g, v / (1 - b2) = g^2, so m / sqrt(v) = sign(g) = [1, 1]; plus 0.5 p = [2.5, 3];
+    # its norm sqrt(15.25); trust ratio 5 / sqrt(15.25)
+    direction = np.array([2.5, 3.0])
+    expected = np.array([3.0, 4.0]) - 0.1 * 5 / np.sqrt(15.25) * direction
+    np.testing.assert_allclose(p.detach().numpy(), expected, rtol=1e-6)
 
 
 def test_state_dict_is_torchs_and_training_resumes_from_it_in_jmp_and_in_torch():
@@ -148,7 +186,9 @@ def test_unsupported_optimizers_are_named_with_the_supported_ones():
     smp.init()
     module = SmallNet()
     smp.DistributedModel(module)
-    with pytest.raises(OptimizerError, match="torch.optim.lbfgs.LBFGS is not supported.*Supported: torch.optim.SGD"):
+    with pytest.raises(
+        OptimizerError, match="torch.optim.lbfgs.LBFGS is not supported.*Supported: torch.optim.SGD.*smp"
+    ):
         smp.DistributedOptimizer(torch.optim.LBFGS(module.parameters()))
     with pytest.raises(ModelLookupError, match="parameters belong to no smp.DistributedModel"):
         smp.DistributedOptimizer(torch.optim.SGD(SmallNet().parameters(), lr=0.1))

@@ -58,6 +58,13 @@ CASES = {
         dict(nesterov=False, maximize=False, has_momentum=False),
         0,
     ),
+    "apex-fusedadam": (  # smp.optimizers.FusedAdam's rule: AdamW in adam_w_mode
+        torch_optimizers.apex_adam,
+        kernels.fused_apex_adam,
+        dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+        dict(adam_w_mode=True, bias_correction=True),
+        4,
+    ),
     "adagrad": (
         torch_optimizers.adagrad,
         kernels.fused_adagrad,

@@ -1,0 +1,162 @@
+"""``smp.optimizers``: the fused optimizers of NVIDIA apex, for scripts that import them from SMP.
+
+SMP's documentation tells users to drop ``apex.optimizers.FusedAdam`` / ``FusedLAMB`` and take the library's
+own. These are ``torch.optim.Optimizer`` classes with apex's constructor arguments and update rules, so a
+script runs unchanged: ``step()`` updates eagerly in PyTorch when the model is a plain ``nn.Module``, and
+``smp.DistributedOptimizer`` runs the same rule compiled (``jmp.torch_optimizers``), in one Pallas kernel per
+parameter dtype when ``fused_optimizer`` asks for it (``jmp.kernels``).
+
+- ``FusedAdam``: Adam; ``adam_w_mode=True`` (apex's default) decays the weights outside the moments, as
+  ``torch.optim.AdamW``; False adds the decay to the gradient (L2), as ``torch.optim.Adam``.
+- ``FusedLAMB`` (also ``FusedLamb``): LAMB (You et al., 2019) as apex computes it: the gradients of every
+  group are first scaled down to a global norm of ``max_grad_norm`` when above it; Adam's moments (the
+  first with weight ``1 - beta1``, or 1 without ``grad_averaging``), bias-corrected; the direction
+  ``m / (sqrt(v) + eps)`` plus ``weight_decay * p`` (``adam_w_mode``; else the decay is added to the
+  gradient); each tensor's step scaled by its trust ratio ``||p|| / ||direction||`` (1 where either is 0)
+  when the group decays weights or ``use_nvlamb``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from jmp.errors import OptimizerError
+
+
+def _refuse(name: str, **options: bool) -> None:
+    for option, given in options.items():
+        if given:
+            raise OptimizerError(
+                f"{name}({option}=True) is not implemented in jmp; leave it False (its default), or use "
+                f"torch.optim.{'Adam' if name == 'FusedAdam' else 'AdamW'} with {option}=True"
+            )
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """apex's ``FusedAdam``: Adam, AdamW (``adam_w_mode``, the default)."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        capturable: bool = False,
+        master_weights: bool = False,
+    ):
+        _refuse("FusedAdam", amsgrad=amsgrad, capturable=capturable, master_weights=master_weights)
+        defaults = dict(
+            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+            adam_w_mode=adam_w_mode,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else torch.enable_grad()(closure)()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                direction = _adam_direction(p, p.grad, state, group, beta1, beta2, grad_averaging=True)
+                p.add_(direction, alpha=-group["lr"])
+        return loss
+
+
+class FusedLAMB(torch.optim.Optimizer):
+    """apex's ``FusedLAMB`` (see the module docstring for its rule)."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        set_grad_none: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+    ):
+        _refuse("FusedLAMB", amsgrad=amsgrad)
+        defaults = dict(
+            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+            adam_w_mode=adam_w_mode, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
+            use_nvlamb=use_nvlamb,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else torch.enable_grad()(closure)()
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return loss
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        max_norm = self.defaults["max_grad_norm"]
+        clip = norm / max_norm if max_norm > 0 and norm > max_norm else torch.ones(())
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                direction = _adam_direction(
+                    p, p.grad / clip, state, group, beta1, beta2, grad_averaging=group["grad_averaging"]
+                )
+                ratio = torch.ones(())
+                if group["weight_decay"] != 0 or group["use_nvlamb"]:
+                    p_norm, d_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(direction)
+                    if p_norm > 0 and d_norm > 0:
+                        ratio = p_norm / d_norm
+                p.add_(direction * ratio, alpha=-group["lr"])
+        return loss
+
+
+FusedLamb = FusedLAMB
+
+
+def _adam_direction(p, grad, state, group, beta1, beta2, *, grad_averaging: bool) -> torch.Tensor:
+    """Update the moments in ``state``; the step direction (before the learning rate)."""
+    decay = group["weight_decay"]
+    if not group["adam_w_mode"]:
+        grad = grad + decay * p
+    state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1 if grad_averaging else 1.0)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step = state["step"]
+    correction1 = 1 - beta1**step if group["bias_correction"] else 1.0
+    correction2 = 1 - beta2**step if group["bias_correction"] else 1.0
+    direction = (state["exp_avg"] / correction1) / ((state["exp_avg_sq"] / correction2).sqrt() + group["eps"])
+    if group["adam_w_mode"]:
+        direction = direction + decay * p
+    return direction
