@@ -6,7 +6,9 @@ stage's forward tick stores the residuals that depend on the microbatch (activat
 the forward computation that produced them. Residuals computed from the parameters alone (a transposed,
 cast or gathered weight) and residuals that are the stage's own inputs are not stored: the backward tick
 computes them again, so a kept residual never holds a copy of a weight (under sharded data parallelism the
-backward gathers weights again, as FSDP does).
+backward gathers weights again, as FSDP does). Random keys (a checkpointed region keeps its key to draw its
+dropout again) are derived again too: from the step's key folded with the microbatch index, as the forward
+tick derived them.
 
 Every device runs one stage but the loop's state has one type for all, so the pool is shared: one array of
 ``[depth, *shape]`` per residual shape, as many of each shape as the stage needing most of them needs.
@@ -72,7 +74,9 @@ def plan(pullbacks: Sequence[Callable[..., Any]], args: Sequence[tuple[Any, Any]
 
         closed = jax.make_jaxpr(residuals)(weights, data)
         kept = _data_dependent(closed.jaxpr, len(jax.tree.leaves(weights)))
-        stored_shapes.append([(i, aval) for i, aval, keep in zip(positions, closed.out_avals, kept) if keep])
+        stored_shapes.append(
+            [(i, aval) for i, aval, keep in zip(positions, closed.out_avals, kept) if keep and not _is_key(aval)]
+        )
     pool: list[jax.ShapeDtypeStruct] = []
     entries_of: dict[tuple, list[int]] = collections.defaultdict(list)
     stored = []
@@ -88,6 +92,11 @@ def plan(pullbacks: Sequence[Callable[..., Any]], args: Sequence[tuple[Any, Any]
             used[key] += 1
         stored.append(tuple(mapping))
     return ResidualPlan(tuple(stored), tuple(pool))
+
+
+def _is_key(aval: Any) -> bool:
+    """A random key: derived again on the backward tick (from the step's key and the microbatch index)."""
+    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
 
 
 def _data_dependent(jaxpr: core.Jaxpr, n_weights: int) -> list[bool]:

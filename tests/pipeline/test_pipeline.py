@@ -152,6 +152,32 @@ def test_gpt2_four_stages_equal_pytorch(gpt2_reference, schedule, recompute):
     assert held < 0.4 * whole
 
 
+def test_dropout_in_checkpointed_layers_is_the_same_kept_or_recomputed():
+    """GPT-2 with dropout, each layer checkpointed, pp2: a stage that keeps its residuals (dropout masks; the
+    checkpointed layers' random keys derived again) gives the loss and gradients of one that recomputes its
+    forward, and dropout is on (the loss differs from the evaluation loss)."""
+    ids = token_batches(1)[0]
+    net = causal_lm("gpt2")
+    net.config.resid_pdrop = net.config.embd_pdrop = net.config.attn_pdrop = 0.1
+    net = type(net)(net.config)
+    with torch.no_grad():
+        evaluation = float(net.eval()(input_ids=ids, labels=ids, use_cache=False).loss)
+    results = []
+    for recompute in (False, True):
+        smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline_recompute": recompute})
+        fresh = type(net)(net.config).train()
+        fresh.load_state_dict(net.state_dict())
+        model = smp.DistributedModel(fresh)
+        smp.set_activation_checkpointing(model.module.get_submodule("transformer.h"), strategy="each")
+        loss = float(lm_step(model, ids).reduce_mean())
+        results.append((loss, {n: np.asarray(g) for n, g in model.layout.by_name(model.grads).items()}))
+    (kept, kept_grads), (recomputed, recomputed_grads) = results
+    assert abs(kept - evaluation) > 1e-3
+    np.testing.assert_allclose(kept, recomputed, rtol=1e-6)
+    for name, grad in recomputed_grads.items():
+        np.testing.assert_allclose(kept_grads[name], grad, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
 def _temp_bytes(schedule: str, microbatches: int, recompute: bool = False) -> int:
     smp.init(
         {
