@@ -20,6 +20,7 @@ import numpy as np
 import optax
 import torch
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jmp import kernels, loss_scaling, model_registry, portable_state, precision, sharding, torch_optimizers
 from jmp.errors import ArgumentTypeError, ModelLookupError, OptimizerError
@@ -225,8 +226,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self.tx.update(grads, opt_state, params)
         param_specs = jax.tree.map(lambda s: s.spec, self.model.stored_shardings)
         state_specs = jax.tree.map(lambda s: s.spec, self._state_shardings)
+        split = {
+            path: sharding.spec_axes(spec)
+            for path, spec in jax.tree_util.tree_flatten_with_path(
+                param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+            )[0]
+        }
+
+        def update(grads, opt_state, params):
+            with kernels.split_over(split):  # whole-tensor norms (LAMB's trust ratio) add up the shards
+                return self.tx.update(grads, opt_state, params)
+
         local = jax.shard_map(
-            self.tx.update,
+            update,
             mesh=self.model.layout.mesh,
             in_specs=(param_specs, state_specs, param_specs),
             out_specs=(param_specs, state_specs),

@@ -4,6 +4,7 @@
 interpret mode elsewhere); they can be used alone in any optax code. See ``jmp.kernels.optimizers``.
 """
 
-from jmp.kernels.optimizers import fused_adagrad, fused_adam, fused_adamw, fused_sgd, fused_version
+from jmp.kernels.multi_tensor import split_over
+from jmp.kernels.optimizers import fused_adagrad, fused_adam, fused_adamw, fused_lamb, fused_sgd, fused_version
 
-__all__ = ["fused_adagrad", "fused_adam", "fused_adamw", "fused_sgd", "fused_version"]
+__all__ = ["fused_adagrad", "fused_adam", "fused_adamw", "fused_lamb", "fused_sgd", "fused_version", "split_over"]

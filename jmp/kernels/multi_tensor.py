@@ -11,8 +11,11 @@ every block.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -97,3 +100,33 @@ def elementwise(
         compiler_params=pallas_triton.CompilerParams(num_warps=4, num_stages=1),  # on GPU: Triton
     )
     return tuple(call(scalars, *buffers))
+
+
+# --- whole-tensor reductions over per-device shards --------------------------------------------------------------
+
+_SPLIT_OVER: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jmp_kernels_split_over", default=None)
+
+
+@contextlib.contextmanager
+def split_over(axes_by_path: dict[tuple, tuple[str, ...]]) -> Iterator[None]:
+    """Within the block (inside a ``shard_map``), each parameter at a tree path is a shard, split over the
+    mesh axes named for that path: ``whole_sums`` then adds the shards' sums over those axes."""
+    token = _SPLIT_OVER.set(axes_by_path)
+    try:
+        yield
+    finally:
+        _SPLIT_OVER.reset(token)
+
+
+def whole_sums(paths: Sequence[tuple], local: Sequence[jax.Array]) -> list[jax.Array]:
+    """Each tensor's sum from its shard's ``local`` sum: added over the axes splitting the tensor at its path
+    (``split_over``), or as given outside such a block."""
+    axes_by_path = _SPLIT_OVER.get()
+    if axes_by_path is None:
+        return list(local)
+    return [jax.lax.psum(x, axes) if (axes := axes_by_path.get(path, ())) else x for path, x in zip(paths, local)]
+
+
+def tree_paths(tree: Any) -> list[tuple]:
+    """The tree paths of ``tree``'s leaves, in leaf order."""
+    return [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]

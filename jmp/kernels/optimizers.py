@@ -1,8 +1,9 @@
 """Fused optimizer updates: each a Pallas kernel over all of a param group's tensors, as an optax transformation.
 
-``fused_adam``, ``fused_sgd`` and ``fused_adagrad`` compute what ``jmp.torch_optimizers``' optax chains for
-``torch.optim.Adam`` / ``AdamW``, ``SGD`` and ``Adagrad`` compute, in the same order of operations, and keep
-the chains' own state, tree for tree (torch-format state dicts and checkpoints are the same on both paths).
+``fused_adam``, ``fused_sgd``, ``fused_adagrad`` and ``fused_lamb`` compute what ``jmp.torch_optimizers``'
+optax chains for ``torch.optim.Adam`` / ``AdamW``, ``SGD``, ``Adagrad`` and apex's ``FusedLAMB``
+(``smp.optimizers``) compute, in the same order of operations, and keep the chains' own state, tree for tree
+(torch-format state dicts and checkpoints are the same on both paths).
 One pass reads gradient, parameter and state and writes the update and the new state; the tensors of each
 dtype go through one ``pallas_call`` (see ``jmp.kernels.multi_tensor``). Like any optax transformation, the
 result is an update to add with ``optax.apply_updates``.
@@ -134,6 +135,78 @@ def fused_apex_adam(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_co
     return fused_adam(lr, beta1, beta2, eps, weight_decay, decoupled=adam_w_mode, interpret=interpret)
 
 
+# --- LAMB ------------------------------------------------------------------------------------------------------
+
+
+def _lamb_body(adam_w_mode: bool):
+    def body(s, g, m, v, p):
+        b1, b2, eps, weight_decay, correction1, correction2, keep1, keep2 = (s[i] for i in range(8))
+        if not adam_w_mode:
+            g = g + weight_decay * p  # L2: on the gradient, before the moments
+        m = keep1 * g + b1 * m
+        v = keep2 * (g * g) + b2 * v
+        direction = (m / correction1) / (jnp.sqrt(v / correction2) + eps)
+        if adam_w_mode:
+            direction = direction + weight_decay * p
+        return direction, m, v
+
+    return body
+
+
+def fused_lamb(
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    *,
+    adam_w_mode,
+    bias_correction,
+    grad_averaging,
+    use_nvlamb,
+    interpret=False,
+) -> optax.GradientTransformation:
+    """apex's LAMB (``jmp.torch_optimizers.lamb``): moments and direction in one kernel per dtype, then each
+    tensor's trust ratio ``||p|| / ||direction||`` from its whole norms (its shards' sums added over the
+    devices holding them, ``multi_tensor.split_over``) scaling its step. State: the optax chain's."""
+    chain = torch_optimizers.lamb(
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        adam_w_mode=adam_w_mode,
+        bias_correction=bias_correction,
+        grad_averaging=grad_averaging,
+        use_nvlamb=use_nvlamb,
+    )
+    body = _lamb_body(adam_w_mode)
+
+    def update(updates, state, params=None):
+        at = _position(state, optax.ScaleByAdamState)
+        adam = state[at]
+        count = optax.safe_increment(adam.count)
+        (grads, mu, nu, ps), treedef = _leaves(updates, adam.mu, adam.nu, params)
+        if not grads:
+            return updates, _replaced(state, at, adam._replace(count=count))
+        corrections = (1 - beta1**count, 1 - beta2**count) if bias_correction else (1.0, 1.0)
+        keep1 = 1 - beta1 if grad_averaging else 1.0
+        scalars = multi_tensor.scalar_vector(beta1, beta2, eps, weight_decay, *corrections, keep1, 1 - beta2)
+        directions, mu, nu = _update_by_dtype(body, scalars, [grads, mu, nu, ps], 3, interpret=interpret, name="lamb")
+        paths = multi_tensor.tree_paths(params)
+        p_norms = [jnp.sqrt(x) for x in multi_tensor.whole_sums(paths, [jnp.sum(p * p) for p in ps])]
+        d_norms = [jnp.sqrt(x) for x in multi_tensor.whole_sums(paths, [jnp.sum(d * d) for d in directions])]
+        active = jnp.logical_or(use_nvlamb, weight_decay != 0)
+        steps = []
+        for d, p, p_norm, d_norm in zip(directions, ps, p_norms, d_norms):
+            ratio = jnp.where((p_norm == 0.0) | (d_norm == 0.0), jnp.array(1.0, p.dtype), 1.0 * p_norm / (d_norm + 0.0))
+            steps.append(-lr * jnp.where(active, d * ratio, d))
+        adam = optax.ScaleByAdamState(count, jax.tree.unflatten(treedef, mu), jax.tree.unflatten(treedef, nu))
+        return jax.tree.unflatten(treedef, steps), _replaced(state, at, adam)
+
+    return optax.GradientTransformation(chain.init, update)
+
+
 # --- SGD -------------------------------------------------------------------------------------------------------
 
 
@@ -227,13 +300,18 @@ _FUSED = {
     torch_optimizers.sgd: fused_sgd,
     torch_optimizers.adagrad: fused_adagrad,
     torch_optimizers.apex_adam: fused_apex_adam,
+    torch_optimizers.lamb: fused_lamb,
 }
 
 
 def fused_version(factory: Callable, static: dict[str, Any], *, interpret: bool) -> Callable | None:
     """The fused factory computing what ``factory`` (a ``jmp.torch_optimizers`` chain) computes with the options
-    ``static``, None where there is none (Adadelta, RMSprop, AMSGrad, LAMB, apex Adam without bias correction)."""
+    ``static``, None where there is none (Adadelta, RMSprop, AMSGrad, apex Adam without bias correction)."""
     fused = _FUSED.get(factory)
-    if fused is None or static.get("amsgrad") or static.get("bias_correction") is False:
+    if (
+        fused is None
+        or static.get("amsgrad")
+        or (factory is torch_optimizers.apex_adam and not static["bias_correction"])
+    ):
         return None
     return functools.partial(fused, interpret=interpret)

@@ -111,6 +111,11 @@ def splits_over(spec: PartitionSpec, axis: str) -> bool:
     return any(axis in _axes_of(entry) for entry in spec)
 
 
+def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    """The mesh axes splitting a parameter laid out by ``spec``, in order."""
+    return tuple(axis for entry in spec for axis in _axes_of(entry))
+
+
 def named_shardings(tree: Any, specs: Mapping[str, PartitionSpec], mesh: Mesh) -> Any:
     """A tree like ``tree`` (an ``nnx.State`` of parameters) of ``NamedSharding``s, by torch name."""
     return jax.tree_util.tree_map_with_path(

@@ -65,6 +65,20 @@ CASES = {
         dict(adam_w_mode=True, bias_correction=True),
         4,
     ),
+    "lamb": (  # smp.optimizers.FusedLAMB's per-group rule (its global clipping runs before, over all groups)
+        torch_optimizers.lamb,
+        kernels.fused_lamb,
+        dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01),
+        dict(adam_w_mode=True, bias_correction=True, grad_averaging=True, use_nvlamb=False),
+        4,
+    ),
+    "lamb-l2-nvlamb-uncorrected": (
+        torch_optimizers.lamb,
+        kernels.fused_lamb,
+        dict(lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1),
+        dict(adam_w_mode=False, bias_correction=False, grad_averaging=False, use_nvlamb=True),
+        4,
+    ),
     "adagrad": (
         torch_optimizers.adagrad,
         kernels.fused_adagrad,
@@ -212,8 +226,10 @@ def test_adamw_kernels_train_like_the_optax_path_in_fp16_with_clipping_and_an_ov
         (lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True), None),
         (lambda groups: torch.optim.Adagrad(groups, lr=1e-2, lr_decay=0.01), None),
         (lambda groups: torch.optim.Adam(groups, lr=1e-2), {"partitions": 2, "microbatches": 2}),  # stage buffers
+        # LAMB's trust ratio takes each whole tensor's norm: its shards' sums added over the devices
+        (lambda groups: smp.optimizers.FusedLAMB(groups, lr=1e-2, max_grad_norm=0.5), None),
     ],
-    ids=["sgd-nesterov-tp2xfsdp2", "adagrad-tp2xfsdp2", "adam-pp2"],
+    ids=["sgd-nesterov-tp2xfsdp2", "adagrad-tp2xfsdp2", "adam-pp2", "apex-lamb-tp2xfsdp2"],
 )
 def test_kernels_update_each_devices_shards_as_the_optax_path_does(make, layout, tmp_path):
     fused_losses, _, fused_params, optimizer = _train(True, make, 3, layout=layout)
