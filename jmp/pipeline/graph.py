@@ -86,6 +86,8 @@ def run_equations(eqns: Sequence[core.JaxprEqn], env: dict) -> dict:
             outs = [outs]
         if eqn.primitive.name == "split":
             outs = [_whole_along(o, eqn.params["axis"]) for o in outs]
+        if eqn.primitive.name == "gather":  # an embedding lookup from a table split over tp along its features
+            outs = [_whole_along(o, o.ndim - 1) for o in outs]
         _bind_outputs(eqn, outs, env)
     return env
 
@@ -112,7 +114,9 @@ def _whole_along(value: jax.Array, axis: int) -> jax.Array:
     """``value`` gathered along ``axis`` when tensor parallelism may have split it (the rest left to XLA).
 
     Splitting a tensor-parallel output into pieces that do not line up with its shards (GPT-2's fused q, k,
-    v) makes XLA move the pieces with collective permutes; inside the pipeline's ``lax.switch`` only one
+    v), or gathering rows of a table split over tp along its features (Llama's embedding, when the stage keeps
+    the rows for its backward), makes XLA move the pieces with collective permutes; inside the pipeline's
+    ``lax.switch`` only one
     stage's devices reach them, and a collective permute waits for every device (XLA:CPU deadlocks). An
     all-gather, which waits only for its group, does the same move.
     """

@@ -122,6 +122,22 @@ def test_a_collective_permute_inside_stage_code_is_refused_before_it_runs():
         engine.check_compiled(compiled)
 
 
+def test_llama_under_tensor_parallelism_keeps_its_embedding_rows_without_a_collective_permute():
+    """Llama pp2 x tp2 x fsdp2: its stage 0 keeps the embedding rows it gathered (the norm's input) for its
+    backward; XLA reordered that gather's output over tp and fsdp with a collective permute (refused) until the
+    rows were gathered whole along their features."""
+    ids = token_batches(1)[0]
+    reference = causal_lm("llama")
+    reference(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, **LAYOUTS["gpt2-pp2xtp2xfsdp2"][1]})
+    model = smp.DistributedModel(causal_lm("llama"))
+    lm_step(model, ids)
+    for key, value in named_grads(model.grads).items():
+        expected = reference.get_parameter(key).grad.numpy()
+        error = np.linalg.norm(value - expected) / max(np.linalg.norm(expected), 1e-12)
+        assert error <= 1e-5, f"{key}: relative difference {error:.2e}"
+
+
 CHECKPOINTED = {
     "gpt2-pp2xtp2xfsdp2": ("gpt2", LAYOUTS["gpt2-pp2xtp2xfsdp2"][1], "transformer.h"),
     "mixtral-pp2xep2xfsdp2": ("mixtral", LAYOUTS["mixtral-pp2xep2xfsdp2"][1], "model.layers"),
