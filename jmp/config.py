@@ -18,9 +18,10 @@ Where jmp's default differs from SMP's, on purpose:
 - ``active_microbatches``: None when not given: the schedule's own bound (``interleaved`` keeps at most
   ``partitions + 1``, as SMP's default; ``simple`` all); given, no stage has more in flight.
 - ``pipeline_recompute`` (jmp's key; default False): a pipeline stage keeps what its backward needs from its
-  forward, as SMP does (activation checkpointing inside the stage still recomputes what it checkpoints).
-  True keeps only each microbatch's stage input and runs the stage's forward again in its backward
-  (GPipe's trade: less memory, about a third more compute).
+  forward, as SMP does: the outputs of its matrix multiplications, so no matmul runs twice (the elementwise
+  ops between them run again in the backward; activation checkpointing inside the stage still recomputes
+  what it checkpoints). True keeps only each microbatch's stage input and runs the stage's forward again in
+  its backward (GPipe's trade: less memory, about a third more compute).
 - ``reshard_after_forward`` (jmp's key, PyTorch FSDP's name; default True): under sharded data parallelism
   each layer of the model's layer lists (``nn.ModuleList`` / ``nn.Sequential``) gathers its weights inside a
   checkpoint that keeps its matmul outputs but not the weights (its elementwise ops are recomputed), so a

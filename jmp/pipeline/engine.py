@@ -6,12 +6,16 @@ each per tick. Only ``pp`` is manual: data, sharded-data and tensor parallelism 
 XLA's SPMD partitioner, as in the rest of jmp.
 
 A stage keeps the inputs (carry) of the microbatches in flight. By default its forward tick runs the
-stage under ``jax.vjp`` and keeps the residuals its backward tick needs (``residuals``), as a run without
-the pipeline does; with ``recompute`` the backward tick instead runs the forward again from the carry under
-``jax.vjp`` (as GPipe does), so what a stage holds between a microbatch's forward and backward is its carry
-alone. Buffers the forward updates thread through the microbatches in order on the stage that owns them
-(``split``); when recomputing, a buffer whose value reaches the stage's output is also kept per microbatch
-in flight, so the recompute sees it as the forward did.
+stage under ``jax.vjp`` and keeps what its backward tick needs (``residuals``): the outputs of its matrix
+multiplications, the residuals that cost FLOPs to compute again (a ``dots_saveable`` checkpoint; the
+elementwise ops between them run again in the backward, reading those outputs, which on a CPU is faster
+than storing and reloading every intermediate). With ``recompute`` the backward tick instead runs the
+whole forward again from the carry under ``jax.vjp`` (as GPipe does), so what a stage holds between a
+microbatch's forward and backward is its carry alone.
+
+Buffers the forward updates thread through the microbatches in order on the stage that owns them
+(``split``); a buffer whose value reaches the stage's output is also kept per microbatch in flight, so
+what the backward computes again sees it as the forward did.
 
 Everything a device carries from tick to tick is one ``LoopState``; each tick (``_Engine.tick``) reads it,
 runs one branch on a ``Work`` and returns the next state.
@@ -170,7 +174,7 @@ class _Engine:
     def held_positions(self) -> list[int]:
         """Where in ``LoopState.buffers`` the buffers kept per microbatch for the backward are."""
         updated = self.programs.updated
-        return [updated.index(i) for i in self.programs.held] if self.backward and self.recompute else []
+        return [updated.index(i) for i in self.programs.held] if self.backward else []
 
     @property
     def depth(self) -> int:
@@ -214,7 +218,7 @@ class _Engine:
             held=tuple(jnp.zeros((depth,) + s.shape, s.dtype) for s in slots),
             held_ct=tuple(jnp.zeros((depth,) + slots[i].shape, slots[i].dtype) for i in self.diff_slots),
             held_buffers=tuple(jnp.zeros((depth,) + buffers[k].shape, buffers[k].dtype) for k in self.held_positions),
-            residuals=kept.empty(depth),
+            residuals=kept.empty(depth + 1),
             buffers=buffers,
             grads={k: jnp.zeros_like(inputs.rows[k]) for k in self.diff_keys} if self.backward else {},
             finals=tuple(jnp.zeros((self.microbatches,) + f.shape, f.dtype) for f in self.finals_shape),
@@ -245,7 +249,9 @@ class _Engine:
         held_buffers = _store(
             state.held_buffers, [state.buffers[k] for k in self.held_positions], forwarded, self.depth
         )
-        kept = _store(state.residuals, done.residuals, forwarded, self.depth)
+        # a tick without a forward writes its (zero) residuals into the pool's spare last slot
+        spare = jnp.where(action == FORWARD, slot, self.depth)
+        kept = tuple(r.at[spare].set(v) for r, v in zip(state.residuals, done.residuals))
         finished = (stage == pp - 1) & (action == FORWARD)
         finals = tuple(f.at[m].set(jnp.where(finished, p, f[m])) for f, p in zip(state.finals, done.finals))
         message = tuple(_shift(done.carry, pp, +1))
@@ -278,8 +284,8 @@ class _Engine:
         """Pull the microbatch's output cotangents (the loss's, on the last stage) back through the stage.
 
         The pullback is traced again here; when keeping residuals the forward's are swapped into it and XLA
-        drops the computation that made them. When recomputing, the forward runs again and reads the buffers
-        as the microbatch's forward saw them.
+        drops the computation that made them. What runs again (elementwise ops, or the whole forward when
+        recomputing) reads the buffers as the microbatch's forward saw them.
         """
         last = stage == self.layout.pp - 1
         rest = self.rest_seen(inputs, work.buffers, work.microbatch)
@@ -309,6 +315,8 @@ class _Engine:
 
         diff_rows = {k: rows[k] for k in self.diff_keys}
         diff_carry = [carry[i] for i in self.diff_slots]
+        if self.keeps_residuals:  # kept: matmul outputs; elementwise ops run again in the backward
+            differentiable = jax.checkpoint(differentiable, policy=jax.checkpoint_policies.dots_saveable)
         _, pullback, out = jax.vjp(differentiable, diff_rows, diff_carry, has_aux=True)
         return pullback, out
 
