@@ -184,6 +184,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 | {_FROZEN: optax.set_to_zero()},
                 labels,
             )
+        if pipeline is not None and self.torch_optimizer is not None and self.rule.per_tensor:
+            raise OptimizerError(
+                f"{type(self.torch_optimizer).__name__} takes a norm per parameter tensor, and a pipelined model's "
+                "optimizer updates each stage's parameters packed into a few buffers; use it without "
+                "pipeline_parallel_degree, or use Adam / AdamW (smp.optimizers.FusedAdam)"
+            )
         if packed:
             self._state_shardings = pipeline.layout.state_shardings(jax.eval_shape(self.tx.init, params))
         else:

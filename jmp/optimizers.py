@@ -1,10 +1,10 @@
 """``smp.optimizers``: the fused optimizers of NVIDIA apex, for scripts that import them from SMP.
 
-SMP's documentation tells users to drop ``apex.optimizers.FusedAdam`` / ``FusedLAMB`` and take the library's
-own. These are ``torch.optim.Optimizer`` classes with apex's constructor arguments and update rules, so a
-script runs unchanged: ``step()`` updates eagerly in PyTorch when the model is a plain ``nn.Module``, and
-``smp.DistributedOptimizer`` runs the same rule compiled (``jmp.torch_optimizers``), in one Pallas kernel per
-parameter dtype when ``fused_optimizer`` asks for it (``jmp.kernels``).
+SMP's documentation tells users to drop ``apex.optimizers.FusedAdam`` / ``FusedLAMB`` / ``FusedNovoGrad``
+and take the library's own. These are ``torch.optim.Optimizer`` classes with apex's constructor arguments and
+update rules, so a script runs unchanged: ``step()`` updates eagerly in PyTorch when the model is a plain
+``nn.Module``, and ``smp.DistributedOptimizer`` runs the same rule compiled (``jmp.torch_optimizers``), in one
+Pallas kernel per parameter dtype when ``fused_optimizer`` asks for it (``jmp.kernels``; Adam and LAMB).
 
 - ``FusedAdam``: Adam; ``adam_w_mode=True`` (apex's default) decays the weights outside the moments, as
   ``torch.optim.AdamW``; False adds the decay to the gradient (L2), as ``torch.optim.Adam``.
@@ -14,6 +14,14 @@ parameter dtype when ``fused_optimizer`` asks for it (``jmp.kernels``).
   ``m / (sqrt(v) + eps)`` plus ``weight_decay * p`` (``adam_w_mode``; else the decay is added to the
   gradient); each tensor's step scaled by its trust ratio ``||p|| / ||direction||`` (1 where either is 0)
   when the group decays weights or ``use_nvlamb``.
+- ``FusedNovoGrad``: NovoGrad (Ginsburg et al., 2019) as apex computes it: each tensor keeps one running
+  gradient norm ``v`` (L2: ``sqrt(b2 v^2 + (1 - b2) ||g||^2)``; ``norm_type=0``: of the largest magnitude;
+  started at the first gradient's norm, or 0 with ``init_zero``), bias-corrected by ``sqrt(1 - b2^t)``;
+  the step is ``m / (v + eps) + weight_decay * p`` with ``m`` Adam's first moment of the gradient, or with
+  ``reg_inside_moment`` the moment of ``g / (v + eps) + weight_decay * p`` itself.
+
+LAMB and NovoGrad take norms per tensor, so they are refused for a pipelined model, whose optimizer updates
+each stage's parameters packed into a few buffers.
 """
 
 from __future__ import annotations
@@ -146,6 +154,58 @@ class FusedLAMB(torch.optim.Optimizer):
 FusedLamb = FusedLAMB
 
 
+class FusedNovoGrad(torch.optim.Optimizer):
+    """apex's ``FusedNovoGrad`` (see the module docstring for its rule)."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        reg_inside_moment: bool = False,
+        grad_averaging: bool = True,
+        norm_type: int = 2,
+        init_zero: bool = False,
+        set_grad_none: bool = True,
+    ):
+        _refuse("FusedNovoGrad", amsgrad=amsgrad)
+        if norm_type not in (0, 2):
+            raise OptimizerError(f"FusedNovoGrad(norm_type={norm_type!r}): use 2 (L2 norm) or 0 (largest magnitude)")
+        defaults = dict(
+            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+            reg_inside_moment=reg_inside_moment, grad_averaging=grad_averaging, norm_type=norm_type,
+            init_zero=init_zero,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else torch.enable_grad()(closure)()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad, state = p.grad, self.state[p]
+                norm = _norm(grad, group["norm_type"])
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros(()) if group["init_zero"] else norm.clone()
+                state["step"] += 1
+                state["exp_avg_sq"] = _blend_norm(state["exp_avg_sq"], norm, beta2, group["norm_type"])
+                p.sub_(_novograd_step(p, grad, state, group, beta1, beta2), alpha=group["lr"])
+        return loss
+
+
 def _adam_direction(p, grad, state, group, beta1, beta2, *, grad_averaging: bool) -> torch.Tensor:
     """Update the moments in ``state``; the step direction (before the learning rate)."""
     decay = group["weight_decay"]
@@ -160,3 +220,28 @@ def _adam_direction(p, grad, state, group, beta1, beta2, *, grad_averaging: bool
     if group["adam_w_mode"]:
         direction = direction + decay * p
     return direction
+
+
+def _norm(grad: torch.Tensor, norm_type: int) -> torch.Tensor:
+    return grad.abs().max() if norm_type == 0 else grad.pow(2).sum().sqrt()
+
+
+def _blend_norm(average: torch.Tensor, norm: torch.Tensor, beta2: float, norm_type: int) -> torch.Tensor:
+    """NovoGrad's running gradient norm: ``sqrt(b2 a^2 + (1 - b2) n^2)`` (L2), ``b2 a + (1 - b2) n`` (max)."""
+    if norm_type == 0:
+        return beta2 * average + (1 - beta2) * norm
+    return (beta2 * average * average + (1 - beta2) * norm * norm).sqrt()
+
+
+def _novograd_step(p, grad, state, group, beta1, beta2) -> torch.Tensor:
+    """Update the first moment in ``state``; the step before the learning rate."""
+    step = state["step"]
+    correction1 = 1 - beta1**step if group["bias_correction"] else 1.0
+    correction2 = (1 - beta2**step).sqrt() if group["bias_correction"] else 1.0
+    denominator = state["exp_avg_sq"] / correction2 + group["eps"]
+    keep = 1 - beta1 if group["grad_averaging"] else 1.0
+    if group["reg_inside_moment"]:  # the paper's form: the normalised gradient and its decay enter the moment
+        state["exp_avg"].mul_(beta1).add_(grad / denominator + group["weight_decay"] * p, alpha=keep)
+        return state["exp_avg"] / correction1
+    state["exp_avg"].mul_(beta1).add_(grad, alpha=keep)
+    return (state["exp_avg"] / correction1) / denominator + group["weight_decay"] * p

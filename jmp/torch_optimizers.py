@@ -203,6 +203,65 @@ def lamb(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correction, g
     )
 
 
+class NovoGradState(NamedTuple):
+    count: jax.Array
+    mu: Any  # the first moment
+    nu: Any  # per tensor, one float32 scalar: the running gradient norm
+
+
+def novograd_direction(beta1, beta2, eps, weight_decay, *, bias_correction, grad_averaging, reg_inside_moment,
+                       norm_type, init_zero) -> optax.GradientTransformation:  # fmt: skip
+    """apex NovoGrad's step before the learning rate (``jmp.optimizers.FusedNovoGrad``): per tensor a running
+    gradient norm, started at the first gradient's (or 0), normalising Adam's first moment."""
+
+    def init(params):
+        norms = jax.tree.map(lambda _: jnp.zeros([], jnp.float32), params)
+        return NovoGradState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(params), norms)
+
+    def norm_of(g):
+        return jnp.max(jnp.abs(g)) if norm_type == 0 else jnp.sqrt(jnp.sum(g * g))
+
+    def blended(average, g, first):
+        norm = norm_of(g)
+        average = jnp.where(first, 0.0 if init_zero else norm, average)  # the first blend keeps the first norm
+        if norm_type == 0:
+            return beta2 * average + (1 - beta2) * norm
+        return jnp.sqrt(beta2 * average * average + (1 - beta2) * norm * norm)
+
+    def update(updates, state, params=None):
+        count = optax.safe_increment(state.count)
+        nu = jax.tree.map(lambda v, g: blended(v, g, state.count == 0), state.nu, updates)
+        correction1 = 1 - beta1**count if bias_correction else 1.0
+        correction2 = jnp.sqrt(1 - beta2**count) if bias_correction else 1.0
+        keep = 1 - beta1 if grad_averaging else 1.0
+
+        def moment(g, m, v, p):
+            denominator = v / correction2 + eps
+            if reg_inside_moment:
+                return beta1 * m + keep * (g / denominator + weight_decay * p)
+            return beta1 * m + keep * g
+
+        def step(m, v, p):
+            if reg_inside_moment:
+                return m / correction1
+            return (m / correction1) / (v / correction2 + eps) + weight_decay * p
+
+        mu = jax.tree.map(moment, updates, state.mu, nu, params)
+        return jax.tree.map(step, mu, nu, params), NovoGradState(count, mu, nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def novograd(lr, beta1, beta2, eps, weight_decay, *, bias_correction, grad_averaging, reg_inside_moment, norm_type,
+             init_zero):  # fmt: skip
+    """apex's ``FusedNovoGrad`` (``jmp.optimizers``)."""
+    direction = novograd_direction(
+        beta1, beta2, eps, weight_decay, bias_correction=bias_correction, grad_averaging=grad_averaging,
+        reg_inside_moment=reg_inside_moment, norm_type=norm_type, init_zero=init_zero,
+    )  # fmt: skip
+    return _steps(direction, optax.scale(-lr))
+
+
 def apex_clip(grads: Any, max_norm: float) -> Any:
     """apex LAMB's clipping: gradients divided by ``norm / max_norm`` when their global norm is above it."""
     if max_norm <= 0:
@@ -251,6 +310,7 @@ class Rule:
     # torch state name for each optax state field, by state type
     state_fields: dict = dataclasses.field(default_factory=dict)
     clip_before: str | None = None  # the optimizer default holding a global clipping norm applied first (apex)
+    per_tensor: bool = False  # takes norms per tensor (LAMB, NovoGrad): not on a pipeline's packed buffers
 
     def hyperparams(self, group: dict) -> tuple[dict[str, float], dict[str, Any]]:
         values = dict(group)
@@ -316,6 +376,14 @@ RULES[optimizers.FusedLAMB] = Rule(
     ("adam_w_mode", "bias_correction", "grad_averaging", "use_nvlamb"),
     _ADAM_FIELDS,
     clip_before="max_grad_norm",
+    per_tensor=True,
+)
+RULES[optimizers.FusedNovoGrad] = Rule(
+    novograd,
+    ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    ("bias_correction", "grad_averaging", "reg_inside_moment", "norm_type", "init_zero"),
+    {NovoGradState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}},
+    per_tensor=True,
 )
 UNSUPPORTED_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
 

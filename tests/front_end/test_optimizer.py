@@ -76,6 +76,18 @@ RULES = {
     "apex_fused_lamb_l2_nvlamb": lambda m: smp.optimizers.FusedLamb(
         m.parameters(), lr=1e-2, weight_decay=0.0, adam_w_mode=False, grad_averaging=False, use_nvlamb=True
     ),
+    "apex_fused_novograd": lambda m: smp.optimizers.FusedNovoGrad(m.parameters(), lr=1e-2, weight_decay=0.01),
+    "apex_fused_novograd_paper_form_max_norm": lambda m: smp.optimizers.FusedNovoGrad(
+        m.parameters(),
+        lr=1e-2,
+        betas=(0.95, 0.98),
+        weight_decay=0.01,
+        reg_inside_moment=True,
+        norm_type=0,
+        init_zero=True,
+        bias_correction=False,
+        grad_averaging=False,
+    ),  # fmt: skip
 }
 
 
@@ -105,6 +117,19 @@ def test_apex_optimizers_follow_their_published_rules():
     direction = np.array([2.5, 3.0])
     expected = np.array([3.0, 4.0]) - 0.1 * 5 / np.sqrt(15.25) * direction
     np.testing.assert_allclose(p.detach().numpy(), expected, rtol=1e-6)
+
+    p = torch.tensor([3.0, 4.0], requires_grad=True)
+    p.grad = torch.tensor([6.0, 8.0])  # norm 10, kept as the running norm on the first step
+    smp.optimizers.FusedNovoGrad([p], lr=0.5, betas=(0.9, 0.75), eps=0.0, weight_decay=0.1).step()
+    # m / (1 - b1) = g; v / sqrt(1 - b2) = 10 / 0.5 = 20; step g / 20 + 0.1 p = [0.6, 0.8], times lr 0.5
+    np.testing.assert_allclose(p.detach().numpy(), [2.7, 3.6], rtol=1e-6)
+
+
+def test_per_tensor_optimizers_are_refused_on_a_pipeline_with_what_to_do():
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    model = smp.DistributedModel(SmallNet())
+    with pytest.raises(OptimizerError, match="FusedLAMB takes a norm per parameter tensor.*FusedAdam"):
+        smp.DistributedOptimizer(smp.optimizers.FusedLAMB(model.module.parameters()))
 
 
 def test_state_dict_is_torchs_and_training_resumes_from_it_in_jmp_and_in_torch():
