@@ -26,7 +26,7 @@ each stage's parameters packed into a few buffers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -42,7 +42,33 @@ def _refuse(name: str, **options: bool) -> None:
             )
 
 
-class FusedAdam(torch.optim.Optimizer):
+class _ApexOptimizer(torch.optim.Optimizer):
+    """What apex's fused optimizers share: ``set_grad_none`` and per-parameter state made on first use."""
+
+    def __init__(self, params: Iterable, defaults: dict, set_grad_none: bool):
+        super().__init__(params, defaults)
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    def _stepped(self, group: dict, first_state: Callable[[torch.Tensor], dict]) -> Iterator[tuple]:
+        """The group's parameters with a gradient, each with its state (``first_state(p)`` when new) one step on."""
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(step=torch.tensor(0.0), **first_state(p))
+            state["step"] += 1
+            yield p, state
+
+
+def _adam_state(p: torch.Tensor) -> dict:
+    return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+class FusedAdam(_ApexOptimizer):
     """apex's ``FusedAdam``: Adam, AdamW (``adam_w_mode``, the default)."""
 
     def __init__(
@@ -64,32 +90,20 @@ class FusedAdam(torch.optim.Optimizer):
             lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
             adam_w_mode=adam_w_mode,
         )  # fmt: skip
-        super().__init__(params, defaults)
-        self.set_grad_none = set_grad_none
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+        super().__init__(params, defaults, set_grad_none)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = None if closure is None else torch.enable_grad()(closure)()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
+            for p, state in self._stepped(group, _adam_state):
                 direction = _adam_direction(p, p.grad, state, group, beta1, beta2, grad_averaging=True)
                 p.add_(direction, alpha=-group["lr"])
         return loss
 
 
-class FusedLAMB(torch.optim.Optimizer):
+class FusedLAMB(_ApexOptimizer):
     """apex's ``FusedLAMB`` (see the module docstring for its rule)."""
 
     def __init__(
@@ -113,11 +127,7 @@ class FusedLAMB(torch.optim.Optimizer):
             adam_w_mode=adam_w_mode, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
         )  # fmt: skip
-        super().__init__(params, defaults)
-        self.set_grad_none = set_grad_none
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+        super().__init__(params, defaults, set_grad_none)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -130,15 +140,7 @@ class FusedLAMB(torch.optim.Optimizer):
         clip = norm / max_norm if max_norm > 0 and norm > max_norm else torch.ones(())
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
+            for p, state in self._stepped(group, _adam_state):
                 direction = _adam_direction(
                     p, p.grad / clip, state, group, beta1, beta2, grad_averaging=group["grad_averaging"]
                 )
@@ -154,7 +156,7 @@ class FusedLAMB(torch.optim.Optimizer):
 FusedLamb = FusedLAMB
 
 
-class FusedNovoGrad(torch.optim.Optimizer):
+class FusedNovoGrad(_ApexOptimizer):
     """apex's ``FusedNovoGrad`` (see the module docstring for its rule)."""
 
     def __init__(
@@ -180,29 +182,22 @@ class FusedNovoGrad(torch.optim.Optimizer):
             reg_inside_moment=reg_inside_moment, grad_averaging=grad_averaging, norm_type=norm_type,
             init_zero=init_zero,
         )  # fmt: skip
-        super().__init__(params, defaults)
-        self.set_grad_none = set_grad_none
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+        super().__init__(params, defaults, set_grad_none)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = None if closure is None else torch.enable_grad()(closure)()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad, state = p.grad, self.state[p]
-                norm = _norm(grad, group["norm_type"])
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros(()) if group["init_zero"] else norm.clone()
-                state["step"] += 1
+
+            def first_state(p, group=group):  # the running norm starts at the first gradient's (or 0)
+                start = torch.zeros(()) if group["init_zero"] else _norm(p.grad, group["norm_type"])
+                return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": start}
+
+            for p, state in self._stepped(group, first_state):
+                norm = _norm(p.grad, group["norm_type"])
                 state["exp_avg_sq"] = _blend_norm(state["exp_avg_sq"], norm, beta2, group["norm_type"])
-                p.sub_(_novograd_step(p, grad, state, group, beta1, beta2), alpha=group["lr"])
+                p.sub_(_novograd_step(p, p.grad, state, group, beta1, beta2), alpha=group["lr"])
         return loss
 
 

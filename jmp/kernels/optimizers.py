@@ -14,6 +14,7 @@ they then give the compiled kernels' numbers, slowly; this is how the tests chec
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,6 +68,32 @@ def _replaced(chain_state: tuple, position: int, piece: Any) -> tuple:
     return chain_state[:position] + (piece,) + chain_state[position + 1 :]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Moments:
+    """An Adam-state chain's moments for one update: leaves in the gradients' order, the step count one on."""
+
+    at: int  # where the chain keeps its ``ScaleByAdamState``
+    count: jax.Array
+    grads: list[jax.Array]
+    mu: list[jax.Array]
+    nu: list[jax.Array]
+    params: list[jax.Array]
+    treedef: Any
+
+    @classmethod
+    def of(cls, state: tuple, updates: Any, params: Any) -> _Moments:
+        at = _position(state, optax.ScaleByAdamState)
+        (grads, mu, nu, ps), treedef = _leaves(updates, state[at].mu, state[at].nu, params)
+        return cls(at, optax.safe_increment(state[at].count), grads, mu, nu, ps, treedef)
+
+    def counted(self, state: tuple) -> tuple:
+        return _replaced(state, self.at, state[self.at]._replace(count=self.count))
+
+    def updated(self, state: tuple, mu: list[jax.Array], nu: list[jax.Array]) -> tuple:
+        unflatten = functools.partial(jax.tree.unflatten, self.treedef)
+        return _replaced(state, self.at, optax.ScaleByAdamState(self.count, unflatten(mu), unflatten(nu)))
+
+
 # --- Adam, AdamW ----------------------------------------------------------------------------------------------
 
 
@@ -103,20 +130,18 @@ def fused_adam(
     body = _adam_body(decoupled, maximize)
 
     def update(updates, state, params=None):
-        at = _position(state, optax.ScaleByAdamState)
-        adam = state[at]
-        count = optax.safe_increment(adam.count)
-        (grads, mu, nu, ps), treedef = _leaves(updates, adam.mu, adam.nu, params)
-        if not grads:
-            return updates, _replaced(state, at, adam._replace(count=count))
+        moments = _Moments.of(state, updates, params)
+        if not moments.grads:
+            return updates, moments.counted(state)
+        count = moments.count
         scalars = multi_tensor.scalar_vector(
             lr, beta1, beta2, eps, weight_decay, 1 - beta1**count, 1 - beta2**count, 1 - beta1, 1 - beta2
         )
+        columns = [moments.grads, moments.mu, moments.nu, moments.params]
         new, mu, nu = _update_by_dtype(
-            body, scalars, [grads, mu, nu, ps], 3, interpret=interpret, name="adamw" if decoupled else "adam"
+            body, scalars, columns, 3, interpret=interpret, name="adamw" if decoupled else "adam"
         )
-        adam = optax.ScaleByAdamState(count, jax.tree.unflatten(treedef, mu), jax.tree.unflatten(treedef, nu))
-        return jax.tree.unflatten(treedef, new), _replaced(state, at, adam)
+        return jax.tree.unflatten(moments.treedef, new), moments.updated(state, mu, nu)
 
     return optax.GradientTransformation(chain.init, update)
 
@@ -183,16 +208,15 @@ def fused_lamb(
     body = _lamb_body(adam_w_mode)
 
     def update(updates, state, params=None):
-        at = _position(state, optax.ScaleByAdamState)
-        adam = state[at]
-        count = optax.safe_increment(adam.count)
-        (grads, mu, nu, ps), treedef = _leaves(updates, adam.mu, adam.nu, params)
-        if not grads:
-            return updates, _replaced(state, at, adam._replace(count=count))
+        moments = _Moments.of(state, updates, params)
+        if not moments.grads:
+            return updates, moments.counted(state)
+        count, ps = moments.count, moments.params
         corrections = (1 - beta1**count, 1 - beta2**count) if bias_correction else (1.0, 1.0)
         keep1 = 1 - beta1 if grad_averaging else 1.0
         scalars = multi_tensor.scalar_vector(beta1, beta2, eps, weight_decay, *corrections, keep1, 1 - beta2)
-        directions, mu, nu = _update_by_dtype(body, scalars, [grads, mu, nu, ps], 3, interpret=interpret, name="lamb")
+        columns = [moments.grads, moments.mu, moments.nu, ps]
+        directions, mu, nu = _update_by_dtype(body, scalars, columns, 3, interpret=interpret, name="lamb")
         paths = multi_tensor.tree_paths(params)
         p_norms = [jnp.sqrt(x) for x in multi_tensor.whole_sums(paths, [jnp.sum(p * p) for p in ps])]
         d_norms = [jnp.sqrt(x) for x in multi_tensor.whole_sums(paths, [jnp.sum(d * d) for d in directions])]
@@ -201,8 +225,7 @@ def fused_lamb(
         for d, p, p_norm, d_norm in zip(directions, ps, p_norms, d_norms):
             ratio = jnp.where((p_norm == 0.0) | (d_norm == 0.0), jnp.array(1.0, p.dtype), 1.0 * p_norm / (d_norm + 0.0))
             steps.append(-lr * jnp.where(active, d * ratio, d))
-        adam = optax.ScaleByAdamState(count, jax.tree.unflatten(treedef, mu), jax.tree.unflatten(treedef, nu))
-        return jax.tree.unflatten(treedef, steps), _replaced(state, at, adam)
+        return jax.tree.unflatten(moments.treedef, steps), moments.updated(state, mu, nu)
 
     return optax.GradientTransformation(chain.init, update)
 
