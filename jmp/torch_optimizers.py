@@ -1,4 +1,5 @@
-"""``torch.optim`` optimizers as optax transformations with PyTorch's exact update rules.
+"""``torch.optim`` optimizers (and apex's fused ones, ``jmp.optimizers``) as optax transformations with their
+exact update rules.
 
 Each supported optimizer is a chain of small optax pieces, reusing optax's own
 where it computes what torch computes (``scale_by_adam``, ``scale_by_adadelta``,

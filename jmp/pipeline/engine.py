@@ -65,7 +65,7 @@ class LoopState(NamedTuple):
     held: tuple[jax.Array, ...]  # per carry slot, [depth, ...]: the stage inputs of the microbatches in flight
     held_ct: tuple[jax.Array, ...]  # per differentiable slot, [depth, ...]: their output cotangents
     held_buffers: tuple[jax.Array, ...]  # per buffer reaching the output, [depth, ...]: as their forwards saw it
-    residuals: tuple[jax.Array, ...]  # per residual pool entry, [depth, ...]: kept from forward to backward
+    residuals: tuple[jax.Array, ...]  # per residual pool entry, [depth + 1, ...]: kept from forward to backward
     buffers: tuple[jax.Array, ...]  # per updated buffer: as this device's microbatches left it so far
     grads: dict[str, jax.Array]  # gradients so far, laid out like the device's rows
     finals: tuple[jax.Array, ...]  # per final output, [microbatches, ...] (written on the last stage)
@@ -249,7 +249,7 @@ class _Engine:
         held_buffers = _store(
             state.held_buffers, [state.buffers[k] for k in self.held_positions], forwarded, self.depth
         )
-        # a tick without a forward writes its (zero) residuals into the pool's spare last slot
+        # a tick without a forward writes its (zero) residuals into the pool's spare last slot: no select
         spare = jnp.where(action == FORWARD, slot, self.depth)
         kept = tuple(r.at[spare].set(v) for r, v in zip(state.residuals, done.residuals))
         finished = (stage == pp - 1) & (action == FORWARD)
