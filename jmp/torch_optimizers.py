@@ -150,8 +150,9 @@ def apex_moments(beta1: float, beta2: float, eps: float, *, bias_correction: boo
     the first moment adds the whole gradient (weight 1, not ``1 - beta1``). State as ``optax.scale_by_adam``."""
 
     def init(params):
-        zeros = optax.tree.zeros_like(params)
-        return optax.ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, optax.tree.zeros_like(params))
+        return optax.ScaleByAdamState(
+            jnp.zeros([], jnp.int32), optax.tree.zeros_like(params), optax.tree.zeros_like(params)
+        )
 
     def update(updates, state, params=None):
         count = optax.safe_increment(state.count)

@@ -209,7 +209,7 @@ class _Engine:
             _microbatch(inputs.pieces, inputs.whole, 0),
         )
         pullbacks = [lambda w, d, s=s: self.stage_vjp(s, w, *d)[0] for s in range(pp)]
-        return residuals.plan(pullbacks, [(inputs.rows, data)] * pp)
+        return residuals.plan(pullbacks, inputs.rows, data)
 
     def start(self, inputs: StepInputs, kept: residuals.ResidualPlan) -> LoopState:
         slots, depth = self.programs.slots, self.depth

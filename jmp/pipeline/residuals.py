@@ -1,7 +1,7 @@
 """Keeping a stage's backward residuals from its forward tick to its backward tick.
 
 ``jax.vjp`` returns its pullback as a pytree whose array leaves are the residuals the backward reads. A
-stage's forward tick stores the residuals that depend on the microbatch (activations, dropout masks) in a
+stage's forward tick stores the residuals that depend on the microbatch (its activations) in a
 *pool*; its backward tick traces the same ``jax.vjp`` again, swaps the stored residuals in, and XLA drops
 the forward computation that produced them. Residuals computed from the parameters alone (a transposed,
 cast or gathered weight) and residuals that are the stage's own inputs are not stored: the backward tick
@@ -57,14 +57,14 @@ class ResidualPlan:
         return jax.tree.unflatten(treedef, leaves)
 
 
-def plan(pullbacks: Sequence[Callable[..., Any]], args: Sequence[tuple[Any, Any]]) -> ResidualPlan:
+def plan(pullbacks: Sequence[Callable[..., Any]], weights: Any, data: Any) -> ResidualPlan:
     """The residual plan of stages whose ``pullbacks[s](weights, data)`` returns stage *s*'s pullback.
 
-    ``args[s]`` is ``(weights, data)``: a residual computed from ``weights`` alone, or equal to an input, is
-    computed again on the backward tick; any other is stored.
+    A residual computed from ``weights`` alone, or equal to an input, is computed again on the backward
+    tick; any other is stored.
     """
     stored_shapes = []
-    for pullback, (weights, data) in zip(pullbacks, args):
+    for pullback in pullbacks:
         positions: list[int] = []
 
         def residuals(w, d, pullback=pullback, positions=positions):

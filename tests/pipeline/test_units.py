@@ -154,7 +154,7 @@ def _head(weights, data):
 
 def test_residuals_store_activations_not_weights_or_inputs():
     weights, data = {"w": jnp.ones((16, 8))}, (jnp.ones((4, 8)),)
-    plan = residuals.plan([_layer, _layer, _head], [(weights, data)] * 3)
+    plan = residuals.plan([_layer, _layer, _head], weights, data)
     # tanh's output and 1 - tanh for its derivative; sin's cos and cos's sin; the transposed weight [8, 16]
     # and the input x are derived again
     assert [[plan.pool[e].shape for _, e in stage] for stage in plan.stored] == [[(4, 16)] * 2] * 2 + [
@@ -170,7 +170,7 @@ def test_a_pullback_with_its_residuals_swapped_in_gives_the_gradient():
         {"w": jax.random.normal(jax.random.key(0), (16, 8))},
         (jax.random.normal(jax.random.key(1), (4, 8)),),
     )
-    plan = residuals.plan([_head], [(weights, data)])
+    plan = residuals.plan([_head], weights, data)
     kept = jax.jit(lambda w, d: plan.pack(0, _head(w, d)))(weights, data)
 
     @jax.jit
