@@ -1,12 +1,15 @@
-"""One Pallas launch over many tensors: they are packed into one ``[rows, 128]`` buffer per role.
+"""One Pallas launch over many tensors, each its own operand: nothing is copied into a packed buffer.
 
-apex's ``multi_tensor_apply`` walks a list of pointers; Pallas blocks index one array each, so the tensors of a
-role (all parameters, all gradients, all first moments, ...) are flattened into one buffer, padded to whole
-blocks, updated by one ``pallas_call`` whose grid runs over the blocks, and split back. A block is
-``BLOCK_ROWS x LANES`` elements: lane-dense for TPU's (8, 128) tiles, a power of two for Triton.
+apex's ``multi_tensor_apply`` walks a list of pointers, a chunk of one tensor per thread block. Here the grid
+runs over every tensor's blocks one after the other: tensor ``k`` owns grid steps ``start[k] .. start[k] +
+blocks[k]``, its operands' block index is the step's offset into it (clamped, so the other steps name a block
+that exists), and the kernel body runs under a ``pl.when`` for the tensor that owns the step. Each tensor is
+viewed flat (a free reshape of a contiguous array); a block is ``BLOCK`` elements, and a tensor's last, partial
+block is read and written under a mask. The updated state is written in place (``input_output_aliases``): one
+update reads and writes each element of its operands once, which is what a fused update's bandwidth is.
 
-Scalars (learning rate, bias corrections, ...) reach the kernel as one small float32 vector, read whole by
-every block.
+Scalars (learning rate, bias corrections, loss scale, ...) reach the kernel as one small float32 vector, read
+whole by every block.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -22,37 +25,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-LANES = 128
-BLOCK_ROWS = 64  # 8192 elements: 32 KiB per float32 operand and block
+BLOCK = 8192  # elements per block: 32 KiB per float32 operand, a power of two for Triton
+ARGUMENT_BYTES = 4096  # what a CUDA kernel's arguments may take (apex's multi_tensor_apply chunks for it too)
 _SCALAR_SLOTS = (
     32  # the scalar vector's length: 128 bytes (Mosaic GPU copies whole warpgroups; Triton wants a power of two)
 )
-
-
-def packed_rows(tensors: Sequence[jax.Array]) -> int:
-    """Rows of the buffer holding ``tensors``: their elements, rounded up to whole blocks."""
-    elements = sum(math.prod(t.shape) for t in tensors)
-    block = BLOCK_ROWS * LANES
-    return max(1, -(-elements // block)) * BLOCK_ROWS
-
-
-def pack(tensors: Sequence[jax.Array], dtype: jnp.dtype) -> jax.Array:
-    """``tensors`` flattened one after the other into a zero-padded ``[rows, LANES]`` buffer of ``dtype``."""
-    flat = [jnp.ravel(t).astype(dtype) for t in tensors]
-    rows = packed_rows(tensors)
-    padding = rows * LANES - sum(f.shape[0] for f in flat)
-    return jnp.concatenate([*flat, jnp.zeros((padding,), dtype)]).reshape(rows, LANES)
-
-
-def unpack(buffer: jax.Array, like: Sequence[jax.Array]) -> list[jax.Array]:
-    """The tensors ``pack`` put into ``buffer``, shaped and typed as ``like``."""
-    flat = buffer.reshape(-1)
-    out, offset = [], 0
-    for t in like:
-        size = math.prod(t.shape)
-        out.append(flat[offset : offset + size].reshape(t.shape).astype(t.dtype))
-        offset += size
-    return out
 
 
 def scalar_vector(*values: jax.Array | float) -> jax.Array:
@@ -64,42 +41,81 @@ def scalar_vector(*values: jax.Array | float) -> jax.Array:
     return jnp.stack(parts)
 
 
+def launches(tensors: Sequence[int], operands: int) -> list[Sequence[int]]:
+    """``tensors`` cut into as few launches as a kernel's argument space allows, each operand (input or
+    output) of each tensor a pointer: 73 tensors per launch for Adam's 7 operands."""
+    per_launch = max(1, (ARGUMENT_BYTES // 8 - 1) // operands)
+    return [tensors[i : i + per_launch] for i in range(0, len(tensors), per_launch)]
+
+
 def elementwise(
     body: Callable[..., tuple[jax.Array, ...]],
     scalars: jax.Array,
-    buffers: Sequence[jax.Array],
-    outputs: int,
+    columns: Sequence[Sequence[jax.Array]],
+    outputs: Sequence[int],
     *,
+    in_place: Collection[int] = (),
     interpret: bool,
     name: str,
-) -> tuple[jax.Array, ...]:
-    """``body(scalars, *blocks) -> output blocks`` applied block by block over equally shaped ``buffers``.
+) -> list[list[jax.Array]]:
+    """``body(scalar_ref, *values) -> results`` over every element of the tensors in ``columns``, in one
+    ``pallas_call``.
 
-    One ``pallas_call``; the first ``outputs`` buffers are updated in place (``input_output_aliases``), so the
-    kernel holds no second copy of the state it rewrites.
+    ``columns[r][k]`` is tensor ``k`` of role ``r`` (parameters, gradients, a moment, ...); a tensor's roles
+    have one shape. ``body`` sees one block of each role of one tensor, each in its own dtype, and returns a
+    block per output; output ``j`` is shaped and typed like column ``outputs[j]`` and, where ``j`` is in
+    ``in_place``, overwrites it. Returns the outputs' tensors, ``[output][tensor]``.
     """
-    rows = buffers[0].shape[0]
-    block = pl.BlockSpec((BLOCK_ROWS, LANES), lambda i: (i, 0))
-    whole = pl.BlockSpec((_SCALAR_SLOTS,), lambda i: (0,))
+    count = len(columns[0])
+    sizes = [math.prod(t.shape) for t in columns[0]]
+    live = [k for k in range(count) if sizes[k] > 0]  # an empty tensor has no block: it comes back as it was
+    result = [[columns[c][k] for k in range(count)] for c in outputs]
+    if not live:
+        return result
+    blocks = [-(-sizes[k] // BLOCK) for k in live]
+    starts = [sum(blocks[:i]) for i in range(len(live))]
+    specs = [
+        pl.BlockSpec((BLOCK,), lambda i, s=start, n=n: (jnp.clip(i - s, 0, n - 1),)) for start, n in zip(starts, blocks)
+    ]
+    operands = [jnp.ravel(column[k]) for column in columns for k in live]  # role-major
+    width = len(live)
 
     def kernel(scalar_ref, *refs):
-        in_refs, out_refs = refs[: len(buffers)], refs[len(buffers) :]
-        results = body(scalar_ref, *(r[...] for r in in_refs))
-        for ref, value in zip(out_refs, results, strict=True):
-            ref[...] = value.astype(ref.dtype)
+        in_refs, out_refs = refs[: len(columns) * width], refs[len(columns) * width :]
+        step = pl.program_id(0)
+        for t, (start, n) in enumerate(zip(starts, blocks)):
+            size = sizes[live[t]]
 
+            @pl.when((step >= start) & (step < start + n))
+            def _(t=t, start=start, size=size):
+                mask = None
+                if size % BLOCK:  # the tensor's last block runs past its end
+                    mask = (step - start) * BLOCK + jax.lax.iota(jnp.int32, BLOCK) < size
+                values = [pallas_triton.load(in_refs[r * width + t], mask=mask) for r in range(len(columns))]
+                results = body(scalar_ref, *values)
+                for j, value in enumerate(results):
+                    ref = out_refs[j * width + t]
+                    pallas_triton.store(ref, value.astype(ref.dtype), mask=mask)
+
+    out_shape = [jax.ShapeDtypeStruct((sizes[k],), columns[c][k].dtype) for c in outputs for k in live]
     call = pl.pallas_call(
         kernel,
-        out_shape=tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers[:outputs]),
-        grid=(rows // BLOCK_ROWS,),
-        in_specs=[whole] + [block] * len(buffers),
-        out_specs=tuple([block] * outputs),
-        input_output_aliases={1 + i: i for i in range(outputs)},
+        out_shape=out_shape,
+        grid=(sum(blocks),),
+        in_specs=[pl.BlockSpec((_SCALAR_SLOTS,), lambda i: (0,))] + specs * len(columns),
+        out_specs=specs * len(outputs),
+        input_output_aliases={
+            1 + outputs[j] * width + t: j * width + t for j in sorted(in_place) for t in range(width)
+        },
         interpret=interpret,
         name=name,
         compiler_params=pallas_triton.CompilerParams(num_warps=4, num_stages=1),  # on GPU: Triton
     )
-    return tuple(call(scalars, *buffers))
+    flat = call(scalars, *operands)
+    for j, c in enumerate(outputs):
+        for t, k in enumerate(live):
+            result[j][k] = flat[j * width + t].reshape(columns[c][k].shape)
+    return result
 
 
 # --- whole-tensor reductions over per-device shards --------------------------------------------------------------
