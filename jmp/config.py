@@ -92,7 +92,8 @@ class Config:
     delayed_parameter_initialization: bool = False
     random_seed: int = 0x12345678
     compilation_cache: bool = True  # jmp: JAX's persistent compilation cache (see jmp.compilation)
-    fused_optimizer: bool = False  # jmp: the update as Pallas kernels (jmp.kernels; interpret mode off GPU)
+    # jmp: the update as Pallas kernels (jmp.kernels); None: on a GPU, True: everywhere (interpreted off a GPU)
+    fused_optimizer: bool | None = None
     # runtime details of SMP's own engine (no effect here)
     horovod: bool = False
     ddp_port: int | None = None
@@ -227,7 +228,7 @@ _BOOLEANS = (
     "auto_partition ddp prescaled_batch sdp_hierarchical_allgather shard_optimizer_state allow_empty_shards "
     "fsdp_cache_flush_warnings fp16 fp16_params bf16 offload_activations delayed_parameter_initialization horovod "
     "contiguous deterministic_server skip_tracing static_mode fast_mode predefined_hooks load_partition "
-    "compilation_cache fused_optimizer reshard_after_forward pipeline_recompute"
+    "compilation_cache reshard_after_forward pipeline_recompute"
 ).split()
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(_BOOLEANS, _boolean),
@@ -239,6 +240,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "sharded_data_parallel_degree": _integer(0, "a positive integer, or 0 for all data-parallel devices"),
     "sdp_param_persistence_threshold": _COUNT,
     "random_seed": _COUNT,
+    "fused_optimizer": _optional(_boolean),
     "active_microbatches": _optional(_POSITIVE),
     "ddp_port": _optional(_integer(1, "a port number")),
     "default_partition": _optional(_integer(-(2**31), "a stage number")),

@@ -83,6 +83,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise OptimizerError(f"dynamic_loss_args must be a dict, not {type(dynamic_loss_args).__name__}")
         self.torch_optimizer: torch.optim.Optimizer | None = None
         self._clip_before = 0.0  # a global gradient-norm clip the torch optimizer's rule applies first (apex LAMB)
+        self._kernels_failed = False  # the compiled kernels failed to build on this device: the optax update runs
+        self._kernels_ran = False
         self._last_hyperparams: tuple[dict, dict] = ({}, {})
         if isinstance(optimizer, optax.GradientTransformation):
             self._optax = optimizer
@@ -173,7 +175,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._check_buffer_labels(pipeline.layout)
             else:
                 labels = model.layout.tree(self.param_labels())
-            self.fused = self._fused_mode()
+            self.fused = self._fused_mode(groups)
             fused = (
                 None
                 if self.fused is None
@@ -184,6 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 | {_FROZEN: optax.set_to_zero()},
                 labels,
             )
+            self._frozen = jax.tree.map(lambda label: label == _FROZEN, labels)
         if pipeline is not None and self.torch_optimizer is not None and self.rule.per_tensor:
             raise OptimizerError(
                 f"{type(self.torch_optimizer).__name__} takes a norm per parameter tensor, and a pipelined model's "
@@ -198,8 +201,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.opt_state = with_shardings(jax.eval_shape(self.tx.init, params), self._state_shardings)
         else:
             self.opt_state = jax.jit(self.tx.init, out_shardings=self._state_shardings)(params)
+        # a new function per build: jit caches traces by function, and this build's bound method equals the last
+        # build's, whose trace may hold another transformation
         self._update = jax.jit(
-            self._apply,
+            functools.partial(self._apply),
             static_argnames=("checked", "dynamic"),
             donate_argnums=(0, 2),
             out_shardings=(model.stored_shardings, self._state_shardings, self._replicated, self._replicated),
@@ -210,15 +215,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Where each leaf of ``opt_state`` lives (ZeRO-1: split over ``dp`` as well)."""
         return self._state_shardings
 
-    def _fused_mode(self) -> str | None:
-        """How the update runs: "compiled" Pallas kernels, "interpret"ed ones, or None (the optax chain)."""
-        config = self.model.layout.config
-        if not config.fused_optimizer:
+    def _fused_mode(self, groups: list[dict]) -> str | None:
+        """How the update runs: "compiled" Pallas kernels, "interpret"ed ones, or None (the optax chain).
+
+        The config's ``fused_optimizer``: None (the default) takes the kernels on a GPU and the optax chain
+        elsewhere; True takes them everywhere (interpreted off a GPU: the GPU's numbers, slowly); False never.
+        """
+        asked = self.model.layout.config.fused_optimizer
+        on_gpu = jax.default_backend() == "gpu"
+        if asked is False or (asked is None and not on_gpu) or self._kernels_failed:
             return None
-        if config.shard_optimizer_state and self.model.layout.mesh.shape["dp"] > 1:
-            logger.warning("fused_optimizer: not with shard_optimizer_state (ZeRO-1) yet; the optax update runs")
+        say = logger.warning if asked else logger.info
+        if self.model.layout.config.shard_optimizer_state and self.model.layout.mesh.shape["dp"] > 1:
+            say("fused_optimizer: not with shard_optimizer_state (ZeRO-1) yet; the optax update runs")
             return None
-        if jax.default_backend() == "gpu":
+        unfused = [
+            i
+            for i, group in enumerate(groups)
+            if kernels.fused_version(self.rule.factory, self.rule.hyperparams(group)[1], interpret=False) is None
+        ]
+        if unfused:
+            say(
+                "fused_optimizer: %s with param group %d's options has no fused kernel (jmp.kernels); the optax "
+                "update runs",
+                type(self.torch_optimizer).__name__,
+                unfused[0],
+            )
+            return None
+        if on_gpu:
             return "compiled"
         logger.warning(
             "fused_optimizer on %s: the Pallas kernels run in interpret mode (the GPU kernels' numbers, slowly)",
@@ -226,10 +250,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
         return "interpret"
 
-    def _update_directions(self, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
-        """``tx.update``; fused kernels run per device (``shard_map``), each on its own shards."""
-        if self.fused is None:
-            return self.tx.update(grads, opt_state, params)
+    def _fused_update(self, grads: Any, opt_state: Any, params: Any, **extra: Any) -> tuple[Any, Any]:
+        """The new parameters and state from the kernels (``jmp.kernels``' extra arguments ``extra``), each
+        device updating its own shards (``shard_map``) in place."""
         param_specs = jax.tree.map(lambda s: s.spec, self.model.stored_shardings)
         state_specs = jax.tree.map(lambda s: s.spec, self._state_shardings)
         split = {
@@ -239,18 +262,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )[0]
         }
 
-        def update(grads, opt_state, params):
+        def update(grads, opt_state, params, extra):
             with kernels.split_over(split):  # whole-tensor norms (LAMB's trust ratio) add up the shards
-                return self.tx.update(grads, opt_state, params)
+                return self.tx.update(grads, opt_state, params, return_params=True, **extra)
 
         local = jax.shard_map(
             update,
             mesh=self.model.layout.mesh,
-            in_specs=(param_specs, state_specs, param_specs),
+            in_specs=(param_specs, state_specs, param_specs, PartitionSpec()),
             out_specs=(param_specs, state_specs),
             check_vma=False,
         )
-        return local(grads, opt_state, params)
+        new, new_state = local(grads, opt_state, params, extra)
+        # the frozen parameters' "new parameters" are optax.set_to_zero's zeros: they keep their values
+        new_params = jax.tree.map(lambda frozen, p, n: p if frozen else n, self._frozen, params, new)
+        return new_params, new_state
 
     def parameters_moved(self) -> None:
         """Called by the model when a pipelined model moves its parameters into the stages' buffers (first step):
@@ -323,11 +349,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         inf/nan gradient (or ``known_inf``) is skipped, on the device, and the dynamic scale adjusted.
         """
         scale = scaling.scale if dynamic else scaling
+        opt_state = _set_hyperparams(opt_state, hyperparams)
+        if self.fused is not None:
+            return self._apply_fused(params, grads, opt_state, 1.0 / scale, scaling, known_inf, checked, dynamic)
         grads = loss_scaling.unscaled(grads, 1.0 / scale)  # float32, whatever the gradients are kept in
         if self._clip_before:  # the rule's own clipping over every group's gradients (apex LAMB)
             grads = torch_optimizers.apex_clip(grads, self._clip_before)
-        opt_state = _set_hyperparams(opt_state, hyperparams)
-        updates, new_state = self._update_directions(grads, opt_state, params)
+        updates, new_state = self.tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if not checked:
             return new_params, new_state, scaling, known_inf
@@ -337,6 +365,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
         if dynamic:
             scaling = loss_scaling.updated(scaling, found_inf, self.scaling.args)
+        return new_params, new_state, scaling, found_inf
+
+    def _apply_fused(self, params, grads, opt_state, inv_scale, scaling, known_inf, checked, dynamic):
+        """``_apply`` in one pass of the kernels: they read the gradients as the backward left them, unscale
+        (and clip) them, and skip the update on an overflow, which a reduction over the gradients finds first."""
+        found_inf = known_inf
+        if checked:
+            found_inf = jnp.logical_or(known_inf, jnp.logical_not(loss_scaling.all_finite(grads)))
+        divisor = jnp.ones((), jnp.float32)
+        if self._clip_before:
+            divisor = torch_optimizers.apex_clip_divisor(loss_scaling.unscaled(grads, inv_scale), self._clip_before)
+        extra = dict(grad_scale=inv_scale, grad_divisor=divisor, skip=found_inf)
+        new_params, new_state = self._fused_update(grads, opt_state, params, **extra)
+        if checked:  # the kernels kept their tensors; the scalars (step counts, hyper-parameters) are kept here
+            new_state = jax.tree.map(
+                lambda new, old: jnp.where(found_inf, old, new) if jnp.ndim(new) == 0 else new, new_state, opt_state
+            )
+            if dynamic:
+                scaling = loss_scaling.updated(scaling, found_inf, self.scaling.args)
         return new_params, new_state, scaling, found_inf
 
     def step(self, closure: Any = None) -> None:
@@ -377,21 +424,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _run_update(self, scaling: Any, known_inf: jax.Array, *, checked: bool, dynamic: bool) -> Any:
         training = self.model.training_state
-        training.params, self.opt_state, scaling, found_inf = self._update(
-            training.params,
-            training.grads,
-            self.opt_state,
-            self._hyperparams(),
-            scaling,
-            known_inf,
-            checked=checked,
-            dynamic=dynamic,
-        )
+        args = (training.params, training.grads, self.opt_state, self._hyperparams(), scaling, known_inf)
+        try:
+            result = self._update(*args, checked=checked, dynamic=dynamic)
+        except Exception as error:  # Pallas' lowering and XLA's Triton compiler raise errors of their own types
+            if not self._falls_back_from_kernels(error, args[:3]):
+                raise
+            result = self._update(*args, checked=checked, dynamic=dynamic)
+        training.params, self.opt_state, scaling, found_inf = result
+        self._kernels_ran = self.fused is not None
         self._found_inf = found_inf if checked else None
         self.grads_unscaled = False
         if self.torch_optimizer is not None:
             self.torch_optimizer._opt_called = True  # what torch's LR schedulers check before stepping
         return scaling
+
+    def _falls_back_from_kernels(self, error: Exception, donated: tuple) -> bool:
+        """After the first compiled-kernel update failed to build, before it consumed its inputs: switch to
+        the optax update (the same state tree, so the state carries over) and say so."""
+        if self.fused != "compiled" or self._kernels_ran:
+            return False
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(donated) if isinstance(leaf, jax.Array)):
+            return False
+        logger.warning(
+            "fused_optimizer: the Pallas kernels did not build on this %s (%s: %s); the optax update runs instead "
+            "(set fused_optimizer: False to skip trying)",
+            jax.default_backend(),
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+        )
+        self._kernels_failed = True
+        state = self.opt_state
+        self._build()
+        self.opt_state = state
+        return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.training_state.grads = None

@@ -268,9 +268,14 @@ def apex_clip(grads: Any, max_norm: float) -> Any:
     """apex LAMB's clipping: gradients divided by ``norm / max_norm`` when their global norm is above it."""
     if max_norm <= 0:
         return grads
-    norm = optax.global_norm(grads)
-    divisor = jnp.where(norm > max_norm, norm / max_norm, 1.0)
+    divisor = apex_clip_divisor(grads, max_norm)
     return jax.tree.map(lambda g: g / divisor, grads)
+
+
+def apex_clip_divisor(grads: Any, max_norm: float) -> jax.Array:
+    """What apex LAMB divides the gradients by: ``norm / max_norm`` when their global norm is above it, else 1."""
+    norm = optax.global_norm(grads)
+    return jnp.where(norm > max_norm, norm / max_norm, 1.0)
 
 
 def adadelta(lr, rho, eps, weight_decay, *, maximize):

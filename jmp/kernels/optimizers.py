@@ -3,10 +3,21 @@
 ``fused_adam``, ``fused_sgd``, ``fused_adagrad`` and ``fused_lamb`` compute what ``jmp.torch_optimizers``'
 optax chains for ``torch.optim.Adam`` / ``AdamW``, ``SGD``, ``Adagrad`` and apex's ``FusedLAMB``
 (``smp.optimizers``) compute, in the same order of operations, and keep the chains' own state, tree for tree
-(torch-format state dicts and checkpoints are the same on both paths).
-One pass reads gradient, parameter and state and writes the update and the new state; the tensors of each
-dtype go through one ``pallas_call`` (see ``jmp.kernels.multi_tensor``). Like any optax transformation, the
-result is an update to add with ``optax.apply_updates``.
+(torch-format state dicts and checkpoints are the same on both paths). The tensors of each dtype go through
+one ``pallas_call`` (see ``jmp.kernels.multi_tensor``), which reads gradient, parameter and state and writes
+the update and the new state in place. Like any optax transformation, the result is an update to add with
+``optax.apply_updates``.
+
+``update`` also takes what a mixed-precision step needs done in the same pass (optax's extra arguments, passed
+by ``DistributedOptimizer``; other transformations ignore them):
+
+- ``grad_scale``: the gradients are cast to float32 and multiplied by it in the kernel (``1 / loss scale``:
+  the gradients come as the backward left them, fp16 or bf16 included, and no unscaled copy is written);
+- ``grad_divisor``: then divided by it (clipping by a global norm computed beforehand, as apex LAMB clips);
+- ``skip``: a device bool; when true (an overflow step) the parameters and this transformation's state are
+  kept, as torch's fused optimizers do with ``found_inf``;
+- ``return_params``: the result is the new parameters, written over the old in place, not an update to add
+  (one pass over the parameters instead of two).
 
 ``interpret=True`` runs the kernels in Pallas' interpret mode: on a CPU (which Pallas does not compile for)
 they then give the compiled kernels' numbers, slowly; this is how the tests check them without a GPU.
@@ -27,30 +38,102 @@ from jmp import torch_optimizers
 from jmp.kernels import multi_tensor
 from jmp.torch_optimizers import TorchAdagradState, TorchMomentumState
 
+_GRAD_SCALE, _GRAD_DIVISOR, _SKIP = 0, 1, 2  # the scalar slots every kernel reads; an optimizer's own follow
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    """The extra arguments of one ``update`` (see the module docstring)."""
+
+    grad_scale: Any = 1.0
+    grad_divisor: Any = 1.0
+    skip: Any = False
+    return_params: bool = False
+
+    def scalars(self, *own: Any) -> jax.Array:
+        return multi_tensor.scalar_vector(self.grad_scale, self.grad_divisor, jnp.asarray(self.skip), *own)
+
+    def counted(self, old: jax.Array, new: jax.Array) -> jax.Array:
+        """A step count (or flag) after this update: unchanged when it is skipped."""
+        return jnp.where(self.skip, old, new)
+
+    def result(self, params: list[jax.Array], steps: list[jax.Array]) -> list[jax.Array]:
+        """What ``update`` returns from steps computed outside a kernel (LAMB's): updates, or new parameters."""
+        if self.return_params:
+            return [jnp.where(self.skip, p, optax.apply_updates(p, s)) for p, s in zip(params, steps)]
+        return [jnp.where(self.skip, jnp.zeros_like(s), s) for s in steps]
+
+
+def _extra(grad_scale=1.0, grad_divisor=1.0, skip=False, return_params=False, **ignored) -> _Pass:
+    return _Pass(grad_scale, grad_divisor, skip, return_params)
+
+
+class _Own:
+    """An optimizer's own scalars: the kernel's scalar vector after the slots every kernel reads."""
+
+    def __init__(self, ref: Any):
+        self.ref = ref
+
+    def __getitem__(self, i: int) -> jax.Array:
+        return self.ref[_SKIP + 1 + i]
+
+
+def _kernel_body(step: Callable[..., tuple[jax.Array, ...]], first: str) -> Callable[..., tuple[jax.Array, ...]]:
+    """The kernel body around ``step(own scalars, g, *state, p) -> (update, *state)``: the gradient unscaled
+    (and clipped) first, the state kept on a skipped step, and the first result as ``first`` says: the
+    ``"update"``, the ``"param"`` with the update added, or the ``"direction"`` as ``step`` gave it."""
+
+    def body(s, p, g, *state):
+        g = ((g.astype(jnp.float32) * s[_GRAD_SCALE]) / s[_GRAD_DIVISOR]).astype(p.dtype)
+        update, *new_state = step(_Own(s), g, *state, p)
+        skip = s[_SKIP] > 0.5
+        new_state = [jnp.where(skip, old, new.astype(old.dtype)) for old, new in zip(state, new_state)]
+        if first == "param":
+            update = jnp.where(skip, p, (p + update).astype(p.dtype))  # optax.apply_updates' arithmetic
+        elif first == "update":
+            update = jnp.where(skip, jnp.zeros_like(update), update)
+        return update, *new_state
+
+    return body
+
 
 def _update_by_dtype(
-    body: Callable[..., tuple[jax.Array, ...]],
+    step: Callable[..., tuple[jax.Array, ...]],
     scalars: jax.Array,
-    columns: Sequence[Sequence[jax.Array]],
-    outputs: int,
+    params: list[jax.Array],
+    grads: list[jax.Array],
+    state: Sequence[list[jax.Array]],
     *,
+    first: str,
     interpret: bool,
     name: str,
-) -> list[list[jax.Array]]:
-    """The first ``outputs`` of ``columns`` (lists of tensors, the parameters last) after ``body``: one kernel
-    launch per parameter dtype."""
-    count = len(columns[0])
-    result: list[list[Any]] = [[None] * count for _ in range(outputs)]
+) -> tuple[list[jax.Array], ...]:
+    """``step`` over every tensor (``_kernel_body``), one kernel launch per parameter dtype (or a few, for more
+    tensors than one launch's arguments hold); returns the first result's tensors (written over the parameters
+    when ``first`` is ``"param"``) and the new state's."""
+    columns = [params, grads, *state]
+    outputs = [0, *range(2, len(columns))]
+    in_place = set(range(1, len(outputs))) | ({0} if first == "param" else set())  # the state; the parameters
+    body = _kernel_body(step, first)
+    result: list[list[Any]] = [[None] * len(params) for _ in outputs]
     by_dtype: dict[jnp.dtype, list[int]] = {}
-    for i, param in enumerate(columns[-1]):
+    for i, param in enumerate(params):
         by_dtype.setdefault(jnp.dtype(param.dtype), []).append(i)
     for dtype, indices in by_dtype.items():
-        buffers = [multi_tensor.pack([column[i] for i in indices], dtype) for column in columns]
-        new = multi_tensor.elementwise(body, scalars, buffers, outputs, interpret=interpret, name=f"{name}_{dtype}")
-        for k in range(outputs):
-            for i, tensor in zip(indices, multi_tensor.unpack(new[k], [columns[k][i] for i in indices])):
-                result[k][i] = tensor
-    return result
+        for chunk in multi_tensor.launches(indices, operands=len(columns) + len(outputs)):
+            new = multi_tensor.elementwise(
+                body,
+                scalars,
+                [[column[i] for i in chunk] for column in columns],
+                outputs,
+                in_place=in_place,
+                interpret=interpret,
+                name=f"{name}_{dtype}",
+            )
+            for j, tensors in enumerate(new):
+                for i, tensor in zip(chunk, tensors):
+                    result[j][i] = tensor
+    return tuple(result)
 
 
 def _leaves(*trees: Any) -> tuple[list[list[jax.Array]], Any]:
@@ -74,6 +157,7 @@ class _Moments:
 
     at: int  # where the chain keeps its ``ScaleByAdamState``
     count: jax.Array
+    kept_count: jax.Array  # the count stored afterwards: not advanced by a skipped update
     grads: list[jax.Array]
     mu: list[jax.Array]
     nu: list[jax.Array]
@@ -81,24 +165,30 @@ class _Moments:
     treedef: Any
 
     @classmethod
-    def of(cls, state: tuple, updates: Any, params: Any) -> _Moments:
+    def of(cls, state: tuple, updates: Any, params: Any, extra: _Pass) -> _Moments:
         at = _position(state, optax.ScaleByAdamState)
         (grads, mu, nu, ps), treedef = _leaves(updates, state[at].mu, state[at].nu, params)
-        return cls(at, optax.safe_increment(state[at].count), grads, mu, nu, ps, treedef)
+        old = state[at].count
+        count = optax.safe_increment(old)
+        return cls(at, count, extra.counted(old, count), grads, mu, nu, ps, treedef)
 
     def counted(self, state: tuple) -> tuple:
-        return _replaced(state, self.at, state[self.at]._replace(count=self.count))
+        return _replaced(state, self.at, state[self.at]._replace(count=self.kept_count))
 
     def updated(self, state: tuple, mu: list[jax.Array], nu: list[jax.Array]) -> tuple:
         unflatten = functools.partial(jax.tree.unflatten, self.treedef)
-        return _replaced(state, self.at, optax.ScaleByAdamState(self.count, unflatten(mu), unflatten(nu)))
+        return _replaced(state, self.at, optax.ScaleByAdamState(self.kept_count, unflatten(mu), unflatten(nu)))
+
+
+def _first(extra: _Pass) -> str:
+    return "param" if extra.return_params else "update"
 
 
 # --- Adam, AdamW ----------------------------------------------------------------------------------------------
 
 
-def _adam_body(decoupled: bool, maximize: bool):
-    def body(s, g, m, v, p):
+def _adam_step(decoupled: bool, maximize: bool):
+    def step(s, g, m, v, p):
         lr, b1, b2, eps, weight_decay, correction1, correction2, keep1, keep2 = (s[i] for i in range(9))
         if maximize:
             g = -1.0 * g
@@ -111,12 +201,12 @@ def _adam_body(decoupled: bool, maximize: bool):
             update = update + weight_decay * p
         return -lr * update, m, v
 
-    return body
+    return step
 
 
 def fused_adam(
     lr, beta1, beta2, eps, weight_decay, *, amsgrad=False, maximize=False, decoupled=False, interpret=False
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """torch's ``Adam`` (``decoupled=True``: ``AdamW``) in one kernel per dtype.
 
     Its state is the optax chain's (``jmp.torch_optimizers.adam`` / ``adamw``), tree for tree, so a checkpoint
@@ -127,23 +217,30 @@ def fused_adam(
     chain = (torch_optimizers.adamw if decoupled else torch_optimizers.adam)(
         lr, beta1, beta2, eps, weight_decay, amsgrad=False, maximize=maximize
     )
-    body = _adam_body(decoupled, maximize)
+    step = _adam_step(decoupled, maximize)
 
-    def update(updates, state, params=None):
-        moments = _Moments.of(state, updates, params)
+    def update(updates, state, params=None, **extra_args):
+        extra = _extra(**extra_args)
+        moments = _Moments.of(state, updates, params, extra)
         if not moments.grads:
             return updates, moments.counted(state)
         count = moments.count
-        scalars = multi_tensor.scalar_vector(
+        scalars = extra.scalars(
             lr, beta1, beta2, eps, weight_decay, 1 - beta1**count, 1 - beta2**count, 1 - beta1, 1 - beta2
         )
-        columns = [moments.grads, moments.mu, moments.nu, moments.params]
-        new, mu, nu = _update_by_dtype(
-            body, scalars, columns, 3, interpret=interpret, name="adamw" if decoupled else "adam"
+        first, mu, nu = _update_by_dtype(
+            step,
+            scalars,
+            moments.params,
+            moments.grads,
+            [moments.mu, moments.nu],
+            first=_first(extra),
+            interpret=interpret,
+            name="adamw" if decoupled else "adam",
         )
-        return jax.tree.unflatten(moments.treedef, new), moments.updated(state, mu, nu)
+        return jax.tree.unflatten(moments.treedef, first), moments.updated(state, mu, nu)
 
-    return optax.GradientTransformation(chain.init, update)
+    return optax.GradientTransformationExtraArgs(chain.init, update)
 
 
 def fused_adamw(lr, beta1, beta2, eps, weight_decay, *, amsgrad=False, maximize=False, interpret=False):
@@ -163,8 +260,8 @@ def fused_apex_adam(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_co
 # --- LAMB ------------------------------------------------------------------------------------------------------
 
 
-def _lamb_body(adam_w_mode: bool):
-    def body(s, g, m, v, p):
+def _lamb_step(adam_w_mode: bool):
+    def step(s, g, m, v, p):
         b1, b2, eps, weight_decay, correction1, correction2, keep1, keep2 = (s[i] for i in range(8))
         if not adam_w_mode:
             g = g + weight_decay * p  # L2: on the gradient, before the moments
@@ -175,7 +272,7 @@ def _lamb_body(adam_w_mode: bool):
             direction = direction + weight_decay * p
         return direction, m, v
 
-    return body
+    return step
 
 
 def fused_lamb(
@@ -190,7 +287,7 @@ def fused_lamb(
     grad_averaging,
     use_nvlamb,
     interpret=False,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """apex's LAMB (``jmp.torch_optimizers.lamb``): moments and direction in one kernel per dtype, then each
     tensor's trust ratio ``||p|| / ||direction||`` from its whole norms (its shards' sums added over the
     devices holding them, ``multi_tensor.split_over``) scaling its step. State: the optax chain's."""
@@ -205,18 +302,27 @@ def fused_lamb(
         grad_averaging=grad_averaging,
         use_nvlamb=use_nvlamb,
     )
-    body = _lamb_body(adam_w_mode)
+    step = _lamb_step(adam_w_mode)
 
-    def update(updates, state, params=None):
-        moments = _Moments.of(state, updates, params)
+    def update(updates, state, params=None, **extra_args):
+        extra = _extra(**extra_args)
+        moments = _Moments.of(state, updates, params, extra)
         if not moments.grads:
             return updates, moments.counted(state)
         count, ps = moments.count, moments.params
         corrections = (1 - beta1**count, 1 - beta2**count) if bias_correction else (1.0, 1.0)
         keep1 = 1 - beta1 if grad_averaging else 1.0
-        scalars = multi_tensor.scalar_vector(beta1, beta2, eps, weight_decay, *corrections, keep1, 1 - beta2)
-        columns = [moments.grads, moments.mu, moments.nu, ps]
-        directions, mu, nu = _update_by_dtype(body, scalars, columns, 3, interpret=interpret, name="lamb")
+        scalars = extra.scalars(beta1, beta2, eps, weight_decay, *corrections, keep1, 1 - beta2)
+        directions, mu, nu = _update_by_dtype(
+            step,
+            scalars,
+            ps,
+            moments.grads,
+            [moments.mu, moments.nu],
+            first="direction",
+            interpret=interpret,
+            name="lamb",
+        )
         paths = multi_tensor.tree_paths(params)
         p_norms = [jnp.sqrt(x) for x in multi_tensor.whole_sums(paths, [jnp.sum(p * p) for p in ps])]
         d_norms = [jnp.sqrt(x) for x in multi_tensor.whole_sums(paths, [jnp.sum(d * d) for d in directions])]
@@ -225,16 +331,17 @@ def fused_lamb(
         for d, p, p_norm, d_norm in zip(directions, ps, p_norms, d_norms):
             ratio = jnp.where((p_norm == 0.0) | (d_norm == 0.0), jnp.array(1.0, p.dtype), 1.0 * p_norm / (d_norm + 0.0))
             steps.append(-lr * jnp.where(active, d * ratio, d))
-        return jax.tree.unflatten(moments.treedef, steps), moments.updated(state, mu, nu)
+        result = extra.result(ps, steps)
+        return jax.tree.unflatten(moments.treedef, result), moments.updated(state, mu, nu)
 
-    return optax.GradientTransformation(chain.init, update)
+    return optax.GradientTransformationExtraArgs(chain.init, update)
 
 
 # --- SGD -------------------------------------------------------------------------------------------------------
 
 
-def _sgd_body(nesterov: bool, maximize: bool, has_momentum: bool):
-    def body(s, g, *rest):
+def _sgd_step(nesterov: bool, maximize: bool, has_momentum: bool):
+    def step(s, g, *rest):
         lr, momentum, keep, weight_decay, started = (s[i] for i in range(5))
         *buffer, p = rest
         if maximize:
@@ -246,40 +353,43 @@ def _sgd_body(nesterov: bool, maximize: bool, has_momentum: bool):
         direction = g + momentum * b if nesterov else b
         return -lr * direction, b
 
-    return body
+    return step
 
 
 def fused_sgd(
     lr, momentum, dampening, weight_decay, *, nesterov, maximize, has_momentum, interpret=False
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """torch's ``SGD`` (momentum, dampening, Nesterov) in one kernel per dtype; state: the optax chain's."""
     chain = torch_optimizers.sgd(
         lr, momentum, dampening, weight_decay, nesterov=nesterov, maximize=maximize, has_momentum=has_momentum
     )
-    body = _sgd_body(nesterov, maximize, has_momentum)
+    step = _sgd_step(nesterov, maximize, has_momentum)
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra_args):
+        extra = _extra(**extra_args)
         at = _position(state, TorchMomentumState) if has_momentum else None
         buffers = [state[at].momentum_buffer] if has_momentum else []
-        (grads, *columns), treedef = _leaves(updates, *buffers, params)
+        (grads, *buffer, ps), treedef = _leaves(updates, *buffers, params)
         if not grads:
             return updates, state
-        started = state[at].started if has_momentum else 0.0
-        scalars = multi_tensor.scalar_vector(lr, momentum, 1 - dampening, weight_decay, started)
-        new = _update_by_dtype(body, scalars, [grads, *columns], 1 + has_momentum, interpret=interpret, name="sgd")
+        started = state[at].started if has_momentum else False
+        scalars = extra.scalars(lr, momentum, 1 - dampening, weight_decay, started)
+        first, *new_buffer = _update_by_dtype(
+            step, scalars, ps, grads, buffer, first=_first(extra), interpret=interpret, name="sgd"
+        )
         if has_momentum:
-            buffer = TorchMomentumState(jax.tree.unflatten(treedef, new[1]), jnp.ones([], jnp.bool_))
-            state = _replaced(state, at, buffer)
-        return jax.tree.unflatten(treedef, new[0]), state
+            kept = extra.counted(started, jnp.ones([], jnp.bool_))
+            state = _replaced(state, at, TorchMomentumState(jax.tree.unflatten(treedef, new_buffer[0]), kept))
+        return jax.tree.unflatten(treedef, first), state
 
-    return optax.GradientTransformation(chain.init, update)
+    return optax.GradientTransformationExtraArgs(chain.init, update)
 
 
 # --- Adagrad ---------------------------------------------------------------------------------------------------
 
 
-def _adagrad_body(maximize: bool):
-    def body(s, g, total, p):
+def _adagrad_step(maximize: bool):
+    def step(s, g, total, p):
         lr, weight_decay, decay, eps = (s[i] for i in range(4))
         if maximize:
             g = -1.0 * g
@@ -287,32 +397,36 @@ def _adagrad_body(maximize: bool):
         total = total + g * g
         return -lr * (decay * g / (jnp.sqrt(total) + eps)), total
 
-    return body
+    return step
 
 
 def fused_adagrad(
     lr, lr_decay, weight_decay, eps, *, initial_accumulator_value, maximize, interpret=False
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """torch's ``Adagrad`` (``lr_decay``, eps outside the root) in one kernel per dtype; state: the optax
     chain's."""
     chain = torch_optimizers.adagrad(
         lr, lr_decay, weight_decay, eps, initial_accumulator_value=initial_accumulator_value, maximize=maximize
     )
-    body = _adagrad_body(maximize)
+    step = _adagrad_step(maximize)
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra_args):
+        extra = _extra(**extra_args)
         at = _position(state, TorchAdagradState)
-        count = state[at].count + 1
+        old = state[at].count
+        count = old + 1
         (grads, total, ps), treedef = _leaves(updates, state[at].sum, params)
         if not grads:
-            return updates, _replaced(state, at, state[at]._replace(count=count))
+            return updates, _replaced(state, at, state[at]._replace(count=extra.counted(old, count)))
         decay = 1.0 / (1.0 + (count - 1) * lr_decay)
-        scalars = multi_tensor.scalar_vector(lr, weight_decay, decay, eps)
-        new, total = _update_by_dtype(body, scalars, [grads, total, ps], 2, interpret=interpret, name="adagrad")
-        adagrad = TorchAdagradState(count, jax.tree.unflatten(treedef, total))
-        return jax.tree.unflatten(treedef, new), _replaced(state, at, adagrad)
+        scalars = extra.scalars(lr, weight_decay, decay, eps)
+        first, total = _update_by_dtype(
+            step, scalars, ps, grads, [total], first=_first(extra), interpret=interpret, name="adagrad"
+        )
+        adagrad = TorchAdagradState(extra.counted(old, count), jax.tree.unflatten(treedef, total))
+        return jax.tree.unflatten(treedef, first), _replaced(state, at, adagrad)
 
-    return optax.GradientTransformation(chain.init, update)
+    return optax.GradientTransformationExtraArgs(chain.init, update)
 
 
 # --- which torch optimizers have a fused update ---------------------------------------------------------------

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,11 +97,11 @@ PARAMS = {
 GRADS = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.PRNGKey(10 + i), p.shape), PARAMS) for i in range(5)]
 
 
-def _five_steps(factory, numeric, static):
+def _five_steps(factory, numeric, static, steps=GRADS):
     tx = optax.inject_hyperparams(factory, static_args=tuple(static))(**numeric, **static)
     params, state = PARAMS, tx.init(PARAMS)
     update = jax.jit(tx.update)
-    for grads in GRADS:
+    for grads in steps:
         updates, state = update(grads, state, params)
         params = optax.apply_updates(params, updates)
     return params, state
@@ -133,6 +135,37 @@ def test_each_kernel_computes_what_the_optax_chain_computes(case):
     for mine, theirs in zip(_states(got_state), _states(expected_state)):
         for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
             assert _within_ulps(x, y, max_ulp)
+
+
+@pytest.mark.parametrize("case", ["adam-l2", "sgd-nesterov", "lamb", "adagrad"])
+def test_the_kernels_unscale_clip_skip_and_apply_in_their_pass(case):
+    """fp16 loss-scaled gradients unscaled and divided by a clipping divisor in the kernel, the update added to
+    the parameters there: the chain's numbers on the unscaled, clipped gradients; a skipped step keeps all."""
+    chain, fused, numeric, static, max_ulp = CASES[case]
+    scale, divisor = 2.0**10, 1.5
+    halves = [jax.tree.map(lambda g: (g * scale).astype(jnp.float16), grads) for grads in GRADS]
+    clipped = [jax.tree.map(lambda h: h.astype(jnp.float32) * (1 / scale) / divisor, half) for half in halves]
+    expected, expected_state = _five_steps(chain, numeric, static, clipped)
+
+    tx = optax.inject_hyperparams(functools.partial(fused, interpret=True), static_args=tuple(static))(
+        **numeric, **static
+    )
+    update = jax.jit(functools.partial(tx.update, grad_scale=1 / scale, grad_divisor=divisor, return_params=True))
+    params, state = PARAMS, tx.init(PARAMS)
+    for i, half in enumerate(halves):
+        if i == 2:  # an overflow step first: the parameters and the optimizer's state stay as they were
+            kept, kept_state = update(half, state, params, skip=jnp.bool_(True))
+            chex.assert_trees_all_equal(kept, params)
+            chex.assert_trees_all_equal(kept_state.inner_state, state.inner_state)
+        params, state = update(half, state, params, skip=jnp.bool_(False))
+    # unscaling, clipping and adding the update in the kernel's one expression lets XLA contract a multiply and
+    # an add that the chain's separate programs round apart: up to 2 ulp of the largest value after 5 steps
+    ulps = max(max_ulp, 2)
+    for name in PARAMS:
+        assert _within_ulps(params[name], expected[name], ulps), name
+    for mine, theirs in zip(_states(state), _states(expected_state)):
+        for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+            assert _within_ulps(x, y, ulps)
 
 
 def test_the_gpu_program_has_one_kernel_per_param_group_and_dtype():
@@ -179,7 +212,8 @@ def lm_step(model, ids):
     return loss
 
 
-def _train(fused, make_optimizer, steps, config=None, clip=None, layout=None, **optimizer_options):
+def _train(fused, make_optimizer, steps, config=None, clip=None, layout=None, gpu=None, **optimizer_options):
+    """``steps`` training steps of a small Llama; ``gpu`` (a ``MonkeyPatch``): the optimizer is built as on a GPU."""
     smp.init({**(LAYOUT if layout is None else layout), **(config or {}), "fused_optimizer": fused})
     torch.manual_seed(0)
     model = smp.DistributedModel(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA)))
@@ -188,7 +222,10 @@ def _train(fused, make_optimizer, steps, config=None, clip=None, layout=None, **
         {"params": [p for n, p in named if "norm" not in n], "weight_decay": 0.1},
         {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
     ]
-    optimizer = smp.DistributedOptimizer(make_optimizer(groups), **optimizer_options)
+    with gpu.context() if gpu else contextlib.nullcontext() as patch:
+        if gpu:
+            patch.setattr(jax, "default_backend", lambda: "gpu")
+        optimizer = smp.DistributedOptimizer(make_optimizer(groups), **optimizer_options)
     losses, overflows = [], []
     for _ in range(steps):
         optimizer.zero_grad()
@@ -252,6 +289,55 @@ def test_kernels_update_each_devices_shards_as_the_optax_path_does(make, layout,
         for key, value in entries.items():
             np.testing.assert_array_equal(np.asarray(value), np.asarray(optimizer.state_dict()["state"][index][key]))
     optimizer.load_state_dict(plain.state_dict())
+
+
+def test_on_a_gpu_the_update_is_by_default_one_in_place_kernel_per_param_group(monkeypatch):
+    """The config's default picks the compiled kernels on a GPU; the whole update, lowered for CUDA, hands the
+    kernels the fp16 gradients as the backward left them, with no packing copies, and writes in place."""
+    smp.init({**LAYOUT, "fp16": True})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA)))
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if "norm" not in n], "weight_decay": 0.1},
+        {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
+    ]
+    with monkeypatch.context() as patch:
+        patch.setattr(jax, "default_backend", lambda: "gpu")
+        optimizer = smp.DistributedOptimizer(torch.optim.AdamW(groups, lr=1e-3), dynamic_loss_scale=True)
+    assert optimizer.fused == "compiled"
+    params = model.training_state.params
+    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float16, sharding=p.sharding), params)
+    traced = optimizer._update.trace(
+        params,
+        grads,
+        optimizer.opt_state,
+        optimizer._hyperparams(),
+        optimizer.scale_state,
+        optimizer._no_inf,
+        checked=True,
+        dynamic=True,
+    )
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo.custom_call @(\S+?)\(", text) == ["__gpu$xla.gpu.triton"] * 2  # 2 groups
+    assert text.count("output_operand_aliases") == 2  # parameters and moments written over
+    concatenated = re.findall(r"stablehlo.concatenate .*-> tensor<(\d+)x", text)
+    assert concatenated and all(int(n) <= 32 for n in concatenated)  # the kernels' scalar vectors only
+
+
+def test_kernels_that_do_not_build_on_the_device_leave_the_optax_update_running(monkeypatch, caplog):
+    """On a CPU the compiled (not interpreted) kernels cannot build: as on a GPU whose Triton refused them, the
+    first update says so and runs the optax update, from the same state, and training goes on unharmed."""
+
+    def adamw(groups):
+        return torch.optim.AdamW(groups, lr=3e-3)
+
+    losses, _, params, optimizer = _train(None, adamw, 3, gpu=monkeypatch)
+    plain_losses, _, plain_params, _ = _train(False, adamw, 3)
+    assert optimizer.fused is None and "the Pallas kernels did not build" in caplog.text
+    np.testing.assert_array_equal(losses, plain_losses)
+    for name, value in plain_params.items():
+        np.testing.assert_array_equal(params[name].numpy(), value.numpy())
 
 
 def test_the_optax_update_runs_by_default_and_with_shard_optimizer_state():
