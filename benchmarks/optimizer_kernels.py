@@ -1,22 +1,26 @@
-"""AdamW updates: the fused Pallas kernel (``jmp.kernels``) against the optax path and torch's fused AdamW.
+"""AdamW updates: the fused Pallas kernels (``jmp.kernels``) against the optax path and torch's fused AdamW.
 
     python -m benchmarks.optimizer_kernels [--steps 20] [--out benchmarks/results/optimizer_kernels.json]
 
 The parameters are a transformer's: 16 layers of 12 tensors (attention, MLP, norms, biases) plus embeddings,
-about 100M float32 parameters in ~200 tensors on a GPU (width 724), 3M on other backends (width 128). One
-update reads parameter, gradient and two moments and writes parameter and moments: 28 bytes per parameter, so
-``28 * params / seconds`` is the bandwidth an update achieves, reported as a fraction of ``--peak-gbps``
-(default: an H100 SXM's 3350 GB/s) on a GPU.
+about 100M float32 parameters in ~200 tensors on a GPU (width 724), 3M on other backends (width 128). The
+gradients carry a loss scale, in float32 (``fp32``) or bf16 as a mixed-precision backward leaves them
+(``mixed``; jmp keeps no half-precision copy of the parameters between steps, so none is written). One update
+reads parameter, gradient and two moments and writes parameter and moments: 28 bytes per parameter (26 with
+bf16 gradients), so ``bytes * params / seconds`` is the bandwidth an update achieves, reported as a fraction of
+``--peak-gbps`` (default: an H100 SXM's 3350 GB/s) on a GPU.
 
-- ``fused``: ``jmp.kernels.fused_adamw`` compiled (Triton), one launch for all tensors, then
-  ``optax.apply_updates``, in one jitted program with the state donated.
-- ``optax``: ``jmp.torch_optimizers.adamw`` (what ``DistributedOptimizer`` runs elsewhere), the same way.
-- ``torch``: ``torch.optim.AdamW(fused=True)`` on the same shapes, when torch sees a CUDA device.
+- ``fused``: ``jmp.kernels.fused_adamw`` compiled (Triton): unscaling, update and the new parameters and
+  moments written in place, one launch per 73 tensors, in one jitted program with the state donated (what
+  ``DistributedOptimizer`` runs on a GPU).
+- ``optax``: the gradients unscaled, ``jmp.torch_optimizers.adamw``, ``optax.apply_updates``, the same way
+  (what it runs elsewhere, and with ``fused_optimizer: False``).
+- ``torch``: ``torch.optim.AdamW(fused=True)`` on the same shapes (float32 gradients), when torch sees a CUDA
+  device.
 
-On a CPU Pallas runs only in interpret mode, which checks the kernel's numbers but says nothing about its
-speed: the script then reports the largest difference from the optax path and its interpret-mode time,
-labelled as such. The update does not write a half-precision copy of the parameters (mixed precision casts
-them in the step).
+On a CPU Pallas runs only in interpret mode, which checks the kernels' numbers but says nothing about their
+speed: the script then reports the largest difference from the optax path and the interpret-mode time,
+labelled as such.
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ import optax
 import torch
 
 from benchmarks.harness import machine, time_interleaved, write_results
-from jmp import torch_optimizers
+from jmp import loss_scaling, torch_optimizers
 from jmp.kernels import fused_adamw
 
 LAYERS, VOCAB = 16, 32000
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+SCALE = 2.0**12  # the loss scale the gradients carry
 
 
 def transformer_shapes(width: int, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -64,12 +69,16 @@ def _tree(shapes: dict, seed: int) -> dict:
     return {name: jax.random.normal(k, shape) * 0.02 for k, (name, shape) in zip(keys, shapes.items())}
 
 
-def _stepper(factory):
+def _stepper(factory, fused: bool):
+    """A jitted AdamW update of the whole tree: the parameters and state donated, the gradients loss-scaled by
+    ``SCALE`` in their own dtype (float32, or bf16 as a mixed-precision backward leaves them)."""
     tx = optax.inject_hyperparams(factory, static_args=("amsgrad", "maximize"))(**HYPER, amsgrad=False, maximize=False)
 
     @functools.partial(jax.jit, donate_argnums=(0, 2))
     def step(params, grads, state):
-        updates, state = tx.update(grads, state, params)
+        if fused:  # unscaled in the kernel, which writes the parameters and moments in place
+            return tx.update(grads, state, params, grad_scale=1 / SCALE, return_params=True)
+        updates, state = tx.update(loss_scaling.unscaled(grads, 1 / SCALE), state, params)
         return optax.apply_updates(params, updates), state
 
     return tx, step
@@ -84,22 +93,21 @@ def main() -> None:
     on_gpu = jax.default_backend() == "gpu"
     shapes = transformer_shapes(724 if on_gpu else 128, VOCAB if on_gpu else 4096)
     count = sum(int(np.prod(s)) for s in shapes.values())
-    grads = _tree(shapes, 1)
-    paths = {
-        "fused": functools.partial(fused_adamw, interpret=not on_gpu),
-        "optax": torch_optimizers.adamw,
-    }
-    results, finals, runs = {}, {}, {}
-    for name, factory in paths.items():
-        tx, step = _stepper(factory)
-        box = {"params": _tree(shapes, 0)}
-        box["state"] = tx.init(box["params"])
+    gradients = {"fp32": _tree(shapes, 1), "mixed": jax.tree.map(lambda g: g.astype(jnp.bfloat16), _tree(shapes, 1))}
+    gradients = {kind: jax.tree.map(lambda g: g * SCALE, tree) for kind, tree in gradients.items()}
+    factories = {"fused": functools.partial(fused_adamw, interpret=not on_gpu), "optax": torch_optimizers.adamw}
+    runs = {}
+    for kind, grads in gradients.items():
+        for name, factory in factories.items():
+            tx, step = _stepper(factory, fused=name == "fused")
+            box = {"params": _tree(shapes, 0)}
+            box["state"] = tx.init(box["params"])
 
-        def run(step=step, box=box):
-            box["params"], box["state"] = step(box["params"], grads, box["state"])
-            return box["params"]
+            def run(step=step, box=box, grads=grads):
+                box["params"], box["state"] = step(box["params"], grads, box["state"])
+                return box["params"]
 
-        runs[name] = run
+            runs[f"{name}-{kind}"] = run
     if on_gpu and torch.cuda.is_available():
         tensors = [torch.randn(s, device="cuda") * 0.02 for s in shapes.values()]
         for t in tensors:
@@ -110,31 +118,36 @@ def main() -> None:
             adamw.step()
             torch.cuda.synchronize()
 
-        runs["torch"] = torch_run
+        runs["torch-fp32"] = torch_run
     samples = time_interleaved(runs, args.steps, warmup=2)
-    for name in paths:
-        finals[name] = runs[name]()
-    difference = max(float(jnp.max(jnp.abs(finals["fused"][k] - finals["optax"][k]))) for k in shapes)
+    finals = {name: run() for name, run in runs.items() if not name.startswith("torch")}
+    differences = {
+        kind: max(float(jnp.max(jnp.abs(finals[f"fused-{kind}"][k] - finals[f"optax-{kind}"][k]))) for k in shapes)
+        for kind in gradients
+    }
+    results = {}
     for name, times in samples.items():
         seconds = statistics.median(times)
-        results[name] = {"median_seconds": seconds, "gbps": 28 * count / seconds / 1e9}
+        moved = (26 if name.endswith("mixed") else 28) * count
+        results[name] = {"median_seconds": seconds, "gbps": moved / seconds / 1e9}
         if on_gpu:
             results[name]["fraction_of_peak"] = results[name]["gbps"] / args.peak_gbps
     print(f"{count / 1e6:.1f}M float32 parameters in {len(shapes)} tensors on {jax.default_backend()}")
     if not on_gpu:
-        print("Pallas runs in interpret mode here: the times below are not the kernel's speed")
+        print("Pallas runs in interpret mode here: the fused times below are not the kernels' speed")
     for name, row in results.items():
         peak = f", {row['fraction_of_peak']:.0%} of peak" if "fraction_of_peak" in row else ""
-        print(f"{name:>6}: {row['median_seconds'] * 1e3:8.2f} ms per update, {row['gbps']:7.1f} GB/s{peak}")
-    print(f"largest |fused - optax| after {args.steps + 3} updates: {difference:.3g}")
+        print(f"{name:>12}: {row['median_seconds'] * 1e3:8.2f} ms per update, {row['gbps']:7.1f} GB/s{peak}")
+    for kind, difference in differences.items():
+        print(f"largest |fused - optax| ({kind}) after {args.steps + 3} updates: {difference:.3g}")
     write_results(
         args.out,
         {
             "what": __doc__.split("\n\n")[0],
             "machine": machine(),
-            "config": {"parameters": count, "tensors": len(shapes), "steps": args.steps, **HYPER},
+            "config": {"parameters": count, "tensors": len(shapes), "steps": args.steps, "loss_scale": SCALE, **HYPER},
             "interpret_mode": not on_gpu,
-            "max_abs_difference_fused_vs_optax": difference,
+            "max_abs_difference_fused_vs_optax": differences,
             "rows": results,
         },
     )
