@@ -193,10 +193,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "optimizer updates each stage's parameters packed into a few buffers; use it without "
                 "pipeline_parallel_degree, or use Adam / AdamW (smp.optimizers.FusedAdam)"
             )
-        if packed:
-            self._state_shardings = pipeline.layout.state_shardings(jax.eval_shape(self.tx.init, params))
-        else:
-            self._state_shardings = self._layout(params)
+        self._state_shardings = self._like_state(jax.eval_shape(self.tx.init, params))
         if model.abstract:  # shapes and shardings only (jmp.memory_estimate)
             self.opt_state = with_shardings(jax.eval_shape(self.tx.init, params), self._state_shardings)
         else:
@@ -226,9 +223,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if asked is False or (asked is None and not on_gpu) or self._kernels_failed:
             return None
         say = logger.warning if asked else logger.info
-        if self.model.layout.config.shard_optimizer_state and self.model.layout.mesh.shape["dp"] > 1:
-            say("fused_optimizer: not with shard_optimizer_state (ZeRO-1) yet; the optax update runs")
-            return None
         unfused = [
             i
             for i, group in enumerate(groups)
@@ -252,8 +246,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _fused_update(self, grads: Any, opt_state: Any, params: Any, **extra: Any) -> tuple[Any, Any]:
         """The new parameters and state from the kernels (``jmp.kernels``' extra arguments ``extra``), each
-        device updating its own shards (``shard_map``) in place."""
-        param_specs = jax.tree.map(lambda s: s.spec, self.model.stored_shardings)
+        device updating its own shards (``shard_map``) in place. Under ZeRO-1 a device updates the slice of the
+        parameters its state covers, and the new parameters are gathered over ``dp`` afterwards."""
+        param_specs = jax.tree.map(lambda s: s.spec, self._like_state(jax.eval_shape(lambda p: p, params)))
         state_specs = jax.tree.map(lambda s: s.spec, self._state_shardings)
         split = {
             path: sharding.spec_axes(spec)
@@ -312,11 +307,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "first step call"
             )
 
-    def _layout(self, params: nnx.State) -> Any:
-        """Shardings of the optimizer state: like the parameters, or split over ``dp`` too (shard_optimizer_state)."""
+    def _like_state(self, tree: Any) -> Any:
+        """Shardings of an optimizer state, or of a tree of parameter-shaped leaves as the state holds them: like
+        the parameters, or split over ``dp`` too (shard_optimizer_state, ZeRO-1)."""
+        pipeline = self.model.pipeline
+        if pipeline is not None and pipeline.ready:
+            return pipeline.layout.state_shardings(tree)
         layout = self.model.layout
         specs = sharding.optimizer_specs(layout.specs, layout.shapes, layout.mesh, layout.config.shard_optimizer_state)
-        return sharding.state_shardings(jax.eval_shape(self.tx.init, params), specs, layout.shapes, layout.mesh)
+        return sharding.state_shardings(tree, specs, layout.shapes, layout.mesh)
 
     # --- torch mapping ---------------------------------------------------------------------------------------
 

@@ -265,8 +265,10 @@ def test_adamw_kernels_train_like_the_optax_path_in_fp16_with_clipping_and_an_ov
         (lambda groups: torch.optim.Adam(groups, lr=1e-2), {"partitions": 2, "microbatches": 2}),  # stage buffers
         # LAMB's trust ratio takes each whole tensor's norm: its shards' sums added over the devices
         (lambda groups: smp.optimizers.FusedLAMB(groups, lr=1e-2, max_grad_norm=0.5), None),
+        # ZeRO-1: a device updates the slice of each parameter its state shard covers
+        (lambda groups: smp.optimizers.FusedLAMB(groups, lr=1e-2), {**LAYOUT, "shard_optimizer_state": True}),
     ],
-    ids=["sgd-nesterov-tp2xfsdp2", "adagrad-tp2xfsdp2", "adam-pp2", "apex-lamb-tp2xfsdp2"],
+    ids=["sgd-nesterov-tp2xfsdp2", "adagrad-tp2xfsdp2", "adam-pp2", "apex-lamb-tp2xfsdp2", "apex-lamb-zero1"],
 )
 def test_kernels_update_each_devices_shards_as_the_optax_path_does(make, layout, tmp_path):
     fused_losses, _, fused_params, optimizer = _train(True, make, 3, layout=layout)
@@ -340,12 +342,17 @@ def test_kernels_that_do_not_build_on_the_device_leave_the_optax_update_running(
         np.testing.assert_array_equal(params[name].numpy(), value.numpy())
 
 
-def test_the_optax_update_runs_by_default_and_with_shard_optimizer_state():
-    smp.init({"shard_optimizer_state": True, "fused_optimizer": True})
-    model = smp.DistributedModel(torch.nn.Linear(64, 64))
-    assert smp.DistributedOptimizer(torch.optim.AdamW(model.parameters())).fused is None
+def test_the_optax_update_runs_by_default_off_a_gpu_and_when_turned_off(monkeypatch):
     smp.init({})
     model = smp.DistributedModel(torch.nn.Linear(64, 64))
     assert smp.DistributedOptimizer(torch.optim.AdamW(model.parameters())).fused is None
+    smp.init({"fused_optimizer": False})
+    model = smp.DistributedModel(torch.nn.Linear(64, 64))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert smp.DistributedOptimizer(torch.optim.AdamW(model.parameters())).fused is None
+    monkeypatch.undo()
+    smp.init({"fused_optimizer": True})
+    model = smp.DistributedModel(torch.nn.Linear(64, 64))
+    assert smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), amsgrad=True)).fused is None  # no kernel
     with pytest.raises(smp.ConfigError, match="fused_optimizer"):
         smp.init({"fused_optimizer": "yes"})
