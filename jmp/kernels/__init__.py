@@ -1,7 +1,8 @@
 """Fused optimizer-update kernels (Pallas), each an ``optax.GradientTransformation``.
 
-``DistributedOptimizer`` runs them with the config key ``fused_optimizer: True`` (compiled on GPU, in
-interpret mode elsewhere); they can be used alone in any optax code. See ``jmp.kernels.optimizers``.
+``DistributedOptimizer`` runs them on a GPU (the config key ``fused_optimizer``: None, the default; True runs
+them everywhere, in interpret mode off a GPU; False never); they can be used alone in any optax code. See
+``jmp.kernels.optimizers``.
 """
 
 from jmp.kernels.multi_tensor import split_over
