@@ -202,7 +202,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # build's, whose trace may hold another transformation
         self._update = jax.jit(
             functools.partial(self._apply),
-            static_argnames=("checked", "dynamic"),
+            static_argnames=("checked", "dynamic", "clip"),
             donate_argnums=(0, 2),
             out_shardings=(model.stored_shardings, self._state_shardings, self._replicated, self._replicated),
         )
@@ -341,17 +341,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # --- the update --------------------------------------------------------------------------------------------
 
-    def _apply(self, params, grads, opt_state, hyperparams, scaling, known_inf, *, checked: bool, dynamic: bool):
+    def _apply(
+        self, params, grads, opt_state, hyperparams, scaling, known_inf, *, checked: bool, dynamic: bool, clip=0.0
+    ):
         """One update of the (master) parameters from gradients multiplied by the loss scale.
 
         ``scaling`` is the loss scale (a scalar, or the dynamic scaler's state). ``checked``: an update with an
         inf/nan gradient (or ``known_inf``) is skipped, on the device, and the dynamic scale adjusted.
+        ``clip``: the unscaled gradients are first scaled down to this global norm when above it.
         """
         scale = scaling.scale if dynamic else scaling
         opt_state = _set_hyperparams(opt_state, hyperparams)
+        inv_scale = 1.0 / scale
+        if clip:  # torch's clip_grad_norm_ factor, applied as the gradients are unscaled
+            inv_scale = inv_scale * _clip_factor(grads, clip, scale)[1]
         if self.fused is not None:
-            return self._apply_fused(params, grads, opt_state, 1.0 / scale, scaling, known_inf, checked, dynamic)
-        grads = loss_scaling.unscaled(grads, 1.0 / scale)  # float32, whatever the gradients are kept in
+            return self._apply_fused(params, grads, opt_state, inv_scale, scaling, known_inf, checked, dynamic)
+        grads = loss_scaling.unscaled(grads, inv_scale)  # float32, whatever the gradients are kept in
         if self._clip_before:  # the rule's own clipping over every group's gradients (apex LAMB)
             grads = torch_optimizers.apex_clip(grads, self._clip_before)
         updates, new_state = self.tx.update(grads, opt_state, params)
@@ -390,18 +396,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         With dynamic loss scaling an inf/nan gradient skips the update and lowers the scale (``overflow``
         says so afterwards); nothing waits for the devices. Under sharded data parallelism with the config's
-        ``sdp_gradient_clipping``, the gradients' global norm is first clipped to it, as SMP does.
+        ``sdp_gradient_clipping``, the gradients' global norm is first clipped to it, as SMP does (as they
+        are unscaled, in the update's pass).
         """
         if closure is not None:
             raise OptimizerError("optimizer.step(closure) is not supported: run the step function, then call step()")
         if self.model.training_state.grads is None:
             return  # as in torch: no gradients, no update
         clip = self.model.layout.config.sdp_gradient_clipping
-        if clip and self.model.layout.mesh.shape["fsdp"] > 1:  # SMP's sharded-data-parallel clipping
-            self.clip_master_grads(clip)
+        if not clip or self.model.layout.mesh.shape["fsdp"] == 1:  # SMP's sharded-data-parallel clipping
+            clip = 0.0
         dynamic = self.scaling.kind == "dynamic"
         scaling = self.scale_state if self.scale_state is not None else self._one
-        scaling = self._run_update(scaling, self._no_inf, checked=dynamic, dynamic=dynamic)
+        scaling = self._run_update(scaling, self._no_inf, checked=dynamic, dynamic=dynamic, clip=float(clip))
         if dynamic:
             self.scale_state = scaling
 
@@ -421,15 +428,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._run_update(self._one if scale is None else scale, known_inf, checked=True, dynamic=False)
         return self._found_inf
 
-    def _run_update(self, scaling: Any, known_inf: jax.Array, *, checked: bool, dynamic: bool) -> Any:
+    def _run_update(
+        self, scaling: Any, known_inf: jax.Array, *, checked: bool, dynamic: bool, clip: float = 0.0
+    ) -> Any:
         training = self.model.training_state
         args = (training.params, training.grads, self.opt_state, self._hyperparams(), scaling, known_inf)
+        options = dict(checked=checked, dynamic=dynamic, clip=clip)
         try:
-            result = self._update(*args, checked=checked, dynamic=dynamic)
+            result = self._update(*args, **options)
         except Exception as error:  # Pallas' lowering and XLA's Triton compiler raise errors of their own types
             if not self._falls_back_from_kernels(error, args[:3]):
                 raise
-            result = self._update(*args, checked=checked, dynamic=dynamic)
+            result = self._update(*args, **options)
         training.params, self.opt_state, scaling, found_inf = result
         self._kernels_ran = self.fused is not None
         self._found_inf = found_inf if checked else None
@@ -704,10 +714,16 @@ def _clip_by_global_norm(grads: Any, max_norm: jax.Array, loss_scale: jax.Array)
     Gradients stay multiplied by the loss scale and in their dtype. An inf/nan norm (an fp16 overflow) is
     reported as -1, as SMP does; the gradients then stay non-finite and the update is skipped.
     """
-    norm = optax.global_norm(loss_scaling.unscaled(grads, 1.0 / loss_scale))
-    factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    norm, factor = _clip_factor(grads, max_norm, loss_scale)
     clipped = jax.tree.map(lambda g: (g.astype(jnp.float32) * factor).astype(g.dtype), grads)
     return jnp.where(jnp.isfinite(norm), norm, -1.0), clipped
+
+
+def _clip_factor(grads: Any, max_norm: float, loss_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(norm, factor): the unscaled gradients' global norm, and what torch's ``clip_grad_norm_`` multiplies
+    them by (at most 1)."""
+    norm = optax.global_norm(loss_scaling.unscaled(grads, 1.0 / loss_scale))
+    return norm, jnp.minimum(1.0, max_norm / (norm + 1e-6))
 
 
 def _set_hyperparams(opt_state: Any, hyperparams: dict) -> Any:

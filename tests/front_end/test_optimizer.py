@@ -219,10 +219,14 @@ def test_unsupported_optimizers_are_named_with_the_supported_ones():
         smp.DistributedOptimizer(torch.optim.SGD(SmallNet().parameters(), lr=0.1))
 
 
-def test_sdp_gradient_clipping_clips_under_sharded_data_parallelism():
-    """SMP's key: with sharded data parallelism the update sees gradients clipped to that global norm."""
+@pytest.mark.parametrize("fused", [False, True], ids=["optax", "kernels"])
+def test_sdp_gradient_clipping_clips_under_sharded_data_parallelism(fused):
+    """SMP's key: with sharded data parallelism the update sees gradients clipped to that global norm (on the
+    kernels, in their pass)."""
     module, data = SmallNet(), batches(4)
     make = RULES["sgd_nesterov"]
     expected = _torch_clipped_losses(module, make, data, 0.05)
-    model, optimizer, _ = setup(module, make, {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.05})
+    config = {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.05, "fused_optimizer": fused}
+    model, optimizer, _ = setup(module, make, config)
+    assert (optimizer.fused is not None) == fused
     np.testing.assert_allclose(run(model, optimizer, data), expected, rtol=1e-4)
