@@ -48,7 +48,11 @@ def clip_grad_norm_(
     if training.grads is None:
         return torch.zeros(())
     mask = _mask(model, names)
-    norm, training.grads = _clip_norm(training.grads, mask, float(max_norm), float(norm_type), _scale(model))
+    norm, factor = _norm_and_factor(training.grads, mask, float(max_norm), float(norm_type), _scale(model))
+    if mask is None:  # all of them: the optimizer multiplies the factor in as it reads the gradients
+        training.scale_grads_later(factor)
+    else:
+        training.grads = _scaled_some(training.grads, mask, factor)
     norm = torch.tensor(float(norm))
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(
@@ -151,18 +155,23 @@ def _apply(grads: Any, mask: tuple[bool, ...] | None, fn) -> Any:
 
 
 @functools.partial(jax.jit, static_argnums=(1, 3))
-def _clip_norm(grads: Any, mask: Any, max_norm: float, norm_type: float, scale: jax.Array) -> tuple[jax.Array, Any]:
-    """(total norm, clipped gradients), torch's rule on the unscaled gradients: factor
-    min(1, max_norm / (norm + 1e-6)); gradients keep their scale and dtype."""
+def _norm_and_factor(grads: Any, mask: Any, max_norm: float, norm_type: float, scale: jax.Array):
+    """(total norm, clipping factor), torch's rule on the unscaled gradients: the factor is
+    min(1, max_norm / (norm + 1e-6))."""
     unscaled = [g.astype(jnp.float32) / scale for g in _selected(grads, mask)]
     if not unscaled:
-        return jnp.zeros((), jnp.float32), grads
+        return jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32)
     if math.isinf(norm_type):
         norm = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in unscaled]))
     else:
         norm = sum(jnp.sum(jnp.abs(g) ** norm_type) for g in unscaled) ** (1.0 / norm_type)
-    factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
-    return norm, _apply(grads, mask, lambda g: (g.astype(jnp.float32) * factor).astype(g.dtype))
+    return norm, jnp.minimum(1.0, max_norm / (norm + 1e-6))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _scaled_some(grads: Any, mask: Any, factor: jax.Array) -> Any:
+    """The gradients of ``mask`` multiplied by ``factor``, keeping their scale and dtype."""
+    return _apply(grads, mask, lambda g: (g.astype(jnp.float32) * factor).astype(g.dtype))
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

@@ -72,19 +72,48 @@ class TrainingState:
 
     ``params`` are as stored: the parameter tree, or (pipelined, after the first step) the stages'
     packed buffers. ``grads`` are laid out like ``params``, accumulated over step calls until the
-    optimizer's ``zero_grad()`` (torch semantics), still multiplied by the loss scale.
+    optimizer's ``zero_grad()`` (torch semantics), still multiplied by the loss scale. A clipping factor
+    may be pending on them (``scale_grads_later``): reading ``grads`` multiplies it in, while the optimizer
+    takes it into its own pass over the gradients (``kept_grads``) and writes no clipped copy.
     """
 
     params: Any
     rest: Any
-    grads: Any = None
     dropped_tokens: jax.Array | None = None
     version: int = 0  # counts changes of ``params`` and ``rest`` (what a copy of them is checked against)
+    _grads: Any = None
+    _grad_factor: jax.Array | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ("params", "rest"):
             object.__setattr__(self, "version", getattr(self, "version", 0) + 1)
         object.__setattr__(self, name, value)
+
+    @property
+    def grads(self) -> Any:
+        if self._grad_factor is not None:
+            self.grads = _scaled(self._grads, self._grad_factor)
+        return self._grads
+
+    @grads.setter
+    def grads(self, value: Any) -> None:
+        object.__setattr__(self, "_grads", value)
+        object.__setattr__(self, "_grad_factor", None)
+
+    @property
+    def has_grads(self) -> bool:
+        return self._grads is not None
+
+    def kept_grads(self) -> tuple[Any, jax.Array | None]:
+        """(the gradients as kept, the factor still to multiply them by or None)."""
+        return self._grads, self._grad_factor
+
+    def scale_grads_later(self, factor: jax.Array) -> None:
+        """The gradients multiplied by ``factor`` (a device scalar; torch's clipping rounds each product to the
+        gradient's dtype) when next read, or in the optimizer's update."""
+        if self._grad_factor is not None:  # a factor already pending is multiplied in first
+            self.grads = _scaled(self._grads, self._grad_factor)
+        object.__setattr__(self, "_grad_factor", factor)
 
     def record_step(self, rest: Any, grads: Any, dropped_tokens: jax.Array) -> None:
         """Take a step program's results: new module state, gradients to add (None: no backward)."""
@@ -92,6 +121,11 @@ class TrainingState:
         self.dropped_tokens = dropped_tokens
         if grads is not None:
             self.grads = grads if self.grads is None else _add_trees(self.grads, grads)
+
+
+@jax.jit
+def _scaled(grads: Any, factor: jax.Array) -> Any:
+    return jax.tree.map(lambda g: (g.astype(jnp.float32) * factor).astype(g.dtype), grads)
 
 
 _add_trees = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))  # no donation: model.grads handed out stay valid

@@ -342,19 +342,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # --- the update --------------------------------------------------------------------------------------------
 
     def _apply(
-        self, params, grads, opt_state, hyperparams, scaling, known_inf, *, checked: bool, dynamic: bool, clip=0.0
+        self,
+        params,
+        grads,
+        opt_state,
+        hyperparams,
+        scaling,
+        known_inf,
+        grad_factor,
+        *,
+        checked: bool,
+        dynamic: bool,
+        clip=0.0,
     ):
         """One update of the (master) parameters from gradients multiplied by the loss scale.
 
         ``scaling`` is the loss scale (a scalar, or the dynamic scaler's state). ``checked``: an update with an
         inf/nan gradient (or ``known_inf``) is skipped, on the device, and the dynamic scale adjusted.
-        ``clip``: the unscaled gradients are first scaled down to this global norm when above it.
+        ``grad_factor``: a clipping factor still to multiply the gradients by (``TrainingState.kept_grads``).
+        ``clip``: the unscaled gradients are then scaled down to this global norm when above it.
         """
         scale = scaling.scale if dynamic else scaling
         opt_state = _set_hyperparams(opt_state, hyperparams)
-        inv_scale = 1.0 / scale
+        inv_scale = 1.0 / scale * grad_factor
         if clip:  # torch's clip_grad_norm_ factor, applied as the gradients are unscaled
-            inv_scale = inv_scale * _clip_factor(grads, clip, scale)[1]
+            inv_scale = inv_scale * _clip_factor(grads, clip, inv_scale)[1]
         if self.fused is not None:
             return self._apply_fused(params, grads, opt_state, inv_scale, scaling, known_inf, checked, dynamic)
         grads = loss_scaling.unscaled(grads, inv_scale)  # float32, whatever the gradients are kept in
@@ -401,7 +413,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise OptimizerError("optimizer.step(closure) is not supported: run the step function, then call step()")
-        if self.model.training_state.grads is None:
+        if not self.model.training_state.has_grads:
             return  # as in torch: no gradients, no update
         clip = self.model.layout.config.sdp_gradient_clipping
         if not clip or self.model.layout.mesh.shape["fsdp"] == 1:  # SMP's sharded-data-parallel clipping
@@ -415,7 +427,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def update_master_grads(self) -> None:
         """SMP's fp16 call between backward and step: here it only checks the gradients for inf/nan
         (``overflow`` then answers before ``step()``); the unscaling into float32 happens inside the update."""
-        grads = self.model.training_state.grads
+        grads, _ = self.model.training_state.kept_grads()  # a pending clipping factor keeps them finite or not
         if grads is not None and self.scaling.kind == "dynamic":
             self._found_inf = _has_inf(grads)
 
@@ -423,7 +435,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """``smp.amp.GradScaler.step``: update from gradients multiplied by ``scale`` (None: unscaled already),
         unless one is inf/nan or ``known_inf``; returns whether the update was skipped (a device bool)."""
         known_inf = self._no_inf if known_inf is None else known_inf
-        if self.model.training_state.grads is None:
+        if not self.model.training_state.has_grads:
             return known_inf
         self._run_update(self._one if scale is None else scale, known_inf, checked=True, dynamic=False)
         return self._found_inf
@@ -432,7 +444,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self, scaling: Any, known_inf: jax.Array, *, checked: bool, dynamic: bool, clip: float = 0.0
     ) -> Any:
         training = self.model.training_state
-        args = (training.params, training.grads, self.opt_state, self._hyperparams(), scaling, known_inf)
+        grads, factor = training.kept_grads()
+        factor = self._one if factor is None else factor
+        args = (training.params, grads, self.opt_state, self._hyperparams(), scaling, known_inf, factor)
         options = dict(checked=checked, dynamic=dynamic, clip=clip)
         try:
             result = self._update(*args, **options)
@@ -478,10 +492,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Like ``torch.nn.utils.clip_grad_norm_`` over all parameters (the norm is global across devices).
         """
         training = self.model.training_state
-        if training.grads is None:
+        if not training.has_grads:
             return jnp.zeros((), jnp.float32)
         scale = self._one if self.grads_unscaled else self.model.loss_scale
-        norm, training.grads = _clip_by_global_norm(training.grads, float(max_norm), scale)
+        norm, factor = _reported_norm_and_factor(training.grads, float(max_norm), scale)
+        training.scale_grads_later(factor)  # multiplied in by the update, as it unscales them
         return norm
 
     @property
@@ -708,21 +723,18 @@ def _has_inf(grads: Any) -> jax.Array:
 
 
 @jax.jit
-def _clip_by_global_norm(grads: Any, max_norm: jax.Array, loss_scale: jax.Array) -> tuple[jax.Array, Any]:
-    """(norm, clipped grads), torch's ``clip_grad_norm_`` rule on the unscaled float32 gradients.
-
-    Gradients stay multiplied by the loss scale and in their dtype. An inf/nan norm (an fp16 overflow) is
-    reported as -1, as SMP does; the gradients then stay non-finite and the update is skipped.
-    """
-    norm, factor = _clip_factor(grads, max_norm, loss_scale)
-    clipped = jax.tree.map(lambda g: (g.astype(jnp.float32) * factor).astype(g.dtype), grads)
-    return jnp.where(jnp.isfinite(norm), norm, -1.0), clipped
+def _reported_norm_and_factor(grads: Any, max_norm: jax.Array, loss_scale: jax.Array) -> tuple[jax.Array, Any]:
+    """(norm, factor) of torch's ``clip_grad_norm_`` rule on the unscaled float32 gradients; an inf/nan norm
+    (an fp16 overflow) is reported as -1, as SMP does (the gradients then stay non-finite and the update is
+    skipped)."""
+    norm, factor = _clip_factor(grads, max_norm, 1.0 / loss_scale)
+    return jnp.where(jnp.isfinite(norm), norm, -1.0), factor
 
 
-def _clip_factor(grads: Any, max_norm: float, loss_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(norm, factor): the unscaled gradients' global norm, and what torch's ``clip_grad_norm_`` multiplies
-    them by (at most 1)."""
-    norm = optax.global_norm(loss_scaling.unscaled(grads, 1.0 / loss_scale))
+def _clip_factor(grads: Any, max_norm: float, inv_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(norm, factor): the global norm of the gradients multiplied by ``inv_scale`` (unscaled), and what torch's
+    ``clip_grad_norm_`` multiplies them by (at most 1)."""
+    norm = optax.global_norm(loss_scaling.unscaled(grads, inv_scale))
     return norm, jnp.minimum(1.0, max_norm / (norm + 1e-6))
 
 

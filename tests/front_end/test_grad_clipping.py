@@ -2,6 +2,7 @@
 
 import copy
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -108,3 +109,21 @@ def test_other_tensors_are_clipped_by_torch_and_mixing_them_is_an_error():
     model = smp.DistributedModel(nn.Linear(4, 2))
     with pytest.raises(OptimizerError, match="not parameters of the DistributedModel"):
         torch.nn.utils.clip_grad_norm_([*model.parameters(), tensor], 1.0)
+
+
+def test_clipping_all_parameters_leaves_the_factor_to_the_update():
+    """clip_grad_norm_ over all parameters writes no clipped copy of the gradients: the factor waits for the
+    optimizer's pass over them, and whatever reads them before (a second clip, model.grads) sees them clipped."""
+    smp.init({})
+    model = smp.DistributedModel(SmallNet())
+    (x, y), *_ = batches(1)
+    train_step(model, x, y)
+    unclipped = jax.tree.leaves(model.training_state.grads)
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01))
+    kept, factor = model.training_state.kept_grads()
+    assert all(a is b for a, b in zip(jax.tree.leaves(kept), unclipped, strict=True))  # nothing written
+    np.testing.assert_allclose(float(factor), 0.01 / (norm + 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)), 0.01, rtol=1e-4)
+    clipped = jax.tree.leaves(model.grads)
+    for got, before in zip(clipped, unclipped, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(before) * float(factor), rtol=1e-6)

@@ -321,6 +321,7 @@ def test_on_a_gpu_the_update_is_by_default_one_in_place_kernel_per_param_group(m
         optimizer._hyperparams(),
         optimizer.scale_state,
         optimizer._no_inf,
+        optimizer._one,  # no clipping factor pending
         checked=True,
         dynamic=True,
     )
