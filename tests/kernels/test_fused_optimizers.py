@@ -168,6 +168,16 @@ def test_the_kernels_unscale_clip_skip_and_apply_in_their_pass(case):
             assert _within_ulps(x, y, ulps)
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Pallas kernels need a GPU (CI has none)")
+@pytest.mark.parametrize("case", CASES)
+def test_on_a_gpu_the_compiled_kernels_compute_what_the_optax_chain_computes(case):
+    chain, fused, numeric, static, max_ulp = CASES[case]
+    expected, _ = _five_steps(chain, numeric, static)
+    got, _ = _five_steps(functools.partial(fused, interpret=False), numeric, static)
+    for name in PARAMS:
+        assert _within_ulps(got[name], expected[name], max(max_ulp, 4)), name
+
+
 def test_the_gpu_program_has_one_kernel_per_param_group_and_dtype():
     params = {
         "decayed": {"w1": jnp.ones((64, 32)), "w2": jnp.ones((7, 3)), "h": jnp.ones((16,), jnp.bfloat16)},
