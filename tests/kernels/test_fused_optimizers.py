@@ -223,10 +223,16 @@ def lm_step(model, ids):
 
 
 def _train(fused, make_optimizer, steps, config=None, clip=None, layout=None, gpu=None, **optimizer_options):
-    """``steps`` training steps of a small Llama; ``gpu`` (a ``MonkeyPatch``): the optimizer is built as on a GPU."""
-    smp.init({**(LAYOUT if layout is None else layout), **(config or {}), "fused_optimizer": fused})
+    """``steps`` training steps of a small Llama (Mixtral, 4 experts, under expert parallelism); ``gpu`` (a
+    ``MonkeyPatch``): the optimizer is built as on a GPU."""
+    layout = LAYOUT if layout is None else layout
+    smp.init({**layout, **(config or {}), "fused_optimizer": fused})
     torch.manual_seed(0)
-    model = smp.DistributedModel(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA)))
+    if layout.get("expert_parallel_degree", 1) > 1:
+        architecture = transformers.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2)
+    else:
+        architecture = transformers.LlamaConfig(**LLAMA)
+    model = smp.DistributedModel(transformers.AutoModelForCausalLM.from_config(architecture))
     named = list(model.named_parameters())
     groups = [
         {"params": [p for n, p in named if "norm" not in n], "weight_decay": 0.1},
@@ -281,8 +287,17 @@ def test_adamw_kernels_train_like_the_optax_path_in_fp16_with_clipping_and_an_ov
         (lambda groups: smp.optimizers.FusedLAMB(groups, lr=1e-2, max_grad_norm=0.5), None),
         # ZeRO-1: a device updates the slice of each parameter its state shard covers
         (lambda groups: smp.optimizers.FusedLAMB(groups, lr=1e-2), {**LAYOUT, "shard_optimizer_state": True}),
+        # each device updates its experts
+        (lambda groups: torch.optim.AdamW(groups, lr=1e-2), {"expert_parallel_degree": 2, "ddp": True}),
     ],
-    ids=["sgd-nesterov-tp2xfsdp2", "adagrad-tp2xfsdp2", "adam-pp2", "apex-lamb-tp2xfsdp2", "apex-lamb-zero1"],
+    ids=[
+        "sgd-nesterov-tp2xfsdp2",
+        "adagrad-tp2xfsdp2",
+        "adam-pp2",
+        "apex-lamb-tp2xfsdp2",
+        "apex-lamb-zero1",
+        "adamw-mixtral-ep2",
+    ],
 )
 def test_kernels_update_each_devices_shards_as_the_optax_path_does(make, layout, tmp_path):
     fused_losses, _, fused_params, optimizer = _train(True, make, 3, layout=layout)
