@@ -123,18 +123,22 @@ def _states(tree):
     return [x for x in leaves if isinstance(x, _STATE_TYPES)]
 
 
+def _assert_within_ulps(params, state, expected, expected_state, ulps):
+    for name in PARAMS:
+        assert _within_ulps(params[name], expected[name], ulps), name
+    # the same state types (torch-format state dicts read them alike), holding the same moments
+    assert [type(x) for x in _states(state)] == [type(x) for x in _states(expected_state)]
+    for mine, theirs in zip(_states(state), _states(expected_state)):
+        for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+            assert _within_ulps(x, y, ulps)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_each_kernel_computes_what_the_optax_chain_computes(case):
     chain, fused, numeric, static, max_ulp = CASES[case]
     expected, expected_state = _five_steps(chain, numeric, static)
     got, got_state = _five_steps(functools.partial(fused, interpret=True), numeric, static)
-    for name in PARAMS:
-        assert _within_ulps(got[name], expected[name], max_ulp), name
-    # the same state types (torch-format state dicts read them alike), holding the same moments
-    assert [type(x) for x in _states(got_state)] == [type(x) for x in _states(expected_state)]
-    for mine, theirs in zip(_states(got_state), _states(expected_state)):
-        for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
-            assert _within_ulps(x, y, max_ulp)
+    _assert_within_ulps(got, got_state, expected, expected_state, max_ulp)
 
 
 @pytest.mark.parametrize("case", ["adam-l2", "sgd-nesterov", "lamb", "adagrad"])
@@ -157,15 +161,12 @@ def test_the_kernels_unscale_clip_skip_and_apply_in_their_pass(case):
             kept, kept_state = update(half, state, params, skip=jnp.bool_(True))
             chex.assert_trees_all_equal(kept, params)
             chex.assert_trees_all_equal(kept_state.inner_state, state.inner_state)
+            zero, _ = jax.jit(functools.partial(tx.update, skip=True))(half, state, params)  # as an update
+            chex.assert_trees_all_equal(zero, jax.tree.map(jnp.zeros_like, params))
         params, state = update(half, state, params, skip=jnp.bool_(False))
     # unscaling, clipping and adding the update in the kernel's one expression lets XLA contract a multiply and
     # an add that the chain's separate programs round apart: up to 2 ulp of the largest value after 5 steps
-    ulps = max(max_ulp, 2)
-    for name in PARAMS:
-        assert _within_ulps(params[name], expected[name], ulps), name
-    for mine, theirs in zip(_states(state), _states(expected_state)):
-        for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
-            assert _within_ulps(x, y, ulps)
+    _assert_within_ulps(params, state, expected, expected_state, max(max_ulp, 2))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Pallas kernels need a GPU (CI has none)")
