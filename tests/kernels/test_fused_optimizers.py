@@ -284,10 +284,12 @@ def test_adamw_kernels_train_like_the_optax_path_in_fp16_with_clipping_and_an_ov
         (lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True), None),
         (lambda groups: torch.optim.Adagrad(groups, lr=1e-2, lr_decay=0.01), None),
         (lambda groups: torch.optim.Adam(groups, lr=1e-2), {"partitions": 2, "microbatches": 2}),  # stage buffers
-        # LAMB's trust ratio takes each whole tensor's norm: its shards' sums added over the devices
-        (lambda groups: smp.optimizers.FusedLAMB(groups, lr=1e-2, max_grad_norm=0.5), None),
-        # ZeRO-1: a device updates the slice of each parameter its state shard covers
-        (lambda groups: smp.optimizers.FusedLAMB(groups, lr=1e-2), {**LAYOUT, "shard_optimizer_state": True}),
+        # ZeRO-1: a device updates the slice of each parameter its state shard covers; LAMB's trust ratio takes
+        # each whole tensor's norm: the sums of its slices added over tp, fsdp and dp
+        (
+            lambda groups: smp.optimizers.FusedLAMB(groups, lr=1e-2, max_grad_norm=0.5),
+            {**LAYOUT, "shard_optimizer_state": True},
+        ),
         # each device updates its experts
         (lambda groups: torch.optim.AdamW(groups, lr=1e-2), {"expert_parallel_degree": 2, "ddp": True}),
     ],
@@ -295,8 +297,7 @@ def test_adamw_kernels_train_like_the_optax_path_in_fp16_with_clipping_and_an_ov
         "sgd-nesterov-tp2xfsdp2",
         "adagrad-tp2xfsdp2",
         "adam-pp2",
-        "apex-lamb-tp2xfsdp2",
-        "apex-lamb-zero1",
+        "apex-lamb-tp2xfsdp2-zero1",
         "adamw-mixtral-ep2",
     ],
 )
