@@ -223,13 +223,10 @@ def lm_step(model, ids):
     return loss
 
 
-def _train(fused, make_optimizer, steps, config=None, clip=None, layout=None, gpu=None, **optimizer_options):
-    """``steps`` training steps of a small Llama (Mixtral, 4 experts, under expert parallelism); ``gpu`` (a
-    ``MonkeyPatch``): the optimizer is built as on a GPU."""
-    layout = LAYOUT if layout is None else layout
-    smp.init({**layout, **(config or {}), "fused_optimizer": fused})
+def _model_and_groups(experts=False):
+    """A small Llama (Mixtral, 4 experts, with ``experts``) and two param groups: decayed, and the norms."""
     torch.manual_seed(0)
-    if layout.get("expert_parallel_degree", 1) > 1:
+    if experts:
         architecture = transformers.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2)
     else:
         architecture = transformers.LlamaConfig(**LLAMA)
@@ -239,6 +236,15 @@ def _train(fused, make_optimizer, steps, config=None, clip=None, layout=None, gp
         {"params": [p for n, p in named if "norm" not in n], "weight_decay": 0.1},
         {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
     ]
+    return model, groups
+
+
+def _train(fused, make_optimizer, steps, config=None, clip=None, layout=None, gpu=None, **optimizer_options):
+    """``steps`` training steps of ``_model_and_groups``' model (Mixtral under expert parallelism); ``gpu`` (a
+    ``MonkeyPatch``): the optimizer is built as on a GPU."""
+    layout = LAYOUT if layout is None else layout
+    smp.init({**layout, **(config or {}), "fused_optimizer": fused})
+    model, groups = _model_and_groups(experts=layout.get("expert_parallel_degree", 1) > 1)
     with gpu.context() if gpu else contextlib.nullcontext() as patch:
         if gpu:
             patch.setattr(jax, "default_backend", lambda: "gpu")
@@ -328,13 +334,7 @@ def test_on_a_gpu_the_update_is_by_default_one_in_place_kernel_per_param_group(m
     """The config's default picks the compiled kernels on a GPU; the whole update, lowered for CUDA, hands the
     kernels the fp16 gradients as the backward left them, with no packing copies, and writes in place."""
     smp.init({**LAYOUT, "fp16": True})
-    torch.manual_seed(0)
-    model = smp.DistributedModel(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA)))
-    named = list(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named if "norm" not in n], "weight_decay": 0.1},
-        {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
-    ]
+    model, groups = _model_and_groups()
     with monkeypatch.context() as patch:
         patch.setattr(jax, "default_backend", lambda: "gpu")
         optimizer = smp.DistributedOptimizer(torch.optim.AdamW(groups, lr=1e-3), dynamic_loss_scale=True)
@@ -382,7 +382,6 @@ def test_the_optax_update_runs_by_default_off_a_gpu_and_when_turned_off(monkeypa
     model = smp.DistributedModel(torch.nn.Linear(64, 64))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert smp.DistributedOptimizer(torch.optim.AdamW(model.parameters())).fused is None
-    monkeypatch.undo()
     smp.init({"fused_optimizer": True})
     model = smp.DistributedModel(torch.nn.Linear(64, 64))
     assert smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), amsgrad=True)).fused is None  # no kernel
