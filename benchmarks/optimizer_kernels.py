@@ -13,7 +13,7 @@ bf16 gradients), so ``bytes * params / seconds`` is the bandwidth an update achi
 - ``fused``: ``jmp.kernels.fused_adamw`` compiled (Triton): unscaling, update and the new parameters and
   moments written in place, one launch per 73 tensors, in one jitted program with the state donated (what
   ``DistributedOptimizer`` runs on a GPU).
-- ``optax``: the gradients unscaled, ``jmp.torch_optimizers.adamw``, ``optax.apply_updates``, the same way
+- ``optax``: the gradients unscaled, ``jmp.optim.torch_rules.adamw``, ``optax.apply_updates``, the same way
   (what it runs elsewhere, and with ``fused_optimizer: False``).
 - ``torch``: ``torch.optim.AdamW(fused=True)`` on the same shapes (float32 gradients), when torch sees a CUDA
   device.
@@ -36,8 +36,9 @@ import optax
 import torch
 
 from benchmarks.harness import machine, time_interleaved, write_results
-from jmp import loss_scaling, torch_optimizers
 from jmp.kernels import fused_adamw
+from jmp.optim import torch_rules as torch_optimizers
+from jmp.precision import loss_scaling
 
 LAYERS, VOCAB = 16, 32000
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)

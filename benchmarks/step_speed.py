@@ -45,8 +45,8 @@ from benchmarks.harness import (
     token_ids,
     write_results,
 )
-from jmp import compilation
 from jmp.examples.models import GroupedNet
+from jmp.runtime import compilation_cache as compilation
 
 IMAGES = 64
 GPT2 = dict(vocab=2048, positions=128, d_model=256, layers=4, heads=4)

@@ -12,8 +12,35 @@ def train_step(model, data, target):
     return loss
 """
 
-from jmp import amp, grad_clipping, nn, optimizers, torch_bridge
-from jmp.comm import (
+from jmp import amp, nn, optimizers, torch_bridge
+from jmp.compiled_step.function import StepOutput, is_tracing, step
+from jmp.errors import (
+    ActivationCheckpointingError,
+    ArgumentTypeError,
+    CheckpointError,
+    CommError,
+    ConfigError,
+    ConversionError,
+    JmpError,
+    LoweringError,
+    ModelLookupError,
+    OptimizerError,
+    PipelineError,
+    StateDictError,
+    StepError,
+    TracedControlFlowError,
+    UnsupportedOpError,
+)
+from jmp.model.creation import model_creation
+from jmp.model.delayed_init import delay_param_initialization
+from jmp.model.distributed_model import DistributedModel
+from jmp.model.memory_estimate import MemoryEstimate, estimate_memory, what_fits
+from jmp.optim import grad_clipping
+from jmp.optim.distributed_optimizer import DistributedOptimizer
+from jmp.pipeline import partition, set_partition
+from jmp.remat.api import checkpoint, checkpoint_sequential, set_activation_checkpointing
+from jmp.remat.policy_syntax import RematPolicy
+from jmp.runtime.comm import (
     DP_GROUP,
     MP_GROUP,
     PP_GROUP,
@@ -32,35 +59,7 @@ from jmp.comm import (
     send,
     tp_barrier,
 )
-from jmp.delayed_init import delay_param_initialization
-from jmp.errors import (
-    ActivationCheckpointingError,
-    ArgumentTypeError,
-    CheckpointError,
-    CommError,
-    ConfigError,
-    ConversionError,
-    JmpError,
-    LoweringError,
-    ModelLookupError,
-    OptimizerError,
-    PipelineError,
-    StateDictError,
-    StepError,
-    TracedControlFlowError,
-    UnsupportedOpError,
-)
-from jmp.memory_estimate import MemoryEstimate, estimate_memory, what_fits
-from jmp.model import DistributedModel
-from jmp.model_creation import model_creation
-from jmp.optimizer import DistributedOptimizer
-from jmp.pipeline import partition, set_partition
-from jmp.remat.api import checkpoint, checkpoint_sequential, set_activation_checkpointing
-from jmp.remat_policy import RematPolicy
-from jmp.saving import load, resume_from_checkpoint, save, save_checkpoint
-from jmp.sharding import set_tensor_parallelism, tensor_parallelism
-from jmp.sharding.tensor_parallel import tp_register, tp_register_with_module
-from jmp.state import (
+from jmp.runtime.mesh_state import (
     dp_rank,
     dp_size,
     get_config,
@@ -80,7 +79,9 @@ from jmp.state import (
     tp_rank,
     tp_size,
 )
-from jmp.step import StepOutput, is_tracing, step
+from jmp.saving import load, resume_from_checkpoint, save, save_checkpoint
+from jmp.sharding import set_tensor_parallelism, tensor_parallelism
+from jmp.sharding.tensor_parallel import tp_register, tp_register_with_module
 
 grad_clipping.install()  # torch.nn.utils.clip_grad_norm_ on a DistributedModel's parameters
 

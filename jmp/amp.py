@@ -31,10 +31,11 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp import loss_scaling, state
 from jmp.errors import ArgumentTypeError, StepError
-from jmp.model import current_trace
-from jmp.optimizer import DistributedOptimizer
+from jmp.model.distributed_model import current_trace
+from jmp.optim.distributed_optimizer import DistributedOptimizer
+from jmp.precision import loss_scaling
+from jmp.runtime import mesh_state as state
 from jmp.torch_bridge import JaxTensor
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 GRACE_SECONDS = 10.0
 _POLL_SECONDS = 0.05
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
-# A launcher JAX would read before torchrun's variables (see jmp.state): they would describe another run.
+# A launcher JAX would read before torchrun's variables (see jmp.runtime.mesh_state): they would describe another run.
 _OTHER_LAUNCHERS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 

@@ -3,7 +3,7 @@
 SMP's documentation tells users to drop ``apex.optimizers.FusedAdam`` / ``FusedLAMB`` / ``FusedNovoGrad``
 and take the library's own. These are ``torch.optim.Optimizer`` classes with apex's constructor arguments and
 update rules, so a script runs unchanged: ``step()`` updates eagerly in PyTorch when the model is a plain
-``nn.Module``, and ``smp.DistributedOptimizer`` runs the same rule compiled (``jmp.torch_optimizers``), Adam
+``nn.Module``, and ``smp.DistributedOptimizer`` runs the same rule compiled (``jmp.optim.torch_rules``), Adam
 and LAMB in one Pallas kernel pass per parameter dtype where the kernels run (``jmp.kernels``: on a GPU by
 default, see the config key ``fused_optimizer``).
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jmp.errors import OptimizerError
-from jmp.loss_scaling import (
+from jmp.precision.loss_scaling import (
     DynamicLossScaleArgs,
     LossScaleState,
     all_finite,

@@ -36,9 +36,9 @@ from jax.sharding import PartitionSpec
 
 from jmp.errors import PipelineError
 from jmp.pipeline import residuals
-from jmp.pipeline.layout import StageLayout
 from jmp.pipeline.schedule import BACKWARD, FORWARD, Schedule
 from jmp.pipeline.split import StagePrograms
+from jmp.pipeline.stage_buffers import StageLayout
 
 
 @dataclasses.dataclass(frozen=True)

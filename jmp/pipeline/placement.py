@@ -24,8 +24,8 @@ from typing import Any
 from jax.extend import core
 from torch import nn
 
-from jmp import module_marks
 from jmp.errors import ArgumentTypeError, ConfigError, PipelineError
+from jmp.model import marks as module_marks
 from jmp.pipeline.graph import Call, calls_of, flops
 
 logger = logging.getLogger("jmp")

@@ -19,14 +19,14 @@ from jax.extend import core
 from jax.sharding import AxisType
 from torch import nn
 
-from jmp import module_marks
-from jmp.config import Config
 from jmp.errors import PipelineError
+from jmp.model import marks as module_marks
 from jmp.pipeline import engine, placement, schedule
 from jmp.pipeline.engine import StepInputs, StepOutputs
 from jmp.pipeline.graph import module_scopes
-from jmp.pipeline.layout import StageLayout
 from jmp.pipeline.split import StagePrograms
+from jmp.pipeline.stage_buffers import StageLayout
+from jmp.runtime.config import Config
 from jmp.torch_bridge import torch_name
 
 logger = logging.getLogger("jmp")

@@ -20,11 +20,11 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jmp import module_marks
 from jmp.errors import ActivationCheckpointingError, ConfigError
+from jmp.model import marks as module_marks
 from jmp.remat import context
 from jmp.remat.policies import GATHERED, Resolved, without_weights
-from jmp.remat_policy import INPUT
+from jmp.remat.policy_syntax import INPUT
 from jmp.sharding import experts
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.module import CallHook, TorchModule, call_hooks, hooked_call, walk

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from jmp import model_registry, portable_state
 from jmp.errors import ArgumentTypeError, CheckpointError
-from jmp.model import DistributedModel
-from jmp.optimizer import DistributedOptimizer
-from jmp.portable_state import BUFFERS, LOSS_SCALE, OPTIMIZER, PARAMS
+from jmp.model import live_models as model_registry
+from jmp.model import portable_state
+from jmp.model.distributed_model import DistributedModel
+from jmp.model.portable_state import BUFFERS, LOSS_SCALE, OPTIMIZER, PARAMS
+from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.saving import directory, full
 from jmp.saving import partial as partial_checkpoint
 

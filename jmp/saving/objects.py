@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from jmp import state
 from jmp.errors import ArgumentTypeError, CheckpointError
+from jmp.runtime import mesh_state as state
 from jmp.saving import directory
 
 

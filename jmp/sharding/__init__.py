@@ -9,7 +9,7 @@ into one ``PartitionSpec`` per parameter; XLA's SPMD partitioner inserts the
 collectives, except the expert dispatch, which ``experts`` writes with ``shard_map``.
 """
 
-from jmp.sharding.layout import (
+from jmp.sharding.param_specs import (
     REPLICATED_BELOW,
     named_shardings,
     optimizer_specs,

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, PartitionSpec
 from torch import nn
 
 from jmp.errors import ConfigError
-from jmp.state import DATA_AXES
+from jmp.runtime.mesh_state import DATA_AXES
 from jmp.torch_bridge import JaxTensor, TorchModule
 from jmp.torch_bridge.tensor import unwrap
 

@@ -36,7 +36,7 @@ from typing import Any
 from torch import nn
 
 from jmp.errors import ArgumentTypeError, ConfigError
-from jmp.module_marks import mark, mark_of, marking_created
+from jmp.model.marks import mark, mark_of, marking_created
 from jmp.nn import DistributedEmbedding, DistributedLinear, FusedLayerNorm
 
 logger = logging.getLogger("jmp")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jmp as smp
-from jmp import compilation
+from jmp.runtime import compilation_cache as compilation
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import jax
 import pytest
 
 import jmp as smp
-from jmp import state
 from jmp.errors import ConfigError
+from jmp.runtime import mesh_state as state
 
 
 def test_defaults_build_a_data_parallel_mesh_over_all_devices():

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import jmp as smp
-from jmp import delayed_init
 from jmp.errors import ConfigError, ConversionError
+from jmp.model import delayed_init
 from jmp.torch_bridge import convert
 from tests.front_end.helpers import torch_train
 

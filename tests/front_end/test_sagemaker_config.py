@@ -9,10 +9,10 @@ from jax.sharding import PartitionSpec
 from torch import nn
 
 import jmp as smp
-from jmp import config_no_effect
-from jmp.config import KEYS, Config
 from jmp.errors import ConfigError
-from jmp.sagemaker_config import FRAMEWORK_PARAMS, MP_PARAMETERS
+from jmp.runtime import config_no_effect
+from jmp.runtime.config import KEYS, Config
+from jmp.runtime.sagemaker_config import FRAMEWORK_PARAMS, MP_PARAMETERS
 
 
 @pytest.fixture(autouse=True)

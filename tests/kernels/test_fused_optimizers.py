@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import jmp as smp
-from jmp import torch_optimizers
-from jmp.kernels import optimizers as kernels
+from jmp.kernels import fused_updates as kernels
+from jmp.optim import torch_rules as torch_optimizers
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import jmp as smp
-from jmp import precision
 from jmp.errors import OptimizerError
+from jmp.precision import policy as precision
 
 # 1 = the step's loss is multiplied by inf, so every gradient is inf/nan and the update must be skipped
 PATTERN = [0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0]

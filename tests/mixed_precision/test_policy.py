@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import jmp as smp
-from jmp import precision
 from jmp.errors import ArgumentTypeError, ConfigError
+from jmp.precision import policy as precision
 
 
 def small_net() -> nn.Module:

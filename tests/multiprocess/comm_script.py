@@ -48,7 +48,7 @@ def check(config: dict) -> dict:
     import jax
 
     import jmp as smp
-    from jmp import state
+    from jmp.runtime import mesh_state as state
 
     smp.init(config)
     me = smp.rank()

@@ -22,9 +22,9 @@ from torch import nn
 import jmp as smp
 from jmp.pipeline import placement, residuals, schedule
 from jmp.pipeline.graph import Call
-from jmp.pipeline.layout import StageLayout
 from jmp.pipeline.schedule import BACKWARD, FORWARD, IDLE
 from jmp.pipeline.split import assign_slots
+from jmp.pipeline.stage_buffers import StageLayout
 from tests.pipeline.models import Dropping, NormNet, RunningCenter, Skips, rest_names, skips_layout, stage_programs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

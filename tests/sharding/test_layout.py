@@ -8,8 +8,8 @@ from jax.sharding import PartitionSpec as P
 from torch import nn
 
 import jmp as smp
-from jmp import module_marks
-from jmp.module_marks import mark_of
+from jmp.model import marks as module_marks
+from jmp.model.marks import mark_of
 from jmp.sharding import REPLICATED_BELOW
 from tests.sharding.models import causal_lm
 

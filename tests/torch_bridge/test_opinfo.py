@@ -8,7 +8,7 @@ listed below with their reason.
 import jax
 import pytest
 
-from jmp import compilation
+from jmp.runtime import compilation_cache as compilation
 from tests.torch_bridge import opinfo
 
 # (OpInfo name, reason) of samples known to differ from torch.

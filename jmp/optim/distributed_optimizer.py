@@ -22,9 +22,14 @@ import torch
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jmp import kernels, loss_scaling, model_registry, portable_state, precision, sharding, torch_optimizers
+from jmp import kernels, sharding
 from jmp.errors import ArgumentTypeError, ModelLookupError, OptimizerError
-from jmp.model import PARTIAL_MARK, DistributedModel, with_shardings
+from jmp.model import live_models as model_registry
+from jmp.model import portable_state
+from jmp.model.distributed_model import PARTIAL_MARK, DistributedModel, with_shardings
+from jmp.optim import torch_rules as torch_optimizers
+from jmp.precision import loss_scaling
+from jmp.precision import policy as precision
 from jmp.torch_bridge import torch_name as _name_of
 from jmp.torch_bridge.interop import array_to_tensor, host_array, local_piece, tensor_to_array
 
@@ -194,7 +199,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "pipeline_parallel_degree, or use Adam / AdamW (smp.optimizers.FusedAdam)"
             )
         self._state_shardings = self._like_state(jax.eval_shape(self.tx.init, params))
-        if model.abstract:  # shapes and shardings only (jmp.memory_estimate)
+        if model.abstract:  # shapes and shardings only (jmp.model.memory_estimate)
             self.opt_state = with_shardings(jax.eval_shape(self.tx.init, params), self._state_shardings)
         else:
             self.opt_state = jax.jit(self.tx.init, out_shardings=self._state_shardings)(params)

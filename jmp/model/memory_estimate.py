@@ -1,8 +1,9 @@
 """``smp.estimate_memory``: the bytes per device a model trains in, under a config, before anything runs.
 
 The model is laid out as ``DistributedModel`` would lay it out, with shapes and shardings only
-(``jmp.model.abstract_models``): nothing is initialised or placed, and a model built on the meta device
-works. Parameters, gradients, optimizer state and buffers are counted from their shardings (each device's
+(``jmp.model.distributed_model.abstract_models``): nothing is initialised or placed, and a model built
+on the meta device works. Parameters, gradients, optimizer state and buffers are counted from their
+shardings (each device's
 shard). Given a batch, the step program is lowered and compiled ahead of time, as a step would compile it,
 and XLA's ``memory_analysis`` gives the rest: the inputs and the temporaries (activations kept for the
 backward, gathered weights, pipeline buffers).
@@ -26,13 +27,13 @@ import numpy as np
 import optax
 import torch
 
-from jmp import state
-from jmp.config import parse
+from jmp.compiled_step.function import step as smp_step
 from jmp.errors import ArgumentTypeError, ConfigError
-from jmp.model import DistributedModel, abstract_models, with_shardings
-from jmp.optimizer import DistributedOptimizer
+from jmp.model.distributed_model import DistributedModel, abstract_models, with_shardings
+from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.remat import api as remat
-from jmp.step import step as smp_step
+from jmp.runtime import mesh_state as state
+from jmp.runtime.config import parse
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ import jax
 # jax.distributed.initialize() creates lives here (multihost_utils and Orbax reach it the same way).
 from jax._src import distributed as _distributed
 
-from jmp import state
 from jmp.errors import ArgumentTypeError, CommError, ConfigError
+from jmp.runtime import mesh_state as state
 
 DEFAULT_TIMEOUT_SECONDS = 300
 

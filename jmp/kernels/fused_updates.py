@@ -1,6 +1,6 @@
 """Fused optimizer updates: each a Pallas kernel over all of a param group's tensors, as an optax transformation.
 
-``fused_adam``, ``fused_sgd``, ``fused_adagrad`` and ``fused_lamb`` compute what ``jmp.torch_optimizers``'
+``fused_adam``, ``fused_sgd``, ``fused_adagrad`` and ``fused_lamb`` compute what ``jmp.optim.torch_rules``'
 optax chains for ``torch.optim.Adam`` / ``AdamW``, ``SGD``, ``Adagrad`` and apex's ``FusedLAMB``
 (``smp.optimizers``) compute, in the same order of operations, and keep the chains' own state, tree for tree
 (torch-format state dicts and checkpoints are the same on both paths). The tensors of each dtype go through
@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp import torch_optimizers
 from jmp.kernels import multi_tensor
-from jmp.torch_optimizers import TorchAdagradState, TorchMomentumState
+from jmp.optim import torch_rules as torch_optimizers
+from jmp.optim.torch_rules import TorchAdagradState, TorchMomentumState
 
 _GRAD_SCALE, _GRAD_DIVISOR, _SKIP = 0, 1, 2  # the scalar slots every kernel reads; an optimizer's own follow
 
@@ -209,11 +209,11 @@ def fused_adam(
 ) -> optax.GradientTransformationExtraArgs:
     """torch's ``Adam`` (``decoupled=True``: ``AdamW``) in one kernel per dtype.
 
-    Its state is the optax chain's (``jmp.torch_optimizers.adam`` / ``adamw``), tree for tree, so a checkpoint
+    Its state is the optax chain's (``jmp.optim.torch_rules.adam`` / ``adamw``), tree for tree, so a checkpoint
     of either path resumes on the other.
     """
     if amsgrad:
-        raise ValueError("fused_adam has no AMSGrad; use jmp.torch_optimizers.adam(..., amsgrad=True)")
+        raise ValueError("fused_adam has no AMSGrad; use jmp.optim.torch_rules.adam(..., amsgrad=True)")
     chain = (torch_optimizers.adamw if decoupled else torch_optimizers.adam)(
         lr, beta1, beta2, eps, weight_decay, amsgrad=False, maximize=maximize
     )
@@ -253,7 +253,7 @@ def fused_adamw(lr, beta1, beta2, eps, weight_decay, *, amsgrad=False, maximize=
 def fused_apex_adam(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correction, interpret=False):
     """apex's ``FusedAdam`` (``smp.optimizers``): ``fused_adamw`` (``adam_w_mode``) or ``fused_adam``."""
     if not bias_correction:
-        raise ValueError("fused_apex_adam corrects the moments' bias; use jmp.torch_optimizers.apex_adam without")
+        raise ValueError("fused_apex_adam corrects the moments' bias; use jmp.optim.torch_rules.apex_adam without")
     return fused_adam(lr, beta1, beta2, eps, weight_decay, decoupled=adam_w_mode, interpret=interpret)
 
 
@@ -288,7 +288,7 @@ def fused_lamb(
     use_nvlamb,
     interpret=False,
 ) -> optax.GradientTransformationExtraArgs:
-    """apex's LAMB (``jmp.torch_optimizers.lamb``): moments and direction in one kernel per dtype, then each
+    """apex's LAMB (``jmp.optim.torch_rules.lamb``): moments and direction in one kernel per dtype, then each
     tensor's trust ratio ``||p|| / ||direction||`` from its whole norms (its shards' sums added over the
     devices holding them, ``multi_tensor.split_over``) scaling its step. State: the optax chain's."""
     chain = torch_optimizers.lamb(
@@ -442,7 +442,7 @@ _FUSED = {
 
 
 def fused_version(factory: Callable, static: dict[str, Any], *, interpret: bool) -> Callable | None:
-    """The fused factory computing what ``factory`` (a ``jmp.torch_optimizers`` chain) computes with the options
+    """The fused factory computing what ``factory`` (a ``jmp.optim.torch_rules`` chain) computes with the options
     ``static``, None where there is none (Adadelta, RMSprop, AMSGrad, apex Adam without bias correction)."""
     fused = _FUSED.get(factory)
     if (

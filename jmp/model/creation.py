@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from jmp import state
-from jmp.delayed_init import delay_param_initialization
 from jmp.errors import ArgumentTypeError
+from jmp.model.delayed_init import delay_param_initialization
+from jmp.runtime import mesh_state as state
 from jmp.sharding import tensor_parallelism as tensor_parallel_context
 
 logger = logging.getLogger("jmp")
@@ -29,7 +29,7 @@ def model_creation(
     """Build a model inside: its parameters are created in ``dtype`` and its modules marked for tensor parallelism.
 
     A model created in ``torch.bfloat16`` / ``torch.float16`` trains in that dtype, with float32 master
-    parameters kept by jmp (see ``jmp.precision``). With the config key ``delayed_parameter_initialization``
+    parameters kept by jmp (see ``jmp.precision.policy``). With the config key ``delayed_parameter_initialization``
     (``smp.init`` first), the model is built on the meta device and ``smp.DistributedModel`` initialises it
     directly into its shards (see ``smp.delay_param_initialization``).
 

@@ -26,9 +26,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
-from jmp import compilation, config_no_effect, sagemaker_config
-from jmp.config import ALIASES, Config, parse
 from jmp.errors import ConfigError, JmpError
+from jmp.runtime import compilation_cache as compilation
+from jmp.runtime import config_no_effect, sagemaker_config
+from jmp.runtime.config import ALIASES, Config, parse
 
 AXES = ("pp", "dp", "fsdp", "ep", "tp")
 DATA_AXES = ("dp", "fsdp", "ep")  # the batch is split over these (experts take tokens from all)
@@ -47,9 +48,9 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
     ``DistributedModel`` built under another config or mesh then refuses to run.
 
     Args:
-        config: an smp config dict (SMP v1 and v2 keys, see ``jmp.config``), used as is: ``{}`` gives the
+        config: an smp config dict (SMP v1 and v2 keys, see ``jmp.runtime.config``), used as is: ``{}`` gives the
             defaults. None (or no argument) reads what SageMaker passes the process, as SMP does: the JSON
-            in ``SM_HP_MP_PARAMETERS`` (see ``jmp.sagemaker_config``), else the defaults.
+            in ``SM_HP_MP_PARAMETERS`` (see ``jmp.runtime.sagemaker_config``), else the defaults.
         devices: a jmp extension: the devices to run on (default: all of ``jax.devices()``).
 
     Raises:

@@ -7,8 +7,8 @@
 - ``ProgramCache``: the compiled programs of the model's step functions, keyed by what they were traced
   for, with explicit invalidation (activation checkpointing annotations change what a program computes).
 
-``jmp.step`` and ``jmp.optimizer`` read and write these through the model's public attributes
-(``model.layout``, ``model.training_state``, ``model.programs``); nothing else of the model is shared.
+``jmp.compiled_step.function`` and ``jmp.optim.distributed_optimizer`` read and write these through the model's
+public attributes (``model.layout``, ``model.training_state``, ``model.programs``); nothing else of the model is shared.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp.config import Config
+from jmp.runtime.config import Config
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

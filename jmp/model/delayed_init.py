@@ -28,8 +28,8 @@ import torch
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jmp import state
 from jmp.errors import ConfigError
+from jmp.runtime import mesh_state as state
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.lowering import initialisers
 from jmp.torch_bridge.module import TorchModule, bound_state

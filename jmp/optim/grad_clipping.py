@@ -23,8 +23,8 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
-from jmp import model_registry
 from jmp.errors import OptimizerError
+from jmp.model import live_models as model_registry
 
 _TORCH_NORM = torch.nn.utils.clip_grad.clip_grad_norm_
 _TORCH_VALUE = torch.nn.utils.clip_grad.clip_grad_value_

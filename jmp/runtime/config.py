@@ -4,7 +4,7 @@ Every key of SageMaker model parallelism v1 (``smdistributed.modelparallel.torch
 accepted, with SMP's meaning; the fields of ``Config`` are the keys, with their defaults, and
 ``ALIASES`` SMP's other names for some of them. Values are checked by type; an unknown key or a bad
 value raises ``ConfigError`` naming the key and what to do. Keys that have no effect in jmp are kept
-and ``smp.init`` logs them once (``jmp.config_no_effect``).
+and ``smp.init`` logs them once (``jmp.runtime.config_no_effect``).
 
 Where jmp's default differs from SMP's, on purpose:
 
@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jmp.errors import ConfigError
-from jmp.remat_policy import parse_policy
+from jmp.remat.policy_syntax import parse_policy
 
 ALIASES = {
     "partitions": "pipeline_parallel_degree",
@@ -91,7 +91,7 @@ class Config:
     activation_checkpointing_policy: str = "full"  # jmp: the remat policy of checkpointed modules (see jmp.remat)
     delayed_parameter_initialization: bool = False
     random_seed: int = 0x12345678
-    compilation_cache: bool = True  # jmp: JAX's persistent compilation cache (see jmp.compilation)
+    compilation_cache: bool = True  # jmp: JAX's persistent compilation cache (see jmp.runtime.compilation_cache)
     # jmp: the update as Pallas kernels (jmp.kernels); None: on a GPU, True: everywhere (interpreted off a GPU)
     fused_optimizer: bool | None = None
     # runtime details of SMP's own engine (no effect here)

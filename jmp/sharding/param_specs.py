@@ -23,8 +23,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torch import nn
 
-from jmp import state
 from jmp.errors import ConfigError
+from jmp.runtime import mesh_state as state
 from jmp.sharding.experts import expert_specs
 from jmp.sharding.tensor_parallel import tensor_parallel_specs
 from jmp.torch_bridge import torch_name

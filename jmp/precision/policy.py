@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jmp.config import Config
 from jmp.errors import ConfigError
+from jmp.runtime.config import Config
 
 logger = logging.getLogger("jmp")
 

@@ -33,12 +33,14 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp import compilation, model_registry, state
 from jmp.errors import StepError
-from jmp.model import DistributedModel, current_trace
+from jmp.model import live_models as model_registry
+from jmp.model.distributed_model import DistributedModel, current_trace
 from jmp.pipeline import engine
 from jmp.pipeline.engine import StepInputs
 from jmp.remat import xla as remat_xla
+from jmp.runtime import compilation_cache as compilation
+from jmp.runtime import mesh_state as state
 from jmp.sharding import experts
 from jmp.torch_bridge import JaxTensor, autocast, call_hooks, dispatch
 from jmp.torch_bridge.dtypes import to_torch_dtype

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jmp.sharding.layout import without_axis
+from jmp.sharding.param_specs import without_axis
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """``DistributedModel``: a torch module converted to Flax NNX, its state placed on the mesh.
 
-What the model holds is three records (``jmp.model_state``): ``layout`` (the parameters' names, shapes,
+What the model holds is three records (``jmp.model.records``): ``layout`` (the parameters' names, shapes,
 dtypes and placement, with the mesh and config the model was built with), ``training_state`` (parameters,
 buffers and random stream, gradients) and ``programs`` (compiled step programs). ``@smp.step`` traces the
 user's step function against them; ``DistributedOptimizer`` updates the parameters from the gradients.
@@ -23,12 +23,17 @@ import torch
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp import compilation, delayed_init, model_registry, precision, sharding, state
+from jmp import sharding
 from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
-from jmp.model_state import ParameterLayout, ProgramCache, TrainingState, copy_tree
-from jmp.model_surface import ModelOptions, ModuleSurface
+from jmp.model import delayed_init
+from jmp.model import live_models as model_registry
+from jmp.model.module_surface import ModelOptions, ModuleSurface
+from jmp.model.records import ParameterLayout, ProgramCache, TrainingState, copy_tree
 from jmp.pipeline.stepping import Pipeline
+from jmp.precision import policy as precision
 from jmp.remat import api as remat
+from jmp.runtime import compilation_cache as compilation
+from jmp.runtime import mesh_state as state
 from jmp.sharding import experts
 from jmp.torch_bridge import JaxTensor, TorchModule, convert, named_variables, to_state_dict, torch_name
 from jmp.torch_bridge.interop import array_to_tensor, local_piece, tensor_to_array
@@ -85,7 +90,7 @@ class DistributedModel(ModuleSurface):
     Parameters are split as the config asks (sharded data, tensor and expert parallelism; see
     ``jmp.sharding``) and replicated otherwise. The model keeps the mesh and config of the ``smp.init``
     it was built under. It behaves like the torch module where scripts expect it to (``named_parameters()``,
-    ``modules()``, ``cpu()``, ``model.config``, ...: see ``jmp.model_surface``).
+    ``modules()``, ``cpu()``, ``model.config``, ...: see ``jmp.model.module_surface``).
 
     Args:
         module: the torch module; it stays the user's (``model.module``), and reading ``model.module``
@@ -136,7 +141,7 @@ class DistributedModel(ModuleSurface):
             repr([(n, shapes[n], str(self.layout.dtypes[n])) for n in self.layout.names]),
         )
         self.abstract = _ABSTRACT.get()
-        if self.abstract:  # shapes and shardings only (jmp.memory_estimate): nothing is computed or placed
+        if self.abstract:  # shapes and shardings only (jmp.model.memory_estimate): nothing is computed or placed
             self.training_state = TrainingState(
                 params=with_shardings(jax.eval_shape(masters, params), self.layout.shardings),
                 rest=with_shardings(jax.eval_shape(lambda r: r, rest), self.layout.replicated),

@@ -1,0 +1,1 @@
+"""``DistributedModel``: the wrapped torch module, its records, its torch-facing surface, delayed init."""

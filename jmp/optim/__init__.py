@@ -1,0 +1,1 @@
+"""``DistributedOptimizer``: torch optimizers as optax transformations, their state in torch's format."""

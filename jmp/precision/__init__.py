@@ -1,0 +1,1 @@
+"""Mixed precision: compute/master dtypes and loss scaling."""
