@@ -425,7 +425,7 @@ class StepFunction:
         if model.pipeline is not None:
             return self._run_pipeline(model, signature, traced, params, rest, pieces)
         forward = self._forward(model, signature, traced)
-        shardings = model.stored_shardings
+        shardings = model.store.shardings
         report = functools.partial(_reported, may_drop=model.may_drop_tokens)
 
         def arrays_of(mb):
@@ -567,15 +567,7 @@ def _as_kept(model: DistributedModel, grads: Any) -> Any:
     policy = model.precision
     if not policy.mixed:
         return grads
-    pipeline = model.pipeline
-    if pipeline is not None and pipeline.ready:  # the stages' buffers: one dtype per buffer
-        names: dict[str, list[str]] = {}
-        for name, places in pipeline.layout.places.items():
-            for key in {place.key for place in places}:
-                names.setdefault(key, []).append(name)
-        return {key: g.astype(policy.grad_dtype(names[key])) for key, g in grads.items()}
-    leaves = [g.astype(policy.grad_dtype([n])) for n, g in zip(model.layout.names, jax.tree.leaves(grads))]
-    return jax.tree_util.tree_unflatten(model.layout.treedef, leaves)
+    return model.store.cast_grads(grads, policy.grad_dtype)
 
 
 def _reported(dropped: jax.Array, may_drop: bool) -> jax.Array:

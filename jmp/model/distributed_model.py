@@ -28,6 +28,7 @@ from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
 from jmp.model import delayed_init
 from jmp.model import live_models as model_registry
 from jmp.model.module_surface import ModelOptions, ModuleSurface
+from jmp.model.parameter_store import ParameterStore, StageStore, TreeStore
 from jmp.model.records import ParameterLayout, ProgramCache, TrainingState, copy_tree
 from jmp.pipeline.stepping import Pipeline
 from jmp.precision import policy as precision
@@ -162,6 +163,7 @@ class DistributedModel(ModuleSurface):
         self.may_drop_tokens = bool(self.call_hooks) and config.expert_capacity_factor is not None
         _log_layout(self.layout.specs, mesh)
         self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs)
+        self.store: ParameterStore = TreeStore(self.layout)  # a StageStore once a pipeline's stages are cut
         self._optimizers: list[weakref.ref] = []
         self._loss_scaling: weakref.ref | None = None  # a GradScaler used by a step function
         self._unit_scale: jax.Array | None = None
@@ -335,13 +337,6 @@ class DistributedModel(ModuleSurface):
             )
         self._loss_scaling = weakref.ref(scaler)
 
-    @property
-    def stored_shardings(self) -> Any:
-        """Shardings of ``training_state.params`` as stored (a pipelined model's stage buffers, once packed)."""
-        if self.pipeline is not None and self.pipeline.ready:
-            return self.pipeline.layout.shardings
-        return self.layout.shardings
-
     def attach_optimizer(self, optimizer: Any) -> None:
         """Tell the model which optimizer updates it: it is asked for param groups and told of layout changes."""
         scaler = self._loss_scaling() if self._loss_scaling is not None else None
@@ -352,23 +347,18 @@ class DistributedModel(ModuleSurface):
             )
         self._optimizers.append(weakref.ref(optimizer))
 
-    def unpack(self, stored: Any) -> nnx.State:
-        """A tree laid out like ``training_state.params`` (parameters, gradients) -> an nnx.State by torch name."""
-        if self.pipeline is None or not self.pipeline.ready:
-            return stored
-        return self.layout.tree(self.pipeline.layout.unpack(stored))
-
     def partition_into_stages(self, jaxpr: Any, rest_count: int) -> None:
         """Cut the model into pipeline stages (first step call) and move each stage's parameters to it."""
         labels = {name: "all" for name in self.layout.names}
         for optimizer in self._live_optimizers():
             labels = optimizer.param_labels()
         layout = self.pipeline.plan(jaxpr, list(self.layout.names), rest_count, labels)
-        named = self.layout.by_name(self.training_state.params)
+        named = self.store.named(self.training_state.params)
+        self.store = StageStore(self.layout, layout)
         if self.abstract:
-            self.training_state.params = with_shardings(jax.eval_shape(layout.pack, named), layout.shardings)
+            self.training_state.params = with_shardings(jax.eval_shape(self.store.pack, named), self.store.shardings)
         else:
-            self.training_state.params = layout.pack(named)
+            self.training_state.params = self.store.pack(named)
         for optimizer in self._live_optimizers():
             optimizer.parameters_moved()
 
@@ -423,10 +413,7 @@ class DistributedModel(ModuleSurface):
 
         A snapshot in new buffers (the optimizer's update reuses the model's own), valid after later steps.
         """
-        stored = self.training_state.params
-        if self.pipeline is not None and self.pipeline.ready:
-            return self.unpack(stored)
-        return copy_tree(stored)
+        return self.store.snapshot(self.training_state.params)
 
     @property
     def grads(self) -> nnx.State | None:
@@ -435,7 +422,7 @@ class DistributedModel(ModuleSurface):
         Still multiplied by the optimizer's static loss scale, as in SMP.
         """
         grads = self.training_state.grads
-        return None if grads is None else self.unpack(grads)
+        return None if grads is None else self.store.as_tree(grads)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and persistent buffers as torch tensors under torch's names (gathered)."""
@@ -475,8 +462,7 @@ class DistributedModel(ModuleSurface):
                 value = tensor_to_array(tensor).astype(current.dtype)
                 variables[name][...] = jax.device_put(value, current.sharding)
         _, params, rest = nnx.split(module, nnx.Param, ...)
-        if self.pipeline is not None and self.pipeline.ready:
-            params = self.pipeline.layout.pack(self.layout.by_name(params))
+        params = self.store.pack(self.layout.by_name(params))
         self.training_state.params, self.training_state.rest = params, rest
 
     def check_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:

@@ -163,7 +163,7 @@ def estimate_memory(
     params = per_device_bytes(laid_out.training_state.params)
     rest = per_device_bytes(laid_out.training_state.rest)
     grads_info = compiled.out_info[2] if isinstance(compiled.out_info, (tuple, list)) else None
-    gradients = per_device_bytes(with_shardings(grads_info, laid_out.stored_shardings)) if grads_info else 0
+    gradients = per_device_bytes(with_shardings(grads_info, laid_out.store.shardings)) if grads_info else 0
     masters = _master_share(laid_out) * params
     return MemoryEstimate(
         layout=layout,

@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -240,16 +239,7 @@ class ModuleSurface:
 
     def _held_names(self) -> set[str]:
         """Torch names of the parameters with a piece on one of this process's devices."""
-        mine = jax.process_index()
-        layout, pipeline = self.layout, self.pipeline
-        if pipeline is not None and pipeline.ready:
-            mesh = layout.mesh
-            by_stage = np.moveaxis(mesh.devices, mesh.axis_names.index("pp"), 0)
-            local = {
-                stage for stage, devices in enumerate(by_stage) if any(d.process_index == mine for d in devices.flat)
-            }
-            return {n for n, places in pipeline.layout.places.items() if any(p.stage in local for p in places)}
-        return {n for n in layout.names if any(d.process_index == mine for d in layout.sharding(n).device_set)}
+        return self.store.held_names(jax.process_index())
 
     # --- partitioning -------------------------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ def _is_key(leaf: Any) -> bool:
 def model_arrays(model: Any) -> dict[str, jax.Array]:
     """``params/<torch name>`` (float32 masters in mixed precision) and ``buffers/<path>`` (random keys as
     their raw key data)."""
-    params = model.layout.by_name(model.unpack(model.training_state.params))
+    params = model.store.named(model.training_state.params)
     out = {f"{PARAMS}/{name}": value for name, value in params.items()}
     for path, leaf in jax.tree_util.tree_leaves_with_path(model.training_state.rest):
         if isinstance(leaf, jax.Array):
@@ -63,10 +63,9 @@ def targets(arrays: Mapping[str, jax.Array]) -> dict[str, jax.ShapeDtypeStruct]:
 
 def model_state_from(model: Any, arrays: Mapping[str, jax.Array]) -> tuple[Any, Any]:
     """(params as the model stores them, rest) with each value in ``arrays`` replacing the model's own."""
-    current = model.layout.by_name(model.unpack(model.training_state.params))
+    current = model.store.named(model.training_state.params)
     named = {name: arrays.get(f"{PARAMS}/{name}", value) for name, value in current.items()}
-    pipeline = model.pipeline
-    params = pipeline.layout.pack(named) if pipeline is not None and pipeline.ready else model.layout.tree(named)
+    params = model.store.pack(named)
 
     def buffer(path: tuple, leaf: Any) -> Any:
         value = arrays.get(f"{BUFFERS}/{_path_name(path)}") if isinstance(leaf, jax.Array) else None
@@ -83,22 +82,14 @@ def model_state_from(model: Any, arrays: Mapping[str, jax.Array]) -> tuple[Any, 
 def _parameter_shaped(optimizer: Any) -> Any:
     """Whether a node of the optax state is one field laid out like the parameters (a tree by parameter
     path, or a pipelined model's stage buffers by buffer key)."""
-    pipeline = optimizer.model.pipeline
-    buffers = set(pipeline.layout.buffers) if pipeline is not None and pipeline.ready else set()
-
-    def check(node: Any) -> bool:
-        if isinstance(node, nnx.State):
-            return True
-        return bool(buffers) and isinstance(node, dict) and bool(node) and set(node) <= buffers
-
-    return check
+    return optimizer.model.store.is_parameter_shaped
 
 
 def _by_name(optimizer: Any, field: Any) -> dict[str, jax.Array]:
     if isinstance(field, nnx.State):
         leaves = jax.tree_util.tree_leaves_with_path(field)
         return {torch_name(path): leaf for path, leaf in leaves if isinstance(leaf, jax.Array)}
-    return optimizer.model.pipeline.layout.unpack_present(field)
+    return dict(optimizer.model.store.field_named(field).items())
 
 
 def optimizer_arrays(optimizer: Any) -> dict[str, jax.Array]:
@@ -130,10 +121,10 @@ def optimizer_state_from(optimizer: Any, arrays: Mapping[str, jax.Array]) -> tup
                 lambda p, leaf: arrays.get(f"{prefix}/{torch_name(p)}", leaf) if isinstance(leaf, jax.Array) else leaf,
                 node,
             )
-        layout = optimizer.model.pipeline.layout
-        current = layout.unpack_present(node)
+        store = optimizer.model.store
+        current = store.field_named(node)
         named = {name: arrays.get(f"{prefix}/{name}", value) for name, value in current.items()}
-        return layout.pack_present(named, like=node)
+        return store.field_from_named(named, like=node)
 
     opt_state = jax.tree_util.tree_map_with_path(rebuild, optimizer.opt_state, is_leaf=is_field)
     opt_state = jax.tree.map(  # packed fields come back laid out as the parameters; ZeRO-1 splits them further

@@ -168,18 +168,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The optax transformation, its state and the compiled update, for the model's current parameter layout."""
         model = self.model
         params = model.training_state.params
-        pipeline = model.pipeline
-        packed = pipeline is not None and pipeline.ready
         self.fused = None
         if self.torch_optimizer is None:
             self.tx = self._optax
         else:
             groups = self.torch_optimizer.param_groups
-            if packed:
-                labels = {key: buffer.label for key, buffer in pipeline.layout.buffers.items()}
-                self._check_buffer_labels(pipeline.layout)
-            else:
-                labels = model.layout.tree(self.param_labels())
+            labels = model.store.labels(self.param_labels())
             self.fused = self._fused_mode(groups)
             fused = (
                 None
@@ -192,7 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 labels,
             )
             self._frozen = jax.tree.map(lambda label: label == _FROZEN, labels)
-        if pipeline is not None and self.torch_optimizer is not None and self.rule.per_tensor:
+        if model.pipeline is not None and self.torch_optimizer is not None and self.rule.per_tensor:
             raise OptimizerError(
                 f"{type(self.torch_optimizer).__name__} takes a norm per parameter tensor, and a pipelined model's "
                 "optimizer updates each stage's parameters packed into a few buffers; use it without "
@@ -209,7 +203,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             functools.partial(self._apply),
             static_argnames=("checked", "dynamic", "clip"),
             donate_argnums=(0, 2),
-            out_shardings=(model.stored_shardings, self._state_shardings, self._replicated, self._replicated),
+            out_shardings=(model.store.shardings, self._state_shardings, self._replicated, self._replicated),
         )
 
     @property
@@ -302,25 +296,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         groups = {name: group_of.get(id(by_name[name])) for name in names}
         return {name: _FROZEN if group is None else _label(group) for name, group in groups.items()}
 
-    def _check_buffer_labels(self, layout: Any) -> None:
-        by_name = self.param_labels()
-        wrong = [n for n, places in layout.places.items() if layout.buffers[places[0].key].label != by_name[n]]
-        if wrong:
-            raise OptimizerError(
-                "the model's pipeline stages were laid out before this optimizer's param groups were known "
-                f"({', '.join(wrong[:4])} are in another group); create the smp.DistributedOptimizer before the "
-                "first step call"
-            )
-
     def _like_state(self, tree: Any) -> Any:
         """Shardings of an optimizer state, or of a tree of parameter-shaped leaves as the state holds them: like
         the parameters, or split over ``dp`` too (shard_optimizer_state, ZeRO-1)."""
-        pipeline = self.model.pipeline
-        if pipeline is not None and pipeline.ready:
-            return pipeline.layout.state_shardings(tree)
-        layout = self.model.layout
-        specs = sharding.optimizer_specs(layout.specs, layout.shapes, layout.mesh, layout.config.shard_optimizer_state)
-        return sharding.state_shardings(tree, specs, layout.shapes, layout.mesh)
+        return self.model.store.state_shardings(tree)
 
     # --- torch mapping ---------------------------------------------------------------------------------------
 
@@ -643,18 +622,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _by_name(self, field: Any) -> Any:
         """A params-shaped state field keyed by torch name (a pipelined model's stage buffers unpacked)."""
-        pipeline = self.model.pipeline
-        if pipeline is None or not pipeline.ready or not isinstance(field, dict):
-            return field
-        return nnx.State(pipeline.layout.unpack_present(field))
+        return self.model.store.field_named(field)
 
     def _load_field(self, field: Any, torch_name: str, index: dict, tensors: dict) -> Any:
         """``_loaded_field`` through the stage buffers of a pipelined model (unpacked, loaded, packed again)."""
-        pipeline = self.model.pipeline
-        if pipeline is None or not pipeline.ready or not isinstance(field, dict):
-            return _loaded_field(field, torch_name, index, tensors)
-        named = _loaded_field(nnx.State(pipeline.layout.unpack_present(field)), torch_name, index, tensors)
-        return pipeline.layout.pack_present(dict(named.items()), like=field)
+        store = self.model.store
+        if not store.is_parameter_shaped(field):
+            return field
+        named = _loaded_field(store.field_named(field), torch_name, index, tensors)
+        return store.field_from_named(named, like=field)
 
     def _positions(self) -> dict[int, int]:
         """id(torch parameter) -> its index in torch's optimizer state_dict (param_groups order)."""

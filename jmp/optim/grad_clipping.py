@@ -123,16 +123,7 @@ def _owner(tensors: list, call: str) -> tuple[Any, list[str]] | None:
 
 def _mask(model: Any, names: list[str]) -> tuple[bool, ...] | None:
     """Per gradient leaf (the layout's name order): whether it is one of ``names``' (None: all of them)."""
-    layout_names = model.layout.names
-    chosen = set(names) & set(layout_names)
-    if len(chosen) == len(layout_names):
-        return None
-    if model.pipeline is not None and model.pipeline.ready:
-        raise OptimizerError(
-            "clipping the gradients of some of a pipelined model's parameters is not supported; clip "
-            "model.parameters() (all of them), or use optimizer.clip_master_grads"
-        )
-    return tuple(name in chosen for name in layout_names)
+    return model.store.leaf_mask(set(names))
 
 
 def _scale(model: Any) -> jax.Array:

@@ -11,7 +11,7 @@ from torch import nn
 import jmp as smp
 from jmp.errors import ConfigError
 from jmp.runtime import config_no_effect
-from jmp.runtime.config import KEYS, Config
+from jmp.runtime.config import ALIASES, KEYS, Config
 from jmp.runtime.sagemaker_config import FRAMEWORK_PARAMS, MP_PARAMETERS
 
 
@@ -111,7 +111,7 @@ def test_every_smp_v1_and_v2_key_is_accepted():
         "hybrid_shard_degree sm_activation_offloading activation_loading_horizon fsdp_cache_flush_warnings "
         "allow_empty_shards tensor_parallel_degree expert_parallel_degree random_seed context_parallel_degree"
     ).split()
-    assert set(v1 + v2) <= set(KEYS) | set(smp.config.ALIASES)
+    assert set(v1 + v2) <= set(KEYS) | set(ALIASES)
 
 
 def test_smp_sizes_written_as_floats_are_integers():

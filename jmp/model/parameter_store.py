@@ -1,0 +1,200 @@
+"""Where a ``DistributedModel`` keeps its parameters between steps: one interface, two ways of storing.
+
+- ``TreeStore``: the parameter tree itself (an ``nnx.State`` by torch name), each leaf sharded by its spec.
+- ``StageStore``: a pipelined model's parameters packed into its stages' buffers (``jmp.pipeline.stage_buffers``),
+  from its first step call, when the cut is decided.
+
+A model starts with a ``TreeStore`` and swaps it for a ``StageStore`` once, in ``partition_into_stages``.
+Gradients, optimizer fields and checkpoints read and write through ``model.store``, so nothing else asks
+whether the model is pipelined or packed yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jmp import sharding
+from jmp.errors import OptimizerError
+from jmp.model.records import ParameterLayout, copy_tree
+from jmp.pipeline.stage_buffers import StageLayout
+
+
+class ParameterStore(Protocol):
+    """How parameters (and anything laid out like them: gradients, optimizer fields) are stored."""
+
+    layout: ParameterLayout
+
+    @property
+    def shardings(self) -> Any:
+        """Shardings of the stored parameters (a tree like them)."""
+
+    def pack(self, named: Mapping[str, jax.Array]) -> Any:
+        """Full arrays by torch name -> stored form."""
+
+    def named(self, stored: Any) -> dict[str, jax.Array]:
+        """Stored form -> full arrays by torch name (placed by each parameter's own spec)."""
+
+    def as_tree(self, stored: Any) -> nnx.State:
+        """Stored form (parameters, gradients) -> an ``nnx.State`` by torch name (the stored arrays themselves
+        when they are kept that way)."""
+
+    def snapshot(self, stored: Any) -> nnx.State:
+        """Stored form -> an ``nnx.State`` by torch name, in new buffers (safe across a donating update)."""
+
+    def labels(self, by_name: Mapping[str, str]) -> Any:
+        """Optimizer labels (param group names) by torch name -> a tree laid out like the stored parameters."""
+
+    def state_shardings(self, state_shape: Any) -> Any:
+        """Shardings of an optimizer state over the stored form (ZeRO-1: split over ``dp`` as well)."""
+
+    def field_named(self, field: Any) -> Any:
+        """A parameter-shaped optimizer field as stored -> the same by torch name (other fields unchanged)."""
+
+    def field_from_named(self, named: Mapping[str, jax.Array], like: Any) -> Any:
+        """The inverse of ``field_named`` for a field shaped like ``like``."""
+
+    def is_parameter_shaped(self, node: Any) -> bool:
+        """Whether a node of an optax state is one field laid out like the stored parameters."""
+
+    def cast_grads(self, grads: Any, dtype_for: Callable[[list[str]], Any]) -> Any:
+        """Gradients as stored, each cast to ``dtype_for(names it holds)``."""
+
+    def leaf_mask(self, names: set[str]) -> tuple[bool, ...] | None:
+        """Per stored leaf: whether it holds one of ``names`` (None: all of them)."""
+
+    def held_names(self, process: int) -> set[str]:
+        """Torch names of the parameters with a piece on one of ``process``'s devices."""
+
+
+class TreeStore:
+    """The parameter tree as the converted module keeps it, each leaf sharded by its ``PartitionSpec``."""
+
+    def __init__(self, layout: ParameterLayout):
+        self.layout = layout
+
+    @property
+    def shardings(self) -> Any:
+        return self.layout.shardings
+
+    def pack(self, named: Mapping[str, jax.Array]) -> Any:
+        return self.layout.tree(named)
+
+    def named(self, stored: Any) -> dict[str, jax.Array]:
+        return self.layout.by_name(stored)
+
+    def as_tree(self, stored: Any) -> nnx.State:
+        return stored
+
+    def snapshot(self, stored: Any) -> nnx.State:
+        return copy_tree(stored)
+
+    def labels(self, by_name: Mapping[str, str]) -> Any:
+        return self.layout.tree(by_name)
+
+    def state_shardings(self, state_shape: Any) -> Any:
+        layout = self.layout
+        specs = sharding.optimizer_specs(layout.specs, layout.shapes, layout.mesh, layout.config.shard_optimizer_state)
+        return sharding.state_shardings(state_shape, specs, layout.shapes, layout.mesh)
+
+    def field_named(self, field: Any) -> Any:
+        return field
+
+    def field_from_named(self, named: Mapping[str, jax.Array], like: Any) -> Any:
+        return named
+
+    def is_parameter_shaped(self, node: Any) -> bool:
+        return isinstance(node, nnx.State)
+
+    def cast_grads(self, grads: Any, dtype_for: Callable[[list[str]], Any]) -> Any:
+        leaves = [g.astype(dtype_for([n])) for n, g in zip(self.layout.names, jax.tree.leaves(grads))]
+        return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+
+    def leaf_mask(self, names: set[str]) -> tuple[bool, ...] | None:
+        chosen = names & set(self.layout.names)
+        if len(chosen) == len(self.layout.names):
+            return None
+        return tuple(name in chosen for name in self.layout.names)
+
+    def held_names(self, process: int) -> set[str]:
+        layout = self.layout
+        return {n for n in layout.names if any(d.process_index == process for d in layout.sharding(n).device_set)}
+
+
+class StageStore:
+    """A pipelined model's parameters packed into its stages' buffers: stage *s*'s devices hold row *s*."""
+
+    def __init__(self, layout: ParameterLayout, stages: StageLayout):
+        self.layout = layout
+        self.stages = stages
+
+    @property
+    def shardings(self) -> Any:
+        return self.stages.shardings
+
+    def pack(self, named: Mapping[str, jax.Array]) -> Any:
+        return self.stages.pack(named)
+
+    def named(self, stored: Any) -> dict[str, jax.Array]:
+        return self.stages.unpack(stored)
+
+    def as_tree(self, stored: Any) -> nnx.State:
+        return self.layout.tree(self.stages.unpack(stored))
+
+    def snapshot(self, stored: Any) -> nnx.State:
+        return self.as_tree(stored)  # unpacking writes new buffers
+
+    def labels(self, by_name: Mapping[str, str]) -> Any:
+        wrong = [
+            n for n, places in self.stages.places.items() if self.stages.buffers[places[0].key].label != by_name[n]
+        ]
+        if wrong:
+            raise OptimizerError(
+                "the model's pipeline stages were laid out before this optimizer's param groups were known "
+                f"({', '.join(wrong[:4])} are in another group); create the smp.DistributedOptimizer before the "
+                "first step call"
+            )
+        return {key: buffer.label for key, buffer in self.stages.buffers.items()}
+
+    def state_shardings(self, state_shape: Any) -> Any:
+        return self.stages.state_shardings(state_shape)
+
+    def field_named(self, field: Any) -> Any:
+        if not isinstance(field, dict):
+            return field
+        return nnx.State(self.stages.unpack_present(field))
+
+    def field_from_named(self, named: Mapping[str, jax.Array], like: Any) -> Any:
+        return self.stages.pack_present(dict(named.items()), like=like)
+
+    def is_parameter_shaped(self, node: Any) -> bool:
+        return isinstance(node, nnx.State) or (
+            isinstance(node, dict) and bool(node) and set(node) <= set(self.stages.buffers)
+        )
+
+    def cast_grads(self, grads: Any, dtype_for: Callable[[list[str]], Any]) -> Any:
+        names: dict[str, list[str]] = {}  # one dtype per buffer
+        for name, places in self.stages.places.items():
+            for key in {place.key for place in places}:
+                names.setdefault(key, []).append(name)
+        return {key: g.astype(dtype_for(names[key])) for key, g in grads.items()}
+
+    def leaf_mask(self, names: set[str]) -> tuple[bool, ...] | None:
+        if set(self.layout.names) <= names:
+            return None
+        raise OptimizerError(
+            "a pipelined model packs its parameters into its stages' buffers, so some of them cannot be picked "
+            "out on their own here; take all of model.parameters() (clipping: or optimizer.clip_master_grads)"
+        )
+
+    def held_names(self, process: int) -> set[str]:
+        mesh = self.layout.mesh
+        by_stage = np.moveaxis(mesh.devices, mesh.axis_names.index("pp"), 0)
+        local = {
+            stage for stage, devices in enumerate(by_stage) if any(d.process_index == process for d in devices.flat)
+        }
+        return {n for n, places in self.stages.places.items() if any(p.stage in local for p in places)}
