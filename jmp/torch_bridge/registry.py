@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ class Lowering:
 
 
 LOWERINGS: dict[Any, Lowering] = {}
+_SITES: dict[Any, str] = {}  # torch callable -> "file:line" of the registration that made its lowering
 _SIGNATURES: dict[Callable, inspect.Signature] = {}
 
 
@@ -55,12 +57,14 @@ def register_lowering(
     inplace_flag: str | None = None,
     view: bool | Callable[[tuple, dict], bool] = False,
     raw: bool = False,
+    replace: bool = False,
 ) -> Callable:
     """Decorator: lower each of ``torch_fns`` (and in-place ``inplace`` variants) to the function.
 
     The decorated function takes the torch call's arguments with tensors as ``jax.Array``s and returns
     arrays (or tuples of them, or Python values). Registering a torch callable again replaces its
-    lowering. Users extend the bridge the same way::
+    lowering, with a warning naming both registration sites unless ``replace=True`` says it is meant.
+    Users extend the bridge the same way::
 
         @jmp.torch_bridge.register_lowering(torch.special.erfcx)
         def erfcx(input):
@@ -75,6 +79,7 @@ def register_lowering(
         view: the result aliases the first argument: a bool, or a predicate on ``(args, kwargs)``.
         raw: the function receives the bridge's tensor wrappers instead of arrays (to update arguments
             in place itself).
+        replace: the registration replaces an earlier lowering on purpose (no warning).
 
     Returns:
         The decorator; it registers the function and returns it unchanged.
@@ -84,16 +89,46 @@ def register_lowering(
             (the message names the torch op and the call site); registering itself raises nothing.
     """
 
+    site = _caller_site()
+
     def decorate(fn: Callable) -> Callable:
-        for torch_fn in torch_fns:
-            if torch_fn is not None:
-                LOWERINGS[torch_fn] = Lowering(fn, inplace_flag=inplace_flag, view=view, raw=raw)
-        for torch_fn in inplace:
-            if torch_fn is not None:
-                LOWERINGS[torch_fn] = Lowering(fn, inplace=True)
+        entries = [(f, Lowering(fn, inplace_flag=inplace_flag, view=view, raw=raw)) for f in torch_fns]
+        entries += [(f, Lowering(fn, inplace=True)) for f in inplace]
+        this_call: set = set()  # one call may name a callable twice through an alias (F.relu_ is torch.relu_)
+        for torch_fn, entry in entries:
+            if torch_fn is None:
+                continue
+            if torch_fn in LOWERINGS and torch_fn not in this_call and not replace:
+                _warn_replaced(torch_fn, site)
+            LOWERINGS[torch_fn] = entry
+            _SITES[torch_fn] = site
+            this_call.add(torch_fn)
         return fn
 
     return decorate
+
+
+def _warn_replaced(torch_fn: Any, site: str) -> None:
+    message = (
+        f"{_describe(torch_fn)} already has a lowering, registered at {_SITES.get(torch_fn, '<unknown>')}; "
+        f"the registration at {site} replaces it (pass replace=True to register_lowering if that is meant)"
+    )
+    warnings.warn(message, stacklevel=3)
+
+
+def _caller_site() -> str:
+    """``file:line`` of the code that called ``register_lowering``."""
+    frame = inspect.currentframe()
+    caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    return "<unknown>" if caller is None else f"{caller.f_code.co_filename}:{caller.f_lineno}"
+
+
+def _describe(torch_fn: Any) -> str:
+    if isinstance(torch_fn, str):
+        return repr(torch_fn)
+    name = getattr(torch_fn, "__qualname__", None) or getattr(torch_fn, "__name__", None)
+    module = getattr(torch_fn, "__module__", None)
+    return f"{module}.{name}" if module and name else repr(torch_fn)
 
 
 def lookup(torch_fn: Any) -> Lowering | None:

@@ -302,9 +302,7 @@ for _name, _fn in {
     _fns, _inplace = _both(_name)
     _unary(_fn, *_fns, to_float=False, inplace=_inplace)
 
-_unary(jnp.negative, T.__neg__, to_float=False)
-_unary(jnp.abs, T.__abs__, to_float=False)
-_unary(jnp.positive, T.__pos__, to_float=False)
+# T.__neg__, __abs__ and __pos__ are T.neg, T.abs and T.positive, lowered by the table above.
 _unary(jnp.invert, T.__invert__, to_float=False)
 _unary(jax.scipy.special.expit, torch.special.expit, to_float=True)
 _unary(jax.scipy.special.erf, torch.special.erf)
