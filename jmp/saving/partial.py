@@ -25,11 +25,11 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import torch
 
 from jmp.errors import CheckpointError
 from jmp.saving import directory
+from jmp.saving.orbax_import import orbax_checkpoint, root_logging_kept
 
 logger = logging.getLogger("jmp")
 
@@ -90,16 +90,18 @@ def save(
     }
     primary = jax.process_index() == 0
 
-    checkpointer = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+    ocp = orbax_checkpoint()
     if primary:
         root.mkdir(parents=True, exist_ok=True)
-    checkpointer.save(
-        directory.partial_dir(root, tag).absolute(),
-        args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(dict(arrays) | {USER_CONTENT: blob}), meta=ocp.args.JsonSave(meta)
-        ),
-        force=True,
-    )
+    with root_logging_kept():
+        checkpointer = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+        checkpointer.save(
+            directory.partial_dir(root, tag).absolute(),
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(dict(arrays) | {USER_CONTENT: blob}), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
 
     def finish() -> None:
         try:
@@ -120,10 +122,12 @@ def save(
 def read_meta(root: Path, tag: str) -> dict:
     """The checkpoint's JSON description; a CheckpointError when it is not a complete jmp checkpoint."""
     where = directory.partial_dir(root, tag)
+    ocp = orbax_checkpoint()
     try:
-        meta = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-            where.absolute(), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-        )["meta"]
+        with root_logging_kept():
+            meta = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+                where.absolute(), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
     except Exception as error:
         raise CheckpointError(
             f"resume_from_checkpoint: {where} is not a readable jmp partial checkpoint (incomplete, corrupted, "
@@ -138,16 +142,18 @@ def restore(root: Path, tag: str, targets: Mapping[str, jax.ShapeDtypeStruct]) -
     """(the arrays named in ``targets``, each read into its sharding there; the user_content)."""
     where = directory.partial_dir(root, tag)
     item = dict(targets) | {USER_CONTENT: np.zeros(0, np.uint8)}
+    ocp = orbax_checkpoint()
     restore_args = ocp.checkpoint_utils.construct_restore_args(dict(targets)) | {
         USER_CONTENT: ocp.RestoreArgs(restore_type=np.ndarray)
     }
     try:
-        state = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-            where.absolute(),
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-            ),
-        )["state"]
+        with root_logging_kept():
+            state = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+                where.absolute(),
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+                ),
+            )["state"]
         blob = state.pop(USER_CONTENT)
         user_content = torch.load(io.BytesIO(np.asarray(blob).tobytes()), weights_only=True)
     except Exception as error:
