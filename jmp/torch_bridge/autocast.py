@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 from jmp.errors import JmpError, LoweringError
 from jmp.torch_bridge.dtypes import to_jax_dtype
 from jmp.torch_bridge.interop import tensor_to_array
+from jmp.torch_bridge.patching import SharedPatch
 from jmp.torch_bridge.tensor import JaxTensor
 
 T = torch.Tensor
@@ -391,8 +391,8 @@ def _routed_exit(self: Any, *exc_info: Any) -> Any:
     return _ORIGINAL_METHODS["__exit__"](self, *exc_info)
 
 
-def _query(name: str, answer: Callable[[AutocastState], Any]) -> tuple[str, Any, Callable] | None:
-    """(name, torch's function, the routed one) for one of torch's autocast-state queries, if torch has it."""
+def _query(name: str, answer: Callable[[AutocastState], Any]) -> tuple[str, Callable] | None:
+    """(name, the routed function) for one of torch's autocast-state queries, if torch has it."""
     original = getattr(torch, name, None)
     if original is None:
         return None
@@ -402,7 +402,7 @@ def _query(name: str, answer: Callable[[AutocastState], Any]) -> tuple[str, Any,
         return original(*args, **kwargs) if state is None else answer(state)
 
     routed.__name__ = routed.__qualname__ = name
-    return name, original, routed
+    return name, routed
 
 
 def _enabled(state: AutocastState) -> bool:
@@ -437,6 +437,13 @@ def _ambient() -> AutocastState | None:
     return None
 
 
+_ROUTED_METHODS = {"__init__": _routed_init, "__enter__": _routed_enter, "__exit__": _routed_exit}
+_PATCH = SharedPatch(
+    *[(_AUTOCAST, name, method) for name, method in _ROUTED_METHODS.items()],
+    *[(torch, name, routed) for name, routed in _QUERIES],
+)
+
+
 class Route:
     """Entered by the outermost bridge session: ``torch.autocast`` and torch's autocast queries use jmp's state.
 
@@ -445,18 +452,8 @@ class Route:
     context with a session and call torch's own elsewhere; the last session out restores torch's.
     """
 
-    _lock = threading.Lock()
-    _users = 0
-
     def __enter__(self) -> None:
-        with Route._lock:
-            if Route._users == 0:
-                _AUTOCAST.__init__ = _routed_init
-                _AUTOCAST.__enter__ = _routed_enter
-                _AUTOCAST.__exit__ = _routed_exit
-                for name, _, routed in _QUERIES:
-                    setattr(torch, name, routed)
-            Route._users += 1
+        _PATCH.__enter__()
         ambient = _ambient() if _STATE.get() is None else None
         self._tokens = (_ROUTED.set(True), None if ambient is None else _STATE.set(ambient))
 
@@ -465,10 +462,4 @@ class Route:
         if state_token is not None:
             _STATE.reset(state_token)
         _ROUTED.reset(routed_token)
-        with Route._lock:
-            Route._users -= 1
-            if Route._users == 0:
-                for name, method in _ORIGINAL_METHODS.items():
-                    setattr(_AUTOCAST, name, method)
-                for name, original, _ in _QUERIES:
-                    setattr(torch, name, original)
+        _PATCH.__exit__(*exc_info)

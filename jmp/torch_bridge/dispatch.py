@@ -25,7 +25,6 @@ import functools
 import linecache
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +35,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from jmp.errors import JmpError, LoweringError, TracedControlFlowError, UnsupportedOpError
 from jmp.torch_bridge import autocast, registry
+from jmp.torch_bridge.patching import SharedPatch
 from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wrap
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_active", default=False)
@@ -114,7 +114,7 @@ def session(rngs: Any = None) -> Iterator[None]:
     was_compiling = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        with BridgeMode(), _FunctionApplyRoute(), autocast.Route():
+        with BridgeMode(), _FUNCTION_APPLY_ROUTE, autocast.Route():
             yield
     finally:
         torch.compiler._is_compiling_flag = was_compiling
@@ -138,27 +138,10 @@ def _routed_apply(function: type, *args: Any, **kwargs: Any) -> Any:
     return FUNCTION_APPLY(function, *args, **kwargs)
 
 
-class _FunctionApplyRoute:
-    """Installs ``_routed_apply`` as ``torch.autograd.Function.apply`` while at least one session (in any thread) runs.
-
-    Outside sessions torch is left untouched; a thread without a session that calls ``apply`` meanwhile
-    reaches torch's own ``apply`` through the check in ``_routed_apply``.
-    """
-
-    _lock = threading.Lock()
-    _users = 0
-
-    def __enter__(self) -> None:
-        with self._lock:
-            if _FunctionApplyRoute._users == 0:
-                torch.autograd.Function.apply = classmethod(_routed_apply)
-            _FunctionApplyRoute._users += 1
-
-    def __exit__(self, *exc_info: Any) -> None:
-        with self._lock:
-            _FunctionApplyRoute._users -= 1
-            if _FunctionApplyRoute._users == 0:
-                torch.autograd.Function.apply = _ORIGINAL_APPLY
+# Installs ``_routed_apply`` as ``torch.autograd.Function.apply`` while at least one session (in any thread)
+# runs. Outside sessions torch is left untouched; a thread without a session that calls ``apply`` meanwhile
+# reaches torch's own ``apply`` through the check in ``_routed_apply``.
+_FUNCTION_APPLY_ROUTE = SharedPatch((torch.autograd.Function, "apply", classmethod(_routed_apply)))
 
 
 @contextlib.contextmanager
