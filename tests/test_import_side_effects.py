@@ -52,3 +52,30 @@ def test_checkpoints_keep_the_scripts_own_logging(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("train after the checkpoint") == 1
+
+
+def test_import_jmp_changes_only_the_torch_functions_the_readme_lists():
+    done = _run(
+        """
+        import torch, torch.nn.functional, torch.nn.utils, torch.nn.utils.clip_grad, torch.autograd
+        import torch.compiler, torch.utils.checkpoint
+        spaces = {
+            "torch": torch, "torch.nn.functional": torch.nn.functional, "torch.nn.utils": torch.nn.utils,
+            "torch.nn.utils.clip_grad": torch.nn.utils.clip_grad, "torch.Tensor": torch.Tensor,
+            "torch.nn.Module": torch.nn.Module, "torch.autograd": torch.autograd, "torch.compiler": torch.compiler,
+            "torch.utils.checkpoint": torch.utils.checkpoint, "torch.optim.Optimizer": torch.optim.Optimizer,
+        }
+        before = {k: dict(vars(v)) for k, v in spaces.items()}
+        import jmp
+        for key, space in spaces.items():
+            after = vars(space)
+            changed = sorted(n for n in set(before[key]) | set(after) if before[key].get(n) is not after.get(n))
+            if changed:
+                print(key, ",".join(changed))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    listed = "clip_grad_norm,clip_grad_norm_,clip_grad_value_"
+    assert sorted(done.stdout.split("\n")) == sorted(
+        ["", f"torch.nn.utils {listed}", f"torch.nn.utils.clip_grad {listed}"]
+    ), done.stdout
