@@ -290,8 +290,7 @@ def bound_state(root: TorchModule, written: set[int] | None = None) -> Iterator[
         torch_module.training = not module.deterministic
         if module is not root:
             torch_module.__dict__["forward"] = _Redirect(module)
-        for name in module._torch_state_names:
-            slots = torch_module._parameters if name in torch_module._parameters else torch_module._buffers
+        for slots, name in _state_slots(module):
             variable = getattr(module, name)
             previous = slots[name]
             if isinstance(previous, JaxTensor) and previous._jmp_version > 0:
@@ -321,6 +320,41 @@ def bound_state(root: TorchModule, written: set[int] | None = None) -> Iterator[
             else:
                 torch_module.__dict__["forward"] = forward
         _BOUND_ROOTS.reset(roots_token)
+
+
+def _state_slots(module: TorchModule) -> Iterator[tuple[dict[str, Any], str]]:
+    """(the torch module's dict holding it, name) for ``module``'s own parameters and buffers."""
+    torch_module = module._torch_module
+    for name in module._torch_state_names:
+        yield (torch_module._parameters if name in torch_module._parameters else torch_module._buffers), name
+
+
+def bound_tensors(root: TorchModule) -> Iterator[tuple[nnx.Variable, JaxTensor]]:
+    """(NNX Variable, the JaxTensor an enclosing forward bound to it) for the parameters and buffers of ``root``'s
+    subtree that a running ``bound_state`` holds (those of a module called from a converted forward)."""
+    for module in walk(root):
+        for slots, name in _state_slots(module):
+            tensor = slots.get(name)
+            if isinstance(tensor, JaxTensor):
+                yield getattr(module, name), tensor
+
+
+def write_count(tensor: JaxTensor) -> int:
+    """How many times ``tensor`` was written in place since it was made (0: never); a forward's in-place
+    updates of an input or a bound buffer show as a change of this count."""
+    return tensor._jmp_version
+
+
+def rebind(tensor: JaxTensor, value: jax.Array) -> None:
+    """Point ``tensor`` at ``value`` without counting a write: its value moved (out of a JAX transform, where
+    a copy of the module wrote it), it did not change again."""
+    tensor._value = value
+
+
+def torch_forward(module: TorchModule, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s own forward on JaxTensors (the torch code, or its JAX twin), without the call hooks on its path:
+    for a hook that runs the module in another form (a copy of it inside ``shard_map``)."""
+    return type(module)._torch_forward(module, *args, **kwargs)
 
 
 def to_jax_output(out: Any) -> Any:
