@@ -53,7 +53,8 @@ class GradScaler:
         enabled: False makes every method a pass-through (``scale`` returns the loss, ``step`` steps).
     """
 
-    scales_in_step = False  # the step function multiplies the loss itself, through scale()
+    # the model's LossScaleSource (jmp.model.seams): the step function multiplies the loss itself, through scale()
+    scales_in_step: bool = False
 
     def __init__(
         self,

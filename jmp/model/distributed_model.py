@@ -30,6 +30,7 @@ from jmp.model import live_models as model_registry
 from jmp.model.module_surface import ModelOptions, ModuleSurface
 from jmp.model.parameter_store import ParameterStore, StageStore, TreeStore
 from jmp.model.records import ParameterLayout, ProgramCache, TrainingState, copy_tree
+from jmp.model.seams import AttachedOptimizer, LossScaleSource
 from jmp.pipeline.stepping import Pipeline
 from jmp.precision import policy as precision
 from jmp.remat import api as remat
@@ -49,7 +50,7 @@ class Trace:
     multiplies by it.
     """
 
-    def __init__(self, model: DistributedModel, module: TorchModule, loss_scale: Any):
+    def __init__(self, model: DistributedModel, module: TorchModule, loss_scale: jax.Array | None):
         self.model = model
         self.module = module
         self.loss_scale = loss_scale
@@ -164,8 +165,8 @@ class DistributedModel(ModuleSurface):
         _log_layout(self.layout.specs, mesh)
         self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs)
         self.store: ParameterStore = TreeStore(self.layout)  # a StageStore once a pipeline's stages are cut
-        self._optimizers: list[weakref.ref] = []
-        self._loss_scaling: weakref.ref | None = None  # a GradScaler used by a step function
+        self._optimizers: list[weakref.ref[AttachedOptimizer]] = []
+        self._loss_scaling: weakref.ref[LossScaleSource] | None = None  # a GradScaler used by a step function
         self._unit_scale: jax.Array | None = None
         # one graphdef object per train/eval configuration: step programs are cached by it (see train())
         self._graphdefs: dict[nnx.GraphDef, nnx.GraphDef] = {}
@@ -276,7 +277,7 @@ class DistributedModel(ModuleSurface):
             trace.loss = JaxTensor(sum((t.astype(jnp.float32) for t in terms[1:]), terms[0].astype(jnp.float32)))
 
     @contextlib.contextmanager
-    def tracing(self, module: TorchModule, loss_scale: Any = None) -> Iterator[Trace]:
+    def tracing(self, module: TorchModule, loss_scale: jax.Array | None = None) -> Iterator[Trace]:
         """While a step function is traced with ``module`` (the converted model at that trace's level)."""
         trace = Trace(self, module, loss_scale)
         token = _TRACE.set(trace)
@@ -305,7 +306,7 @@ class DistributedModel(ModuleSurface):
         return self._graphdef
 
     @property
-    def loss_scaling(self) -> Any | None:
+    def loss_scaling(self) -> LossScaleSource | None:
         """What scales this model's loss, if anything: an optimizer with a static or dynamic loss scale
         (the step multiplies the loss itself) or an ``smp.amp.GradScaler`` (the step function calls its
         ``scale()``). Either has ``current_scale`` (a device scalar) and ``scales_in_step``."""
@@ -326,7 +327,7 @@ class DistributedModel(ModuleSurface):
             return self._unit_scale
         return source.current_scale
 
-    def use_grad_scaler(self, scaler: Any) -> None:
+    def use_grad_scaler(self, scaler: LossScaleSource) -> None:
         """Called by an ``smp.amp.GradScaler`` whose ``scale()`` runs in this model's step function."""
         current = self.loss_scaling
         if current is not None and current is not scaler:
@@ -337,7 +338,7 @@ class DistributedModel(ModuleSurface):
             )
         self._loss_scaling = weakref.ref(scaler)
 
-    def attach_optimizer(self, optimizer: Any) -> None:
+    def attach_optimizer(self, optimizer: AttachedOptimizer) -> None:
         """Tell the model which optimizer updates it: it is asked for param groups and told of layout changes."""
         scaler = self._loss_scaling() if self._loss_scaling is not None else None
         if scaler is not None and optimizer.current_scale is not None:
@@ -374,11 +375,11 @@ class DistributedModel(ModuleSurface):
                 "smp.init, or call smp.init once."
             )
 
-    def _live_optimizers(self) -> list[Any]:
+    def _live_optimizers(self) -> list[AttachedOptimizer]:
         return [o for o in (ref() for ref in self._optimizers) if o is not None]
 
     @property
-    def attached_optimizer(self) -> Any | None:
+    def attached_optimizer(self) -> AttachedOptimizer | None:
         """The ``DistributedOptimizer`` that updates this model (the latest one built on it), None without one."""
         live = self._live_optimizers()
         return live[-1] if live else None

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from jmp.errors import ArgumentTypeError, ConfigError
+from jmp.model.seams import AttachedOptimizer
 
 logger = logging.getLogger("jmp")
 
@@ -249,7 +250,7 @@ class ModuleSurface:
         first step call (when the stages are cut) with it."""
         return self.pipeline is None or self.pipeline.ready
 
-    def register_post_partition_hook(self, hook: Callable[[Any, Any], None]) -> RemovableHandle:
+    def register_post_partition_hook(self, hook: Callable[[Any, AttachedOptimizer | None], None]) -> RemovableHandle:
         """Call ``hook(model, optimizer)`` once the model is partitioned, as SMP does: at the first step
         call, before its forward runs (right away when that has happened). ``optimizer`` is the model's
         ``DistributedOptimizer`` (None without one). Returns a handle whose ``remove()`` unregisters it.
