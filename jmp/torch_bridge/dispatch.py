@@ -206,7 +206,7 @@ def _apply(entry: registry.Lowering, func: Any, args: tuple, kwargs: dict) -> An
     if out_target is not None:
         out_target.set_value(result)
         return out_target
-    if args and isinstance(args[0], JaxTensor) and isinstance(result, jax.Array) and result is args[0]._value:
+    if args and isinstance(args[0], JaxTensor) and isinstance(result, jax.Array) and result is args[0].value:
         return args[0]  # a no-op (``x.float()`` on float, ``x.contiguous()``) returns self, like torch
     wrapped = _wrap_result(result)
     if args and isinstance(args[0], JaxTensor) and entry.is_view_call(args, kwargs):
