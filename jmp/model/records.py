@@ -3,11 +3,12 @@
 - ``ParameterLayout`` (frozen): each parameter's torch name, shape, dtype and ``PartitionSpec``, the
   tree structure the converted module keeps them in, and the mesh and config the model was built with.
 - ``TrainingState`` (mutable): the values that change every step: parameters (as stored: a tree, or a
-  pipelined model's stage buffers), the rest of the module state (buffers, random stream), gradients.
+  pipelined model's stage buffers), the rest of the module state (buffers, random stream), gradients,
+  and the last step's side outputs.
 - ``ProgramCache``: the compiled programs of the model's step functions, keyed by what they were traced
   for, with explicit invalidation (activation checkpointing annotations change what a program computes).
 
-``jmp.compiled_step.function`` and ``jmp.optim.distributed_optimizer`` read and write these through the model's
+``jmp.compiled_step`` and ``jmp.optim.distributed_optimizer`` read and write these through the model's
 public attributes (``model.layout``, ``model.training_state``, ``model.programs``); nothing else of the model is shared.
 """
 
@@ -75,11 +76,13 @@ class TrainingState:
     optimizer's ``zero_grad()`` (torch semantics), still multiplied by the loss scale. A clipping factor
     may be pending on them (``scale_grads_later``): reading ``grads`` multiplies it in, while the optimizer
     takes it into its own pass over the gradients (``kept_grads``) and writes no clipped copy.
+    ``side_outputs`` are the values the last step's forward sowed besides its outputs, by name, each the
+    step's total (``jmp.compiled_step.side_outputs``).
     """
 
     params: Any
     rest: Any
-    dropped_tokens: jax.Array | None = None
+    side_outputs: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
     version: int = 0  # counts changes of ``params`` and ``rest`` (what a copy of them is checked against)
     _grads: Any = None
     _grad_factor: jax.Array | None = None
@@ -115,10 +118,15 @@ class TrainingState:
             self.grads = _scaled(self._grads, self._grad_factor)
         object.__setattr__(self, "_grad_factor", factor)
 
-    def record_step(self, rest: Any, grads: Any, dropped_tokens: jax.Array) -> None:
-        """Take a step program's results: new module state, gradients to add (None: no backward)."""
+    @property
+    def dropped_tokens(self) -> jax.Array | None:
+        """Token-expert assignments the last step's expert dispatches dropped (None: it dropped none, by design)."""
+        return self.side_outputs.get("dropped_tokens")  # jmp.sharding.experts.DROPPED_TOKENS
+
+    def record_step(self, rest: Any, grads: Any, side_outputs: dict[str, jax.Array]) -> None:
+        """Take a step program's results: new module state, gradients to add (None: no backward), side outputs."""
         self.rest = rest
-        self.dropped_tokens = dropped_tokens
+        self.side_outputs = side_outputs
         if grads is not None:
             self.grads = grads if self.grads is None else _add_trees(self.grads, grads)
 

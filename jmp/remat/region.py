@@ -14,20 +14,28 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import torch
 import torch.utils._pytree as torch_pytree
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jmp.compiled_step import side_outputs
 from jmp.errors import ActivationCheckpointingError, ConfigError
 from jmp.model import marks as module_marks
 from jmp.remat import context
 from jmp.remat.policies import GATHERED, Resolved, without_weights
 from jmp.remat.policy_syntax import INPUT
-from jmp.sharding import experts
 from jmp.torch_bridge import dispatch
-from jmp.torch_bridge.module import CallHook, TorchModule, call_hooks, hooked_call, walk
+from jmp.torch_bridge.module import (
+    CallHook,
+    TorchModule,
+    bound_tensors,
+    call_hooks,
+    hooked_call,
+    rebind,
+    walk,
+    write_count,
+)
 from jmp.torch_bridge.state_dict import torch_name
 from jmp.torch_bridge.tensor import JaxTensor
 
@@ -95,7 +103,7 @@ def run(
             leaves[i] = tensor
         call_args, call_kwargs = torch_pytree.tree_unflatten(leaves, spec)
         outputs = []
-        with context.copies(copies), dispatch.session(inner_rngs), experts.counting_dropped() as dropped:
+        with context.copies(copies), dispatch.session(inner_rngs), side_outputs.collecting() as sown:
             for k, copy in enumerate(copies):
                 with call_hooks(_naming_hooks(copy, policy.names)):
                     out = hooked_call(copy, inside[k])(*call_args, **call_kwargs)
@@ -105,11 +113,11 @@ def run(
         out_flat, traced["spec"] = torch_pytree.tree_flatten(outputs)
         traced["leaves"] = [None if isinstance(v, JaxTensor) else v for v in out_flat]
         traced["dtypes"] = [v.dtype for v in out_flat if isinstance(v, JaxTensor)]
-        traced["mutated"] = [i for i, t in enumerate(wrapped) if t._jmp_version > 0]
+        traced["mutated"] = [i for i, t in enumerate(wrapped) if write_count(t) > 0]
         mutated = [wrapped[i].value for i in traced["mutated"]]
         new_rest = nnx.split((copies, inner_rngs), nnx.Param, ...)[2]
         values = [v.value for v in out_flat if isinstance(v, JaxTensor)]
-        return values, mutated, new_rest, sum(dropped, jnp.zeros((), jnp.int32))  # counts leave as outputs
+        return values, mutated, new_rest, dict(sown)  # side outputs leave the checkpoint as outputs
 
     jax_policy = policy.jax_policy
     if policy.gathered:
@@ -124,8 +132,8 @@ def run(
     values = [t.value for t in inputs]
     if policy.gathered:
         params, values = _reduced_before_earlier_layers(params, values)
-    out_arrays, mutated, new_rest, dropped = checkpointed(params, rest, values)
-    experts.record_dropped(dropped)
+    out_arrays, mutated, new_rest, sown = checkpointed(params, rest, values)
+    side_outputs.sow_all(sown)
     # a random key leaves the region unchanged: keeping the one that went in means the region's output key
     # is not read later (in a pipeline, a key cannot travel between stages; the stream's count does)
     new_rest = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_rest, rest)
@@ -242,20 +250,8 @@ def _check_names(units: Sequence[TorchModule], names: frozenset[str]) -> None:
         )
 
 
-def _bindings(units: Sequence[TorchModule]):
-    """(twin, name, torch tensor bound to it by an enclosing forward) for the units' parameters and buffers."""
-    for unit in units:
-        for module in walk(unit):
-            torch_module = module.torch_module
-            for name in module._torch_state_names:
-                slots = torch_module._parameters if name in torch_module._parameters else torch_module._buffers
-                tensor = slots.get(name)
-                if isinstance(tensor, JaxTensor):
-                    yield module, name, tensor
-
-
 def _binding_versions(units: Sequence[TorchModule]) -> dict[int, int]:
-    return {id(tensor): tensor._jmp_version for _, _, tensor in _bindings(units)}
+    return {id(tensor): write_count(tensor) for unit in units for _, tensor in bound_tensors(unit)}
 
 
 def _refresh_bindings(units: Sequence[TorchModule], before: dict[int, int]) -> None:
@@ -264,6 +260,7 @@ def _refresh_bindings(units: Sequence[TorchModule], before: dict[int, int]) -> N
     A generic module writes its buffer updates back into the tensors its parent bound; inside the
     region those writes hold the region's values, which must not outlive it.
     """
-    for module, name, tensor in _bindings(units):
-        if tensor._jmp_version != before.get(id(tensor), tensor._jmp_version):
-            tensor._value = getattr(module, name)[...]
+    for unit in units:
+        for variable, tensor in bound_tensors(unit):
+            if write_count(tensor) != before.get(id(tensor), write_count(tensor)):
+                rebind(tensor, variable[...])

@@ -14,13 +14,14 @@ XLA:CPU has no ragged all-to-all, so rows travel in fixed-size buffers of
 device holds, so no row is ever dropped and the result equals the unsharded
 layer; ``expert_capacity_factor`` (config) shrinks it to
 ``factor * rows / ep``, and rows past it are dropped (they add nothing) and
-counted.
+counted: the step's side output ``dropped_tokens`` (``jmp.compiled_step.side_outputs``),
+logged as a warning when it is not zero.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,15 +33,18 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 from torch import nn
 
+from jmp.compiled_step import side_outputs
 from jmp.errors import ConfigError
 from jmp.runtime.mesh_state import DATA_AXES
-from jmp.torch_bridge import JaxTensor, TorchModule
+from jmp.torch_bridge import JaxTensor, TorchModule, torch_forward
 from jmp.torch_bridge.tensor import unwrap
+
+logger = logging.getLogger("jmp")
 
 # Hugging Face experts: parameter -> the dimension tensor parallelism splits ([E, out, in] layouts)
 _TENSOR_PARALLEL_DIMS = {"gate_up_proj": 1, "up_proj": 1, "down_proj": 2}
 
-_DROPPED: contextvars.ContextVar[list | None] = contextvars.ContextVar("jmp_dropped_tokens", default=None)
+DROPPED_TOKENS = "dropped_tokens"  # the side output counting token-expert assignments past the capacity
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -91,24 +95,6 @@ def expert_specs(root: nn.Module, expert_degree: int, tensor_degree: int) -> dic
     return specs
 
 
-def record_dropped(count: jax.Array) -> None:
-    """Add a dispatch's dropped-row count to the innermost ``counting_dropped`` block (if any)."""
-    counts = _DROPPED.get()
-    if counts is not None:
-        counts.append(count)
-
-
-@contextlib.contextmanager
-def counting_dropped() -> Iterator[list]:
-    """Collects the dropped-row counts (traced scalars) of the expert dispatches traced inside the block."""
-    counts: list = []
-    token = _DROPPED.set(counts)
-    try:
-        yield counts
-    finally:
-        _DROPPED.reset(token)
-
-
 def expert_parallel_hooks(root: nn.Module, mesh: Mesh, capacity_factor: float | None) -> dict[str, Callable]:
     """Call hooks (``jmp.torch_bridge.call_hooks``) that dispatch each experts module's tokens over ``ep``."""
     if mesh.shape["ep"] == 1:
@@ -123,7 +109,8 @@ def expert_parallel_hooks(root: nn.Module, mesh: Mesh, capacity_factor: float | 
 
     def hook(module: TorchModule, call: Callable, hidden: Any, top_k_index: Any, top_k_weights: Any) -> JaxTensor:
         out, dropped = _dispatch(module, mesh, capacity_factor, unwrap(hidden), unwrap(top_k_index), top_k_weights)
-        record_dropped(dropped)
+        if capacity_factor is not None:  # without one, every row fits: none is dropped
+            side_outputs.sow(DROPPED_TOKENS, dropped, reduce="sum", report=_warn_if_dropped)
         return JaxTensor(out, hidden.dtype)
 
     return dict.fromkeys(found, hook)
@@ -156,7 +143,7 @@ def _dispatch(module: TorchModule, mesh: Mesh, capacity_factor: float | None, x,
         )
         merged = nnx.merge(graphdef, params, rest, copy=True)
         with _experts_count(merged.torch_module, local_experts):  # the forward sees only its local experts
-            computed = type(merged)._torch_forward(
+            computed = torch_forward(
                 merged,
                 JaxTensor(received),
                 JaxTensor(received_expert, torch.int64),
@@ -190,3 +177,13 @@ def _experts_count(module: nn.Module, count: int) -> Iterator[None]:
         yield
     finally:
         module.num_experts = previous
+
+
+def _warn_if_dropped(dropped: Any) -> None:
+    """The report of ``DROPPED_TOKENS``: called on the host with the step's total."""
+    if int(dropped) > 0:
+        logger.warning(
+            "expert parallelism dropped %d token-expert assignments in this step (they add nothing to the "
+            "output); raise expert_capacity_factor, or leave it unset so that none are dropped",
+            int(dropped),
+        )

@@ -1,0 +1,68 @@
+"""The batch of a step: assembled whole across processes, checked to divide, and split into microbatches.
+
+The batch is one array sharded over the data-parallel mesh axes; inside the program it is split into
+``microbatches``, each an equal slice of every data shard (as in SMP, where every data-parallel rank splits
+its own part of the batch), so every device stays busy on every microbatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jmp.errors import StepError
+from jmp.runtime import mesh_state as state
+
+
+def data_shards(mesh: jax.sharding.Mesh) -> int:
+    """How many parts the data-parallel mesh axes split the batch into."""
+    return int(np.prod([mesh.shape[a] for a in state.DATA_AXES]))
+
+
+def split(x: jax.Array, axis: int, microbatches: int, shards: int) -> jax.Array:
+    """[.., B, ..] -> [microbatches, .., B / microbatches, ..], each microbatch an equal slice of every shard."""
+    size = x.shape[axis]
+    per = size // (shards * microbatches)
+    x = x.reshape(x.shape[:axis] + (shards, microbatches, per) + x.shape[axis + 1 :])
+    x = jnp.moveaxis(x, axis + 1, 0)
+    return x.reshape((microbatches,) + x.shape[1 : axis + 1] + (shards * per,) + x.shape[axis + 3 :])
+
+
+def whole_batch_shape(array: Any, axis: int, processes: int) -> tuple[int, ...]:
+    """The shape of the whole batch when each of ``processes`` passes an equal share (its own rows)."""
+    shape = tuple(array.shape)
+    if processes == 1 or axis >= len(shape) or (isinstance(array, jax.Array) and not array.is_fully_addressable):
+        return shape  # one process, or already a global array
+    return shape[:axis] + (shape[axis] * processes,) + shape[axis + 1 :]
+
+
+def whole_batch(array: Any, sharding: NamedSharding, shape: tuple[int, ...]) -> jax.Array:
+    """The batch as one array over the mesh; with several processes, built from each one's rows."""
+    if jax.process_count() == 1 or (isinstance(array, jax.Array) and not array.is_fully_addressable):
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_process_local_data(sharding, np.asarray(array), shape)
+
+
+def check_divisible(name: str, shape: tuple, axis: int, microbatches: int, shards: int, processes: int = 1) -> None:
+    """Refuse a batch that does not divide into ``microbatches`` x ``shards`` (or lacks the axis)."""
+    if axis >= len(shape):
+        raise StepError(f"step input '{name}' has {len(shape)} dimensions; it cannot be split on axis {axis}")
+    if shape[axis] % (microbatches * shards):
+        if processes > 1:
+            raise StepError(
+                f"step input '{name}': the {processes} processes' shares of {shape[axis] // processes} rows make a "
+                f"batch of {shape[axis]} (axis {axis}), which does not divide into {microbatches} microbatches x "
+                f"{shards} data-parallel shards = {microbatches * shards}. Give each process a multiple of "
+                f"{max(1, microbatches * shards // processes)} rows (DataLoader(..., drop_last=True) drops the "
+                "short last batch)."
+            )
+        raise StepError(
+            f"step input '{name}' has batch size {shape[axis]} (axis {axis}), which does not divide into "
+            f"{microbatches} microbatches x {shards} data-parallel shards = {microbatches * shards}. Use a batch "
+            "size that is a multiple of that (DataLoader(..., drop_last=True) drops the short last batch), or "
+            "list the argument in non_split_inputs."
+        )

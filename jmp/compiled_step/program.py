@@ -1,0 +1,189 @@
+"""What a step program computes: the step function on one microbatch (``forward``), then on the whole batch
+(``run``): a loop over microbatches accumulating gradients, or the pipeline's schedule.
+
+Side outputs (``jmp.compiled_step.side_outputs``) sown by the forward come out of every path as one dict,
+combined over microbatches and reported once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.utils._pytree as torch_pytree
+from flax import nnx
+
+from jmp.compiled_step import microbatches as batching
+from jmp.compiled_step import side_outputs
+from jmp.compiled_step.outputs import output_array, output_leaf
+from jmp.compiled_step.signature import StepSignature, rebuild
+from jmp.model.distributed_model import DistributedModel
+from jmp.pipeline.engine import StepInputs
+from jmp.remat import xla as remat_xla
+from jmp.torch_bridge import autocast, call_hooks, dispatch
+from jmp.torch_bridge.tensor import unwrap
+
+
+@dataclasses.dataclass
+class Traced:
+    """What tracing a step function revealed (kept per compiled variant)."""
+
+    has_backward: bool = False
+    output_count: int = 0  # the returned values that are tensors (the program's outputs)
+    output_spec: Any = None
+    output_leaves: tuple = ()  # per returned leaf: its torch dtype (a tensor), or outputs.Returned (a value as is)
+    side_outputs: Any = None  # the tree structure of the forward's side outputs (a pipeline passes them flat)
+    checked: bool = False  # a pipelined program's compiled collectives were checked (engine.check_compiled)
+
+
+def forward(fn: Callable, model: DistributedModel, signature: StepSignature, traced: Traced) -> Callable:
+    """``fn`` on one microbatch: (params, rest, arrays) -> (loss, (outputs, new rest, side outputs)).
+
+    ``params`` are as kept (float32 masters in mixed precision) and cast for compute here, so gradients
+    flow back through the cast; the last of ``arrays`` is the loss scale.
+    """
+    policy = model.precision
+
+    def run_forward(params, rest, mb_arrays):
+        *mb_arrays, loss_scale = mb_arrays
+        if policy.mixed:
+            leaves = policy.for_compute(model.layout.names, jax.tree.leaves(params))
+            params = jax.tree_util.tree_unflatten(model.layout.treedef, leaves)
+        module = nnx.merge(signature.graphdef, params, rest, copy=True)  # Variables of this trace level
+        call_args, call_kwargs = rebuild(signature.arguments, signature.leaves, mb_arrays, model)
+        with (
+            model.tracing(module, loss_scale) as trace,
+            dispatch.session(getattr(module, "rngs", None)),
+            call_hooks(model.call_hooks),
+            side_outputs.collecting() as sown,
+            autocast.forced(policy.autocast, half_results=True) if policy.autocast else contextlib.nullcontext(),
+        ):
+            returned = fn(*call_args, **call_kwargs)
+        flat, out_spec = torch_pytree.tree_flatten(returned)
+        traced.output_spec = out_spec
+        traced.output_leaves = tuple(output_leaf(v, i) for i, v in enumerate(flat))
+        traced.has_backward = trace.loss is not None
+        outputs = [output_array(v) for v, leaf in zip(flat, traced.output_leaves) if isinstance(leaf, torch.dtype)]
+        loss = unwrap(trace.loss).astype(jnp.float32) if trace.loss is not None else jnp.zeros((), jnp.float32)
+        loss = loss * loss_scale if signature.scales_loss else loss
+        return loss, (outputs, nnx.split(module, nnx.Param, ...)[2], dict(sown))
+
+    return run_forward
+
+
+def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced: Traced, params, rest, arrays):
+    """The whole step on the batch: (stacked outputs, new rest, gradients or None, side outputs by name).
+
+    Gradients are the mean over microbatches, or their sum when ``signature.average_grads`` is False.
+    """
+    microbatches, split = signature.microbatches, signature.split_axes
+    pieces = [
+        batching.split(a, axis, microbatches, signature.data_shards) if axis is not None else a
+        for a, axis in zip(arrays, split)
+    ]
+    if model.pipeline is not None:
+        return _run_pipeline(fn, model, signature, traced, params, rest, pieces)
+    step_forward = forward(fn, model, signature, traced)
+    shardings = model.store.shardings
+
+    def arrays_of(mb):
+        return [m if axis is not None else p for m, p, axis in zip(mb, pieces, split)]
+
+    def with_grads(rest, mb_arrays):
+        (_, (outputs, rest, sown)), grads = jax.value_and_grad(step_forward, has_aux=True)(params, rest, mb_arrays)
+        # gradients live where their parameters do (sharded data parallel: reduce-scattered)
+        return outputs, rest, jax.lax.with_sharding_constraint(grads, shardings), sown
+
+    if microbatches == 1:
+        first = [p[0] if axis is not None else p for p, axis in zip(pieces, split)]
+        outputs, rest, grads, sown = with_grads(rest, first)
+        grads = _as_kept(model, grads) if traced.has_backward else None
+        return [o[None] for o in outputs], rest, grads, side_outputs.reported(sown)
+
+    mb_stack = [p if axis is not None else None for p, axis in zip(pieces, split)]
+    shapes = jax.eval_shape(step_forward, params, rest, arrays_of([p[0] if p is not None else None for p in mb_stack]))
+    no_side_outputs = side_outputs.identity(shapes[1][2])
+    if traced.has_backward:  # learnt from the shape evaluation above
+
+        def body(carry, mb):
+            rest, total, sown = carry
+            outputs, rest, grads, mb_sown = with_grads(rest, arrays_of(mb))
+            return (rest, jax.tree.map(jnp.add, total, grads), side_outputs.combine_all(sown, mb_sown)), outputs
+
+        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), shardings)
+        (rest, total, sown), stacked = jax.lax.scan(body, (rest, zeros, no_side_outputs), mb_stack)
+        if signature.average_grads:
+            total = jax.tree.map(lambda g: g / microbatches, total)
+        return stacked, rest, _as_kept(model, total), side_outputs.reported(sown)
+
+    def eval_body(carry, mb):
+        rest, sown = carry
+        _, (outputs, rest, mb_sown) = step_forward(params, rest, arrays_of(mb))
+        return (rest, side_outputs.combine_all(sown, mb_sown)), outputs
+
+    (rest, sown), stacked = jax.lax.scan(eval_body, (rest, no_side_outputs), mb_stack)
+    return stacked, rest, None, side_outputs.reported(sown)
+
+
+def _run_pipeline(fn, model: DistributedModel, signature: StepSignature, traced: Traced, rows, rest, pieces):
+    """The step as a pipeline over ``pp`` (see jmp.pipeline): forward cut into stages, both passes scheduled."""
+    pipeline, split, microbatches = model.pipeline, signature.split_axes, signature.microbatches
+    rest_leaves, rest_def = jax.tree.flatten(rest)
+    whole = [None if axis is not None else p for p, axis in zip(pieces, split)]
+    split_pieces = [p if axis is not None else None for p, axis in zip(pieces, split)]
+    mb_avals = [
+        jax.ShapeDtypeStruct(p.shape[1:] if axis is not None else p.shape, p.dtype) for p, axis in zip(pieces, split)
+    ]
+    param_avals = model.layout.avals()
+    flat = flat_forward(forward(fn, model, signature, traced), model, rest_def, traced)
+    jaxpr = pipeline.trace(flat, param_avals, rest_leaves, mb_avals)
+    programs = pipeline.programs(jaxpr, list(model.layout.names), len(rest_leaves))
+    inputs = StepInputs(rows, rest, tuple(split_pieces), tuple(whole), microbatches, traced.has_backward)
+    result = pipeline.step(programs, inputs)
+    outputs = result.finals[1 : 1 + traced.output_count]  # finals: [loss, *outputs, *side outputs]
+    stacked = jax.tree.unflatten(traced.side_outputs, result.finals[1 + traced.output_count :])
+    grads = result.grads  # summed over microbatches
+    if grads is not None and signature.average_grads:
+        grads = jax.tree.map(lambda g: g / microbatches, grads)
+    grads = _as_kept(model, grads) if grads is not None else None
+    return outputs, result.rest, grads, side_outputs.reported(side_outputs.reduce_stacked(stacked))
+
+
+def flat_forward(step_forward: Callable, model: DistributedModel, rest_def: Any, traced: Traced) -> Callable:
+    """``step_forward`` on flat lists: (parameters in name order, rest, inputs) -> [loss, *outputs, *side outputs,
+    *rest].
+
+    The new rest comes last, as ``jmp.pipeline.split`` expects of the forward it cuts.
+    """
+
+    def flat(param_list, rest_list, mb_arrays):
+        params = jax.tree_util.tree_unflatten(model.layout.treedef, param_list)
+        rest = jax.tree_util.tree_unflatten(rest_def, rest_list)
+        loss, (outputs, new_rest, sown) = step_forward(params, rest, mb_arrays)
+        traced.output_count = len(outputs)
+        sown_leaves, traced.side_outputs = jax.tree.flatten(sown)
+        return [loss, *outputs, *sown_leaves, *jax.tree.leaves(new_rest)]
+
+    return flat
+
+
+def compile_step(fn: Callable, model: DistributedModel, signature: StepSignature) -> tuple[Any, Traced]:
+    """The program for ``signature`` (compiled at its first call) and the record its tracing fills in."""
+    traced = Traced()
+    step_program = functools.partial(run, fn, model, signature, traced)
+    options = remat_xla.compiler_options(model.layout.mesh.devices.flat[0].platform)
+    return jax.jit(step_program, donate_argnums=(1,), compiler_options=options), traced
+
+
+def _as_kept(model: DistributedModel, grads: Any) -> Any:
+    """Gradients (float32, laid out as the parameters are stored) in the dtype they are kept in between calls."""
+    policy = model.precision
+    if not policy.mixed:
+        return grads
+    return model.store.cast_grads(grads, policy.grad_dtype)
