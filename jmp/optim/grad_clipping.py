@@ -25,6 +25,7 @@ import torch.nn.utils.clip_grad
 
 from jmp.errors import OptimizerError
 from jmp.model import live_models as model_registry
+from jmp.optim import update_steps
 
 _TORCH_NORM = torch.nn.utils.clip_grad.clip_grad_norm_
 _TORCH_VALUE = torch.nn.utils.clip_grad.clip_grad_value_
@@ -147,8 +148,7 @@ def _apply(grads: Any, mask: tuple[bool, ...] | None, fn) -> Any:
 
 @functools.partial(jax.jit, static_argnums=(1, 3))
 def _norm_and_factor(grads: Any, mask: Any, max_norm: float, norm_type: float, scale: jax.Array):
-    """(total norm, clipping factor), torch's rule on the unscaled gradients: the factor is
-    min(1, max_norm / (norm + 1e-6))."""
+    """(total norm, clipping factor), torch's rule (``update_steps.torch_clip_factor``) on the unscaled gradients."""
     unscaled = [g.astype(jnp.float32) / scale for g in _selected(grads, mask)]
     if not unscaled:
         return jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32)
@@ -156,7 +156,7 @@ def _norm_and_factor(grads: Any, mask: Any, max_norm: float, norm_type: float, s
         norm = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in unscaled]))
     else:
         norm = sum(jnp.sum(jnp.abs(g) ** norm_type) for g in unscaled) ** (1.0 / norm_type)
-    return norm, jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return norm, update_steps.torch_clip_factor(norm, max_norm)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

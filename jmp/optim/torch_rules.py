@@ -396,6 +396,7 @@ UNSUPPORTED_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
 
 
 def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
+    """How ``optimizer`` maps to optax, once its class and its param groups' options are known to be supported."""
     rule = RULES.get(type(optimizer))
     if rule is None:
         supported = ", ".join(
@@ -406,6 +407,12 @@ def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
             f"{type(optimizer).__module__}.{type(optimizer).__name__} is not supported by DistributedOptimizer. "
             f"Supported: {supported}, or pass an optax.GradientTransformation."
         )
+    for group in optimizer.param_groups:
+        if group.get("decoupled_weight_decay"):  # torch's Adam(decoupled_weight_decay=True) is AdamW
+            rule = RULES[torch.optim.AdamW]
+        for option in ("fused", "capturable", "differentiable"):
+            if group.get(option):
+                raise OptimizerError(f"{type(optimizer).__name__}({option}=True) is a CUDA option; remove it")
     return rule
 
 

@@ -6,6 +6,9 @@ Two update rules live here, each a pure function of scalar arrays so it can sit 
   which is Megatron-LM / DeepSpeed's ``DynamicLossScaler``: :func:`updated`.
 - ``torch.amp.GradScaler``'s rule (torch's ``_amp_update_scale_``): :func:`grad_scaler_updated`.
 
+SMP's loss-scaling options (``static_loss_scale``, ``dynamic_loss_scale``, ``dynamic_loss_args``), checked
+against what the model computes in, become a :class:`LossScaling` here too: :func:`scaling_for`.
+
 Scales are float32, as in torch. Growth is by ``scale * factor`` in float32, so with the power-of-two factors
 everyone uses the scales are exact powers of two. A growth that would overflow float32 to ``inf`` is skipped
 (the scale stays where it is), as torch's ``_amp_update_scale_`` does; the reference scaler keeps its scale in a
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp.errors import OptimizerError
+from jmp.precision import policy as precision
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -90,6 +94,9 @@ def _is_real(value: Any) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+DYNAMIC_KEYS = tuple(field.name for field in dataclasses.fields(DynamicLossScaleArgs))
 
 
 class LossScaleState(NamedTuple):
@@ -206,3 +213,67 @@ def _is_floating(leaf: Any) -> bool:
         return True
     dtype = getattr(leaf, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+# --- SMP's options --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """How an optimizer scales the loss: not at all, by a constant, or dynamically (fp16)."""
+
+    kind: str | None  # None | "static" | "dynamic"
+    initial: Any = None  # the scale (static) or the scaler's first state (dynamic)
+    args: DynamicLossScaleArgs | None = None
+
+
+def checked_static_scale(static_loss_scale: float | None, dynamic_loss_args: Any) -> float:
+    """``static_loss_scale`` as a number (None: 1.0), once it and ``dynamic_loss_args`` are of the right types."""
+    static = 1.0 if static_loss_scale is None else static_loss_scale
+    if isinstance(static, bool) or not isinstance(static, (int, float)) or not static > 0:
+        raise OptimizerError(f"static_loss_scale must be a positive number (or None), not {static_loss_scale!r}")
+    if dynamic_loss_args is not None and not isinstance(dynamic_loss_args, dict):
+        raise OptimizerError(f"dynamic_loss_args must be a dict, not {type(dynamic_loss_args).__name__}")
+    return static
+
+
+def scaling_for(policy: Any, static: float, dynamic: bool, args: dict | None, loose_args: dict) -> LossScaling:
+    """SMP's loss-scaling options, checked against what the model computes in (``policy``); ``loose_args`` are
+    dynamic scaler settings given as keywords."""
+    given = {**(args or {}), **loose_args}
+    if given and not dynamic:
+        raise OptimizerError(
+            f"dynamic loss scaling settings {sorted(given)} were given with dynamic_loss_scale=False; "
+            "pass dynamic_loss_scale=True to use them"
+        )
+    if dynamic and static != 1.0:
+        raise OptimizerError(
+            f"static_loss_scale={static} and dynamic_loss_scale=True both ask to scale the loss; choose one "
+            "(SMP's scripts pass static_loss_scale=None with dynamic scaling)"
+        )
+    computes_in = "bfloat16" if policy.half_dtype == jnp.dtype(jnp.bfloat16) else "float32"
+    if dynamic:
+        parsed = DynamicLossScaleArgs.from_dict(given)
+        if policy.is_fp16:
+            return LossScaling("dynamic", initial_state(parsed), parsed)
+        precision.warn_once(
+            f"dynamic-{computes_in}",
+            f"dynamic_loss_scale=True is for fp16 training; this model computes in {computes_in}, whose "
+            "exponent range keeps gradients from underflowing, so jmp does not scale the loss",
+        )
+        return LossScaling(None)
+    if static != 1.0:
+        if policy.half_dtype == jnp.dtype(jnp.bfloat16):
+            precision.warn_once(
+                "static-bf16",
+                f"static_loss_scale={static} with bf16 training: bf16 does not underflow like fp16, so the "
+                "scale changes nothing but rounding; it is applied as given",
+            )
+        return LossScaling("static", np.float32(static))
+    if policy.is_fp16:
+        precision.warn_once(
+            "fp16-unscaled",
+            "fp16 training without loss scaling: gradients below float16's range (~6e-8) become zero; "
+            "pass dynamic_loss_scale=True (or a static_loss_scale) to smp.DistributedOptimizer",
+        )
+    return LossScaling(None)

@@ -1,0 +1,132 @@
+"""The fused-kernel update: ``DistributedOptimizer``'s torch optimizer run as Pallas kernels (``jmp.kernels``).
+
+The kernels read the gradients as the backward left them and take the step's scalars (``update_steps``) as
+extra arguments: they unscale and clip in the same pass and skip an overflow step, writing the parameters and
+moments in place, each device its own shards. The state tree is the optax chain's, so the update can fall back
+to the optax chain (a device whose compiler refuses the kernels) and carry the state over.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+import torch
+from jax.sharding import PartitionSpec
+
+from jmp import kernels, sharding
+from jmp.optim import torch_rules
+from jmp.optim.update_steps import StepScalars, kept_on_skip
+
+logger = logging.getLogger(__name__)
+
+
+def fused_mode(asked: bool | None, rule: torch_rules.Rule, optimizer: torch.optim.Optimizer) -> str | None:
+    """How the update runs: "compiled" Pallas kernels, "interpret"ed ones, or None (the optax chain).
+
+    ``asked`` is the config's ``fused_optimizer``: None (the default) takes the kernels on a GPU and the optax
+    chain elsewhere; True takes them everywhere (interpreted off a GPU: the GPU's numbers, slowly); False never.
+    """
+    on_gpu = jax.default_backend() == "gpu"
+    if asked is False or (asked is None and not on_gpu):
+        return None
+    say = logger.warning if asked else logger.info
+    unfused = [
+        i
+        for i, group in enumerate(optimizer.param_groups)
+        if kernels.fused_version(rule.factory, rule.hyperparams(group)[1], interpret=False) is None
+    ]
+    if unfused:
+        say(
+            "fused_optimizer: %s with param group %d's options has no fused kernel (jmp.kernels); the optax "
+            "update runs",
+            type(optimizer).__name__,
+            unfused[0],
+        )
+        return None
+    if on_gpu:
+        return "compiled"
+    logger.warning(
+        "fused_optimizer on %s: the Pallas kernels run in interpret mode (the GPU kernels' numbers, slowly)",
+        jax.default_backend(),
+    )
+    return "interpret"
+
+
+def kernel_factories(mode: str | None) -> Callable[[Callable, dict], Callable | None] | None:
+    """What ``torch_rules.group_transform`` takes as ``fused`` for ``mode`` (None: the optax chains)."""
+    if mode is None:
+        return None
+    return functools.partial(kernels.fused_version, interpret=mode == "interpret")
+
+
+def fused_update(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    scalars: StepScalars,
+    *,
+    store: Any,
+    state_shardings: Any,
+    frozen: Any,
+    checked: bool,
+) -> tuple[Any, Any]:
+    """The new parameters and state from the kernels ``tx``, each device updating its own shards (``shard_map``)
+    in place. Under ZeRO-1 a device updates the slice of the parameters its state covers, and the new parameters
+    are gathered over ``dp`` afterwards.
+
+    ``store`` is the model's parameter store, ``state_shardings`` where ``opt_state`` lives, ``frozen`` a
+    params-shaped tree of bools (the parameters the torch optimizer does not own). ``checked``: the step may be
+    skipped, and the state's scalars (step counts, hyper-parameters) are then kept here.
+    """
+    param_specs = jax.tree.map(lambda s: s.spec, store.state_shardings(jax.eval_shape(lambda p: p, params)))
+    state_specs = jax.tree.map(lambda s: s.spec, state_shardings)
+    split = {
+        path: sharding.spec_axes(spec)
+        for path, spec in jax.tree_util.tree_flatten_with_path(
+            param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )[0]
+    }
+
+    def update(grads, opt_state, params, extra):
+        with kernels.split_over(split):  # whole-tensor norms (LAMB's trust ratio) add up the shards
+            return tx.update(grads, opt_state, params, return_params=True, **extra)
+
+    divisor = jnp.ones((), jnp.float32) if scalars.grad_divisor is None else scalars.grad_divisor
+    extra = dict(grad_scale=scalars.grad_scale, grad_divisor=divisor, skip=scalars.skip)
+    local = jax.shard_map(
+        update,
+        mesh=store.layout.mesh,
+        in_specs=(param_specs, state_specs, param_specs, PartitionSpec()),
+        out_specs=(param_specs, state_specs),
+        check_vma=False,
+    )
+    new, new_state = local(grads, opt_state, params, extra)
+    # the frozen parameters' "new parameters" are optax.set_to_zero's zeros: they keep their values
+    new_params = jax.tree.map(lambda is_frozen, p, n: p if is_frozen else n, frozen, params, new)
+    if checked:  # the kernels kept their tensors
+        new_state = kept_on_skip(scalars.skip, new_state, opt_state, scalars_only=True)
+    return new_params, new_state
+
+
+def kernels_did_not_build(fused: str | None, kernels_ran: bool, error: Exception, donated: tuple) -> bool:
+    """Whether ``error``, raised by the first compiled-kernel update before it consumed its (``donated``) inputs,
+    means the kernels did not build on this device, so the optax update may run instead; says so if it does."""
+    if fused != "compiled" or kernels_ran:
+        return False
+    if any(leaf.is_deleted() for leaf in jax.tree.leaves(donated) if isinstance(leaf, jax.Array)):
+        return False
+    logger.warning(
+        "fused_optimizer: the Pallas kernels did not build on this %s (%s: %s); the optax update runs instead "
+        "(set fused_optimizer: False to skip trying)",
+        jax.default_backend(),
+        type(error).__name__,
+        str(error).splitlines()[0] if str(error) else "",
+    )
+    return True

@@ -1,0 +1,35 @@
+"""Which ``DistributedModel`` a ``DistributedOptimizer`` updates: the one given, else the one holding the torch
+optimizer's parameters (or, for an optax transformation, the only one alive)."""
+
+from __future__ import annotations
+
+import torch
+
+from jmp.errors import ArgumentTypeError, ModelLookupError
+from jmp.model import live_models as model_registry
+from jmp.model.distributed_model import DistributedModel
+
+
+def model_updated_by(torch_optimizer: torch.optim.Optimizer | None, given: DistributedModel | None) -> DistributedModel:
+    """The model ``torch_optimizer`` (None: an optax transformation) updates; ``given`` is the ``model=`` argument."""
+    if given is not None:
+        if not isinstance(given, DistributedModel):
+            raise ArgumentTypeError(f"model= takes a smp.DistributedModel, not {type(given).__name__}")
+        return given
+    if torch_optimizer is None:
+        return model_registry.the_only(
+            "smp.DistributedOptimizer(<optax transformation>)", "pass model= to say which one it updates"
+        )
+    held = {id(p) for g in torch_optimizer.param_groups for p in g["params"]}
+    owners = [m for m in model_registry.live() if any(id(p) in held for p in m.torch_module.parameters())]
+    if len(owners) == 1:
+        return owners[0]
+    if not owners:
+        raise ModelLookupError(
+            f"the {type(torch_optimizer).__name__} optimizer's parameters belong to no "
+            "smp.DistributedModel; wrap the model first, then build the optimizer on model.module.parameters()"
+        )
+    raise ModelLookupError(
+        f"the {type(torch_optimizer).__name__} optimizer's parameters belong to {len(owners)} "
+        "smp.DistributedModels (one torch module wrapped twice?); pass model= to say which one it updates"
+    )

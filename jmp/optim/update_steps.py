@@ -1,0 +1,125 @@
+"""What a training step does to the gradients around the optimizer's own rule: unscale them (loss scaling), clip
+them (torch's ``clip_grad_norm_`` rule, apex LAMB's), and skip the update on an inf/nan gradient (fp16).
+
+Both ways ``DistributedOptimizer`` updates take the same three scalars, computed once per step by
+:func:`step_scalars` from reductions over the gradients as the backward left them: ``grad_scale`` (the
+gradients are cast to float32 and multiplied by it), ``grad_divisor`` (then divided by it) and ``skip`` (a
+device bool: the parameters and the optimizer state stay as they were, as torch's ``GradScaler`` skips
+``optimizer.step()``). The fused kernels (``jmp.kernels``) read them as extra arguments;
+:func:`taking_step_scalars` makes an optax transformation read them the same way, so the two paths give the
+same numbers.
+
+optax's own pieces compute other numbers: ``clip_by_global_norm`` multiplies by ``max_norm / norm`` (torch:
+``max_norm / (norm + 1e-6)``, apex: divides by ``norm / max_norm``), ``scale`` keeps a half-precision gradient's
+dtype for a weakly typed factor, and ``apply_if_finite`` wraps the inner state in its own (it would change the
+checkpointed state tree), gives up skipping after ``max_consecutive_errors`` and returns a zero update where
+torch keeps the parameters bit for bit. ``optax.stateless`` builds the unscaling.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmp.optim import torch_rules
+from jmp.precision import loss_scaling
+
+
+def torch_clip_factor(norm: jax.Array, max_norm: float | jax.Array) -> jax.Array:
+    """What torch's ``clip_grad_norm_`` multiplies gradients of total norm ``norm`` by: at most 1."""
+    return jnp.minimum(1.0, max_norm / (norm + 1e-6))
+
+
+def torch_norm_and_factor(grads: Any, max_norm: float | jax.Array, inv_scale: jax.Array) -> tuple[jax.Array, Any]:
+    """(norm, factor): the global 2-norm of the gradients multiplied by ``inv_scale`` (unscaled, in float32), and
+    torch's clipping factor for it."""
+    norm = optax.global_norm(loss_scaling.unscaled(grads, inv_scale))
+    return norm, torch_clip_factor(norm, max_norm)
+
+
+@jax.jit
+def has_inf(grads: Any) -> jax.Array:
+    """A device bool: whether a gradient holds an inf/nan (in its own dtype)."""
+    return jnp.logical_not(loss_scaling.all_finite(grads))
+
+
+@jax.jit
+def reported_norm_and_factor(grads: Any, max_norm: jax.Array, loss_scale: jax.Array) -> tuple[jax.Array, Any]:
+    """(norm, factor) of torch's ``clip_grad_norm_`` rule on the unscaled float32 gradients; an inf/nan norm
+    (an fp16 overflow) is reported as -1, as SMP does (the gradients then stay non-finite and the update is
+    skipped)."""
+    norm, factor = torch_norm_and_factor(grads, max_norm, 1.0 / loss_scale)
+    return jnp.where(jnp.isfinite(norm), norm, -1.0), factor
+
+
+def prepared(grads: Any, grad_scale: jax.Array, grad_divisor: jax.Array | None = None) -> Any:
+    """The gradients as the optimizer's rule takes them: float32, multiplied by ``grad_scale``, divided by
+    ``grad_divisor`` (None: not divided)."""
+    grads = loss_scaling.unscaled(grads, grad_scale)
+    if grad_divisor is None:
+        return grads
+    return jax.tree.map(lambda g: g / grad_divisor, grads)
+
+
+def unscale(grad_scale: jax.Array, grad_divisor: jax.Array | None = None) -> optax.GradientTransformation:
+    """:func:`prepared` as a (stateless) optax transformation."""
+    return optax.stateless(lambda updates, params: prepared(updates, grad_scale, grad_divisor))
+
+
+class StepScalars(NamedTuple):
+    """What this step does to the gradients besides the optimizer's rule (the fused kernels' extra arguments)."""
+
+    grad_scale: jax.Array  # 1 / loss scale, times torch's clipping factor
+    grad_divisor: jax.Array | None  # apex LAMB's clipping: norm / max_norm above it (None: no such clipping)
+    skip: jax.Array  # the update is skipped: an inf/nan gradient (when checked) or one known before
+
+
+def step_scalars(
+    grads: Any, inv_scale: jax.Array, known_inf: jax.Array, *, clip: float, clip_before: float, checked: bool
+) -> StepScalars:
+    """This step's scalars, from gradients multiplied by ``1 / inv_scale``.
+
+    ``clip``: torch's ``clip_grad_norm_`` to this global norm, folded into ``grad_scale`` (0: none).
+    ``clip_before``: apex LAMB's clipping to this global norm, after that (0 or less: none). ``checked``: an
+    inf/nan among the gradients the rule would see skips the update (else only ``known_inf`` does).
+    """
+    if clip:
+        inv_scale = inv_scale * torch_norm_and_factor(grads, clip, inv_scale)[1]
+    divisor = None
+    if clip_before > 0:
+        divisor = torch_rules.apex_clip_divisor(loss_scaling.unscaled(grads, inv_scale), clip_before)
+    skip = known_inf
+    if checked:
+        skip = jnp.logical_or(known_inf, jnp.logical_not(loss_scaling.all_finite(prepared(grads, inv_scale, divisor))))
+    return StepScalars(inv_scale, divisor, skip)
+
+
+def kept_on_skip(skip: jax.Array, new: Any, old: Any, *, scalars_only: bool = False) -> Any:
+    """``new``, or ``old`` where ``skip``; with ``scalars_only`` only the 0-d leaves (kernels keep their tensors)."""
+
+    def keep(new_leaf, old_leaf):
+        if scalars_only and jnp.ndim(new_leaf) != 0:
+            return new_leaf
+        return jnp.where(skip, old_leaf, new_leaf)
+
+    return jax.tree.map(keep, new, old)
+
+
+def taking_step_scalars(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``inner``, taking what the fused kernels take besides the gradients (``StepScalars``' fields, and
+    ``return_params``: the new parameters come back, not the update). Its state is ``inner``'s. ``skip=None``:
+    nothing is checked."""
+
+    def update(updates, state, params=None, *, grad_scale=1.0, grad_divisor=None, skip=None, return_params=False):
+        grads, _ = unscale(grad_scale, grad_divisor).update(updates, optax.EmptyState())
+        steps, new_state = inner.update(grads, state, params)
+        new = optax.apply_updates(params, steps) if return_params else steps
+        if skip is None:
+            return new, new_state
+        old = params if return_params else jax.tree.map(jnp.zeros_like, steps)
+        return kept_on_skip(skip, (new, new_state), (old, state))
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
