@@ -105,6 +105,7 @@ def fused_update(
         mesh=store.layout.mesh,
         in_specs=(param_specs, state_specs, param_specs, PartitionSpec()),
         out_specs=(param_specs, state_specs),
+        # off: the kernels' pallas_call out_shapes carry no manual_axis_type, which check_vma=True requires
         check_vma=False,
     )
     new, new_state = local(grads, opt_state, params, extra)
