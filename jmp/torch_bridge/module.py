@@ -89,6 +89,11 @@ class TorchModule(nnx.Module):
         # ties within this subtree whose innermost common module is this one (later, first), relative names
         self._torch_ties = converter.claim_ties(path)
 
+    @property
+    def torch_state_names(self) -> tuple[str, ...]:
+        """The torch module's own parameter and buffer names, in ``state_dict`` order."""
+        return self._torch_state_names
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call with JAX arrays where torch takes tensors; returns the torch structure with JAX arrays."""
         with dispatch.session(getattr(self, "rngs", None)):
@@ -293,7 +298,7 @@ def bound_state(root: TorchModule, written: set[int] | None = None) -> Iterator[
         for slots, name in _state_slots(module):
             variable = getattr(module, name)
             previous = slots[name]
-            if isinstance(previous, JaxTensor) and previous._jmp_version > 0:
+            if isinstance(previous, JaxTensor) and previous.write_count > 0:
                 variable[...] = unwrap(previous)  # an enclosing forward updated it before calling us
             tensor = JaxTensor(variable[...], variable.get_metadata("torch_dtype", None))
             slots[name] = tensor
@@ -304,15 +309,14 @@ def bound_state(root: TorchModule, written: set[int] | None = None) -> Iterator[
     finally:
         for slots, name, previous, tensor, variable in reversed(bindings):
             current = slots[name]
-            changed = current is not tensor or tensor._jmp_version > 0
+            changed = current is not tensor or tensor.write_count > 0
             if changed and isinstance(current, torch.Tensor):
                 variable[...] = unwrap(current)
                 if written is not None:
                     written.add(id(variable))
             slots[name] = previous
             if changed and isinstance(previous, JaxTensor):
-                previous._value = variable[...]
-                previous._jmp_version += 1
+                previous.record_write(variable[...])
         for torch_module, training, forward in reversed(modules):
             torch_module.training = training
             if forward is _NO_FORWARD:
@@ -325,7 +329,7 @@ def bound_state(root: TorchModule, written: set[int] | None = None) -> Iterator[
 def _state_slots(module: TorchModule) -> Iterator[tuple[dict[str, Any], str]]:
     """(the torch module's dict holding it, name) for ``module``'s own parameters and buffers."""
     torch_module = module._torch_module
-    for name in module._torch_state_names:
+    for name in module.torch_state_names:
         yield (torch_module._parameters if name in torch_module._parameters else torch_module._buffers), name
 
 
@@ -342,13 +346,13 @@ def bound_tensors(root: TorchModule) -> Iterator[tuple[nnx.Variable, JaxTensor]]
 def write_count(tensor: JaxTensor) -> int:
     """How many times ``tensor`` was written in place since it was made (0: never); a forward's in-place
     updates of an input or a bound buffer show as a change of this count."""
-    return tensor._jmp_version
+    return tensor.write_count
 
 
 def rebind(tensor: JaxTensor, value: jax.Array) -> None:
     """Point ``tensor`` at ``value`` without counting a write: its value moved (out of a JAX transform, where
     a copy of the module wrote it), it did not change again."""
-    tensor._value = value
+    tensor.rebind(value)
 
 
 def torch_forward(module: TorchModule, *args: Any, **kwargs: Any) -> Any:

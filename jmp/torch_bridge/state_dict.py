@@ -19,7 +19,7 @@ def named_variables(module: TorchModule, prefix: str = "") -> Iterator[tuple[str
     A tied parameter is listed under each of its names (NNX itself holds it once, under the
     first: the name ``named_parameters()`` reports).
     """
-    for name in module._torch_state_names:
+    for name in module.torch_state_names:
         yield prefix + name, getattr(module, name)
     for name, child in module.children_items():
         yield from named_variables(child, f"{prefix}{name}.")

@@ -100,6 +100,20 @@ class JaxTensor(torch.Tensor):
             base.set_value(flat.reshape(base_value.shape))
             link.base_version = base._jmp_version
 
+    @property
+    def write_count(self) -> int:
+        """How many times this tensor was written in place since it was made (0: never)."""
+        return self._jmp_version
+
+    def rebind(self, value: jax.Array) -> None:
+        """Point at ``value`` without counting a write: the value moved (out of a JAX transform), it did not change."""
+        self._value = value
+
+    def record_write(self, value: jax.Array) -> None:
+        """Take ``value`` as written in place (counted), as is: no broadcast, cast or write through views."""
+        self._value = value
+        self._jmp_version += 1
+
     def make_view_of(self, base: JaxTensor, read: Callable[[jax.Array], jax.Array]) -> None:
         self._view_link = _ViewLink(base, read, base._jmp_version)
 

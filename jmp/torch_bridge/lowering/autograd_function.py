@@ -125,7 +125,7 @@ def function_apply(function: type, *args: Any, **kwargs: Any) -> Any:
         ctx = FunctionContext(function, needs_input_grad)
         with dispatch.session(inner_rngs), torch.no_grad():
             output = _forward(function, ctx, inputs, call_kwargs)
-        if any(isinstance(t, JaxTensor) and t._jmp_version > 0 for t in _tensor_leaves(inputs, call_kwargs)):
+        if any(isinstance(t, JaxTensor) and t.write_count > 0 for t in _tensor_leaves(inputs, call_kwargs)):
             raise UnsupportedOpError(
                 f"{function.__qualname__}.forward modified an input in place, which a custom autograd.Function "
                 "here does not support. Return a new tensor instead (out = x.clone(); out.add_(...))."
