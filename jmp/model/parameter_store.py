@@ -187,8 +187,8 @@ class StageStore:
         if set(self.layout.names) <= names:
             return None
         raise OptimizerError(
-            "a pipelined model packs its parameters into its stages' buffers, so some of them cannot be picked "
-            "out on their own here; take all of model.parameters() (clipping: or optimizer.clip_master_grads)"
+            "some of a pipelined model's parameters cannot be picked out on their own: its stages pack them into "
+            "shared buffers; take all of model.parameters() (to clip: or optimizer.clip_master_grads)"
         )
 
     def held_names(self, process: int) -> set[str]:
