@@ -161,7 +161,6 @@ class DistributedModel(ModuleSurface):
             self._module_version = self.training_state.version  # the torch module holds these values now
         self.programs = ProgramCache()
         self.call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
-        self.may_drop_tokens = bool(self.call_hooks) and config.expert_capacity_factor is not None
         _log_layout(self.layout.specs, mesh)
         self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs)
         self.store: ParameterStore = TreeStore(self.layout)  # a StageStore once a pipeline's stages are cut

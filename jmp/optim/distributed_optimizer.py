@@ -12,7 +12,6 @@ skip an overflow step), ``fused_path`` (the Pallas kernels) and
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -26,6 +25,7 @@ from jmp.model import portable_state
 from jmp.model.distributed_model import PARTIAL_MARK, DistributedModel, with_shardings
 from jmp.optim import fused_path, model_lookup, torch_state, update_steps
 from jmp.optim import torch_rules as torch_optimizers
+from jmp.optim.update_program import UpdateProgram
 from jmp.precision import loss_scaling
 from jmp.torch_bridge.interop import local_piece
 
@@ -88,9 +88,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"not {type(optimizer).__name__}"
             )
         self.model: DistributedModel = model_lookup.model_updated_by(self.torch_optimizer, model)
-        self._torch_format = torch_state.TorchStateAdapter(
-            self.torch_optimizer, getattr(self, "rule", None), self.model
-        )
+        self._torch_format = torch_state.TorchStateAdapter(self.torch_optimizer, self.rule, self.model)
         self._replicated = self.model.layout.replicated
         self.scaling = loss_scaling.scaling_for(
             self.model.precision, static, dynamic_loss_scale, dynamic_loss_args, loose_args
@@ -132,7 +130,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The optax transformation, its state and the compiled update, for the model's current parameter layout."""
         model = self.model
         params = model.training_state.params
-        self.fused = None
+        self.fused, frozen = None, None
         if self.torch_optimizer is None:
             self.tx = self._optax
         else:
@@ -142,7 +140,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.fused = fused_path.fused_mode(config.fused_optimizer, self.rule, self.torch_optimizer)
             groups, fused = self.torch_optimizer.param_groups, fused_path.kernel_factories(self.fused)
             self.tx = torch_state.optimizer_transform(self.rule, groups, labels, fused)
-            self._frozen = jax.tree.map(lambda label: label == torch_state.FROZEN, labels)
+            frozen = jax.tree.map(lambda label: label == torch_state.FROZEN, labels)
         if model.pipeline is not None and self.torch_optimizer is not None and self.rule.per_tensor:
             raise OptimizerError(
                 f"{type(self.torch_optimizer).__name__} takes a norm per parameter tensor, and a pipelined model's "
@@ -154,14 +152,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.opt_state = with_shardings(jax.eval_shape(self.tx.init, params), self._state_shardings)
         else:
             self.opt_state = jax.jit(self.tx.init, out_shardings=self._state_shardings)(params)
-        # a new function per build: jit caches traces by function, and this build's bound method equals the last
-        # build's, whose trace may hold another transformation
-        self._update = jax.jit(
-            functools.partial(self._apply),
-            static_argnames=("checked", "dynamic", "clip"),
-            donate_argnums=(0, 2),
-            out_shardings=(model.store.shardings, self._state_shardings, self._replicated, self._replicated),
+        program = UpdateProgram(
+            self.tx, self.fused, frozen, model.store, self._state_shardings, self._clip_before, self.scaling.args
         )
+        self._update = program.compiled(self._replicated)
 
     @property
     def state_shardings(self) -> Any:
@@ -196,34 +190,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._last_hyperparams[1]
 
     # --- the update --------------------------------------------------------------------------------------------
-
-    def _apply(self, params, grads, opt_state, hyperparams, scaling, known_inf, grad_factor, *, checked, dynamic,
-               clip=0.0):  # fmt: skip
-        """One update of the (master) parameters from gradients multiplied by the loss scale.
-
-        ``scaling`` is the loss scale (a scalar, or the dynamic scaler's state). ``checked``: an update with an
-        inf/nan gradient (or ``known_inf``) is skipped, on the device, and the dynamic scale adjusted.
-        ``grad_factor``: a clipping factor still to multiply the gradients by (``TrainingState.kept_grads``).
-        ``clip``: the unscaled gradients are then scaled down to this global norm when above it.
-        """
-        scale = scaling.scale if dynamic else scaling
-        opt_state = torch_state.with_hyperparams(opt_state, hyperparams)
-        scalars = update_steps.step_scalars(
-            grads, 1.0 / scale * grad_factor, known_inf, clip=clip, clip_before=self._clip_before, checked=checked
-        )
-        if self.fused is not None:  # one pass of the kernels, which read the gradients as the backward left them
-            store, shardings, frozen = self.model.store, self._state_shardings, self._frozen
-            new_params, new_state = fused_path.fused_update(
-                self.tx, grads, opt_state, params, scalars, store=store, state_shardings=shardings, frozen=frozen,
-                checked=checked,
-            )  # fmt: skip
-        else:
-            tx = update_steps.taking_step_scalars(self.tx)
-            extra = scalars._replace(skip=scalars.skip if checked else None)._asdict()
-            new_params, new_state = tx.update(grads, opt_state, params, return_params=True, **extra)
-        if checked and dynamic:
-            scaling = loss_scaling.updated(scaling, scalars.skip, self.scaling.args)
-        return new_params, new_state, scaling, scalars.skip
 
     def step(self, closure: Any = None) -> None:
         """Apply the gradients accumulated since ``zero_grad()`` (none: no update, as in torch).
