@@ -1,4 +1,4 @@
-"""A training process for the crash tests: ``python -m tests.checkpoints.crash_child DIR MODE``.
+"""A training process for the crash tests: ``python -m tests.saving.crash_child DIR MODE``.
 
 MODE ``kill-writing`` / ``kill-finalising``: train 3 steps, save ``step3`` and wait for it, train to step 6,
 print the losses of steps 3-5 (the uninterrupted run), then save ``step6`` and die by SIGKILL inside that
@@ -21,7 +21,7 @@ import time  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 import jmp as smp  # noqa: E402
-from tests.checkpoints.run import FSDP_TP, Run  # noqa: E402
+from tests.saving.run import FSDP_TP, Run  # noqa: E402
 
 
 def _die() -> None:

@@ -15,7 +15,7 @@ import torch
 
 import jmp as smp
 import jmp.saving
-from tests.checkpoints.small_run import Run, assert_same, batch, build, mlp, state_of, train, train_step
+from tests.saving.small_run import Run, assert_same, batch, build, mlp, state_of, train, train_step
 
 # Orbax's reads of a damaged checkpoint fail part-way and leave coroutines behind, collected in whichever test
 # runs next

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import jmp as smp
-from tests.checkpoints.small_run import IN, OUT, Run, assert_same, state_of, train
+from tests.saving.small_run import IN, OUT, Run, assert_same, state_of, train
 
 PARTIAL_MARK = "_smp_is_partial"
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _child(path: Path, mode: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tests.checkpoints.crash_child", str(path), mode],
+        [sys.executable, "-m", "tests.saving.crash_child", str(path), mode],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import jmp as smp
-from tests.checkpoints.run import FSDP_TP, Run, batch, gpt2
+from tests.saving.run import FSDP_TP, Run, batch, gpt2
 
 transformers = pytest.importorskip("transformers")
 

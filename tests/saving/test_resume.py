@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import jmp as smp
-from tests.checkpoints.run import FSDP_TP, Run
+from tests.saving.run import FSDP_TP, Run
 
 pytest.importorskip("transformers")
 
