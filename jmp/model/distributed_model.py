@@ -165,6 +165,7 @@ class DistributedModel(ModuleSurface):
         self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs)
         self.store: ParameterStore = TreeStore(self.layout)  # a StageStore once a pipeline's stages are cut
         self._optimizers: list[weakref.ref[AttachedOptimizer]] = []
+        self._latest_optimizer: AttachedOptimizer | None = None
         self._loss_scaling: weakref.ref[LossScaleSource] | None = None  # a GradScaler used by a step function
         self._unit_scale: jax.Array | None = None
         # one graphdef object per train/eval configuration: step programs are cached by it (see train())
@@ -346,6 +347,7 @@ class DistributedModel(ModuleSurface):
                 "without static_loss_scale / dynamic_loss_scale, or drop the GradScaler"
             )
         self._optimizers.append(weakref.ref(optimizer))
+        self._latest_optimizer = optimizer  # kept alive with the model, as SMP's state keeps its optimizer
 
     def partition_into_stages(self, jaxpr: Any, rest_count: int) -> None:
         """Cut the model into pipeline stages (first step call) and move each stage's parameters to it."""
@@ -380,8 +382,7 @@ class DistributedModel(ModuleSurface):
     @property
     def attached_optimizer(self) -> AttachedOptimizer | None:
         """The ``DistributedOptimizer`` that updates this model (the latest one built on it), None without one."""
-        live = self._live_optimizers()
-        return live[-1] if live else None
+        return self._latest_optimizer
 
     # --- modes and state ----------------------------------------------------------------------------------
 

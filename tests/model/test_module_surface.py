@@ -187,3 +187,20 @@ def test_attributes_of_the_wrapped_module_are_readable():
         model._private  # noqa: B018 - never delegated
     with pytest.raises(ArgumentTypeError, match="torch.nn.Module"):
         smp.DistributedModel(F.relu)  # no attribute lookups recurse while it is being built
+
+
+def test_the_model_keeps_its_latest_optimizer_alive():
+    """As SMP's state keeps its optimizer: a script may build the optimizer in a function and reach it later."""
+    import gc
+
+    smp.init({})
+
+    def build() -> smp.DistributedModel:
+        model = smp.DistributedModel(SmallNet())
+        smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        return model
+
+    model = build()
+    gc.collect()
+    assert isinstance(model.attached_optimizer, smp.DistributedOptimizer)
+    assert "state" in model.attached_optimizer.local_state_dict()
