@@ -41,6 +41,7 @@ from jmp.torch_bridge.tensor import JaxTensor
 
 logger = logging.getLogger("jmp")
 _warned: set[str] = set()
+_TENSOR = object()  # stands for an output tensor among a region's output leaves (a leaf may itself be None)
 
 
 def _spans_stages(paths: Sequence[str]) -> bool:
@@ -111,7 +112,7 @@ def run(
                 if k + 1 < len(copies):
                     call_args = (next_input(out, chain, copy.torch_path),) + tuple(call_args[1:])
         out_flat, traced["spec"] = torch_pytree.tree_flatten(outputs)
-        traced["leaves"] = [None if isinstance(v, JaxTensor) else v for v in out_flat]
+        traced["leaves"] = [_TENSOR if isinstance(v, JaxTensor) else v for v in out_flat]
         traced["dtypes"] = [v.dtype for v in out_flat if isinstance(v, JaxTensor)]
         traced["mutated"] = [i for i, t in enumerate(wrapped) if write_count(t) > 0]
         mutated = [wrapped[i].value for i in traced["mutated"]]
@@ -142,7 +143,7 @@ def run(
     for i, value in zip(traced["mutated"], mutated):
         inputs[i].set_value(value)  # an in-place change of an input shows outside, as in torch
     arrays = iter(zip(out_arrays, traced["dtypes"]))
-    leaves = [JaxTensor(*next(arrays)) if leaf is None else leaf for leaf in traced["leaves"]]
+    leaves = [JaxTensor(*next(arrays)) if leaf is _TENSOR else leaf for leaf in traced["leaves"]]
     return torch_pytree.tree_unflatten(leaves, traced["spec"])
 
 
