@@ -56,11 +56,11 @@ def partition(index: int) -> Iterator[None]:
 
 
 def set_partition(module: nn.Module, index: int) -> None:
-    """Mark ``module`` for pipeline stage ``index`` after it was created (with ``auto_partition: False``).
+    """Put ``module`` and all its submodules on pipeline stage ``index`` (with ``auto_partition: False``).
 
-    Only ``module`` itself is marked: its submodules keep their own marks or go to ``default_partition``,
-    so a container whose work is all in its children needs its children marked (or to be created inside
-    ``smp.partition(index)``, which marks them too). Call it before the model's first step, which makes the cut.
+    As SMP's (``recurse=True``): every submodule is marked too, replacing earlier marks, so the last call
+    covering a module wins (mark a model, then one of its submodules elsewhere). Call it before the model's
+    first step, which makes the cut.
 
     Args:
         module: a module of the model.
@@ -76,7 +76,8 @@ def set_partition(module: nn.Module, index: int) -> None:
     if not isinstance(module, nn.Module):
         raise ArgumentTypeError(f"smp.set_partition takes a torch nn.Module, not {type(module).__name__}")
     _check_index(index, "smp.set_partition")
-    module_marks.mark(module, STAGE, index)
+    for submodule in module.modules():
+        module_marks.mark(submodule, STAGE, index)
 
 
 def _check_index(index: Any, where: str) -> None:

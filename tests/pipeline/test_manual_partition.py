@@ -1,0 +1,75 @@
+"""``smp.set_partition`` assigns a module with all its submodules, as SMP's (``recurse=True``); a later call on a
+submodule overrides its parent's."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import jmp as smp
+from tests.pipeline.models import nll_step
+from tests.pipeline.test_pipeline import assert_grads_match
+from tests.sharding.models import causal_lm, lm_step, token_batches
+
+MANUAL = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0}
+
+
+def test_the_gpt2_scripts_manual_partition_puts_whole_layers_on_their_stages(caplog):
+    """AWS's gpt2 train.py: ``smp.set_partition(layer, stage)`` per layer, then each layer checkpointed."""
+    smp.init(MANUAL)
+    net, reference = causal_lm("gpt2", layers=2), causal_lm("gpt2", layers=2)
+    ids = token_batches(1)[0]
+    reference(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    model = smp.DistributedModel(net)
+    for i, layer in enumerate(model.get_module().transformer.h.children()):
+        smp.set_partition(layer, [0, 1][i])
+        smp.set_activation_checkpointing(layer)
+    with caplog.at_level(logging.WARNING, logger="jmp"):
+        lm_step(model, ids)
+    assert not any("cannot span stages" in r.getMessage() for r in caplog.records)
+    stages = model.pipeline.layout.stages
+    assert {stages[n] for n in stages if n.startswith("transformer.h.0.")} == {(0,)}
+    assert {stages[n] for n in stages if n.startswith("transformer.h.1.")} == {(1,)}
+    assert_grads_match(model, reference)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = Block(16)
+        self.body = Block(16)
+
+    def forward(self, x):
+        return F.log_softmax(self.body(self.stem(x)), dim=1)
+
+
+def test_a_later_call_on_a_submodule_overrides_its_parents_assignment():
+    smp.init(MANUAL)
+    net = Root()
+    reference = Root()
+    reference.load_state_dict(net.state_dict())
+    data, target = torch.randn(8, 16), torch.randint(0, 16, (8,))
+    F.nll_loss(reference(data), target).backward()
+    model = smp.DistributedModel(net)
+    smp.set_partition(model.module, 1)  # everything on stage 1 ...
+    smp.set_partition(model.module.stem, 0)  # ... but the stem, with its layers
+    nll_step(model, data, target)
+    stages = model.pipeline.layout.stages
+    assert {n: stages[n] for n in stages} == {
+        **{f"stem.{layer}.{p}": (0,) for layer in ("fc1", "fc2") for p in ("weight", "bias")},
+        **{f"body.{layer}.{p}": (1,) for layer in ("fc1", "fc2") for p in ("weight", "bias")},
+    }
+    assert_grads_match(model, reference)
