@@ -211,7 +211,7 @@ def step_memory(model, ids: torch.Tensor) -> dict:
 
 def train_iteration(model, optimizer, ids):
     optimizer.zero_grad()
-    loss = lm_step(model, ids).reduce_mean().value
+    loss = lm_step(model, ids).reduce_mean()
     optimizer.step()
     return loss, model.training_state.params
 

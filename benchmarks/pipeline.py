@@ -143,7 +143,7 @@ def build(kind: str, recompute: bool, microbatches: int):
     def run():
         optimizer.zero_grad()
         out = lm_step(model, ids)
-        return out.stack().value  # one program computes outputs and gradients: ready together
+        return out.stack()  # one program computes outputs and gradients: ready together
 
     row = {
         "schedule": kind,

@@ -86,7 +86,7 @@ def measure(name: str, layout: str, steps: int) -> dict:
         optimizer.zero_grad()
         loss = lm_step(model, ids)
         optimizer.step()
-        return loss.reduce_mean().value, model.training_state.params  # ready once the update is done
+        return loss.reduce_mean(), model.training_state.params  # ready once the update is done
 
     start = time.perf_counter()
     first_loss = float(step()[0])  # the first call partitions a pipelined model and compiles

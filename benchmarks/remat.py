@@ -69,7 +69,7 @@ def build(config: dict, annotation: dict | None, ids: torch.Tensor):
     def run():
         optimizer.zero_grad()
         loss = train_step(model, ids)
-        return loss.reduce_mean().value, model.grads
+        return loss.reduce_mean(), model.grads
 
     return run, temporaries
 

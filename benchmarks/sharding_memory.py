@@ -341,7 +341,7 @@ def step_times(degree: int = 8) -> list[dict]:
                 optimizer.zero_grad()
                 loss = lm_step(model, ids)
                 optimizer.step()
-                return loss.reduce_mean().value, model.training_state.params  # ready after the update
+                return loss.reduce_mean(), model.training_state.params  # ready after the update
 
             runs[strategy], prepare[strategy] = step, functools.partial(smp.init, config)
         samples = time_interleaved(runs, TIMED_STEPS, prepare=prepare)

@@ -85,7 +85,7 @@ def main() -> None:
         optimizer.zero_grad()
         loss = train_step(model, x, y)
         optimizer.step()
-        return loss.reduce_mean().value
+        return loss.reduce_mean()
 
     step, state = handwritten(mesh)
 
