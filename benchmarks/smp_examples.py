@@ -1,0 +1,468 @@
+"""AWS's SMP v1 example scripts (tests/vendored/smp_v1_examples) under ``jmp.launch``, against plain PyTorch.
+
+    python -m benchmarks.smp_examples [--only NAME ...] [--out benchmarks/results/smp_examples.json]
+
+Each configuration runs the vendored ``train.py`` (gpt2/ or flan_t5/) unmodified, as SageMaker would: one
+process per device (``python -m jmp.launch -n P --cpu-devices 1``), SageMaker's ``SM_*`` variables set (the
+scripts read their defaults from them), tiny models and a few steps through the scripts' own arguments, on
+synthetic data in their own input format (``make_data.py``). ``cpu_host.py`` wraps the script with what the
+launcher does not provide yet (it says what, on stderr; recorded as ``harness``).
+
+For each configuration: ran or not, the first error (type, message, the innermost frame and the vendored
+script's frame), the logged ``Batch N Loss`` / ``Validation loss`` values, and the same training in plain
+PyTorch on CPU (``reference``): the script's own ``parse_args``, model config, ``set_seed`` order, param
+groups, optimizer, ``AnnealingLR`` schedule and ``create_pretraining_dataloader`` (imported from the vendored
+files, with a single-process stand-in for ``smp``, so jmp takes no part), one batch per data-parallel rank
+per step, the update from their mean loss, ``clip_grad_norm_(grad_clip)``. What SMP logs is rank 0's loss
+(``loss_mb.reduce_mean()`` is over that rank's microbatches); the reference records it and the mean over
+ranks, and the comparison says which one jmp's value matched.
+
+Tolerances (relative, on every logged loss): fp32 1e-4 (reduction order only). bf16 3e-2 and fp16 1e-2
+against the fp32 reference: one rounding of bf16 (8 significant bits) is up to 2^-9 = 2e-3 relative and of fp16
+(11 bits) 2^-12 = 2.4e-4; a loss goes through ~2 x num_layers + 3 rounded matmul / norm / softmax stages, each
+adding its rounding to the logits, and 3 updates move weights by lr x ~1; ``half_forward_gap`` records, per
+configuration, how far torch's own half-precision forward of the reference's initial weights is from fp32 on
+the first batch, which the tolerance must (and does) exceed several times. fp16 runs use SMP's dynamic loss
+scaler (initial scale 2^32, ``scale_window`` 1000, ``delayed_shift`` 2, ``min_scale`` 1, as the script sets);
+the reference skips a step whose scaled gradients exceed fp16's range, as that scaler does.
+T5 is not compared to the digit: the script's ``model_config`` fixes T5's ``dropout_rate`` at 0.1 (no argument
+turns it off) and jmp's dropout masks are not torch's; its losses are recorded beside the reference's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "tests" / "vendored" / "smp_v1_examples"
+CPU_HOST = EXAMPLES / "cpu_host.py"
+RESULTS = ROOT / "benchmarks" / "results" / "smp_examples.json"
+TIMEOUT_S = 900
+
+DATA = {"vocab": 256, "seq_len": 32, "train_files": 2, "train_rows": 32, "test_rows": 16, "seed": 1234}
+GPT2 = [
+    "--model_type", "gpt2", "--num_layers", "2", "--hidden_width", "64", "--num_heads", "4",
+    "--max_context_width", "32", "--vocab_size", "256", "--train_batch_size", "2", "--val_batch_size", "2",
+    "--max_steps", "3", "--lr", "1e-3", "--warmup", "0", "--resid_pdrop", "0", "--embd_pdrop", "0",
+    "--attn_pdrop", "0", "--summary_first_pdrop", "0", "--use_distributed_transformer", "0",
+    "--prescaled_batch", "0",
+]  # fmt: skip
+T5 = [
+    "--model_type", "flan_t5", "--num_layers", "2", "--hidden_width", "64", "--num_heads", "4",
+    "--intermediate_size", "128", "--max_context_width", "32", "--vocab_size", "256", "--train_batch_size", "2",
+    "--val_batch_size", "2", "--max_steps", "3", "--lr", "1e-3", "--warmup", "0", "--use_distributed_transformer",
+    "0", "--prescaled_batch", "0", "--flash_attention", "0",
+]  # fmt: skip
+
+
+def _with(base: list[str], **overrides) -> list[str]:
+    """``base`` with ``--key value`` pairs replaced or added."""
+    out = list(base)
+    for key, value in overrides.items():
+        flag = f"--{key}"
+        if flag in out:
+            out[out.index(flag) + 1] = str(value)
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+# name -> (script folder, processes, phases: each a list of the script's arguments). One device per process.
+CONFIGS: dict[str, dict] = {
+    "gpt2_dp2_fp32": {"script": "gpt2", "nproc": 2, "phases": [GPT2]},
+    "gpt2_pp2_fp16_manual_partition": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [_with(GPT2, pipeline_parallel_degree=2, microbatches=2, fp16=1, manual_partition=1)],
+    },
+    "gpt2_tp2_bf16": {"script": "gpt2", "nproc": 2, "phases": [_with(GPT2, tensor_parallel_degree=2, bf16=1)]},
+    "gpt2_sdp2": {"script": "gpt2", "nproc": 2, "phases": [_with(GPT2, sharded_data_parallel_degree=2)]},
+    "gpt2_sdp2_distributed_transformer": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [_with(GPT2, sharded_data_parallel_degree=2, use_distributed_transformer=1)],
+    },
+    "gpt2_dp2_partial_checkpoint_resume": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [
+            _with(GPT2, max_steps=2, lr_decay_iters=4, checkpoint_freq=2),
+            _with(GPT2, max_steps=4, lr_decay_iters=4, checkpoint_freq=2, load_partial=1),
+        ],
+    },
+    "gpt2_dp2_validation": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [_with(GPT2, validation_freq=2, validation_batches=2, max_steps=4)],
+    },
+    "flan_t5_tp2_activation_checkpointing": {
+        "script": "flan_t5",
+        "nproc": 2,
+        "phases": [_with(T5, tensor_parallel_degree=2, activation_checkpointing=1)],
+    },
+}
+
+_LOSS = re.compile(r"Batch (\d+) Loss: (\S+?),")
+_VAL = re.compile(r"Batch (\d+) Validation loss: (\S+)")
+_FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
+
+
+def tolerance(args: list[str]) -> tuple[float, str]:
+    """The relative tolerance of a configuration's losses and its precision."""
+    if _arg(args, "fp16") == "1":
+        return 1e-2, "fp16"
+    if _arg(args, "bf16") == "1":
+        return 3e-2, "bf16"
+    return 1e-4, "fp32"
+
+
+def _arg(args: list[str], key: str) -> str | None:
+    flag = f"--{key}"
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def _environment(work: Path, data: Path, nproc: int) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("model", "out", "checkpoints"):
+        (work / name).mkdir(parents=True, exist_ok=True)
+    env |= {
+        "SM_NUM_GPUS": str(nproc),
+        "SM_OUTPUT_DATA_DIR": str(work / "out"),
+        "SM_MODEL_DIR": str(work / "model"),
+        "SM_CHANNEL_TRAIN": str(data / "train"),
+        "SM_CHANNEL_TEST": str(data / "test"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    return env
+
+
+def make_data(out: Path) -> Path:
+    """The synthetic dataset (``make_data.py``, fixed seed) under ``out``."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from make_data import make_data as write
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    write(out, **DATA)
+    return out
+
+
+def first_error(log: str) -> dict | None:
+    """The first traceback in ``log``: exception type and message, innermost frame, the script's last frame."""
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("Traceback (most recent call last):"):
+            continue
+        frames, j = [], i + 1
+        while j < len(lines) and (lines[j].startswith(" ") or lines[j].startswith("\t") or not lines[j].strip()):
+            match = _FRAME.match(lines[j])
+            if match:
+                frames.append((match.group(1), int(match.group(2)), match.group(3)))
+            j += 1
+        if j >= len(lines):
+            continue
+        kind, _, message = lines[j].partition(":")
+        script = [f for f in frames if str(EXAMPLES) in f[0] and not f[0].endswith("cpu_host.py")]
+        where = lambda f: f"{_short(f[0])}:{f[1]} in {f[2]}" if f else None
+        return {
+            "type": kind.strip(),
+            "message": message.strip()[:600],
+            "raised_at": where(frames[-1] if frames else None),
+            "script_frame": where(script[-1] if script else None),
+        }
+    return None
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", str(ROOT) + "/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
+
+
+def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) -> dict:
+    """Run configuration ``name`` through ``jmp.launch``; its record (not the reference)."""
+    cfg = CONFIGS[name]
+    script = EXAMPLES / cfg["script"] / "train.py"
+    record: dict = {"name": name, "script": f"{cfg['script']}/train.py", "nproc": cfg["nproc"], "phases": []}
+    losses: dict[int, float] = {}
+    val_losses: dict[int, float] = {}
+    harness: set[str] = set()
+    record["ran"] = True
+    for phase_args in cfg["phases"]:
+        args = [*phase_args, "--checkpoint-dir", str(work / "checkpoints")]
+        command = [sys.executable, "-m", "jmp.launch", "-n", str(cfg["nproc"]), "--cpu-devices", "1"]
+        command += [str(CPU_HOST), str(script), *args]
+        start = time.monotonic()
+        try:
+            done = subprocess.run(
+                command, cwd=work, env=_environment(work, data, cfg["nproc"]), capture_output=True,
+                text=True, timeout=timeout_s,
+            )  # fmt: skip
+            log, code = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as e:
+            log = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+            code = "timeout"
+        (work / f"phase{len(record['phases'])}.log").write_text(log)
+        for step, value in _LOSS.findall(log):
+            losses[int(step)] = float(value)
+        for step, value in _VAL.findall(log):
+            val_losses[int(step)] = float(value)
+        harness |= {line.split(":", 1)[1].strip() for line in log.splitlines() if line.startswith("smp_v1_examples")}
+        finished = code == 0 and "SMP training finished successfully" in log
+        record["phases"].append(
+            {
+                "args": args,
+                "returncode": code,
+                "seconds": round(time.monotonic() - start, 1),
+                "finished": finished,
+                "first_error": first_error(log) if not finished else None,
+            }
+        )
+        if not finished:
+            record["ran"] = False
+            if code == "timeout":
+                record["phases"][-1]["first_error"] = {"type": "timeout", "message": f"over {timeout_s} s"}
+            break
+    errors = [p["first_error"] for p in record["phases"] if p["first_error"]]
+    record["first_error"] = errors[0] if errors else None
+    record["losses"] = {str(k): v for k, v in sorted(losses.items())}
+    record["val_losses"] = {str(k): v for k, v in sorted(val_losses.items())}
+    record["harness"] = sorted(harness)
+    return record
+
+
+def run_reference(name: str, data: Path) -> dict:
+    """The plain-PyTorch reference of ``name``, in a process of its own (no jmp imported there)."""
+    cfg = CONFIGS[name]
+    with tempfile.TemporaryDirectory(prefix="smp-ref-") as tmp:
+        env = _environment(Path(tmp), data, cfg["nproc"])
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.smp_examples", "--reference", name, "--data", str(data)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"reference of {name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(record: dict, reference: dict) -> dict:
+    """jmp's logged losses against the reference's: max relative difference, and to which reading."""
+    tol, precision = tolerance(CONFIGS[record["name"]]["phases"][-1])
+    result: dict = {"tolerance": tol, "precision": precision}
+    if not reference.get("comparable", True):
+        result["note"] = reference["note"]
+        return result
+    if not record["losses"]:
+        result["note"] = "no loss was logged"
+        return result
+
+    def gap(ours: dict, theirs: list[float]) -> float:
+        return max(abs(v - theirs[int(k)]) / abs(theirs[int(k)]) for k, v in ours.items() if int(k) < len(theirs))
+
+    rank0 = gap(record["losses"], reference["losses_rank0"])
+    mean = gap(record["losses"], reference["losses_mean"])
+    result |= {"max_rel_diff_rank0": rank0, "max_rel_diff_mean_over_ranks": mean}
+    result["matches"] = "rank0 (SMP's meaning)" if rank0 <= tol else ("mean over ranks" if mean <= tol else None)
+    if record["val_losses"]:
+        result["max_rel_diff_validation"] = gap(record["val_losses"], reference["val_losses"])
+    result["within_tolerance"] = rank0 <= tol and result.get("max_rel_diff_validation", 0.0) <= tol
+    if reference.get("dropout"):
+        result["within_tolerance"] = None
+        result["note"] = reference["note"]
+    return result
+
+
+# ---------------------------------------------------------------- the reference (its own process)
+
+
+def _standin_smp() -> None:
+    """A single-process ``smp`` with what the vendored files call outside training (rank 0 of one)."""
+    import torch
+
+    smp = types.ModuleType("smdistributed.modelparallel.torch")
+    smp.step = lambda fn=None, **_: fn if fn is not None else (lambda f: f)
+    for fn in ("rank", "pp_rank", "tp_rank", "dp_rank", "rdp_rank", "local_rank"):
+        setattr(smp, fn, lambda: 0)
+    smp.broadcast = lambda obj, group: None
+    smp.PP_GROUP = "pp"
+    smp.nn = types.ModuleType("smdistributed.modelparallel.torch.nn")
+    smp.nn.FusedLayerNorm = type("FusedLayerNorm", (torch.nn.LayerNorm,), {})
+    root = types.ModuleType("smdistributed")
+    root.modelparallel = types.ModuleType("smdistributed.modelparallel")
+    root.modelparallel.torch = smp
+    root.modelparallel.__version__ = "reference"
+    sys.modules |= {
+        "smdistributed": root,
+        "smdistributed.modelparallel": root.modelparallel,
+        "smdistributed.modelparallel.torch": smp,
+        "smdistributed.modelparallel.torch.nn": smp.nn,
+    }
+
+
+class _DynamicLossScaler:
+    """SMP's (Megatron's) dynamic loss scaler: halve after ``delayed_shift`` overflows, double after a window."""
+
+    def __init__(self, scale=2.0**32, window=1000, min_scale=1.0, delayed_shift=2):
+        self.scale, self.window, self.min_scale, self.shift = scale, window, min_scale, delayed_shift
+        self.hysteresis, self.iteration, self.last_overflow = delayed_shift, 0, -1
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            if self.shift == 1 or self.hysteresis == 1:
+                self.scale = max(self.scale / 2, self.min_scale)
+            else:
+                self.hysteresis -= 1
+            self.last_overflow = self.iteration
+        elif (self.iteration - self.last_overflow) % self.window == 0:
+            self.scale *= 2
+        self.iteration += 1
+
+
+def reference(name: str, data: Path) -> dict:
+    """The configuration's training in plain PyTorch (fp32, CPU), built with the vendored script's own code."""
+    import runpy
+
+    import torch
+    import transformers
+
+    cfg = CONFIGS[name]
+    argv = cfg["phases"][-1]
+    folder = EXAMPLES / cfg["script"]
+    _standin_smp()
+    sys.path.insert(0, str(folder))
+    train = runpy.run_path(str(folder / "train.py"), run_name="smp_reference")
+    sys.argv = ["train.py", *argv]
+    args = train["parse_args"]()
+    if args.use_distributed_transformer > 0 and args.model_type == "gpt2":
+        return {
+            "comparable": False,
+            "note": "with --use_distributed_transformer the script skips Hugging Face's weight init "
+            "(PreTrainedModel.init_weights = no-op) and SMP's DistributedTransformer initialises the weights; "
+            "no torch model has those weights",
+        }
+    model_config, args = train["model_config_lib"].get_model_config_from_args(args.model_type, "", args)
+    transformers.set_seed(args.seed)
+    auto = transformers.AutoModelForSeq2SeqLM if args.model_type == "flan_t5" else transformers.AutoModelForCausalLM
+    model = auto.from_config(model_config)
+    if not args.same_seed:
+        transformers.set_seed(args.seed)  # seed + tp_rank of rank 0
+    groups = train["get_param_groups_by_weight_decay"](model)
+    opt_class = torch.optim.AdamW if args.use_adamw > 0 else torch.optim.Adam
+    optimizer = opt_class(groups, betas=(args.beta1, args.beta2), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = train["get_learning_rate_scheduler"](optimizer, args)
+    pp = max(1, args.pipeline_parallel_degree)
+    ranks = cfg["nproc"] // pp  # SMP's dp_size: the processes that read distinct data (prescaled_batch 0)
+    paths = sorted(str(p) for p in (data / "train").glob("*.json.gz"))
+    load = train["create_pretraining_dataloader"]
+
+    def loaders(files, batch_size, shuffle):
+        return [
+            load(files, batch_size, args.max_context_width, seed=args.seed, dp_rank=r, dp_size=ranks,
+                 shuffle=shuffle, zipped=True, use_last_file_only=args.fast_validation > 0)
+            for r in range(ranks)
+        ]  # fmt: skip
+
+    def loss_of(ids, mask):
+        return model(input_ids=ids, attention_mask=mask, labels=ids)["loss"]
+
+    val_files = sorted(str(p) for p in (data / "test").glob("*.json.gz"))
+    result = {"losses_rank0": [], "losses_mean": [], "val_losses": {}, "skipped_steps": [], "half_forward_gap": {}}
+    first = next(iter(loaders([paths[0]], args.train_batch_size, args.same_seed < 1)[0]))
+    with torch.no_grad():
+        full = float(loss_of(*first))
+        for dtype in (torch.bfloat16, torch.float16):
+            copy = auto.from_config(model_config)
+            copy.load_state_dict(model.state_dict())
+            copy = copy.to(dtype)
+            half = float(copy(input_ids=first[0], attention_mask=first[1], labels=first[0])["loss"].float())
+            result["half_forward_gap"][str(dtype).removeprefix("torch.")] = abs(half - full) / abs(full)
+    scaler = _DynamicLossScaler() if args.fp16 else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    transformers.set_seed(args.seed)
+    model.train()
+    steps = 0
+    for index in range(args.epochs * len(paths)):
+        if steps >= args.max_steps:
+            break
+        for batches in zip(*loaders([paths[index % len(paths)]], args.train_batch_size, args.same_seed < 1)):
+            if steps >= args.max_steps:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            per_rank = [loss_of(ids, mask) for ids, mask in batches]
+            loss = torch.stack(per_rank).mean()
+            loss.backward()
+            overflow = False
+            if scaler is not None:  # fp16's range: a scaled gradient past 65504 overflows; SMP skips the step
+                overflow = any(bool((p.grad.abs() * scaler.scale > 65504).any()) for p in params if p.grad is not None)
+                scaler.update(overflow)
+            if overflow:
+                result["skipped_steps"].append(steps)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+                optimizer.step()
+                scheduler.step()
+            result["losses_rank0"].append(float(per_rank[0]))
+            result["losses_mean"].append(float(loss))
+            steps += 1
+            if args.validation_freq and steps % args.validation_freq == 0:
+                model.eval()
+                with torch.no_grad():
+                    total = 0.0
+                    for val in loaders(val_files, args.val_batch_size, True):
+                        batches_seen = [float(loss_of(*b)) for i, b in zip(range(args.validation_batches), val)]
+                        total += sum(batches_seen) / len(batches_seen)
+                result["val_losses"][steps - 1] = total / ranks
+                model.train()
+    result["val_losses"] = [result["val_losses"].get(k, math.nan) for k in range(steps)]
+    if args.model_type == "flan_t5":
+        result["dropout"] = True
+        result["note"] = "T5 keeps dropout_rate 0.1 (model_config fixes it): losses recorded, not compared"
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=None, help="configuration names (default: all)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.reference:
+        print(json.dumps(reference(options.reference, options.data)))
+        return
+    names = options.only or list(CONFIGS)
+    results = json.loads(options.out.read_text()) if options.out.exists() and options.only else {}
+    results.setdefault("configurations", {})
+    with tempfile.TemporaryDirectory(prefix="smp-examples-") as tmp:
+        data = make_data(Path(tmp) / "data")
+        for name in names:  # one at a time: each runs its processes on every core
+            work = Path(tmp) / name
+            work.mkdir()
+            record = run_config(name, work, data)
+            record["reference"] = run_reference(name, data)
+            record["comparison"] = compare(record, record["reference"])
+            results["configurations"][name] = record
+            error = record["first_error"] or {}
+            where = error.get("script_frame") or error.get("raised_at")
+            failure = f" {error.get('type')}: {error.get('message', '')[:200]} at {where}" if error else ""
+            status = "ran" if record["ran"] else "FAILED"
+            print(f"{name}: {status}{failure} | losses {record['losses']} | {record['comparison']}", flush=True)
+    results["data"] = DATA
+    results["command"] = "python -m jmp.launch -n P --cpu-devices 1 tests/vendored/smp_v1_examples/cpu_host.py ..."
+    options.out.parent.mkdir(parents=True, exist_ok=True)
+    options.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Run a vendored SMP v1 script as SageMaker would, on a host without CUDA: ``cpu_host.py SCRIPT [args...]``.
+
+What this adds around the unmodified script is what ``jmp.launch`` does not do yet (each piece says so when it
+acts, on stderr, once per process), so the scripts need no edit for it:
+
+- ``smdistributed.modelparallel.torch`` -> jmp, only when that import fails (the launcher's alias, once it
+  has one, wins);
+- ``torch.cuda.synchronize()`` and ``torch.cuda.set_device(i)`` as no-ops when torch has no CUDA: the scripts
+  call them on every step / once, and a CPU build of torch raises on both (``AssertionError: Torch not
+  compiled with CUDA enabled``; ``AttributeError: ... _cuda_setDevice``). There is nothing to synchronise,
+  and JAX, not torch, picks the device of a jmp process.
+
+Then the script runs as ``__main__`` with its own folder first on ``sys.path``, as ``python SCRIPT`` would.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+import types
+
+HARNESS_NOTE = "smp_v1_examples harness:"
+
+
+def _note(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{HARNESS_NOTE} {message}", file=sys.stderr, flush=True)
+
+
+def alias_smdistributed() -> bool:
+    """Make ``import smdistributed.modelparallel.torch`` give jmp when nothing provides it; True if it did."""
+    try:
+        importlib.import_module("smdistributed.modelparallel.torch")
+        return False
+    except ImportError:
+        pass
+    import jmp
+    import jmp.nn
+
+    root = types.ModuleType("smdistributed")
+    root.__path__ = []
+    modelparallel = types.ModuleType("smdistributed.modelparallel")
+    modelparallel.__path__ = []
+    modelparallel.__version__ = jmp.__version__
+    modelparallel.torch = jmp
+    root.modelparallel = modelparallel
+    sys.modules |= {
+        "smdistributed": root,
+        "smdistributed.modelparallel": modelparallel,
+        "smdistributed.modelparallel.torch": jmp,
+        "smdistributed.modelparallel.torch.nn": jmp.nn,
+    }
+    _note("smdistributed.modelparallel.torch aliased to jmp here (jmp.launch did not provide it)")
+    return True
+
+
+def cuda_calls_as_no_ops() -> list[str]:
+    """On a torch without CUDA, the CUDA calls the scripts make unconditionally do nothing; returns their names."""
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.set_device = lambda device: None
+    names = ["torch.cuda.synchronize", "torch.cuda.set_device"]
+    _note(f"{', '.join(names)} are no-ops here (torch has no CUDA; jmp does not provide this)")
+    return names
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("usage: cpu_host.py SCRIPT [args...]")
+    script = os.path.abspath(argv[0])
+    alias_smdistributed()
+    cuda_calls_as_no_ops()
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
