@@ -67,6 +67,9 @@ class ParameterStore(Protocol):
     def leaf_mask(self, names: set[str]) -> tuple[bool, ...] | None:
         """Per stored leaf: whether it holds one of ``names`` (None: all of them)."""
 
+    def counted_once(self, stored: Any) -> Any:
+        """Stored form (gradients, parameters) holding each parameter once: for reductions over all of them."""
+
     def held_names(self, process: int) -> set[str]:
         """Torch names of the parameters with a piece on one of ``process``'s devices."""
 
@@ -113,6 +116,9 @@ class TreeStore:
     def cast_grads(self, grads: Any, dtype_for: Callable[[list[str]], Any]) -> Any:
         leaves = [g.astype(dtype_for([n])) for n, g in zip(self.layout.names, jax.tree.leaves(grads))]
         return jax.tree_util.tree_unflatten(self.layout.treedef, leaves)
+
+    def counted_once(self, stored: Any) -> Any:
+        return stored  # a tied parameter is one leaf of the tree
 
     def leaf_mask(self, names: set[str]) -> tuple[bool, ...] | None:
         chosen = names & set(self.layout.names)
@@ -182,6 +188,9 @@ class StageStore:
             for key in {place.key for place in places}:
                 names.setdefault(key, []).append(name)
         return {key: g.astype(dtype_for(names[key])) for key, g in grads.items()}
+
+    def counted_once(self, stored: Any) -> Any:
+        return self.stages.counted_once(stored)  # a tied parameter has a copy in each stage using it
 
     def leaf_mask(self, names: set[str]) -> tuple[bool, ...] | None:
         if set(self.layout.names) <= names:

@@ -267,7 +267,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not training.has_grads:
             return jnp.zeros((), jnp.float32)
         scale = self._one if self.grads_unscaled else self.model.loss_scale
-        norm, factor = update_steps.reported_norm_and_factor(training.grads, float(max_norm), scale)
+        norm, factor = update_steps.reported_norm_and_factor(
+            training.grads, float(max_norm), scale, counted_once=self.model.store.counted_once
+        )
         training.scale_grads_later(factor)  # multiplied in by the update, as it unscales them
         return norm
 

@@ -49,7 +49,9 @@ def clip_grad_norm_(
     if training.grads is None:
         return torch.zeros(())
     mask = _mask(model, names)
-    norm, factor = _norm_and_factor(training.grads, mask, float(max_norm), float(norm_type), _scale(model))
+    norm, factor = _norm_and_factor(
+        training.grads, mask, float(max_norm), float(norm_type), _scale(model), model.store.counted_once
+    )
     if mask is None:  # all of them: the optimizer multiplies the factor in as it reads the gradients
         training.scale_grads_later(factor)
     else:
@@ -146,10 +148,11 @@ def _apply(grads: Any, mask: tuple[bool, ...] | None, fn) -> Any:
     return jax.tree.unflatten(treedef, [fn(g) if m else g for g, m in zip(leaves, chosen)])
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
-def _norm_and_factor(grads: Any, mask: Any, max_norm: float, norm_type: float, scale: jax.Array):
-    """(total norm, clipping factor), torch's rule (``update_steps.torch_clip_factor``) on the unscaled gradients."""
-    unscaled = [g.astype(jnp.float32) / scale for g in _selected(grads, mask)]
+@functools.partial(jax.jit, static_argnums=(1, 3, 5))
+def _norm_and_factor(grads: Any, mask: Any, max_norm: float, norm_type: float, scale: jax.Array, counted_once):
+    """(total norm, clipping factor), torch's rule (``update_steps.torch_clip_factor``) on the unscaled gradients,
+    each parameter's counted once (``counted_once``: the model store's; a pipeline stores tied ones per stage)."""
+    unscaled = [g.astype(jnp.float32) / scale for g in _selected(counted_once(grads), mask)]
     if not unscaled:
         return jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32)
     if math.isinf(norm_type):

@@ -42,8 +42,9 @@ class UpdateProgram:
         scale = scaling.scale if dynamic else scaling
         opt_state = torch_state.with_hyperparams(opt_state, hyperparams)
         scalars = update_steps.step_scalars(
-            grads, 1.0 / scale * grad_factor, known_inf, clip=clip, clip_before=self.clip_before, checked=checked
-        )
+            grads, 1.0 / scale * grad_factor, known_inf, clip=clip, clip_before=self.clip_before, checked=checked,
+            counted_once=self.store.counted_once,
+        )  # fmt: skip
         if self.fused is not None:  # one pass of the kernels, which read the gradients as the backward left them
             new_params, new_state = fused_path.fused_update(
                 self.tx, grads, opt_state, params, scalars, store=self.store, state_shardings=self.state_shardings,

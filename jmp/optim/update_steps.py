@@ -18,6 +18,8 @@ torch keeps the parameters bit for bit. ``optax.stateless`` builds the unscaling
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -46,12 +48,14 @@ def has_inf(grads: Any) -> jax.Array:
     return jnp.logical_not(loss_scaling.all_finite(grads))
 
 
-@jax.jit
-def reported_norm_and_factor(grads: Any, max_norm: jax.Array, loss_scale: jax.Array) -> tuple[jax.Array, Any]:
+@functools.partial(jax.jit, static_argnames=("counted_once",))
+def reported_norm_and_factor(
+    grads: Any, max_norm: jax.Array, loss_scale: jax.Array, *, counted_once: Callable[[Any], Any]
+) -> tuple[jax.Array, Any]:
     """(norm, factor) of torch's ``clip_grad_norm_`` rule on the unscaled float32 gradients; an inf/nan norm
     (an fp16 overflow) is reported as -1, as SMP does (the gradients then stay non-finite and the update is
-    skipped)."""
-    norm, factor = torch_norm_and_factor(grads, max_norm, 1.0 / loss_scale)
+    skipped). ``counted_once``: the model store's, so a tied parameter's gradient counts once."""
+    norm, factor = torch_norm_and_factor(counted_once(grads), max_norm, 1.0 / loss_scale)
     return jnp.where(jnp.isfinite(norm), norm, -1.0), factor
 
 
@@ -78,19 +82,28 @@ class StepScalars(NamedTuple):
 
 
 def step_scalars(
-    grads: Any, inv_scale: jax.Array, known_inf: jax.Array, *, clip: float, clip_before: float, checked: bool
+    grads: Any,
+    inv_scale: jax.Array,
+    known_inf: jax.Array,
+    *,
+    clip: float,
+    clip_before: float,
+    checked: bool,
+    counted_once: Callable[[Any], Any],
 ) -> StepScalars:
     """This step's scalars, from gradients multiplied by ``1 / inv_scale``.
 
     ``clip``: torch's ``clip_grad_norm_`` to this global norm, folded into ``grad_scale`` (0: none).
     ``clip_before``: apex LAMB's clipping to this global norm, after that (0 or less: none). ``checked``: an
     inf/nan among the gradients the rule would see skips the update (else only ``known_inf`` does).
+    ``counted_once``: the gradients with each parameter once (the model store's: a pipeline keeps a copy of a
+    tied parameter in each stage using it), which the global norms are taken over.
     """
     if clip:
-        inv_scale = inv_scale * torch_norm_and_factor(grads, clip, inv_scale)[1]
+        inv_scale = inv_scale * torch_norm_and_factor(counted_once(grads), clip, inv_scale)[1]
     divisor = None
     if clip_before > 0:
-        divisor = torch_rules.apex_clip_divisor(loss_scaling.unscaled(grads, inv_scale), clip_before)
+        divisor = torch_rules.apex_clip_divisor(loss_scaling.unscaled(counted_once(grads), inv_scale), clip_before)
     skip = known_inf
     if checked:
         skip = jnp.logical_or(known_inf, jnp.logical_not(loss_scaling.all_finite(prepared(grads, inv_scale, divisor))))

@@ -7,7 +7,8 @@ parameters and nothing else. ``grid`` keeps the parameter's own split over the o
 and tensor parallelism): each device's piece of a parameter sits in the grid cell of its coordinates, so
 unpacking is a reshape and transpose that moves no data. Parameters with the same split, dtype and
 optimizer param group share a buffer; a parameter used by two stages (tied weights) is stored in both and
-its gradient pieces are summed (``sync_tied``), so the copies stay equal.
+its gradient pieces are summed (``sync_tied``), so the copies stay equal; a reduction over all parameters
+counts it once (``counted_once``).
 """
 
 from __future__ import annotations
@@ -202,6 +203,27 @@ class StageLayout:
                 grads[place.key] = _write(grads[place.key], place, self.packing[name].to_cells(total))
         return grads
 
+    def counted_once(self, tree: Mapping[str, Any]) -> dict[str, Any]:
+        """Buffers (or a tree holding some of them) with every copy of a tied parameter but the first zeroed: a
+        reduction over them all (a global gradient norm) then counts each parameter once, as torch does.
+
+        Masks built from iotas, so inside a jitted reduction XLA fuses them into it and writes no copy.
+        """
+        out = dict(tree)
+        for key, places in self._later_copies.items():
+            if isinstance(out.get(key), jax.Array):
+                out[key] = _without(out[key], places)
+        return out
+
+    @functools.cached_property
+    def _later_copies(self) -> dict[str, list[Place]]:
+        """Per buffer, the places of the second and further copies of tied parameters."""
+        later: dict[str, list[Place]] = {}
+        for places in self.places.values():
+            for place in places[1:]:
+                later.setdefault(place.key, []).append(place)
+        return later
+
     def state_shardings(self, state_shape: Any) -> Any:
         """Shardings of an optimizer state over the packed buffers: buffer-shaped leaves like their buffer (ZeRO-1:
         split over dp along the length too)."""
@@ -254,6 +276,17 @@ def _axes(entry: Any) -> tuple[str, ...]:
 
 def _padded(length: int, multiple: int = 128) -> int:
     return max(multiple, -(-length // multiple) * multiple)
+
+
+def _without(buffer: jax.Array, places: list[Place]) -> jax.Array:
+    """``buffer`` with the cells of ``places`` (in any grid cell) zeroed."""
+    row = jax.lax.broadcasted_iota(jnp.int32, buffer.shape, 0)
+    column = jax.lax.broadcasted_iota(jnp.int32, buffer.shape, buffer.ndim - 1)
+    inside = functools.reduce(
+        jnp.logical_or,
+        [(row == p.stage) & (column >= p.offset) & (column < p.offset + p.size) for p in places],
+    )
+    return jnp.where(inside, jnp.zeros((), buffer.dtype), buffer)
 
 
 def _write(buffer: jax.Array, place: Place, cells: jax.Array) -> jax.Array:
