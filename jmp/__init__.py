@@ -79,6 +79,20 @@ from jmp.runtime.mesh_state import (
     tp_rank,
     tp_size,
 )
+from jmp.runtime.process_groups import (
+    get_dp_group,
+    get_dp_process_group,
+    get_mp_group,
+    get_mp_process_group,
+    get_pp_group,
+    get_pp_process_group,
+    get_rdp_group,
+    get_rdp_process_group,
+    get_tp_group,
+    get_tp_process_group,
+    get_world_process_group,
+)
+from jmp.runtime.smp_state import state
 from jmp.saving import load, resume_from_checkpoint, save, save_checkpoint
 from jmp.sharding import set_tensor_parallelism, tensor_parallelism
 from jmp.sharding.tensor_parallel import tp_register, tp_register_with_module
@@ -127,6 +141,18 @@ __all__ = [
     "estimate_memory",
     "dp_size",
     "get_config",
+    "get_dp_group",
+    "get_dp_process_group",
+    "get_mp_group",
+    "get_mp_process_group",
+    "get_pp_group",
+    "get_pp_process_group",
+    "get_rdp_group",
+    "get_rdp_process_group",
+    "get_tp_group",
+    "get_tp_process_group",
+    "get_world_process_group",
+    "state",
     "get_mesh",
     "init",
     "is_initialized",

@@ -1,30 +1,45 @@
-"""``python -m jmp.launch -n N [--cpu-devices K] [--port P] [-m module | script.py] [args...]``.
+"""``python -m jmp.launch [-n N] [--cpu-devices K] [--mp-parameters JSON] [-m module | script.py] [args...]``.
 
-Like ``torchrun --nproc-per-node N`` on one machine: starts N processes of the script (or module) with
-torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ...), so
-``smp.init()`` in each joins one JAX multi-process run (``jax.distributed``). It is for trying a
-multi-process run on one machine and for tests; on a cluster use the cluster's launcher (torchrun, SLURM,
-mpirun), which ``smp.init()`` recognises too. ``--cpu-devices K`` gives each process K emulated CPU devices,
-so N processes x K devices run on a laptop.
+SageMaker's launcher for model-parallel jobs, on one machine: it starts one process per device (SMP's process
+model: a script's batch size is per process), N processes with torchrun's environment (``MASTER_ADDR``,
+``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ...), so ``smp.init()`` in each joins one JAX
+multi-process run (``jax.distributed``). Without GPUs a device is an emulated CPU device: each process gets
+``--cpu-devices`` of them (default 1); with GPUs, ``-n`` defaults to their number and each process sees its
+share of them. On a cluster use the cluster's launcher (torchrun, SLURM, mpirun), which ``smp.init()``
+recognises too.
 
-The children share the launcher's stdout and stderr. When one exits non-zero or is killed, the launcher stops
-the others (SIGTERM, then SIGKILL ``--grace`` seconds later, default 10), says on stderr which rank failed and
-how, and exits with that child's code (128 + the signal number for a signal). SIGINT / SIGTERM / SIGHUP sent
-to the launcher are passed on to the children. The launcher exits 0 only when every child does.
+An SMP script runs with no edit: in the processes, ``import smdistributed.modelparallel.torch as smp`` (and
+``smdistributed.modelparallel``, its submodules) resolve to jmp (``--no-smp-aliases`` turns this off),
+``SM_HP_MP_PARAMETERS`` holds ``--mp-parameters`` (else what the environment has) and ``SM_FRAMEWORK_PARAMS``
+says MPI is enabled, as SageMaker's launcher sets them, so tools that detect SMP that way (Hugging Face's
+``is_sagemaker_mp_enabled``) see it. Hyperparameters are the script's arguments, passed on as given.
+
+The children's output passes through the launcher line by line, as they wrote it, less gloo's connection
+lines ("[Gloo] Rank 0 is connected to 7 peer ranks ..."), which JAX's CPU collectives print once per process
+and peer group. When one child exits non-zero or is killed, the launcher stops the others (SIGTERM, then
+SIGKILL ``--grace`` seconds later, default 10), says on stderr which rank failed and how, and exits with that
+child's code (128 + the signal number for a signal). SIGINT / SIGTERM / SIGHUP sent to the launcher are passed
+on to the children. The launcher exits 0 only when every child does.
+
+This file uses the standard library only: running it does not import jmp (torch and JAX).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 # How long stopped children get after SIGTERM before SIGKILL. A process in a JAX multi-process run catches
 # SIGTERM (JAX's preemption notifier records it for multihost_utils.reached_preemption_sync_point) and keeps
@@ -34,6 +49,13 @@ _POLL_SECONDS = 0.05
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # A launcher JAX would read before torchrun's variables (see jmp.runtime.mesh_state): they would describe another run.
 _OTHER_LAUNCHERS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+# Where `smdistributed` (the package SMP scripts import) resolves to jmp: put first on the children's PYTHONPATH.
+SMP_ALIAS_PATH = Path(__file__).resolve().parent / "runtime" / "smp_import_path"
+MP_PARAMETERS = "SM_HP_MP_PARAMETERS"
+FRAMEWORK_PARAMS = "SM_FRAMEWORK_PARAMS"
+# What gloo (JAX's CPU collectives) prints on stdout for every peer group it connects, in every process.
+_GLOO_LINE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+_GLOO_PREFIX = b"[Gloo]"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,9 +63,32 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m jmp.launch",
         description="Run N local processes of a jmp script as one JAX multi-process run (like torchrun).",
     )
-    parser.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, required=True)
     parser.add_argument(
-        "--cpu-devices", type=int, default=None, help="emulated CPU devices per process (sets JAX_PLATFORMS=cpu)"
+        "-n",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc",
+        type=int,
+        default=None,
+        help="processes to start (default: one per GPU; required without GPUs)",
+    )
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="emulated CPU devices per process (sets JAX_PLATFORMS=cpu; default 1 on a machine without GPUs)",
+    )
+    parser.add_argument(
+        "--mp-parameters",
+        default=None,
+        help="the modelparallel parameters as a JSON object, given to the processes as SM_HP_MP_PARAMETERS "
+        "(smp.init() with no argument reads them); default: SM_HP_MP_PARAMETERS of the environment",
+    )
+    parser.add_argument(
+        "--no-smp-aliases",
+        dest="smp_aliases",
+        action="store_false",
+        help="do not make `import smdistributed.modelparallel.torch` resolve to jmp in the processes",
     )
     parser.add_argument(
         "--port", type=int, default=None, help="MASTER_PORT (default: a free one); JAX's coordinator uses PORT+1"
@@ -100,6 +145,95 @@ def child_environment(
     return env
 
 
+def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
+    """The GPUs the processes may use: ``CUDA_VISIBLE_DEVICES`` when set, else those ``nvidia-smi -L`` lists
+    (none when ``JAX_PLATFORMS`` asks for the CPU)."""
+    env = os.environ if env is None else env
+    if env.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return []
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip() not in ("", "-1")]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(line for line in listing.splitlines() if line.startswith("GPU "))]
+
+
+def gpu_share(gpus: list[str], rank: int, world_size: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of process ``rank``: its equal, consecutive share of ``gpus``."""
+    share = len(gpus) // world_size
+    return ",".join(gpus[rank * share : (rank + 1) * share])
+
+
+def sagemaker_environment(
+    env: dict[str, str], world_size: int, mp_parameters: str | None = None, smp_aliases: bool = True
+) -> dict[str, str]:
+    """``env`` with what SageMaker's launcher gives an SMP process: the modelparallel parameters, MPI enabled,
+    and (``smp_aliases``) ``smdistributed`` importable as jmp."""
+    env = dict(env)
+    if mp_parameters is not None:
+        env[MP_PARAMETERS] = mp_parameters
+    if FRAMEWORK_PARAMS not in env:  # the keys SageMaker's PyTorch estimator sets for smdistributed + mpi
+        env[FRAMEWORK_PARAMS] = json.dumps(
+            {
+                "sagemaker_mpi_enabled": True,
+                "sagemaker_mpi_num_of_processes_per_host": world_size,
+                "sagemaker_mpi_custom_mpi_options": "",
+                "sagemaker_distributed_dataparallel_enabled": False,
+            }
+        )
+    if smp_aliases:
+        env["PYTHONPATH"] = os.pathsep.join([str(SMP_ALIAS_PATH), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _mp_parameters_argument(text: str | None, parser: argparse.ArgumentParser) -> str | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        parser.error(f"--mp-parameters is not valid JSON ({error}); give an object, e.g. '{{\"partitions\": 2}}'")
+    if not isinstance(value, dict):
+        parser.error(f"--mp-parameters must be a JSON object, e.g. '{{\"partitions\": 2}}', not {text}")
+    return text
+
+
+def pass_on_output(source: int, target: int) -> None:
+    """Copy a child's output from the pipe ``source`` to ``target`` as it comes, less gloo's connection lines
+    (a line that may be one is held until its end)."""
+    pending, at_line_start = b"", True
+    while chunk := os.read(source, 1 << 16):
+        kept, data, pending = [], pending + chunk, b""
+        for piece in re.findall(rb"[^\n]*\n|[^\n]+", data):
+            complete = piece.endswith(b"\n")
+            if at_line_start and not complete and (piece.startswith(_GLOO_PREFIX) or _GLOO_PREFIX.startswith(piece)):
+                pending = piece
+                break
+            if not (at_line_start and _GLOO_LINE.match(piece)):
+                kept.append(piece)
+            at_line_start = complete
+        _write_all(target, b"".join(kept))
+    _write_all(target, pending)
+    os.close(source)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _fileno(stream, default: int) -> int:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return default
+
+
 def _find_prctl():
     try:
         return ctypes.CDLL(None, use_errno=True).prctl  # Linux's libc
@@ -136,10 +270,30 @@ class _Children:
     def __init__(self):
         self.processes: list[subprocess.Popen] = []
         self.signalled: int | None = None
+        self.forwarders: list[threading.Thread] = []
 
     def start(self, command: list[str], env: dict[str, str]) -> None:
         # each child in its own session: a terminal's Ctrl-C reaches the launcher only, which passes it on once
-        self.processes.append(subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent))
+        process = subprocess.Popen(
+            command,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self.processes.append(process)
+        for pipe, target in ((process.stdout, _fileno(sys.stdout, 1)), (process.stderr, _fileno(sys.stderr, 2))):
+            thread = threading.Thread(target=pass_on_output, args=(os.dup(pipe.fileno()), target), daemon=True)
+            pipe.close()
+            thread.start()
+            self.forwarders.append(thread)
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Wait until the children's last output is passed on (a grandchild holding a pipe open ends the wait)."""
+        deadline = time.monotonic() + timeout
+        for thread in self.forwarders:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def forward(self, signum: int, _frame=None) -> None:
         """Signal handler: pass ``signum`` on to the running children (a second signal kills them)."""
@@ -196,14 +350,28 @@ class _Children:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the launcher with command-line arguments ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    options = _parser().parse_args(argv)
-    if options.nproc < 1:
-        _parser().error(f"-n must be at least 1, got {options.nproc}")
+    parser = _parser()
+    options = parser.parse_args(argv)
+    mp_parameters = _mp_parameters_argument(options.mp_parameters, parser)
+    gpus = [] if options.cpu_devices is not None else visible_gpus()
+    nproc = options.nproc if options.nproc is not None else len(gpus)
+    if options.nproc is None and not gpus:
+        parser.error("found no GPU: give the number of processes, -n N (each gets one emulated CPU device)")
+    if nproc < 1:
+        parser.error(f"-n must be at least 1, got {nproc}")
+    if gpus and nproc > len(gpus):
+        parser.error(f"-n {nproc} is more processes than the {len(gpus)} GPUs; use --cpu-devices K to run on the CPU")
     if options.cpu_devices is not None and options.cpu_devices < 1:
-        _parser().error(f"--cpu-devices must be at least 1, got {options.cpu_devices}")
+        parser.error(f"--cpu-devices must be at least 1, got {options.cpu_devices}")
+    cpu_devices = None if gpus else (options.cpu_devices or 1)
     port = options.port if options.port is not None else free_port_pair()
     command = [sys.executable, *(["-m"] if options.module else []), options.target, *options.args]
-    environments = [child_environment(r, options.nproc, port, options.cpu_devices) for r in range(options.nproc)]
+    environments = []
+    for rank in range(nproc):
+        env = child_environment(rank, nproc, port, cpu_devices)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpu_share(gpus, rank, nproc)
+        environments.append(sagemaker_environment(env, nproc, mp_parameters, options.smp_aliases))
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.getsignal(s) for s in handled}
     children = _Children()
@@ -219,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if handler is not None:  # None: a handler not installed from Python, which cannot be put back
                 signal.signal(s, handler)
         children.stop(0)  # after an unexpected error here too, no child outlives the launcher
+        children.drain()
 
 
 if __name__ == "__main__":

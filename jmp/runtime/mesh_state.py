@@ -28,7 +28,7 @@ from jax.sharding import AxisType, Mesh
 
 from jmp.errors import ConfigError, JmpError
 from jmp.runtime import compilation_cache as compilation
-from jmp.runtime import config_no_effect, sagemaker_config
+from jmp.runtime import config_no_effect, process_groups, rank_zero_logging, sagemaker_config
 from jmp.runtime.config import ALIASES, Config, parse
 
 AXES = ("pp", "dp", "fsdp", "ep", "tp")
@@ -58,6 +58,7 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
             from one), or model-parallel degrees whose product does not divide the number of devices.
     """
     global _config, _mesh
+    rank_zero_logging.install()
     source = None
     if config is None:
         config, source = sagemaker_config.from_environment()
@@ -89,6 +90,7 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
         "tp": parsed.tensor_parallel_degree,
     }
     _config, _mesh = parsed, _build_mesh(shape, devices, parsed.placement_strategy)
+    process_groups.start(_mesh, GROUP_AXES)
 
 
 @contextlib.contextmanager
@@ -101,6 +103,8 @@ def using(config: dict[str, Any]) -> Iterator[None]:
         yield
     finally:
         _config, _mesh = saved
+        if _mesh is not None:
+            process_groups.start(_mesh, GROUP_AXES)  # the groups made before are kept: no new ones here
 
 
 # SMP's placement letters: D (data parallelism; here dp, fsdp and ep, which split the batch), P, T.

@@ -1,0 +1,10 @@
+"""``smdistributed.modelparallel.torch`` is jmp: this module replaces itself with ``jmp`` on import, and its
+submodules (``.nn``, ``.amp``, ``.patches.checkpoint``, ...) are jmp's of the same name."""
+
+import sys
+
+import jmp
+from jmp.runtime import smp_aliases
+
+smp_aliases.install()
+sys.modules[__name__] = jmp
