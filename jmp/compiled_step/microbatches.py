@@ -60,9 +60,17 @@ def check_divisible(name: str, shape: tuple, axis: int, microbatches: int, shard
                 f"{max(1, microbatches * shards // processes)} rows (DataLoader(..., drop_last=True) drops the "
                 "short last batch)."
             )
+        per_device = (
+            f" This one process drives all {shards} data-parallel devices, so the batch it passes is the whole "
+            f"batch over them; under SMP a script's batch size is per process, one process per device. To keep "
+            f"that meaning, launch one process per device: python -m jmp.launch -n {jax.device_count()} script.py "
+            "(on a machine without GPUs each process gets one emulated CPU device)."
+            if shards > 1
+            else ""
+        )
         raise StepError(
             f"step input '{name}' has batch size {shape[axis]} (axis {axis}), which does not divide into "
             f"{microbatches} microbatches x {shards} data-parallel shards = {microbatches * shards}. Use a batch "
             "size that is a multiple of that (DataLoader(..., drop_last=True) drops the short last batch), or "
-            "list the argument in non_split_inputs."
+            f"list the argument in non_split_inputs.{per_device}"
         )

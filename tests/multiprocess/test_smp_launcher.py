@@ -117,3 +117,22 @@ def test_output_passes_through_less_gloos_connection_lines():
             b"loss 0.5\n[Gloo] Rank 3 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
             b"loss 0.5\n",
         )
+
+
+def test_one_process_driving_every_device_says_its_batch_is_global_and_how_to_launch_one_per_device():
+    """The gpt2 script's ``--train_batch_size 4`` in one process over 8 devices: the error explains the
+    difference from SMP's per-process batch and names the launch that keeps it."""
+    import jmp as smp
+
+    smp.init({})
+    model = smp.DistributedModel(torch.nn.Linear(3, 2))
+
+    @smp.step
+    def forward(model, data):
+        return model(data)
+
+    with pytest.raises(smp.StepError) as error:
+        forward(model, torch.randn(4, 3))
+    message = str(error.value)
+    assert "batch size 4" in message and "1 microbatches x 8 data-parallel shards" in message
+    assert "batch size is per process" in message and "python -m jmp.launch -n 8 script.py" in message
