@@ -48,14 +48,16 @@ def save_checkpoint(
             and ``user_content``; written in the background after this returns. False: full torch
             ``state_dict``s (``<tag>``, ``optimizer_<tag>``, ``user_content_<tag>``).
         model, optimizer: what to save (None: not saved).
-        user_content: plain data to save with it (an LR scheduler's ``state_dict()``, the data position);
-            ``resume_from_checkpoint`` returns it.
+        user_content: what to save with it (an LR scheduler's ``state_dict()``, the data position, numpy
+            values, a Hugging Face config); ``resume_from_checkpoint`` returns it. It loads back without running
+            code (``jmp.saving.user_content``): another class must be allowed with
+            ``torch.serialization.add_safe_globals``.
         translate_if_full: SMP translated its own parameter names to Hugging Face's; jmp's are torch's
             (and so Hugging Face's) already, so there is nothing to translate.
         num_kept_partial_checkpoints: keep only this many newest partial checkpoints in ``path``.
 
     Raises:
-        CheckpointError: a bad tag, nothing to save, or ``user_content`` that is not plain data.
+        CheckpointError: a bad tag, nothing to save, or ``user_content`` holding a class that is not allowed.
         ArgumentTypeError: ``model`` / ``optimizer`` of the wrong kind.
     """
     tag = directory.check_tag(tag)

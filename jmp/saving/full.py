@@ -15,7 +15,8 @@ import jax
 import torch
 
 from jmp.errors import CheckpointError, StateDictError
-from jmp.saving import directory, partial
+from jmp.saving import directory
+from jmp.saving import user_content as user_content_file
 
 
 def save(root: Path, tag: str, model: Any, optimizer: Any, user_content: Any) -> None:
@@ -24,8 +25,7 @@ def save(root: Path, tag: str, model: Any, optimizer: Any, user_content: Any) ->
             "save_checkpoint(partial=False) saves a model's full state_dict: pass model=... (an optimizer's "
             "state alone goes in a partial checkpoint)"
         )
-    if user_content is not None:
-        partial.user_content_bytes(user_content)  # plain data, or an error before anything is written
+    content = None if user_content is None else user_content_file.to_bytes(user_content)  # refused: nothing written
     model_state = model.state_dict()  # every process takes part in the gathering
     optimizer_state = optimizer.state_dict() if optimizer is not None else None
     if jax.process_index() != 0:
@@ -33,8 +33,8 @@ def save(root: Path, tag: str, model: Any, optimizer: Any, user_content: Any) ->
     root.mkdir(parents=True, exist_ok=True)
     if optimizer_state is not None:
         _write(directory.optimizer_file(root, tag), optimizer_state)
-    if user_content is not None:
-        _write(directory.user_content_file(root, tag), user_content)
+    if content is not None:
+        directory.write_atomically(directory.user_content_file(root, tag), lambda file: file.write_bytes(content))
     _write(directory.full_file(root, tag), model_state)  # the file that makes the checkpoint exist
     directory.point_newest(root, tag)
 
@@ -75,7 +75,7 @@ def resume(
             "smp.DistributedOptimizer yet; create it before resuming, or pass load_optimizer=False"
         )
     content_path = directory.user_content_file(root, tag)
-    user_content = read(content_path) if content_path.exists() else None
+    user_content = user_content_file.read_file(content_path) if content_path.exists() else None
     try:
         model.check_state_dict(state_dict, strict=strict)
     except StateDictError as error:

@@ -14,7 +14,6 @@ writing continues in the background. The next save, a resume, or the end of the 
 from __future__ import annotations
 
 import concurrent.futures
-import io
 import logging
 import shutil
 import threading
@@ -25,10 +24,10 @@ from typing import Any
 
 import jax
 import numpy as np
-import torch
 
 from jmp.errors import CheckpointError
 from jmp.saving import directory
+from jmp.saving import user_content as user_content_file
 from jmp.saving.orbax_import import orbax_checkpoint, root_logging_kept
 
 logger = logging.getLogger("jmp")
@@ -53,22 +52,6 @@ def wait_for_saves() -> None:
 threading._register_atexit(wait_for_saves)
 
 
-def user_content_bytes(user_content: Any) -> np.ndarray:
-    """``user_content`` serialised by ``torch.save``, checked to load back without running code
-    (``torch.load(weights_only=True)``): tensors, numbers, strings, lists, tuples and dicts of them."""
-    buffer = io.BytesIO()
-    torch.save(user_content, buffer)
-    try:
-        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    except Exception as error:
-        raise CheckpointError(
-            "save_checkpoint: user_content must be plain data (tensors, numbers, strings, lists, tuples, dicts) "
-            f"so that it loads back without unpickling code; it holds something else: {error}. Save that "
-            "object's state_dict() (or convert it to plain data) instead."
-        ) from error
-    return np.frombuffer(buffer.getvalue(), np.uint8)
-
-
 def save(
     root: Path,
     tag: str,
@@ -80,7 +63,7 @@ def save(
     """Start writing ``<root>/<tag>_partial``; ``newest`` points at it (and older ones beyond ``keep`` are
     deleted) once it is complete."""
     global _pending
-    blob = user_content_bytes(user_content)
+    blob = np.frombuffer(user_content_file.to_bytes(user_content), np.uint8)
     wait_for_saves()
     meta = meta | {
         "format": FORMAT,
@@ -155,13 +138,12 @@ def restore(root: Path, tag: str, targets: Mapping[str, jax.ShapeDtypeStruct]) -
                 ),
             )["state"]
         blob = state.pop(USER_CONTENT)
-        user_content = torch.load(io.BytesIO(np.asarray(blob).tobytes()), weights_only=True)
     except Exception as error:
         raise CheckpointError(
             f"resume_from_checkpoint: reading {where} failed (a truncated or corrupted checkpoint?): "
             f"{type(error).__name__}: {error}"
         ) from error
-    return state, user_content
+    return state, user_content_file.from_bytes(np.asarray(blob).tobytes(), str(where))
 
 
 def _prune(root: Path, keep: int, current: str) -> None:
