@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
+from jax.sharding import NamedSharding
 
 from jmp.errors import ArgumentTypeError, OptimizerError
 from jmp.model import portable_state
@@ -27,7 +27,8 @@ from jmp.optim import fused_path, model_lookup, torch_state, update_steps
 from jmp.optim import torch_rules as torch_optimizers
 from jmp.optim.update_program import UpdateProgram
 from jmp.precision import loss_scaling
-from jmp.torch_bridge.interop import local_piece
+from jmp.sharding.param_specs import splits_over, without_axis
+from jmp.torch_bridge.interop import array_to_tensor, local_piece
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -95,6 +96,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
         self.scale_state = None if self.scaling.kind is None else self._place(self.scaling.initial)
         self._found_inf: jax.Array | None = None
+        self._grad_norm: jax.Array | None = None  # the last global gradient norm clipping took (a device scalar)
         self.grads_unscaled = False  # set by GradScaler.unscale_: the kept gradients are float32, unscaled
         self._no_inf = self._place(np.bool_(False))
         self._one = self._place(np.float32(1.0))
@@ -246,7 +248,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._build()
             self.opt_state = state
             result = self._update(*args, **options)
-        training.params, self.opt_state, scaling, found_inf = result
+        training.params, self.opt_state, scaling, found_inf, norm = result
+        if clip:
+            self._grad_norm = norm
         self._kernels_ran = self.fused is not None
         self._found_inf = found_inf if checked else None
         self.grads_unscaled = False
@@ -258,20 +262,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model.training_state.grads = None
         self.grads_unscaled = False
 
-    def clip_master_grads(self, max_norm: float) -> jax.Array:
-        """Scale the current gradients so their global norm is at most ``max_norm``; returns the norm before.
+    def clip_master_grads(self, max_norm: float) -> torch.Tensor:
+        """Scale the current gradients so their global norm is at most ``max_norm``; returns the norm before, a
+        torch tensor as ``torch.nn.utils.clip_grad_norm_`` returns (-1 for an inf/nan norm, as SMP's fp16 optimizer).
 
         Like ``torch.nn.utils.clip_grad_norm_`` over all parameters (the norm is global across devices).
         """
         training = self.model.training_state
         if not training.has_grads:
-            return jnp.zeros((), jnp.float32)
+            return torch.zeros(())
         scale = self._one if self.grads_unscaled else self.model.loss_scale
         norm, factor = update_steps.reported_norm_and_factor(
             training.grads, float(max_norm), scale, counted_once=self.model.store.counted_once
         )
         training.scale_grads_later(factor)  # multiplied in by the update, as it unscales them
-        return norm
+        self._grad_norm = norm
+        return array_to_tensor(norm)
+
+    @property
+    def _global_grad_norm(self) -> float | None:
+        """The gradients' global norm the last clipping took (``clip_master_grads``, or ``sdp_gradient_clipping``
+        in ``step()``), as SMP's sharded-data-parallel optimizer keeps it for logging; None before any."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | optax.GradientTransformation:
+        """The wrapped optimizer (SMP's ``DistributedOptimizer.optimizer``): the torch optimizer, or the optax
+        transformation given."""
+        return self.torch_optimizer if self.torch_optimizer is not None else self._optax
 
     @property
     def param_groups(self) -> list[dict]:
@@ -302,10 +320,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         return self._state_dict(lambda array: array)
 
-    def local_state_dict(self) -> dict:
+    def local_state_dict(self, cast_to_cpu: bool = True, gather_if_shard: bool = True) -> dict:
         """``state_dict()`` with this process's piece of each array (all of it on one host), as SMP's; it
-        holds ``"_smp_is_partial": True`` and ``load_state_dict`` takes it back."""
-        return self._state_dict(local_piece) | {PARTIAL_MARK: True}
+        holds ``"_smp_is_partial": True`` and ``load_state_dict`` takes it back.
+
+        ``gather_if_shard``: under ``shard_optimizer_state`` the state split over the data-parallel ranks is
+        gathered first, so the piece is this process's model part whole (SMP's default); False gives this
+        process's own shard (what Hugging Face's Trainer saves per rank with ``smp.save(..., v3=True)``).
+        ``cast_to_cpu``: the tensors are CPU tensors either way (SMP's option to keep them on the GPU).
+        """
+        piece = (lambda array: local_piece(_gathered_over_dp(array))) if gather_if_shard else local_piece
+        return self._state_dict(piece) | {PARTIAL_MARK: True}
 
     def _state_dict(self, piece: Any) -> dict:
         """``state_dict()`` of ``piece(array)`` of each array (the whole array, or this process's piece)."""
@@ -317,3 +342,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if scale_state is not None:
             self.scale_state = self._place(scale_state)
         self.opt_state = self._torch_format.from_torch(self.opt_state, state_dict)
+
+
+def _gathered_over_dp(array: Any) -> Any:
+    """``array`` no longer split over the ``dp`` mesh axis (ZeRO-1's split of the optimizer state)."""
+    spec = getattr(getattr(array, "sharding", None), "spec", None)
+    if spec is None or not splits_over(spec, "dp"):
+        return array
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(array.sharding.mesh, without_axis(spec, "dp")))(array)

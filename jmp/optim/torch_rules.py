@@ -392,7 +392,6 @@ RULES[optimizers.FusedNovoGrad] = Rule(
     {NovoGradState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}},
     per_tensor=True,
 )
-UNSUPPORTED_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
 
 
 def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
@@ -410,9 +409,14 @@ def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
     for group in optimizer.param_groups:
         if group.get("decoupled_weight_decay"):  # torch's Adam(decoupled_weight_decay=True) is AdamW
             rule = RULES[torch.optim.AdamW]
-        for option in ("fused", "capturable", "differentiable"):
-            if group.get(option):
-                raise OptimizerError(f"{type(optimizer).__name__}({option}=True) is a CUDA option; remove it")
+        # foreach / fused (one kernel over many tensors: Hugging Face's default) and capturable (step counts on
+        # the device, for CUDA graphs) say how torch runs the update, not what it computes: they are taken as they
+        # are, jmp's update being one compiled program with its step counts on the devices anyway
+        if group.get("differentiable"):
+            raise OptimizerError(
+                f"{type(optimizer).__name__}(differentiable=True) lets torch's autograd differentiate through "
+                "optimizer.step() (meta-learning); DistributedOptimizer updates outside autograd. Remove the option"
+            )
     return rule
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
@@ -38,6 +39,7 @@ class UpdateProgram:
         inf/nan gradient (or ``known_inf``) is skipped, on the device, and the dynamic scale adjusted.
         ``grad_factor``: a clipping factor still to multiply the gradients by (``TrainingState.kept_grads``).
         ``clip``: the unscaled gradients are then scaled down to this global norm when above it.
+        Returns (parameters, state, scaling, skipped, the gradients' global norm before ``clip``: -1 without it).
         """
         scale = scaling.scale if dynamic else scaling
         opt_state = torch_state.with_hyperparams(opt_state, hyperparams)
@@ -56,7 +58,11 @@ class UpdateProgram:
             new_params, new_state = tx.update(grads, opt_state, params, return_params=True, **extra)
         if checked and dynamic:
             scaling = loss_scaling.updated(scaling, scalars.skip, self.dynamic_args)
-        return new_params, new_state, scaling, scalars.skip
+        norm = jnp.full((), -1.0, jnp.float32)  # not computed: no clipping in the update
+        if clip:  # the same reduction as step_scalars', which XLA computes once
+            inv_scale = 1.0 / scale * grad_factor
+            norm = update_steps.torch_norm_and_factor(self.store.counted_once(grads), clip, inv_scale)[0]
+        return new_params, new_state, scaling, scalars.skip, norm
 
     def compiled(self, replicated: NamedSharding) -> Callable:
         """``apply`` jitted, donating the parameters and the state."""
@@ -65,5 +71,5 @@ class UpdateProgram:
             functools.partial(self.apply),
             static_argnames=("checked", "dynamic", "clip"),
             donate_argnums=(0, 2),
-            out_shardings=(self.store.shardings, self.state_shardings, replicated, replicated),
+            out_shardings=(self.store.shardings, self.state_shardings, replicated, replicated, replicated),
         )

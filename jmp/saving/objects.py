@@ -19,18 +19,32 @@ from jmp.runtime import mesh_state as state
 from jmp.saving import directory
 
 
-def _file(f: Any, partial: bool, call: str) -> Path:
+def _file(f: Any, partial: bool, call: str, v3: bool = False) -> Path:
     if not isinstance(f, (str, os.PathLike)):
         raise ArgumentTypeError(f"smp.{call} takes a file name (str), not {type(f).__name__}, as SMP's does")
-    return Path(f"{os.fspath(f)}_{state.mp_rank()}") if partial else Path(f)
+    if not partial:
+        return Path(f)
+    if v3:  # SMP's per-rank format for a state sharded over data-parallel ranks too
+        return Path(f"{os.fspath(f)}_{state.pp_rank()}_{state.tp_rank()}_{state.rdp_rank()}")
+    return Path(f"{os.fspath(f)}_{state.mp_rank()}")
 
 
 def save(
-    obj: Any, f: str | os.PathLike, partial: bool = True, pickle_module: Any = pickle, pickle_protocol: int = 2
+    obj: Any,
+    f: str | os.PathLike,
+    partial: bool = True,
+    pickle_module: Any = pickle,
+    pickle_protocol: int = 2,
+    v3: bool = False,
 ) -> None:
     """``torch.save(obj, ...)`` to ``f_<mp_rank>`` (partial) or ``f`` (written by model-parallel rank 0),
-    under a temporary name renamed into place, so a crash never leaves a half-written file."""
-    target = _file(f, partial, "save")
+    under a temporary name renamed into place, so a crash never leaves a half-written file.
+
+    ``v3`` (with ``partial``): SMP's format for what each data-parallel rank holds its own shard of (an optimizer
+    state under ``shard_optimizer_state``, from ``local_state_dict(gather_if_shard=False)``): the file is
+    ``f_<pp_rank>_<tp_rank>_<rdp_rank>``, one per rank; ``smp.load`` finds it.
+    """
+    target = _file(f, partial, "save", v3)
     if not partial and state.mp_rank() != 0:
         return
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -46,10 +60,14 @@ def load(
     pickle_module: Any = None,
     pickle_load_args: dict | None = None,
     partial: bool = True,
+    back_compat: bool = False,
 ) -> Any:
-    """``torch.load`` of what ``smp.save`` wrote (``f_<mp_rank>`` when partial). Like ``torch.load`` it
+    """``torch.load`` of what ``smp.save`` wrote (``f_<pp_rank>_<tp_rank>_<rdp_rank>`` when partial and saved with
+    ``v3``, else ``f_<mp_rank>``; ``back_compat``: only the latter, as SMP's). Like ``torch.load`` it
     refuses to unpickle code unless asked (``pickle_load_args={"weights_only": False}``, trusted files only)."""
-    source = _file(f, partial, "load")
+    source = _file(f, partial, "load", v3=not back_compat)
+    if not source.is_file():  # not saved with v3=True
+        source = _file(f, partial, "load")
     if not source.is_file():
         hint = f" (partial=True reads {source.name}, one file per model-parallel rank)" if partial else ""
         raise CheckpointError(f"smp.load: no file {source}{hint}")

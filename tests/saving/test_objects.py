@@ -118,3 +118,14 @@ def test_smps_documented_pattern_works_as_written(run, tmp_path):
     optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
     assert_same(model.state_dict(), saved_model, "model")
     assert_same(optimizer.state_dict(), saved_optimizer, "optimizer")
+
+
+def test_v3_writes_one_file_per_pp_tp_rdp_rank_that_load_finds(run, tmp_path):
+    """Hugging Face's Trainer under SMP: each rank's own optimizer shard, ``smp.save(..., v3=True)``, loaded back
+    by ``smp.load(..., partial=True)``."""
+    state = run.optimizer.local_state_dict(gather_if_shard=False)
+    smp.save(state, tmp_path / "optimizer.pt", partial=True, v3=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.pt_0_0_0"]  # pp_rank, tp_rank, rdp_rank
+    assert_same(smp.load(tmp_path / "optimizer.pt", partial=True), state)
+    with pytest.raises(smp.CheckpointError, match="optimizer.pt_0"):
+        smp.load(tmp_path / "optimizer.pt", partial=True, back_compat=True)  # only SMP's older f_<mp_rank>
