@@ -459,6 +459,9 @@ def main() -> None:
             status = "ran" if record["ran"] else "FAILED"
             print(f"{name}: {status}{failure} | losses {record['losses']} | {record['comparison']}", flush=True)
     results["data"] = DATA
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "jmp"], cwd=ROOT, capture_output=True, text=True).stdout
+    results["jmp_tree"] = {"commit": head, "jmp_uncommitted_changes": bool(dirty.strip())}
     results["command"] = "python -m jmp.launch -n P --cpu-devices 1 tests/vendored/smp_v1_examples/cpu_host.py ..."
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -10,7 +10,8 @@ acts, on stderr, once per process), so the scripts need no edit for it:
   compiled with CUDA enabled``; ``AttributeError: ... _cuda_setDevice``). There is nothing to synchronise,
   and JAX, not torch, picks the device of a jmp process.
 
-Then the script runs as ``__main__`` with its own folder first on ``sys.path``, as ``python SCRIPT`` would.
+Then the script runs as ``__main__`` with its own folder first on ``sys.path``, as ``python SCRIPT``
+would; an error it raises is printed here too (see ``main``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import importlib
 import os
 import runpy
 import sys
+import traceback
 import types
 
 HARNESS_NOTE = "smp_v1_examples harness:"
@@ -77,7 +79,14 @@ def main(argv: list[str]) -> None:
     cuda_calls_as_no_ops()
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except BaseException:
+        # printed here as well: under jmp.launch, once smp.init has run, the excepthook's traceback of an
+        # uncaught error does not reach the launcher's output (the process ends with code 1, silently)
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
 
 
 if __name__ == "__main__":
