@@ -8,6 +8,10 @@ stages (automatic partitioning), the batch into 4 microbatches that flow
 through them (interleaved schedule), and data parallelism takes the remaining
 devices. scikit-learn's bundled digits stand in for MNIST (no download). On a
 machine without accelerators it emulates 8 devices: 2 stages x 4 data-parallel.
+
+Under ``python -m jmp.launch -n N``, as an SMP script on N ranks, each data-parallel process reads its share
+of the digits in batches of ``--batch-size`` (per process), and the held-out loss and accuracy are summed over
+the processes with ``smp.allgather``.
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ def train_step(model, data, target):
 @smp.step
 def eval_step(model, data, target):
     output = model(data)
-    correct = (output.argmax(dim=1) == target).sum()
-    return F.nll_loss(output, target, reduction="sum"), correct
+    # per digit: each process sums the rows it fed (SMP's per-rank outputs), then the processes add their sums
+    return F.nll_loss(output, target, reduction="none"), output.argmax(dim=1) == target
 
 
 def train(model, train_loader, optimizer, epoch: int, epochs: int) -> float:
@@ -61,13 +65,16 @@ def train(model, train_loader, optimizer, epoch: int, epochs: int) -> float:
 
 
 def evaluate(model, test_loader) -> tuple[float, float]:
+    """(mean loss, accuracy) over the held-out digits of every data-parallel process."""
     model.eval()
     loss, correct, count = 0.0, 0, 0
     for data, target in test_loader:
         loss_mb, correct_mb = eval_step(model, data, target)
-        loss += float(loss_mb.reduce_sum())
-        correct += int(correct_mb.reduce_sum())
+        loss += float(loss_mb.concat().sum())
+        correct += int(correct_mb.concat().sum())
         count += len(target)
+    totals = smp.allgather((loss, correct, count), smp.DP_GROUP)  # [(loss, correct, count)] per process
+    loss, correct, count = (sum(column) for column in zip(*totals))
     return loss / count, correct / count
 
 
@@ -86,7 +93,7 @@ def _progress(epoch, epochs, done, steps, loss, seconds):
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64, help="per process, as SMP's per-rank batch")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--partitions", type=int, default=2, help="pipeline stages (1: data parallel only)")
     args = parser.parse_args(argv)
@@ -105,10 +112,12 @@ def main(argv: list[str] | None = None) -> float:
     )
     torch.manual_seed(smp.get_config().random_seed)
     train_images, train_labels, test_images, test_labels = digits()
-    # one process loads the whole global batch here; with several, each loads its shard
+    # one process loads the whole global batch here; with several, each loads its shard (of both sets)
     if smp.dp_size() > 1:
         keep = torch.arange(smp.dp_rank(), len(train_labels), smp.dp_size())
         train_images, train_labels = train_images[keep], train_labels[keep]
+        keep = torch.arange(smp.dp_rank(), len(test_labels), smp.dp_size())
+        test_images, test_labels = test_images[keep], test_labels[keep]
     train_loader = DataLoader(
         TensorDataset(train_images, train_labels), batch_size=args.batch_size, shuffle=True, drop_last=True
     )
