@@ -92,6 +92,7 @@ class StepFunction:
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, sown)
         shards = batching.data_shards(call.model.layout.mesh)
         returned = results(call.traced.output_leaves, outputs, shards, call.share)
+        call.model.run_post_step_hooks()
         return torch_pytree.tree_unflatten(returned, call.traced.output_spec)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:

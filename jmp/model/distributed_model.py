@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp import sharding
 from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
-from jmp.model import delayed_init
+from jmp.model import delayed_init, smp_paths
 from jmp.model import live_models as model_registry
 from jmp.model.module_surface import ModelOptions, ModuleSurface
 from jmp.model.parameter_store import ParameterStore, StageStore, TreeStore
@@ -86,13 +86,20 @@ def current_trace() -> Trace | None:
     return _TRACE.get()
 
 
-class DistributedModel(ModuleSurface):
+class DistributedModel(ModuleSurface, torch.nn.Module):
     """Wraps a torch ``nn.Module``: converted to Flax NNX, its parameters placed on the mesh.
 
     Parameters are split as the config asks (sharded data, tensor and expert parallelism; see
     ``jmp.sharding``) and replicated otherwise. The model keeps the mesh and config of the ``smp.init``
     it was built under. It behaves like the torch module where scripts expect it to (``named_parameters()``,
     ``modules()``, ``cpu()``, ``model.config``, ...: see ``jmp.model.module_surface``).
+
+    Like SMP's, it is an ``nn.Module`` whose one child is the user's module, as ``module`` (its ``_modules``);
+    it has no parameters of its own, and the module-walking methods (``modules()``, ``named_parameters()``,
+    ``state_dict()``, ...) give the user's module's, under the user's names. Its other attributes are its
+    records, never registered as submodules. SMP's paths into the wrapped model
+    (``model.module.module.module``, ``transformer.seq_layers``) are views of the user's modules: see
+    ``jmp.model.smp_paths``.
 
     Args:
         module: the torch module; it stays the user's (``model.module``), and reading ``model.module``
@@ -112,16 +119,19 @@ class DistributedModel(ModuleSurface):
     """
 
     def __init__(self, module: torch.nn.Module, *, sharding_rules: dict[str, Any] | None = None, **smp_options: Any):
+        torch.nn.Module.__init__(self)  # first: torch's bookkeeping, which the module-like methods read
         self._init_surface()
         if isinstance(module, DistributedModel) or not isinstance(module, torch.nn.Module):
             what = "already a DistributedModel" if isinstance(module, DistributedModel) else type(module).__name__
             raise ArgumentTypeError(f"smp.DistributedModel takes a torch.nn.Module, not {what}")
+        self._modules["module"] = module  # SMP's DistributedModel holds the user's module as its child 'module'
         self.options = ModelOptions.parse(smp_options)
         self.backward_passes_per_step = self.options.backward_passes_per_step
         self.average_grads_across_microbatches = self.options.average_grads_across_microbatches
         config = state.get_config()
         mesh = state.get_mesh()
         self.torch_module = module  # read for its structure; ``module`` also writes the current values back
+        smp_paths.add(module)
         self.delayed = _is_delayed(module)
         converted = convert(module, rngs=nnx.Rngs(config.random_seed), allow_meta=self.delayed)
         graphdef, params, rest = nnx.split(converted, nnx.Param, ...)
@@ -205,6 +215,9 @@ class DistributedModel(ModuleSurface):
         """``module``, except for a model built on the meta device that nothing has given values yet: then the
         module as built, its tensors on the meta device (its values live only in its shards)."""
         return self.torch_module if self._module_version is None else self.module
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # the model's records: nn.Module would register modules and tensors
 
     # --- inside a step function -------------------------------------------------------------------------
 
@@ -401,7 +414,13 @@ class DistributedModel(ModuleSurface):
 
     @property
     def training(self) -> bool:
-        return self.torch_module.training
+        module = self.__dict__.get("torch_module")
+        return True if module is None else module.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        if "torch_module" in self.__dict__:  # nn.Module.__init__ sets it before there is a module
+            self.train(mode)
 
     @property
     def flax_module(self) -> TorchModule:

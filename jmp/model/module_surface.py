@@ -150,7 +150,7 @@ def _expect(name: str, value: Any, kind: type) -> None:
 class ModuleSurface:
     """``nn.Module``-like methods of ``DistributedModel`` (a mixin).
 
-    Expects of the class it is mixed into: ``module`` (the torch module, its values current),
+    Expects of the class it is mixed into: ``module`` (the torch module, its values current), ``load_state_dict``,
     ``current_module`` (the same, without giving a meta-device model values), ``torch_module`` (the same
     module, read for its structure only), ``layout``, ``pipeline``,
     ``precision``, ``training_state`` and ``attached_optimizer``; ``_init_surface()`` is called by its
@@ -163,6 +163,8 @@ class ModuleSurface:
     def _init_surface(self) -> None:
         self._post_partition_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
         self._post_partition_hooks_ran = False
+        self._post_step_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
+        self._stepped = False
 
     # --- what the torch module holds ---------------------------------------------------------------------
 
@@ -204,6 +206,14 @@ class ModuleSurface:
         self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Module]]:
         return self.current_module.named_modules(memo=memo, prefix=prefix, remove_duplicate=remove_duplicate)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> Any:
+        """``fn`` on every module of the torch module, as ``nn.Module.apply``; the tensors it leaves (changed in
+        place, as ``nn.init`` does, or replaced) become the model's values. Returns the model."""
+        module = self.module
+        module.apply(fn)
+        self.load_state_dict(module.state_dict())
+        return self
 
     # --- this process's share (SMP's local_*) ------------------------------------------------------------
 
@@ -271,6 +281,28 @@ class ModuleSurface:
         self._post_partition_hooks_ran = True
         hooks = list(self._post_partition_hooks.values())
         self._post_partition_hooks.clear()
+        for hook in hooks:
+            hook(self, self.attached_optimizer)
+
+    def register_post_step_hook(self, hook: Callable[[Any, AttachedOptimizer | None], None]) -> RemovableHandle | None:
+        """Call ``hook(model, optimizer)`` once, after the first step call has run, as SMP does (Hugging Face's
+        Trainer loads a saved optimizer state this way). Once the model has run a step and has an optimizer,
+        the hook runs right away and None is returned, as in SMP; otherwise a handle whose ``remove()``
+        unregisters it."""
+        if not callable(hook):
+            raise ArgumentTypeError(f"register_post_step_hook takes a callable, not {type(hook).__name__}")
+        if self._stepped and self.attached_optimizer is not None:
+            hook(self, self.attached_optimizer)
+            return None
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle
+
+    def run_post_step_hooks(self) -> None:
+        """Called after each step call: the registered post-step hooks, after the first."""
+        self._stepped = True
+        hooks = list(self._post_step_hooks.values())
+        self._post_step_hooks.clear()
         for hook in hooks:
             hook(self, self.attached_optimizer)
 

@@ -98,8 +98,10 @@ def test_example_3_hugging_face_layers_checkpointed_each_keep_gradients_with_dro
     smp.init()
     ids = token_batch()
     model = smp.DistributedModel(gpt2())
-    transformer_layers = model.module.transformer.h  # SMP's path was model.module.module.module.transformer.seq_layers
+    # Call set_activation_checkpointing API
+    transformer_layers = model.module.module.module.transformer.seq_layers
     smp.set_activation_checkpointing(transformer_layers, pack_args_as_tuple=True, strategy="each")
+    assert transformer_layers is model.module.transformer.h  # SMP's path and the model's own reach the same layers
     loss, grads = lm_loss_and_grads(model, ids)
     assert_close(loss, expected_loss, 1e-6)
     assert_same_grads(grads, expected)
