@@ -114,6 +114,7 @@ CONFIGS: dict[str, dict] = {
 
 _LOSS = re.compile(r"Batch (\d+) Loss: (\S+?),")
 _VAL = re.compile(r"Batch (\d+) Validation loss: (\S+)")
+_OTHER_PROCESS = re.compile(r"^(\d{4}-\d\d-\d\d[:T ]|\[transformers\]|smp_v1_examples|[WEIF]\d{4} |jmp\.launch:)")
 _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
 
 
@@ -164,7 +165,8 @@ def first_error(log: str) -> dict | None:
         if not line.startswith("Traceback (most recent call last):"):
             continue
         frames, j = [], i + 1
-        while j < len(lines) and (lines[j].startswith(" ") or lines[j].startswith("\t") or not lines[j].strip()):
+        # the other processes' lines interleave with a traceback: log records and notes are stepped over
+        while j < len(lines) and (lines[j][:1] in (" ", "\t", "") or _OTHER_PROCESS.match(lines[j])):
             match = _FRAME.match(lines[j])
             if match:
                 frames.append((match.group(1), int(match.group(2)), match.group(3)))

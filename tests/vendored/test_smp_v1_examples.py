@@ -56,19 +56,20 @@ def test_synthetic_data_is_what_the_scripts_read_and_the_same_every_time(tmp_pat
 
 # What stops each configuration today (benchmarks/results/smp_examples.json has the first error of each).
 NOT_RUNNING_TODAY = {
-    "gpt2_pp2_fp16_manual_partition": "a process exits with code 1 right after the model is built; see the "
-    "first_error recorded by benchmarks/smp_examples.py (issue 31: pipeline with one process per device, item 15)",
-    "gpt2_sdp2": "sdp_utils.build_param_id_to_offset reads p.ds_tensor.ds_numel (issue 31, item 8)",
-    "gpt2_sdp2_distributed_transformer": "--use_distributed_transformer 1 needs SMP's DistributedTransformer "
-    "(m.transformer.seq_layers, issue 31 item 7) and its weight init",
-    "gpt2_dp2_partial_checkpoint_resume": "saving the partial checkpoint (user_content with a numpy int64 and a "
-    "GPT2Config, issue 31 item 9) and resuming with --load_partial: see the recorded first_error",
-    "gpt2_dp2_validation": "validation all-reduces a step's loss with torch.distributed on smp.get_dp_process_group() "
-    "(issue 31, item 4): see the recorded first_error",
-    "flan_t5_tp2_activation_checkpointing": "T5 blocks return (hidden, position_bias, None) under activation "
-    "checkpointing (issue 31, item 10): see the recorded first_error",
+    "gpt2_pp2_fp16_manual_partition": "ZeroDivisionError: integer modulo by zero in jax.numpy's reshape on the "
+    "pipeline's second process, which gets data_pipeline's DummyDataset (empty tensors: SMP reads inputs on "
+    "pp_rank 0 only) (issue 31, items 6 and 15)",
+    "gpt2_sdp2": "sdp_utils.build_param_id_to_offset: 'Parameter' object has no attribute 'ds_tensor' "
+    "(issue 31, item 8)",
+    "gpt2_dp2_partial_checkpoint_resume": "hangs in smp.save_checkpoint at the step-2 partial checkpoint (process 0 "
+    "in an Orbax restore of 'meta' after the save); resume with --load_partial never reached (issue 31, item 9)",
+    "gpt2_dp2_validation": "torch.distributed.all_reduce(loss, group=smp.get_dp_process_group()) on the sum of "
+    "test_step(...).reduce_mean(): UnsupportedOpError, no JAX lowering for all_reduce (issue 31, items 1 and 4)",
 }
 RUNS_TODAY = [name for name in smp_examples.CONFIGS if name not in NOT_RUNNING_TODAY]
+# Runs; no torch model can match it: --use_distributed_transformer skips Hugging Face's init (SMP's
+# DistributedTransformer initialises), and model_config fixes T5's dropout_rate at 0.1.
+NOT_COMPARABLE = {"gpt2_sdp2_distributed_transformer", "flan_t5_tp2_activation_checkpointing"}
 # Runs, but its logged losses are not torch's yet.
 LOSSES_DIFFER_TODAY = {
     "gpt2_dp2_fp32": "the logged loss is the mean over both processes' batches, not rank 0's (issue 31, item 14), "
@@ -93,6 +94,7 @@ def test_script_runs_unchanged_and_logs_every_step(name, data, tmp_path_factory)
         if n in LOSSES_DIFFER_TODAY
         else n
         for n in RUNS_TODAY
+        if n not in NOT_COMPARABLE
     ],
 )
 def test_logged_losses_track_pytorch(name, data, tmp_path_factory):
