@@ -411,7 +411,10 @@ def reference(name: str, data: Path) -> dict:
             if overflow:
                 result["skipped_steps"].append(steps)
             else:
-                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+                # as the script clips: clip_master_grads only when sharded_data_parallel_degree < 1 (never, with
+                # its default of 1), sdp_gradient_clipping when it is above 1
+                if args.sharded_data_parallel_degree != 1:
+                    torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
                 optimizer.step()
                 scheduler.step()
             result["losses_rank0"].append(float(per_rank[0]))
