@@ -91,6 +91,8 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
     }
     _config, _mesh = parsed, _build_mesh(shape, devices, parsed.placement_strategy)
     process_groups.start(_mesh, GROUP_AXES)
+    if jax.process_count() > 1:
+        _exit_on_uncaught()
 
 
 @contextlib.contextmanager
@@ -176,15 +178,19 @@ def _start_distributed_runtime() -> None:
                 f"anything touches JAX devices or arrays ({error})"
             ) from error
         raise
-    sys.excepthook = _exit_on_uncaught(sys.excepthook)
 
 
-def _exit_on_uncaught(previous: Any) -> Any:
-    """An excepthook that reports the error, then ends the process at once.
+def _exit_on_uncaught() -> None:
+    """Make the excepthook report an uncaught error, then end the process at once.
 
     JAX's exit handler waits at a shutdown barrier for every process (minutes); a process that failed would
     sit there while its peers wait for it, and the launcher (torchrun, jmp.launch) would not see the failure.
+    Installed last, outside torch.distributed's hook (which prints the traceback into a buffer and writes it out
+    after the hook it wraps returns: wrapped inside it, the traceback was lost).
     """
+    previous = sys.excepthook
+    if getattr(previous, "jmp_exits", False):
+        return
 
     def hook(kind: type, value: BaseException, traceback: Any) -> None:
         previous(kind, value, traceback)
@@ -192,7 +198,8 @@ def _exit_on_uncaught(previous: Any) -> Any:
         sys.stderr.flush()
         os._exit(1)
 
-    return hook
+    hook.jmp_exits = True
+    sys.excepthook = hook
 
 
 def check_same_on_every_process(what: str, description: str) -> None:

@@ -136,3 +136,15 @@ def test_one_process_driving_every_device_says_its_batch_is_global_and_how_to_la
     message = str(error.value)
     assert "batch size 4" in message and "1 microbatches x 8 data-parallel shards" in message
     assert "batch size is per process" in message and "python -m jmp.launch -n 8 script.py" in message
+
+
+def test_an_uncaught_error_after_smp_init_shows_its_traceback(tmp_path):
+    """torch.distributed's excepthook buffers the traceback until the hook it wraps returns; jmp's, which ends
+    the process at once, must run outside it or the traceback never reaches the launcher's output."""
+    script = tmp_path / "fails.py"
+    script.write_text("import jmp as smp\nsmp.init({})\nraise RuntimeError('boom from the script')\n")
+    command = [sys.executable, "-m", "jmp.launch", "-n", "2", "--cpu-devices", "1", str(script)]
+    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "RuntimeError: boom from the script" in done.stderr, done.stderr[-3000:]
+    assert "Traceback" in done.stderr
