@@ -79,8 +79,8 @@ def evaluate(model, test_loader) -> tuple[float, float]:
 
 
 def _progress(epoch, epochs, done, steps, loss, seconds):
-    if done != steps and not sys.stdout.isatty():
-        return  # in a log, one line per epoch
+    if smp.rank() != 0 or (done != steps and not sys.stdout.isatty()):
+        return  # the job's report, once per job; in a log, one line per epoch
     filled = int(20 * done / steps)
     end = "\n" if done == steps else ""
     sys.stdout.write(
@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> float:
     model = smp.DistributedModel(model)
     optimizer = smp.DistributedOptimizer(optimizer)
     mesh = dict(smp.get_mesh().shape)
-    print(
+    report = print if smp.rank() == 0 else lambda *args: None  # once per job, not once per process
+    report(
         f"GroupedNet on {len(train_labels)} digits; mesh {mesh}: {args.partitions} pipeline stage(s), "
         f"{args.microbatches} microbatches per step"
     )
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> float:
     for epoch in range(1, args.epochs + 1):
         train(model, train_loader, optimizer, epoch, args.epochs)
         test_loss, accuracy = evaluate(model, test_loader)
-        print(f"  held-out: loss {test_loss:.4f}, accuracy {accuracy:.2%}")
+        report(f"  held-out: loss {test_loss:.4f}, accuracy {accuracy:.2%}")
     return accuracy
 
 
