@@ -14,6 +14,7 @@ writing continues in the background. The next save, a resume, or the end of the 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import shutil
 import threading
@@ -150,11 +151,25 @@ def _prune(root: Path, keep: int, current: str) -> None:
     """Delete the oldest complete partial checkpoints beyond the newest ``keep`` (never ``current``)."""
     saved = []
     for tag in directory.partial_tags(root):
-        try:
-            saved.append((read_meta(root, tag)["saved_at_ns"], tag))
-        except CheckpointError:
-            continue  # not ours, or damaged: left for the user to look at
+        saved_at = _saved_at(directory.partial_dir(root, tag))
+        if saved_at is not None:  # None: not ours, or damaged: left for the user to look at
+            saved.append((saved_at, tag))
     for _, tag in sorted(saved)[: max(0, len(saved) - keep)]:
         if tag != current:
             shutil.rmtree(directory.partial_dir(root, tag), ignore_errors=True)
             logger.info("save_checkpoint: removed partial checkpoint '%s' (num_kept_partial_checkpoints=%d)", tag, keep)
+
+
+def _saved_at(where: Path) -> int | None:
+    """When the complete jmp checkpoint at ``where`` was saved, read from its JSON file as it lies on disk.
+
+    Not through Orbax: its restore waits for every process, and pruning runs in process 0's background thread
+    while the others train, so neither would move on (a multi-process run hung at its second save).
+    """
+    try:
+        meta = json.loads((where / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("saved_at_ns"), int):
+        return None
+    return meta["saved_at_ns"]

@@ -205,3 +205,12 @@ def test_one_process_alone_is_every_group():
         smp.barrier(smp.RankType.TP_RANK)
     with pytest.raises(smp.ArgumentTypeError, match="expected an smp.RankType"):
         smp.send(1, 0, smp.TP_GROUP)
+
+
+def test_keeping_the_newest_checkpoints_while_training_does_not_wait_on_the_other_processes(tmp_path):
+    """Process 0 prunes old checkpoints in the background while every process trains on; reading their metadata
+    through Orbax waited for the other processes, and the run hung at its second save."""
+    result = _launch("-n", "2", "--cpu-devices", "1", "tests/multiprocess/prune_script.py", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    kept = {r["rank"]: r["kept"] for r in json_objects(result.stdout) if "kept" in r}
+    assert kept == {0: ["step2_partial", "step3_partial"], 1: ["step2_partial", "step3_partial"]}
