@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp import sharding
 from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
-from jmp.model import delayed_init, smp_paths
+from jmp.model import delayed_init, sdp_partitions, smp_paths
 from jmp.model import live_models as model_registry
 from jmp.model.module_surface import ModelOptions, ModuleSurface
 from jmp.model.parameter_store import ParameterStore, StageStore, TreeStore
@@ -174,6 +174,7 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         _log_layout(self.layout.specs, mesh)
         self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs)
         self.store: ParameterStore = TreeStore(self.layout)  # a StageStore once a pipeline's stages are cut
+        sdp_partitions.attach(self)  # p.ds_tensor, as SMP's sharded data parallelism (DeepSpeed's) has it
         self._optimizers: list[weakref.ref[AttachedOptimizer]] = []
         self._latest_optimizer: AttachedOptimizer | None = None
         self._loss_scaling: weakref.ref[LossScaleSource] | None = None  # a GradScaler used by a step function

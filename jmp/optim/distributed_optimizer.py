@@ -21,7 +21,7 @@ import torch
 from jax.sharding import NamedSharding
 
 from jmp.errors import ArgumentTypeError, OptimizerError
-from jmp.model import portable_state
+from jmp.model import portable_state, sdp_partitions
 from jmp.model.distributed_model import PARTIAL_MARK, DistributedModel, with_shardings
 from jmp.optim import fused_path, model_lookup, torch_state, update_steps
 from jmp.optim import torch_rules as torch_optimizers
@@ -290,6 +290,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer (SMP's ``DistributedOptimizer.optimizer``): the torch optimizer, or the optax
         transformation given."""
         return self.torch_optimizer if self.torch_optimizer is not None else self._optax
+
+    @property
+    def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
+        """SMP's sharded-data-parallel optimizer's (DeepSpeed's) float32 partitions per param group, read now
+        (``jmp.model.sdp_partitions``); only with ``sharded_data_parallel_degree`` above 1, as in SMP."""
+        if self.model.layout.mesh.shape["fsdp"] == 1:
+            raise AttributeError("fp32_partitioned_groups_flat exists with sharded_data_parallel_degree > 1 only")
+        return sdp_partitions.flat_groups(self.param_groups)
 
     @property
     def param_groups(self) -> list[dict]:
