@@ -18,20 +18,19 @@ import jax
 import numpy as np
 import optax
 import torch
-from jax.sharding import NamedSharding
 
 from jmp.errors import ArgumentTypeError, OptimizerError
-from jmp.model import portable_state, sdp_partitions
-from jmp.model.distributed_model import PARTIAL_MARK, DistributedModel, with_shardings
+from jmp.model import portable_state
+from jmp.model.distributed_model import DistributedModel, with_shardings
 from jmp.optim import fused_path, model_lookup, torch_state, update_steps
 from jmp.optim import torch_rules as torch_optimizers
+from jmp.optim.torch_surface import TorchOptimizerSurface
 from jmp.optim.update_program import UpdateProgram
 from jmp.precision import loss_scaling
-from jmp.sharding.param_specs import splits_over, without_axis
-from jmp.torch_bridge.interop import array_to_tensor, local_piece
+from jmp.torch_bridge.interop import array_to_tensor
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
     """Wraps a ``torch.optim.Optimizer`` built on the original module's parameters, or an optax transformation.
 
     It is a ``torch.optim.Optimizer`` to torch's LR schedulers (which read and write ``param_groups``), but
@@ -278,83 +277,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
         training.scale_grads_later(factor)  # multiplied in by the update, as it unscales them
         self._grad_norm = norm
         return array_to_tensor(norm)
-
-    @property
-    def _global_grad_norm(self) -> float | None:
-        """The gradients' global norm the last clipping took (``clip_master_grads``, or ``sdp_gradient_clipping``
-        in ``step()``), as SMP's sharded-data-parallel optimizer keeps it for logging; None before any."""
-        return None if self._grad_norm is None else float(self._grad_norm)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | optax.GradientTransformation:
-        """The wrapped optimizer (SMP's ``DistributedOptimizer.optimizer``): the torch optimizer, or the optax
-        transformation given."""
-        return self.torch_optimizer if self.torch_optimizer is not None else self._optax
-
-    @property
-    def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
-        """SMP's sharded-data-parallel optimizer's (DeepSpeed's) float32 partitions per param group, read now
-        (``jmp.model.sdp_partitions``); only with ``sharded_data_parallel_degree`` above 1, as in SMP."""
-        if self.model.layout.mesh.shape["fsdp"] == 1:
-            raise AttributeError("fp32_partitioned_groups_flat exists with sharded_data_parallel_degree > 1 only")
-        return sdp_partitions.flat_groups(self.param_groups)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.torch_optimizer.param_groups if self.torch_optimizer is not None else []
-
-    @property
-    def defaults(self) -> dict:
-        return self.torch_optimizer.defaults if self.torch_optimizer is not None else {}
-
-    @property
-    def state(self) -> dict:
-        """Per-parameter state in torch's format (as ``state_dict()["state"]``, keyed by index)."""
-        return self.state_dict().get("state", {})
-
-    def __repr__(self) -> str:
-        inner = type(self.torch_optimizer).__name__ if self.torch_optimizer is not None else "optax"
-        return f"DistributedOptimizer({inner}, {len(self.param_groups)} param group(s))"
-
-    # --- state (torch's format: jmp.optim.torch_state) ------------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        """torch's format for a torch optimizer ({"state": {index: {...}}, "param_groups": [...]}).
-
-        With loss scaling or a half-precision module it also holds what SMP's fp16 optimizer keeps:
-        ``loss_scaler`` (the scale and the dynamic scaler's counters), ``dynamic_loss_scale``, ``overflow``,
-        and ``fp32_from_fp16`` (the float32 master parameters, per param group, when the module's own
-        parameters are half precision: ``model.state_dict()`` then holds them rounded).
-        """
-        return self._state_dict(lambda array: array)
-
-    def local_state_dict(self, cast_to_cpu: bool = True, gather_if_shard: bool = True) -> dict:
-        """``state_dict()`` with this process's piece of each array (all of it on one host), as SMP's; it
-        holds ``"_smp_is_partial": True`` and ``load_state_dict`` takes it back.
-
-        ``gather_if_shard``: under ``shard_optimizer_state`` the state split over the data-parallel ranks is
-        gathered first, so the piece is this process's model part whole (SMP's default); False gives this
-        process's own shard (what Hugging Face's Trainer saves per rank with ``smp.save(..., v3=True)``).
-        ``cast_to_cpu``: the tensors are CPU tensors either way (SMP's option to keep them on the GPU).
-        """
-        piece = (lambda array: local_piece(_gathered_over_dp(array))) if gather_if_shard else local_piece
-        return self._state_dict(piece) | {PARTIAL_MARK: True}
-
-    def _state_dict(self, piece: Any) -> dict:
-        """``state_dict()`` of ``piece(array)`` of each array (the whole array, or this process's piece)."""
-        scaler = torch_state.scaler_to_torch(self.scaling, self.scale_state, self.loss_scale, self.overflow)
-        return self._torch_format.to_torch(self.opt_state, piece, scaler)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        scale_state = torch_state.scaler_from_torch(self.scaling, state_dict)
-        if scale_state is not None:
-            self.scale_state = self._place(scale_state)
-        self.opt_state = self._torch_format.from_torch(self.opt_state, state_dict)
-
-
-def _gathered_over_dp(array: Any) -> Any:
-    """``array`` no longer split over the ``dp`` mesh axis (ZeRO-1's split of the optimizer state)."""
-    spec = getattr(getattr(array, "sharding", None), "spec", None)
-    if spec is None or not splits_over(spec, "dp"):
-        return array
-    return jax.jit(lambda x: x, out_shardings=NamedSharding(array.sharding.mesh, without_axis(spec, "dp")))(array)
