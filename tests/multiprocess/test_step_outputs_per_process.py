@@ -53,15 +53,11 @@ def _held_out(stdout: str) -> list[tuple[float, float]]:
     return [(float(loss), float(accuracy)) for loss, accuracy in lines]
 
 
-def test_the_main_job_under_the_launcher_reports_the_accuracy_one_process_does():
+def test_the_main_job_under_the_launcher_reports_an_accuracy_over_both_processes_digits():
     # two processes with 32 digits each per step make the single process's global batch of 64 (22 steps)
     two = _held_out(_run([*LAUNCH, "-m", "jmp.examples.mnist", "--epochs", "1", "--batch-size", "32"]).stdout)
-    one = _held_out(_run([sys.executable, "-m", "jmp.examples.mnist", "--epochs", "1"]).stdout)
     assert len(two) == 1  # the job's report, printed by rank 0, of the figures summed over both processes
-    assert len(one) == 1
-    (_, accuracy), (_, reference) = two[0], one[0]
-    assert 0 < accuracy <= 100
-    # not the same digits in the same order (each process shuffles its own share), so not the same weights:
-    # the two runs' accuracies after one epoch (79.1% and 64.7% when written) agree within 20 points; counting
-    # every process's correct digits over one process's digits gave twice the accuracy
-    assert abs(accuracy - reference) <= 20, (accuracy, reference)
+    (_, accuracy) = two[0]
+    # counting every process's correct digits over one process's digits gave 157.95% here; one epoch of the
+    # single-process job reaches 65-80% (64.7% and 79.1% when measured), far above chance (10%)
+    assert 50 < accuracy <= 100, accuracy
