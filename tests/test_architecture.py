@@ -298,3 +298,19 @@ def test_the_optimizer_and_the_grad_scaler_provide_what_the_model_asks_of_them()
     for cls, protocol in ((DistributedOptimizer, AttachedOptimizer), (GradScaler, LossScaleSource)):
         missing = sorted(name for name in _members(protocol) if not hasattr(cls, name))
         assert not missing, f"{cls.__name__} lacks {missing} of {protocol.__name__}"
+
+
+def test_every_module_logs_through_jmps_one_logger():
+    """A logger's filters see only its own records, not its children's: jmp's rank-0 filter (one copy of each notice
+    per job) is on the "jmp" logger, so every module logs there rather than to a logger of its own name."""
+    own_loggers = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "attr", None) == "getLogger"
+        and getattr(node.func.value, "id", None) == "logging"
+        and node.args
+        and not (isinstance(node.args[0], ast.Constant) and node.args[0].value in ("jmp", ""))
+    ]
+    assert not own_loggers, own_loggers

@@ -35,7 +35,7 @@ from jmp.remat import api as remat
 from jmp.runtime import mesh_state as state
 from jmp.runtime.config import parse
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("jmp")  # one logger: its rank-0 filter (runtime.rank_zero_logging) sees every notice
 
 _FIELDS = ("parameters", "master_copies", "gradients", "optimizer_state", "buffers", "inputs", "temporaries")
 _SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}  # float32 slots per parameter

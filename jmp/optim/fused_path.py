@@ -23,7 +23,7 @@ from jmp import kernels, sharding
 from jmp.optim import torch_rules
 from jmp.optim.update_steps import StepScalars, kept_on_skip
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("jmp")  # one logger: its rank-0 filter (runtime.rank_zero_logging) sees every notice
 
 
 def fused_mode(asked: bool | None, rule: torch_rules.Rule, optimizer: torch.optim.Optimizer) -> str | None:
