@@ -38,9 +38,6 @@ class PartitionView:
         padded[: flat.size] = flat
         return torch.from_numpy(np.concatenate([padded[r * size : (r + 1) * size] for r in self._ranks]))
 
-    def numel(self) -> int:
-        return self.ds_numel
-
     def __repr__(self) -> str:
         return f"PartitionView(ds_numel={self.ds_numel}, ranks={list(self._ranks)} of {self._degree})"
 
