@@ -118,6 +118,12 @@ def _in_pieces(lhs, rhs, numbers: lax.ConvDimensionNumbers, params: dict):
     cache (measured: 64 images of 32x26x26 -> 64x24x24 take 8.5x as long as 16). A piece is a slice of the
     batch (results concatenated) or, for the filter gradient, where the batch is the contracted feature,
     a slice of the input features (results summed): whichever shrinks more bytes per piece.
+
+    The sliced dimension is the batch, which the data-parallel mesh axes may split over devices. Inside a
+    ``shard_map`` (the pipeline's) the mesh is known, and each piece takes the same rows of every device's
+    block (``_take``), so no piece needs rows of another device: a slice across the blocks would make XLA
+    move rows with collective permutes, which inside a pipeline stage wait for devices that never reach
+    them (the step hangs). Sizes are then counted per device.
     """
     itemsize = np.dtype(lhs.dtype).itemsize
     out_shape = jax.eval_shape(
@@ -126,20 +132,51 @@ def _in_pieces(lhs, rhs, numbers: lax.ConvDimensionNumbers, params: dict):
     lhs_bytes, rhs_bytes = lhs.size * itemsize, rhs.size * itemsize
     out_bytes = int(np.prod(out_shape)) * itemsize
     total = lhs_bytes + rhs_bytes + out_bytes
-    if total <= PIECE_BYTES:
-        return lax.conv_general_dilated(lhs, rhs, dimension_numbers=numbers, **params)
     by_batch = lhs_bytes + out_bytes  # what a batch slice shrinks
     by_feature = lhs_bytes + rhs_bytes if params.get("feature_group_count", 1) == 1 else 0
     axis = 0 if by_batch >= by_feature else lhs.ndim - 1
-    length = lhs.shape[axis]
-    fixed = total - max(by_batch, by_feature)
-    pieces = min(length, max(1, -(-max(by_batch, by_feature) // max(PIECE_BYTES - fixed, 1))))
+    sliced = max(by_batch, by_feature)
+    fixed = total - sliced
+    blocks = _device_blocks()
+    length = lhs.shape[axis] // blocks  # entries of one block
+    sliced //= blocks
+    uneven = lhs.shape[axis] % blocks != 0  # blocks that would not line up with the devices' rows: not cut
+    if uneven or fixed + sliced <= PIECE_BYTES:
+        return lax.conv_general_dilated(lhs, rhs, dimension_numbers=numbers, **params)
+    pieces = min(length, max(1, -(-sliced // max(PIECE_BYTES - fixed, 1))))
     if pieces == 1:
         return lax.conv_general_dilated(lhs, rhs, dimension_numbers=numbers, **params)
     bounds = [length * i // pieces for i in range(pieces + 1)]
     results = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        lhs_piece = lax.slice_in_dim(lhs, start, stop, axis=axis)
-        rhs_piece = rhs if axis == 0 else lax.slice_in_dim(rhs, start, stop, axis=rhs.ndim - 2)
+        lhs_piece = _take(lhs, axis, blocks, start, stop)
+        rhs_piece = rhs if axis == 0 else _take(rhs, rhs.ndim - 2, blocks, start, stop)
         results.append(lax.conv_general_dilated(lhs_piece, rhs_piece, dimension_numbers=numbers, **params))
-    return lax.concatenate(results, 0) if axis == 0 else functools.reduce(lax.add, results)
+    if axis != 0:
+        return functools.reduce(lax.add, results)
+    if blocks == 1:
+        return lax.concatenate(results, 0)
+    # each result holds rows [start, stop) of every block: interleave them back into the blocks' order
+    split = [r.reshape((blocks, r.shape[0] // blocks) + r.shape[1:]) for r in results]
+    joined = lax.concatenate(split, 1)
+    return joined.reshape((joined.shape[0] * joined.shape[1],) + joined.shape[2:])
+
+
+def _device_blocks() -> int:
+    """How many devices' blocks a batch dimension may be split into here: the product of the automatic axes of
+    the mesh being traced under (1 outside a ``shard_map``, where no mesh is known and pieces are cut from the
+    whole batch). A multiple of the data-parallel split is enough: a block is then within one device's rows."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    return int(np.prod([mesh.shape[a] for a in mesh.auto_axes], dtype=int))
+
+
+def _take(x, axis: int, blocks: int, start: int, stop: int):
+    """Entries [start, stop) of each of ``blocks`` equal blocks of ``x`` along ``axis``, the blocks kept in order."""
+    if blocks == 1:
+        return lax.slice_in_dim(x, start, stop, axis=axis)
+    shape = x.shape
+    grouped = x.reshape(shape[:axis] + (blocks, shape[axis] // blocks) + shape[axis + 1 :])
+    piece = lax.slice_in_dim(grouped, start, stop, axis=axis + 1)
+    return piece.reshape(shape[:axis] + (blocks * (stop - start),) + shape[axis + 1 :])
