@@ -15,6 +15,9 @@ model itself, so these paths are given as plain attributes that are not submodul
   real layers; and ``transformer`` on a model whose body has another name (``gpt_neox``, ``model``), as SMP's
   ``DistributedTransformerLMHead`` has. SMP gives these with tensor parallelism; here every wrapped model has
   them, as the activation-checkpointing seed's example reads ``seq_layers`` of a model built without it.
+- ``attention`` and ``output`` on each of those layers: its attention and its feed-forward block (GPT-2's
+  ``attn`` and ``mlp``), the names of SMP's ``DistributedTransformerLayer``, which scripts checkpoint one by one
+  (AWS's gpt2 script with ``--checkpoint_sublayers``).
 """
 
 from __future__ import annotations
@@ -78,6 +81,22 @@ def add(model: nn.Module) -> None:
         layers = _layer_list(submodule)
         if layers is not None and not _has(submodule, "seq_layers"):
             submodule.__dict__["seq_layers"] = layers
+            for layer in layers:
+                _add_sublayers(layer)
+
+
+# SMP's DistributedTransformerLayer's parts -> what Hugging Face's layers call them
+SUBLAYERS = {
+    "attention": ("attn", "self_attn", "self_attention", "attention"),
+    "output": ("mlp", "feed_forward", "ffn"),
+}
+
+
+def _add_sublayers(layer: nn.Module) -> None:
+    for smp_name, names in SUBLAYERS.items():
+        found = [layer._modules[n] for n in names if n in layer._modules]
+        if found and not _has(layer, smp_name):
+            layer.__dict__[smp_name] = found[0]
 
 
 def _has(module: nn.Module, name: str) -> bool:

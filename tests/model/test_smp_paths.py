@@ -64,9 +64,12 @@ def _saved(module, directory):
     return path
 
 
-def test_the_gpt2_scripts_distributed_transformer_path_checkpoints_the_layers_at_tp2():
+@pytest.mark.parametrize("sublayers", [False, True], ids=["layers", "checkpoint_sublayers"])
+def test_the_gpt2_scripts_distributed_transformer_path_checkpoints_the_layers_at_tp2(sublayers):
     """AWS's gpt2 train.py with --use_distributed_transformer 1: created with tensor parallelism, its layers
-    taken as ``model.get_module().transformer.seq_layers`` and checkpointed; the gradients are torch's."""
+    taken as ``model.get_module().transformer.seq_layers`` and checkpointed (with --checkpoint_sublayers 1, each
+    layer's ``attention`` and ``output``, the names of SMP's DistributedTransformerLayer); the gradients are
+    torch's."""
     smp.init({"tensor_parallel_degree": 2})
     with smp.model_creation(tensor_parallelism=True):
         net = causal_lm("gpt2", layers=2)
@@ -75,8 +78,17 @@ def test_the_gpt2_scripts_distributed_transformer_path_checkpoints_the_layers_at
     expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
     expected.backward()
     model = smp.DistributedModel(net)
-    smp.set_activation_checkpointing(model.get_module().transformer.seq_layers, strategy="each")
+    transformer_layers = model.get_module().transformer.seq_layers
+    if sublayers:  # the script's lines
+        for c in transformer_layers.children():
+            smp.set_activation_checkpointing(c.attention)
+            smp.set_activation_checkpointing(c.output)
+        assert [c.attention for c in transformer_layers] == [layer.attn for layer in net.transformer.h]
+        assert [c.output for c in transformer_layers] == [layer.mlp for layer in net.transformer.h]
+    else:
+        smp.set_activation_checkpointing(transformer_layers, strategy="each")
     loss = lm_step(model, ids)
     np.testing.assert_allclose(float(loss.reduce_mean()), float(expected.detach()), rtol=1e-5)
     assert_grads_match(model, reference)
-    assert recomputations(lm_step, model, ids) == 2  # one checkpoint per layer
+    assert recomputations(lm_step, model, ids) == (4 if sublayers else 2)  # one checkpoint per (sub)layer
+    assert list(model.state_dict()) == list(reference.state_dict())  # the aliases are not submodules
