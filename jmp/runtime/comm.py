@@ -41,11 +41,11 @@ class CommGroup(enum.Enum):
     """SMP's process groups: the processes a barrier, broadcast or allgather involves."""
 
     WORLD = "WORLD"  # every process
-    DP_GROUP = "DP_GROUP"  # the processes holding the same model part (data-parallel peers)
+    DP_GROUP = "DP_GROUP"  # the processes holding the same pipeline stage (data-parallel and tensor-parallel peers)
     MP_GROUP = "MP_GROUP"  # the processes holding one model replica together
     PP_GROUP = "PP_GROUP"  # the processes holding the stages of the same model slice
     TP_GROUP = "TP_GROUP"  # the processes holding the tensor-parallel slices of the same layers
-    RDP_GROUP = "RDP_GROUP"  # reduced data parallelism: the same processes as DP_GROUP here
+    RDP_GROUP = "RDP_GROUP"  # reduced data parallelism: the processes holding the same model slice
 
 
 class RankType(enum.Enum):

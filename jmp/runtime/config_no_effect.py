@@ -26,7 +26,6 @@ NO_EFFECT: dict[str, tuple[int, str]] = {
     "fast_mode": (logging.INFO, _COMPILED),
     "predefined_hooks": (logging.INFO, "tensor-parallel splits come from jmp's rule table"),
     "load_partition": (logging.INFO, "partitions are placed by jmp's pipeline placement"),
-    "prescaled_batch": (logging.INFO, "one process loads the global batch and the step splits it"),
     "sdp_reduce_bucket_size": (logging.INFO, _COMPILED),
     "sdp_max_live_parameters": (logging.INFO, _COMPILED),
     "sdp_hierarchical_allgather": (logging.INFO, _COMPILED),

@@ -6,7 +6,9 @@ Here the *sizes* of model parallelism are the degrees, as in SMP (``pp_size()``,
 ``mp_size()``), while the data helpers count processes: ``dp_size()`` is how many different shares of the
 data the processes load and ``dp_rank()`` which one this process loads, so the seed scripts' sharding
 (``if smp.dp_size() > 1: dataset = shard(smp.dp_rank())``) stays right: a process passes its share of the
-global batch and ``@smp.step`` splits it over its devices.
+global batch and ``@smp.step`` splits it over its devices. As in SMP, processes holding different
+tensor-parallel slices load different data (``dp_size()`` counts them; ``rdp_size()`` does not) unless
+``prescaled_batch`` is set, when the processes of a tensor-parallel group load the same batch.
 """
 
 from __future__ import annotations
@@ -271,7 +273,7 @@ def _process_group_in(mesh: Mesh, axes: tuple[str, ...]) -> tuple[int, int]:
 # other axes): WORLD every process; DP the processes holding the same model part, MP those holding the same data.
 GROUP_AXES = {
     "WORLD": AXES,
-    "DP_GROUP": ("dp", "fsdp"),
+    "DP_GROUP": ("dp", "fsdp", "tp"),
     "RDP_GROUP": ("dp", "fsdp"),
     "MP_GROUP": MODEL_AXES,
     "PP_GROUP": ("pp",),
@@ -311,23 +313,37 @@ def local_size() -> int:
 
 
 def dp_rank() -> int:
-    """Which data shard this process loads: its rank among processes holding different batch slices."""
-    return _process_group(DATA_AXES)[0]
+    """This process's rank among the processes holding the same pipeline stage (SMP's data-parallel group:
+    its tensor-parallel peers too, as in SMP, where a tensor-parallel group is a subset of it)."""
+    return _process_group(DATA_AXES + ("tp",))[0]
 
 
 def dp_size() -> int:
-    """How many data shards the processes load (1 on one host: the step splits the batch over devices)."""
-    return _process_group(DATA_AXES)[1]
+    """How many processes hold the same pipeline stage (1 on one host: the step splits the batch over devices)."""
+    return _process_group(DATA_AXES + ("tp",))[1]
 
 
 def rdp_rank() -> int:
-    """The reduced-data-parallel rank. Tensor parallelism does not split the batch here, so it equals dp_rank."""
-    return dp_rank()
+    """The reduced-data-parallel rank: this process's rank among those holding the same model slice (the same
+    pipeline stage and tensor-parallel slice)."""
+    return _process_group(DATA_AXES)[0]
 
 
 def rdp_size() -> int:
-    """The reduced-data-parallel size; equals dp_size (see rdp_rank)."""
-    return dp_size()
+    """How many processes hold the same model slice (see rdp_rank)."""
+    return _process_group(DATA_AXES)[1]
+
+
+def feeding_axes() -> tuple[str, ...]:
+    """The mesh axes along which processes pass different rows to a step: the data axes, and tensor parallelism
+    unless ``prescaled_batch`` (SMP's rule: without it each tensor-parallel rank loads its own batch, and the
+    tensor-parallel group computes on all of them)."""
+    return DATA_AXES if get_config().prescaled_batch else DATA_AXES + ("tp",)
+
+
+def feeding_share() -> tuple[int, int]:
+    """(rank, count) of this process among the processes passing different rows to a step."""
+    return _process_group(feeding_axes())
 
 
 def tp_rank() -> int:

@@ -29,7 +29,8 @@ LAUNCHER_ALONE = [sys.executable, "-c", "import runpy; runpy.run_path('jmp/launc
 # each config's group members of process 0 and 1 (2 processes x 4 devices)
 MEMBERS = {
     "{}": {"DP_GROUP": "both", "RDP_GROUP": "both", "MP_GROUP": "own", "PP_GROUP": "own", "TP_GROUP": "own"},
-    "tp": {"DP_GROUP": "own", "RDP_GROUP": "own", "MP_GROUP": "both", "PP_GROUP": "own", "TP_GROUP": "both"},
+    # SMP: a tensor-parallel group is a subset of the data-parallel group; RDP_GROUP holds the same tp slice
+    "tp": {"DP_GROUP": "both", "RDP_GROUP": "own", "MP_GROUP": "both", "PP_GROUP": "own", "TP_GROUP": "both"},
     "pp": {"DP_GROUP": "own", "RDP_GROUP": "own", "MP_GROUP": "both", "PP_GROUP": "both", "TP_GROUP": "own"},
 }
 
