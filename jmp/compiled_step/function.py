@@ -33,6 +33,7 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import microbatches as batching
+from jmp.compiled_step import pipeline_inputs, process_shares
 from jmp.compiled_step import program as step_program
 from jmp.compiled_step.outputs import ProcessShare, StepOutput, results
 from jmp.compiled_step.signature import StepSignature, place_arguments
@@ -54,6 +55,7 @@ class _Call:
     arrays: list[jax.Array]
     program: Any  # jax.jit of program.run
     traced: step_program.Traced
+    shards: int  # the blocks the batch is fed in (one per data shard, or per feeding device)
     share: ProcessShare | None = None  # several processes feed the batch
 
     @property
@@ -90,8 +92,7 @@ class StepFunction:
                 call.traced.checked = True
             outputs, rest, grads, sown = call.program(*call.arguments)
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, sown)
-        shards = batching.data_shards(call.model.layout.mesh)
-        returned = results(call.traced.output_leaves, outputs, shards, call.share)
+        returned = results(call.traced.output_leaves, outputs, call.shards, call.share)
         call.model.run_post_step_hooks()
         return torch_pytree.tree_unflatten(returned, call.traced.output_spec)
 
@@ -122,20 +123,25 @@ class StepFunction:
         )
         model.check_mesh()
         mesh = model.layout.mesh
+        if model.pipeline is not None and jax.process_count() > 1:  # SMP feeds a pipeline from pp_rank() == 0
+            flat = pipeline_inputs.from_first_stage(flat, mesh)
         microbatches = model.layout.config.microbatches
-        processes = state.dp_size() if jax.process_count() > 1 else 1  # equal shares of the batch, one each
+        # the processes passing different rows (SMP's data-parallel ranks): each feeds an equal share of the batch
+        feeding, processes = state.feeding_share() if jax.process_count() > 1 else (0, 1)
+        fed_over = state.feeding_axes() if processes > 1 else state.DATA_AXES
         placed = place_arguments(
-            bound, flat, mesh, microbatches, self.non_split_inputs, self.input_split_axes, processes
+            bound, flat, mesh, microbatches, self.non_split_inputs, self.input_split_axes, processes, fed_over
         )
         scaling = model.loss_scaling
         signature = StepSignature(
             spec,
             placed.leaves,
             microbatches,
-            batching.data_shards(mesh),
+            batching.data_shards(mesh, fed_over),
             scaling is not None and scaling.scales_in_step,
             torch.is_grad_enabled(),
             model.average_grads_across_microbatches,
+            processes,
             model.graphdef,
         )
         if model.pipeline is not None and not model.pipeline.ready:
@@ -149,19 +155,20 @@ class StepFunction:
             program.trace(training.params, training.rest, [*placed.arrays, model.loss_scale])  # jax.jit keeps the trace
         share = None
         if jax.process_count() > 1:
-            share = ProcessShare(state.dp_rank(), processes, placed.rows, NamedSharding(mesh, PartitionSpec()))
-        return _Call(model, [*placed.arrays, model.loss_scale], program, traced, share)
+            share = ProcessShare(feeding, processes, NamedSharding(mesh, PartitionSpec()))
+        return _Call(model, [*placed.arrays, model.loss_scale], program, traced, signature.data_shards, share)
 
     def _partition(self, model: DistributedModel, signature: StepSignature, arrays: list) -> None:
         """Cut a pipelined model into stages from this call's forward (its first step), and move its parameters."""
         traced = step_program.Traced()
         forward = step_program.forward(self.fn, model, signature, traced)
         rest_leaves, rest_def = jax.tree.flatten(model.training_state.rest)
-        count = signature.microbatches
-        mb_avals = [
-            jax.ShapeDtypeStruct(tuple(n // count if i == axis else n for i, n in enumerate(a.shape)), a.dtype)
-            for a, axis in zip(arrays, signature.split_axes)
-        ]
+        count, shares = signature.microbatches, signature.process_shares
+        mb_avals = []
+        for a, axis in zip(arrays, signature.split_axes):
+            shape = tuple(n // count if i == axis else n for i, n in enumerate(a.shape))
+            shape = process_shares.block_shape(shape, axis, shares) if shares > 1 and axis is not None else shape
+            mb_avals.append(jax.ShapeDtypeStruct(shape, a.dtype))
         flat = step_program.flat_forward(forward, model, rest_def, traced)
         jaxpr = model.pipeline.trace(flat, model.layout.avals(), rest_leaves, mb_avals)
         model.partition_into_stages(jaxpr, len(rest_leaves))

@@ -1,8 +1,9 @@
 """The batch of a step: assembled whole across processes, checked to divide, and split into microbatches.
 
-The batch is one array sharded over the data-parallel mesh axes; inside the program it is split into
-``microbatches``, each an equal slice of every data shard (as in SMP, where every data-parallel rank splits
-its own part of the batch), so every device stays busy on every microbatch.
+The batch is one array sharded over the axes along which processes feed it (the data-parallel mesh axes, and
+tensor parallelism when its processes load different rows); inside the program it is split into
+``microbatches``, each an equal slice of every shard (as in SMP, where every data-parallel rank splits its
+own part of the batch), and laid out over the data axes, so every device stays busy on every microbatch.
 """
 
 from __future__ import annotations
@@ -12,15 +13,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.errors import StepError
 from jmp.runtime import mesh_state as state
 
 
-def data_shards(mesh: jax.sharding.Mesh) -> int:
-    """How many parts the data-parallel mesh axes split the batch into."""
-    return int(np.prod([mesh.shape[a] for a in state.DATA_AXES]))
+def data_shards(mesh: jax.sharding.Mesh, axes: tuple[str, ...] = state.DATA_AXES) -> int:
+    """How many parts the mesh ``axes`` (by default the data-parallel ones) split the batch into."""
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def over_data_axes(x: jax.Array, axis: int, mesh: jax.sharding.Mesh) -> jax.Array:
+    """The batch laid out over the data axes alone: processes of a tensor-parallel group feed different rows
+    (SMP's rule without ``prescaled_batch``), and the group computes on all of them."""
+    spec = PartitionSpec(*([None] * axis), state.DATA_AXES)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def split(x: jax.Array, axis: int, microbatches: int, shards: int) -> jax.Array:

@@ -29,12 +29,12 @@ logger = logging.getLogger("jmp")
 
 @dataclasses.dataclass(frozen=True)
 class ProcessShare:
-    """Which rows of a step's batch this process fed, when several processes feed it (``smp.dp_rank()`` of
-    ``smp.dp_size()`` equal shares): as in SMP, its step outputs are its own rows."""
+    """Which share of a step's batch this process fed, when several processes run the step: ``smp.dp_rank()``
+    of ``smp.dp_size()`` equal shares. With more than one share the step function ran once per share
+    (``process_shares``) and every returned value has a process axis after the microbatch axis."""
 
     index: int
     count: int
-    rows: int | None  # rows of one microbatch in the whole batch (None: no input was split)
     replicated: NamedSharding  # every device of the mesh holds the whole value
 
 
@@ -45,73 +45,70 @@ class StepOutput:
     ``torch.Tensor`` in host memory, copied from the devices when it is asked for, as SMP's are ordinary
     tensors that scripts add up, save, log and hand to numpy.
 
-    With several processes, each reads this process's microbatches, as each SMP rank does (scripts all-reduce
-    across data-parallel ranks themselves): a value with a batch dimension holds only the rows this process
-    fed. A value the step computed over the whole batch (a loss, a count) is the same on every process: the
-    program computes it once over every process's rows; return per-row values (``reduction="none"``) to
-    reduce this process's rows. Reading one is a collective (every process makes the same calls, as SMP
-    scripts do).
+    With several processes, each reads what the step function computed on its own rows, as each SMP rank
+    does: a loss is this process's loss, ``outputs`` are this process's rows, and ``reduce_mean()`` is over
+    this process's microbatches (scripts all-reduce across data-parallel ranks themselves). The first reading
+    of a value whose pieces live on several processes is a collective (every process makes the same calls,
+    as SMP scripts do).
     """
 
     def __init__(
         self, stacked: jax.Array, torch_dtype: torch.dtype, data_shards: int, share: ProcessShare | None = None
     ):
-        self._stacked = stacked  # [microbatches, ...]
+        self._stacked = stacked  # [microbatches, ...], or [microbatches, processes, ...] with several shares
         self._torch_dtype = torch_dtype
         self._data_shards = data_shards
         self._share = share
+        self._own: jax.Array | None = None
 
-    def _tensor(
-        self, value: jax.Array, dtype: torch.dtype | None = None, rows_axis: int | None = None, rows: int = 0
-    ) -> torch.Tensor:
-        """``value`` (this process's rows of it, along ``rows_axis`` when that axis has ``rows`` entries) as a
-        torch tensor of ``dtype`` (the returned tensor's own dtype by default)."""
-        share = self._share
-        if share is not None and not value.is_fully_addressable:
-            if not value.is_fully_replicated:  # a loss is already on every device
-                value = _replicate(value, share.replicated)
-            value = local_piece(value)  # replicated: this process's copy of the whole value
-            if rows_axis is not None and value.ndim > rows_axis and rows and value.shape[rows_axis] == rows:
-                block = rows // share.count
-                value = jax.lax.slice_in_dim(value, share.index * block, (share.index + 1) * block, axis=rows_axis)
+    def _mine(self) -> jax.Array:
+        """[microbatches, ...]: this process's values, on one of its devices."""
+        if self._own is None:
+            value, share = self._stacked, self._share
+            if share is not None and not value.is_fully_addressable:
+                if not value.is_fully_replicated:  # a loss is already on every device
+                    value = _replicate(value, share.replicated)
+                value = local_piece(value)  # replicated: this process's copy of the whole value
+            if share is not None and share.count > 1:
+                value = _entry(value, share.index)
+            self._own = value
+        return self._own
+
+    def _tensor(self, value: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
         return array_to_tensor(value, dtype or self._torch_dtype)
-
-    @property
-    def _rows(self) -> int:
-        return 0 if self._share is None or self._share.rows is None else self._share.rows
 
     @property
     def outputs(self) -> list[torch.Tensor]:
         """The value of each microbatch, in order."""
-        stacked = self._tensor(self._stacked, rows_axis=1, rows=self._rows)
-        return [value.clone() for value in stacked.unbind(0)]  # each its own storage, as torch.save keeps it
+        return [value.clone() for value in self.stack().unbind(0)]  # each its own storage, as torch.save keeps it
 
     def reduce_mean(self) -> torch.Tensor:
         """The mean over microbatches (elementwise); integer and boolean values give floats, as torch's
         ``sum / count`` does."""
         dtype = self._torch_dtype if self._torch_dtype.is_floating_point else torch.get_default_dtype()
-        return self._tensor(_mean_over_microbatches(self._stacked), dtype, 0, self._rows)
+        return self._tensor(_mean_over_microbatches(self._mine()), dtype)
 
     def reduce_sum(self) -> torch.Tensor:
         """The sum over microbatches (elementwise); booleans and integers sum to int64, as in torch."""
         floating = self._torch_dtype.is_floating_point or self._torch_dtype.is_complex
         dtype = self._torch_dtype if floating else torch.int64
-        return self._tensor(_sum_over_microbatches(self._stacked), dtype, 0, self._rows)
+        return self._tensor(_sum_over_microbatches(self._mine()), dtype)
 
     def stack(self) -> torch.Tensor:
         """The microbatches' values stacked on a new dim 0."""
-        return self._tensor(self._stacked, rows_axis=1, rows=self._rows)
+        return self._tensor(self._mine())
 
     def concat(self) -> torch.Tensor:
         """Microbatch values joined along dim 0, rows back in the order of the input batch."""
-        stacked, shards = self._stacked, self._data_shards
+        stacked = self._mine()
+        shards = self._data_shards // (self._share.count if self._share is not None else 1)
         if stacked.ndim < 2:
             raise StepError("concat() needs per-microbatch tensors with a batch dimension; use stack()")
         microbatches, rows = stacked.shape[:2]
         if rows % shards:
             return self._tensor(stacked.reshape((microbatches * rows,) + stacked.shape[2:]))
         # each microbatch holds an equal slice of every data shard (see microbatches.split)
-        return self._tensor(_in_batch_order(stacked, shards), rows_axis=0, rows=microbatches * self._rows)
+        return self._tensor(_in_batch_order(stacked, shards))
 
     def detach(self) -> StepOutput:
         """This StepOutput: its values carry no autograd graph (as SMP's with ``detach_outputs=True``)."""
@@ -121,12 +118,20 @@ class StepOutput:
         return self._stacked.shape[0]
 
     def __repr__(self) -> str:
-        return f"StepOutput({len(self)} microbatches of shape {tuple(self._stacked.shape[1:])})"
+        per_process = self._share is not None and self._share.count > 1
+        shape = tuple(self._stacked.shape[2 if per_process else 1 :])
+        return f"StepOutput({len(self)} microbatches of shape {shape})"
 
 
 # one compiled program each instead of op-by-op dispatch: these run after every step
 _mean_over_microbatches = jax.jit(functools.partial(jnp.mean, axis=0))
 _sum_over_microbatches = jax.jit(functools.partial(jnp.sum, axis=0))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _entry(stacked: jax.Array, index: int) -> jax.Array:
+    """[microbatches, processes, ...] -> [microbatches, ...] of one process."""
+    return stacked[:, index]
 
 
 @functools.partial(jax.jit, static_argnums=1)

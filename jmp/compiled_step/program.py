@@ -20,7 +20,7 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 
 from jmp.compiled_step import microbatches as batching
-from jmp.compiled_step import side_outputs
+from jmp.compiled_step import process_shares, side_outputs
 from jmp.compiled_step.outputs import output_array, output_leaf
 from jmp.compiled_step.signature import StepSignature, rebuild
 from jmp.model.distributed_model import DistributedModel
@@ -46,7 +46,9 @@ def forward(fn: Callable, model: DistributedModel, signature: StepSignature, tra
     """``fn`` on one microbatch: (params, rest, arrays) -> (loss, (outputs, new rest, side outputs)).
 
     ``params`` are as kept (float32 masters in mixed precision) and cast for compute here, so gradients
-    flow back through the cast; the last of ``arrays`` is the loss scale.
+    flow back through the cast; the last of ``arrays`` is the loss scale. When several processes feed the
+    batch, ``fn`` runs once per process on its rows (``process_shares``) and each output has a leading
+    process axis.
     """
     policy = model.precision
 
@@ -74,19 +76,32 @@ def forward(fn: Callable, model: DistributedModel, signature: StepSignature, tra
         loss = loss * loss_scale if signature.scales_loss else loss
         return loss, (outputs, nnx.split(module, nnx.Param, ...)[2], dict(sown))
 
+    if signature.process_shares > 1:
+        return process_shares.per_process(run_forward, signature.split_axes)
     return run_forward
 
 
 def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced: Traced, params, rest, arrays):
     """The whole step on the batch: (stacked outputs, new rest, gradients or None, side outputs by name).
 
-    Gradients are the mean over microbatches, or their sum when ``signature.average_grads`` is False.
+    Gradients are the mean over processes and microbatches, or, when ``signature.average_grads`` is False,
+    their sum over microbatches.
     """
     microbatches, split = signature.microbatches, signature.split_axes
+    mesh = model.layout.mesh
     pieces = [
-        batching.split(a, axis, microbatches, signature.data_shards) if axis is not None else a
+        batching.over_data_axes(batching.split(a, axis, microbatches, signature.data_shards), axis + 1, mesh)
+        if axis is not None
+        else a
         for a, axis in zip(arrays, split)
     ]
+    if signature.process_shares > 1:  # each process's rows on their own axis: fn runs once per process
+        pieces = [
+            process_shares.blocks(p, axis + 1, signature.process_shares, mesh, model.pipeline is not None)
+            if axis is not None
+            else p
+            for p, axis in zip(pieces, split)
+        ]
     if model.pipeline is not None:
         return _run_pipeline(fn, model, signature, traced, params, rest, pieces)
     step_forward = forward(fn, model, signature, traced)
@@ -103,7 +118,7 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
     if microbatches == 1:
         first = [p[0] if axis is not None else p for p, axis in zip(pieces, split)]
         outputs, rest, grads, sown = with_grads(rest, first)
-        grads = _as_kept(model, grads) if traced.has_backward else None
+        grads = _as_kept(model, _averaged(grads, signature, 1)) if traced.has_backward else None
         return [o[None] for o in outputs], rest, grads, side_outputs.reported(sown)
 
     mb_stack = [p if axis is not None else None for p, axis in zip(pieces, split)]
@@ -118,9 +133,7 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
 
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), shardings)
         (rest, total, sown), stacked = jax.lax.scan(body, (rest, zeros, no_side_outputs), mb_stack)
-        if signature.average_grads:
-            total = jax.tree.map(lambda g: g / microbatches, total)
-        return stacked, rest, _as_kept(model, total), side_outputs.reported(sown)
+        return stacked, rest, _as_kept(model, _averaged(total, signature, microbatches)), side_outputs.reported(sown)
 
     def eval_body(carry, mb):
         rest, sown = carry
@@ -149,9 +162,7 @@ def _run_pipeline(fn, model: DistributedModel, signature: StepSignature, traced:
     outputs = result.finals[1 : 1 + traced.output_count]  # finals: [loss, *outputs, *side outputs]
     stacked = jax.tree.unflatten(traced.side_outputs, result.finals[1 + traced.output_count :])
     grads = result.grads  # summed over microbatches
-    if grads is not None and signature.average_grads:
-        grads = jax.tree.map(lambda g: g / microbatches, grads)
-    grads = _as_kept(model, grads) if grads is not None else None
+    grads = _as_kept(model, _averaged(grads, signature, microbatches)) if grads is not None else None
     return outputs, result.rest, grads, side_outputs.reported(side_outputs.reduce_stacked(stacked))
 
 
@@ -179,6 +190,13 @@ def compile_step(fn: Callable, model: DistributedModel, signature: StepSignature
     step_program = functools.partial(run, fn, model, signature, traced)
     options = remat_xla.compiler_options(model.layout.mesh.devices.flat[0].platform)
     return jax.jit(step_program, donate_argnums=(1,), compiler_options=options), traced
+
+
+def _averaged(grads: Any, signature: StepSignature, microbatches: int) -> Any:
+    """Gradients summed over microbatches and processes -> their mean over processes (SMP's data-parallel
+    average) and, with ``average_grads``, over microbatches."""
+    count = signature.process_shares * (microbatches if signature.average_grads else 1)
+    return grads if count == 1 else jax.tree.map(lambda g: g / count, grads)
 
 
 def _as_kept(model: DistributedModel, grads: Any) -> Any:

@@ -20,7 +20,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import microbatches as batching
 from jmp.model.distributed_model import DistributedModel
-from jmp.runtime import mesh_state as state
 from jmp.torch_bridge import JaxTensor
 from jmp.torch_bridge.dtypes import to_torch_dtype
 from jmp.torch_bridge.interop import tensor_to_array
@@ -93,6 +92,7 @@ class StepSignature:
     scales_loss: bool
     grad_enabled: bool
     average_grads: bool
+    process_shares: int  # processes feeding equal shares of the batch; the step function runs once per share
     graphdef: nnx.GraphDef = dataclasses.field(compare=False)
     graphdef_id: int = dataclasses.field(init=False)  # the key's stand-in for graphdef (derived, cheap to hash)
 
@@ -111,7 +111,6 @@ class PlacedArguments:
 
     leaves: tuple[Leaf, ...]
     arrays: list[jax.Array]
-    rows: int | None  # rows of one microbatch in the whole batch (None: no input was split)
 
 
 def place_arguments(
@@ -122,14 +121,16 @@ def place_arguments(
     non_split: Container[str],
     split_axes: Mapping[str, int],
     processes: int,
+    fed_over: tuple[str, ...],
 ) -> PlacedArguments:
     """Sort the flattened arguments ``flat`` of ``bound`` into leaves; tensors go to the devices, those with a
     batch axis (``split_axes``, default 0, none for names in ``non_split``) sharded over the data axes.
 
-    ``processes`` feed equal shares of the batch (1: this process feeds all of it).
+    ``processes`` feed equal shares of the batch (1: this process feeds all of it), each to the devices of
+    the process that feeds it: the batch is sharded over the mesh axes ``fed_over`` (the program lays it out
+    over the data axes).
     """
-    shards = batching.data_shards(mesh)
-    rows = None
+    shards = batching.data_shards(mesh, fed_over)
     leaves: list[Leaf] = []
     arrays: list[jax.Array] = []
     for value, name in zip(flat, _argument_names(bound)):
@@ -143,15 +144,14 @@ def place_arguments(
             if axis is not None:
                 shape = batching.whole_batch_shape(array, axis, processes)
                 batching.check_divisible(name, shape, axis, microbatches, shards, processes)
-                rows = shape[axis] // microbatches if rows is None else rows
-                sharding = NamedSharding(mesh, PartitionSpec(*([None] * axis), state.DATA_AXES))
+                sharding = NamedSharding(mesh, PartitionSpec(*([None] * axis), fed_over))
                 arrays.append(batching.whole_batch(array, sharding, shape))
             else:  # the same value on every process
                 arrays.append(jax.device_put(array, NamedSharding(mesh, PartitionSpec())))
             leaves.append(Leaf("array", axis, dtype))
         else:
             leaves.append(Leaf("static", static=Static(value)))
-    return PlacedArguments(tuple(leaves), arrays, rows)
+    return PlacedArguments(tuple(leaves), arrays)
 
 
 def rebuild(spec: Any, leaves: tuple[Leaf, ...], arrays: list[jax.Array], model: DistributedModel) -> Any:

@@ -41,6 +41,7 @@ from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wra
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_active", default=False)
 _RNGS: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_bridge_rngs", default=None)
 _SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("jmp_bridge_scope", default=())
+_KEY_SALT: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_bridge_key_salt", default=None)
 
 _T = torch.Tensor
 # Calls that only read metadata the wrapper already carries; torch answers them itself.
@@ -156,6 +157,22 @@ def scope(path: str, type_name: str) -> Iterator[None]:
 
 def current_rngs() -> Any:
     return _RNGS.get()
+
+
+@contextlib.contextmanager
+def key_salt(salt: Any) -> Iterator[None]:
+    """Fold ``salt()`` (an integer array, e.g. a ``vmap`` axis index) into every random key drawn meanwhile."""
+    token = _KEY_SALT.set(salt)
+    try:
+        yield
+    finally:
+        _KEY_SALT.reset(token)
+
+
+def salted(key: jax.Array) -> jax.Array:
+    """``key`` with the current ``key_salt`` folded in (the key itself outside one)."""
+    salt = _KEY_SALT.get()
+    return key if salt is None else jax.random.fold_in(key, salt())
 
 
 def current_scope() -> tuple[str, str] | None:

@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.multiprocess.reports import json_objects
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +51,6 @@ def test_later_stages_take_the_first_stages_tensors_whatever_theirs_are():
             assert "pipeline rank 0" in got["mismatch"] and "same structure" in got["mismatch"], got["mismatch"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="until StepFunction._prepare calls pipeline_inputs.from_first_stage for a pipelined model (the lead "
-    "wires it in compiled_step/function.py)",
-)
 def test_a_pipelined_step_trains_on_the_first_stages_rows_when_later_stages_feed_placeholders():
     result, _, trained = _run()
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]

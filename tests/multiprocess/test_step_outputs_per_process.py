@@ -58,6 +58,7 @@ def test_the_main_job_under_the_launcher_reports_an_accuracy_over_both_processes
     two = _held_out(_run([*LAUNCH, "-m", "jmp.examples.mnist", "--epochs", "1", "--batch-size", "32"]).stdout)
     assert len(two) == 1  # the job's report, printed by rank 0, of the figures summed over both processes
     (_, accuracy) = two[0]
-    # counting every process's correct digits over one process's digits gave 157.95% here; one epoch of the
-    # single-process job reaches 65-80% (64.7% and 79.1% when measured), far above chance (10%)
-    assert 50 < accuracy <= 100, accuracy
+    # counting every process's correct digits over one process's digits gave 157.95% here. One epoch (22 steps
+    # of Adadelta at lr 4.0, with dropout) lands anywhere from 50% to 80% with the dropout masks drawn (49.7% and
+    # 79.1% measured; 87.8% after a second epoch), far above chance (10%)
+    assert 30 < accuracy <= 100, accuracy

@@ -23,7 +23,7 @@ import jmp as smp
 from tests.multiprocess import mnist_seed
 from tests.multiprocess.reports import json_objects
 from tests.multiprocess.train_gpt2 import train
-from tests.sharding.models import causal_lm
+from tests.sharding.models import causal_lm, token_batches
 
 pytest.importorskip("transformers")
 
@@ -78,12 +78,14 @@ def _torchrun_style(*args: str) -> subprocess.CompletedProcess:
 )
 def test_two_processes_train_gpt2_like_one(tmp_path, layout, launcher):
     reports = _reports(launcher("tests/multiprocess/train_gpt2.py", json.dumps(layout), str(tmp_path)))
-    expected, losses, logits = _one_process()  # every layout computes the same (to float rounding)
+    expected, logits_per_step = _one_process()  # every layout computes the same (to float rounding)
     for report in reports.values():
-        np.testing.assert_allclose(report["losses"], losses, rtol=1e-5)
         dp_rank, dp_size = report["dp"]
+        # as under SMP, each process's loss is its own rows' (the step function ran on them)
+        losses = [_loss(logits, ids, dp_rank, dp_size) for logits, ids in zip(logits_per_step, token_batches(3))]
+        np.testing.assert_allclose(report["losses"], losses, rtol=1e-5)
         assert report["size"] == 2
-        mine = logits.chunk(dp_size)[dp_rank]  # the rows this process fed
+        mine = logits_per_step[-1].chunk(dp_size)[dp_rank]  # the rows this process fed
         assert report["logits_shape"] == list(mine.shape)
         assert report["logits_sum"] == pytest.approx(float(mine.sum()), rel=1e-4)
     # the data is split over the processes; pipeline stages across processes: both feed the whole batch
@@ -112,10 +114,16 @@ def test_two_processes_train_gpt2_like_one(tmp_path, layout, launcher):
 
 
 @functools.cache
-def _one_process() -> tuple[dict, list[float], torch.Tensor]:
-    """(state_dict, losses, logits) of the run on one process with the test's 8 devices."""
-    model, losses, logits = train(FSDP_TP)
-    return model.state_dict(), losses, logits
+def _one_process() -> tuple[dict, list[torch.Tensor]]:
+    """(state_dict, each step's logits) of the run on one process with the test's 8 devices."""
+    model, _, logits_per_step = train(FSDP_TP)
+    return model.state_dict(), logits_per_step
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor, rank: int, size: int) -> float:
+    """Hugging Face's causal-LM loss over the rows of ``rank`` of ``size`` equal shares."""
+    logits, ids = logits.chunk(size)[rank], ids.chunk(size)[rank]
+    return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
 
 
 def test_the_seed_mnist_script_with_two_processes_equals_one(monkeypatch):
@@ -128,18 +136,19 @@ def test_the_seed_mnist_script_with_two_processes_equals_one(monkeypatch):
     torch.manual_seed(0)
     model = smp.DistributedModel(mnist_seed.GroupedNet())
     optimizer = smp.DistributedOptimizer(torch.optim.Adadelta(model.parameters(), lr=4.0))
-    losses = []
+    losses = {0: [], 1: []}  # each process's loss is its own rows' (the step function ran on them, as SMP's)
     for step in range(2):
         rows = torch.cat(
             [torch.arange(64 * step, 64 * step + 64), torch.arange(half + 64 * step, half + 64 * step + 64)]
         )
         optimizer.zero_grad()
-        _, loss = mnist_seed.train_step(model, images[rows], labels[rows])
+        output, _ = mnist_seed.train_step(model, images[rows], labels[rows])
         optimizer.step()
-        losses.append(float(loss.reduce_mean()))
+        for rank, (log_probs, targets) in enumerate(zip(output.concat().chunk(2), labels[rows].chunk(2))):
+            losses[rank].append(float(torch.nn.functional.nll_loss(log_probs, targets)))
     for report in reports.values():
         assert report["dp"][1] == 2
-        np.testing.assert_allclose(report["losses"], losses, rtol=1e-5)
+        np.testing.assert_allclose(report["losses"], losses[report["dp"][0]], rtol=1e-5)
 
 
 def test_processes_with_different_configs_all_stop_with_an_error():

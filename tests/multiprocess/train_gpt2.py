@@ -26,23 +26,25 @@ def train_step(model, ids):
     return out.loss, out.logits
 
 
-def train(layout: dict) -> tuple[smp.DistributedModel, list[float], torch.Tensor]:
-    """(model, losses, the last step's logits of this process's rows); the optimizer is the model's."""
+def train(layout: dict) -> tuple[smp.DistributedModel, list[float], list[torch.Tensor]]:
+    """(model, this process's losses, each step's logits of this process's rows); the optimizer is the model's."""
     smp.init(layout)
     model = smp.DistributedModel(causal_lm("gpt2"))
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
-    losses = []
+    losses, logits_per_step = [], []
     for ids in token_batches(STEPS):
         share = ids.chunk(smp.dp_size())[smp.dp_rank()]  # what this process's data loader yields
         optimizer.zero_grad()
         loss, logits = train_step(model, share)
         optimizer.step()
         losses.append(float(loss.reduce_mean()))
-    return model, losses, logits.concat()
+        logits_per_step.append(logits.concat())
+    return model, losses, logits_per_step
 
 
 def main(layout_json: str, out_dir: str) -> None:
-    model, losses, logits = train(json.loads(layout_json))
+    model, losses, logits_per_step = train(json.loads(layout_json))
+    logits = logits_per_step[-1]
     state_dict = model.state_dict()
     local = model.local_state_dict()
     local_moments = model.attached_optimizer.local_state_dict()["state"]

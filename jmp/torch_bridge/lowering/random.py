@@ -28,7 +28,7 @@ def next_key(stream: str = "default") -> jax.Array:
             "a random op ran outside a converted module, so there is no random stream to draw from. "
             "Call it from a module converted with jmp.torch_bridge.convert(module, rngs=nnx.Rngs(seed))."
         )
-    return getattr(rngs, stream)()
+    return dispatch.salted(getattr(rngs, stream)())
 
 
 def _float(dtype):

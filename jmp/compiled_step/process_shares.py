@@ -1,0 +1,67 @@
+"""SMP's ranks inside one program: when several processes feed a step's batch, the step function runs once per
+process, on that process's rows.
+
+Under SMP every data-parallel rank runs the step function on its own microbatch: a loss averaged over the
+batch is that rank's average, ``x.size(0)`` is the rank's microbatch size, a batch norm sees the rank's rows,
+and the gradients are the mean over ranks of each rank's gradients (DDP's all-reduce). jmp compiles one
+program over the whole batch; to keep those meanings, the microbatch is cut into one block per process (its
+rows; see ``microbatches.split``), given a process axis, and the forward is ``jax.vmap``-ped over it. The
+gradient is the mean of the processes' gradients; every returned value carries a leading process axis
+and each process reads its own entry (``outputs.StepOutput``); buffers a forward updates (batch-norm running
+statistics) come from process 0, as DDP broadcasts rank 0's buffers before each forward. Random draws fold
+the process index into their key, so processes draw different dropout masks, as SMP's ranks do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jmp.compiled_step import side_outputs
+from jmp.runtime.mesh_state import DATA_AXES
+from jmp.torch_bridge import dispatch
+
+PROCESS_AXIS = "jmp_process"
+
+
+def per_process(run_forward: Callable, split_axes: Sequence[int | None]) -> Callable:
+    """``run_forward`` (params, rest, microbatch arrays) -> (loss, (outputs, rest, side outputs)) run on each
+    process's block of the split arrays (cut by ``blocks``: the process axis at each split axis): the sum of
+    the processes' losses, outputs with a leading process axis, process 0's rest, side outputs combined over
+    processes."""
+
+    def run(params, rest, mb_arrays):
+        batched = jax.vmap(run_forward, in_axes=(None, None, list(split_axes)), axis_name=PROCESS_AXIS)
+        with dispatch.key_salt(lambda: jax.lax.axis_index(PROCESS_AXIS)):
+            losses, (outputs, new_rest, sown) = batched(params, rest, mb_arrays)
+        first_process = jax.tree.map(lambda leaf: leaf[0], new_rest)
+        # each process's backward starts from its own (scaled) loss, as each SMP rank's does, so a half-precision
+        # gradient overflows where it would on that rank; the caller divides the summed gradients by the count
+        return losses.sum(), (outputs, first_process, side_outputs.reduce_stacked(sown))
+
+    return run
+
+
+def blocks(array: jax.Array, axis: int, shares: int, mesh: jax.sharding.Mesh, pipelined: bool) -> jax.Array:
+    """[.., B, ..] -> [.., shares, B / shares, ..]: the rows of each process, in process order, on the whole batch
+    (before a pipeline's ``shard_map``).
+
+    With one data shard per process, each shard's devices compute on that process's rows. With several, XLA
+    places the process axis on part of the data axes, which its partitioner cannot do inside a pipeline's
+    ``shard_map``: there each process's rows are spread over the data axes instead."""
+    cut = array.reshape(block_shape(array.shape, axis, shares))
+    before, data_shards = [None] * axis, int(np.prod([mesh.shape[a] for a in DATA_AXES]))
+    if data_shards == shares:
+        spec = PartitionSpec(*before, DATA_AXES)
+    elif pipelined:  # rows that do not divide over the shards are computed whole (padded ones move in pieces)
+        spec = PartitionSpec(*before, None, DATA_AXES if cut.shape[axis + 1] % data_shards == 0 else None)
+    else:
+        return cut
+    return jax.lax.with_sharding_constraint(cut, NamedSharding(mesh, spec))
+
+
+def block_shape(shape: tuple[int, ...], axis: int, shares: int) -> tuple[int, ...]:
+    return tuple(shape[:axis]) + (shares, shape[axis] // shares) + tuple(shape[axis + 1 :])
