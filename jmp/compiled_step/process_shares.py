@@ -35,7 +35,7 @@ def per_process(run_forward: Callable, split_axes: Sequence[int | None]) -> Call
 
     def run(params, rest, mb_arrays):
         batched = jax.vmap(run_forward, in_axes=(None, None, list(split_axes)), axis_name=PROCESS_AXIS)
-        with dispatch.key_salt(lambda: jax.lax.axis_index(PROCESS_AXIS)):
+        with dispatch.batched_over(PROCESS_AXIS):
             losses, (outputs, new_rest, sown) = batched(params, rest, mb_arrays)
         first_process = jax.tree.map(lambda leaf: leaf[0], new_rest)
         # each process's backward starts from its own (scaled) loss, as each SMP rank's does, so a half-precision

@@ -41,7 +41,7 @@ from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wra
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_active", default=False)
 _RNGS: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_bridge_rngs", default=None)
 _SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("jmp_bridge_scope", default=())
-_KEY_SALT: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_bridge_key_salt", default=None)
+_BATCH_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("jmp_bridge_batch_axis", default=None)
 
 _T = torch.Tensor
 # Calls that only read metadata the wrapper already carries; torch answers them itself.
@@ -160,19 +160,25 @@ def current_rngs() -> Any:
 
 
 @contextlib.contextmanager
-def key_salt(salt: Any) -> Iterator[None]:
-    """Fold ``salt()`` (an integer array, e.g. a ``vmap`` axis index) into every random key drawn meanwhile."""
-    token = _KEY_SALT.set(salt)
+def batched_over(axis_name: str) -> Iterator[None]:
+    """Torch code traced meanwhile runs under ``jax.vmap(..., axis_name=axis_name)`` (once per process): each
+    entry draws its own random numbers, and lowerings JAX cannot batch as they are take their batched form."""
+    token = _BATCH_AXIS.set(axis_name)
     try:
         yield
     finally:
-        _KEY_SALT.reset(token)
+        _BATCH_AXIS.reset(token)
+
+
+def batch_axis() -> str | None:
+    """The ``batched_over`` axis name, or None."""
+    return _BATCH_AXIS.get()
 
 
 def salted(key: jax.Array) -> jax.Array:
-    """``key`` with the current ``key_salt`` folded in (the key itself outside one)."""
-    salt = _KEY_SALT.get()
-    return key if salt is None else jax.random.fold_in(key, salt())
+    """``key`` with the ``batched_over`` entry's index folded in (the key itself outside one)."""
+    axis = _BATCH_AXIS.get()
+    return key if axis is None else jax.random.fold_in(key, jax.lax.axis_index(axis))
 
 
 def current_scope() -> tuple[str, str] | None:
