@@ -17,10 +17,10 @@ per step, the update from their mean loss, ``clip_grad_norm_(grad_clip)``. What 
 (``loss_mb.reduce_mean()`` is over that rank's microbatches); the reference records it and the mean over
 ranks, and the comparison says which one jmp's value matched.
 
-Tolerances (relative, on every logged loss): fp32 1e-4 (reduction order only). bf16 3e-2 against the fp32
-reference: one rounding of bf16 (8 significant bits) is up to 2^-9 = 2e-3 relative; a loss goes through ~2 x
-num_layers + 3 rounded matmul / norm / softmax stages, each adding its rounding to the logits, and 3 updates
-move weights by lr x ~1. fp16 2.5e-4, one rounding of fp16 (11 bits, 2^-12): the logged loss is a float32
+Tolerances (relative, on every logged loss): fp32 1e-4 (reduction order only). bf16 2e-3 against the fp32
+reference, one rounding of bf16 (8 significant bits, 2^-9): as for fp16 below, the logged loss is a float32
+cross entropy averaged over 64 tokens, so the forward's roundings mostly cancel; measured 1.2e-4 at tp2 over
+3 steps. fp16 2.5e-4, one rounding of fp16 (11 bits, 2^-12): the logged loss is a float32
 cross entropy of fp16 logits (Hugging Face upcasts them) averaged over 64 tokens, so the forward's roundings
 mostly cancel (torch's own fp16 forward is 4e-6 from fp32 on the first batch), and the fp16 gradients move
 Adam's updates little; measured 4.9e-5 over 28 steps with 9 updates, 5x below the tolerance, while one update
@@ -92,12 +92,19 @@ CONFIGS: dict[str, dict] = {
     # first 20 here), so 28 steps make 9 updates. The processes of pipeline stage 1 read no data (the script's
     # DummyDataset); the script checkpoints every layer (its default --activation_checkpointing 1).
     "gpt2_pp2_fp16_manual_partition": {"script": "gpt2", "nproc": 2, "phases": [PP2_FP16]},
+    # the same on 4 processes: each data-parallel rank's fp16 backward overflows on its own, as on SMP
+    "gpt2_pp2_dp2_fp16_manual_partition": {"script": "gpt2", "nproc": 4, "phases": [PP2_FP16]},
     "gpt2_tp2_bf16": {"script": "gpt2", "nproc": 2, "phases": [_with(GPT2, tensor_parallel_degree=2, bf16=1)]},
     "gpt2_sdp2": {"script": "gpt2", "nproc": 2, "phases": [_with(GPT2, sharded_data_parallel_degree=2)]},
     "gpt2_sdp2_distributed_transformer": {
         "script": "gpt2",
         "nproc": 2,
         "phases": [_with(GPT2, sharded_data_parallel_degree=2, use_distributed_transformer=1)],
+    },
+    "gpt2_tp2_distributed_transformer_checkpoint_sublayers": {  # each layer's attention and output checkpointed
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [_with(GPT2, tensor_parallel_degree=2, use_distributed_transformer=1, checkpoint_sublayers=1)],
     },
     "gpt2_dp2_partial_checkpoint_resume": {
         "script": "gpt2",
@@ -130,7 +137,7 @@ def tolerance(args: list[str]) -> tuple[float, str]:
     if _arg(args, "fp16") == "1":
         return 2.5e-4, "fp16"
     if _arg(args, "bf16") == "1":
-        return 3e-2, "bf16"
+        return 2e-3, "bf16"
     return 1e-4, "fp32"
 
 

@@ -56,11 +56,20 @@ def test_synthetic_data_is_what_the_scripts_read_and_the_same_every_time(tmp_pat
 # Run by the benchmark, not here (the suite's time): gpt2_dp2_fp32 is gpt2_dp2_validation's training without its
 # validation; gpt2_sdp2_distributed_transformer's path (seq_layers under model_creation(tensor_parallelism=True),
 # checkpointed) is tests/model/test_smp_paths.py's, in one process.
-COVERED_BY_ANOTHER = {"gpt2_dp2_fp32", "gpt2_sdp2_distributed_transformer"}
+COVERED_BY_ANOTHER = {
+    "gpt2_dp2_fp32",
+    "gpt2_sdp2_distributed_transformer",
+    "gpt2_pp2_dp2_fp16_manual_partition",  # 4 processes; the per-process rule: tests/compiled_step, tests/multiprocess
+    "gpt2_tp2_distributed_transformer_checkpoint_sublayers",  # its path: tests/model/test_smp_paths.py, at tp2
+}
 RUNS_TODAY = [n for n in smp_examples.CONFIGS if n not in COVERED_BY_ANOTHER]
 # Runs; no torch model can match it: --use_distributed_transformer skips Hugging Face's init (SMP's
 # DistributedTransformer initialises), and model_config fixes T5's dropout_rate at 0.1.
-NOT_COMPARABLE = {"gpt2_sdp2_distributed_transformer", "flan_t5_tp2_activation_checkpointing"}
+NOT_COMPARABLE = {
+    "gpt2_sdp2_distributed_transformer",
+    "gpt2_tp2_distributed_transformer_checkpoint_sublayers",
+    "flan_t5_tp2_activation_checkpointing",
+}
 
 
 @pytest.mark.parametrize("name", RUNS_TODAY)
