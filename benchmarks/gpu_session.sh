@@ -6,8 +6,13 @@
 #                                                      -> $OUT/gpu_speed.log, $OUT/gpu_speed.json
 #   4. the fused AdamW kernels against optax and torch (benchmarks/optimizer_kernels.py), if time is left
 #                                                      -> $OUT/optimizer_kernels.log, $OUT/optimizer_kernels.json
-# Each step's exit status and seconds -> $OUT/session.log. No arguments:
+# Each step's exit status and seconds -> $OUT/session.log. No arguments; environment variables:
 #   bash benchmarks/gpu_session.sh          (OUT defaults to /tmp/gpu_out)
+#   GPU_SESSION_ONLY=speed                  steps 1 and 3 only (the machine, GPT-2 steps; step 3 may take all
+#                                           the time left rather than 250 s)
+#   GPU_SPEED_ARGS="..."                    step 3's arguments instead of "--steps 30 --compile-timeout 120",
+#                                           e.g. "--steps 20 --torch-compile off --jmp-attention auto,xla"
+#   GPU_SESSION_SECONDS=480                 the whole session's seconds
 set -uo pipefail
 
 OUT="${OUT:-/tmp/gpu_out}"
@@ -20,6 +25,12 @@ export PYTHONDONTWRITEBYTECODE=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export TOKENIZERS_PARALLELISM=false
 unset JAX_PLATFORMS  # the GPU, not an inherited CPU-only setting
+
+ONLY="${GPU_SESSION_ONLY:-}"
+case "$ONLY" in
+    "" | speed) ;;
+    *) echo "GPU_SESSION_ONLY=$ONLY: expected speed (or unset: every step)" >&2; exit 2 ;;
+esac
 
 TOTAL=${GPU_SESSION_SECONDS:-480}  # seconds for the whole session; each step gets its share, at most what is left
 SESSION_LOG="$OUT/session.log"
@@ -84,20 +95,30 @@ TESTS=(
 )
 PER_TEST=()
 python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 120)
-step gpu_tests 150 "$OUT/gpu_tests.log" \
-    python3 -m pytest -q -rA -n 0 -p no:cacheprovider ${PER_TEST[@]+"${PER_TEST[@]}"} "${TESTS[@]}"
+if [[ -z $ONLY ]]; then
+    step gpu_tests 150 "$OUT/gpu_tests.log" \
+        python3 -m pytest -q -rA -n 0 -p no:cacheprovider ${PER_TEST[@]+"${PER_TEST[@]}"} "${TESTS[@]}"
+else
+    note "gpu_tests: skipped (GPU_SESSION_ONLY=$ONLY)"
+fi
 
 # --- 3. GPT-2 training steps on the GPU ---------------------------------------------------------------------------
 # GPU_SPEED_ARGS="--tiny" checks this script on a CPU
 read -r -a SPEED_ARGS <<<"${GPU_SPEED_ARGS:---steps 30 --compile-timeout 120}"
-step gpu_speed 250 "$OUT/gpu_speed.log" \
+SPEED_SECONDS=250
+[[ -n $ONLY ]] && SPEED_SECONDS=$TOTAL  # the only long step: whatever the session has left
+step gpu_speed "$SPEED_SECONDS" "$OUT/gpu_speed.log" \
     python3 -m benchmarks.gpu_speed "${SPEED_ARGS[@]}" --out "$OUT/gpu_speed.json"
 
 # --- 4. the fused optimizer kernels, if time is left --------------------------------------------------------------
 PEAK_GBPS=3350  # H100 SXM HBM3
 nvidia-smi -L 2>/dev/null | grep -q H200 && PEAK_GBPS=4800  # H200 HBM3e
-step optimizer_kernels 120 "$OUT/optimizer_kernels.log" \
-    python3 -m benchmarks.optimizer_kernels --steps 20 --peak-gbps "$PEAK_GBPS" --out "$OUT/optimizer_kernels.json"
+if [[ -z $ONLY ]]; then
+    step optimizer_kernels 120 "$OUT/optimizer_kernels.log" \
+        python3 -m benchmarks.optimizer_kernels --steps 20 --peak-gbps "$PEAK_GBPS" --out "$OUT/optimizer_kernels.json"
+else
+    note "optimizer_kernels: skipped (GPU_SESSION_ONLY=$ONLY)"
+fi
 
 note "done; files in $OUT:"
 ls -l "$OUT" | tee -a "$SESSION_LOG"

@@ -1,8 +1,8 @@
 """GPT-2 training steps on one GPU: PyTorch eager, ``torch.compile`` and jmp, bf16 mixed precision, side by side.
 
     python -m benchmarks.gpu_speed [--layers 12] [--d-model 768] [--heads 12] [--seq 1024] [--batch 8]
-        [--vocab 50257] [--steps 20] [--warmup 3] [--torch-compile auto|on|off] [--tiny]
-        [--out benchmarks/results/gpu_speed.json]
+        [--vocab 50257] [--steps 20] [--warmup 3] [--torch-compile auto|on|off] [--jmp-attention auto,xla]
+        [--tiny] [--out benchmarks/results/gpu_speed.json]
 
 One Hugging Face GPT-2 (``GPT2Config``, random weights, no dropout; default GPT-2 small, 124M parameters)
 trained with AdamW (lr 1e-4, weight decay 0.01) on one batch of random token ids, from the same initial
@@ -13,7 +13,11 @@ weights on every side, one side after the other in one process on the same devic
 - ``torch_compile``: the same with ``torch.compile(model)`` (on CUDA only, unless ``--torch-compile on``);
 - ``jmp``: ``smp.init({"microbatches": 1, "bf16": True})`` (float32 master parameters, the forward and
   backward under torch's autocast rules in bf16, gradients kept in bf16), ``smp.DistributedModel``,
-  ``smp.DistributedOptimizer(torch.optim.AdamW(...))`` (the fused Pallas update on a GPU), ``@smp.step``.
+  ``smp.DistributedOptimizer(torch.optim.AdamW(...))`` (the fused Pallas update on a GPU), ``@smp.step``;
+  once per ``--jmp-attention`` setting (a comma list of ``auto``, ``xla``, ``cudnn``; default ``auto``), each
+  a fresh model and optimizer traced under ``JMP_ATTENTION_IMPLEMENTATION`` set to it: sides ``jmp`` (auto:
+  cuDNN flash attention where ``jmp.torch_bridge.lowering.attention`` chooses it), ``jmp_xla_attention``,
+  ``jmp_cudnn_attention``.
 
 The torch sides run first and are freed (``torch.cuda.empty_cache``) before jmp starts, so the two
 allocators share the device (``XLA_PYTHON_CLIENT_PREALLOCATE=false``). A step is ``zero_grad``, forward,
@@ -23,10 +27,13 @@ the device; for jmp ``smp.init``, conversion and sharding), the first step's sec
 compilation; ``compile_s`` is that minus the median step), the median of ``--steps`` timed steps after
 ``--warmup`` untimed ones, tokens per second, model FLOPs utilisation (``flops_per_step`` over the median,
 over ``peak_flops``), the loss of every step (the first ones agree to bf16 rounding), and the device's peak
-memory (torch: ``max_memory_allocated``; jmp: ``memory_stats()["peak_bytes_in_use"]``). Results are written
-after each side, so a run cut short keeps the sides it finished. ``step_custom_calls`` names the kernels
-jmp's step program calls by name (cuDNN attention would show there; ``jax.nn.dot_product_attention`` with
-no ``implementation`` is XLA's own).
+memory (torch: ``max_memory_allocated``; jmp: ``memory_stats()["peak_bytes_in_use"]``, the process's peak,
+so a later jmp side reports at least an earlier one's). For jmp the first step is also split:
+``first_step_call_s`` (the first ``lm_step`` call to its loss: tracing, the step program's compile, one run)
+and ``first_optimizer_step_s`` (the first ``optimizer.step()`` until the parameters are updated: the
+update's compile, the fused Pallas kernels on a GPU, and one run). Results are written after each side, so
+a run cut short keeps the sides it finished. ``step_custom_calls`` names the kernels jmp's step program
+calls by name (cuDNN's attention is ``__cudnn$fmha...``; XLA's own attention calls none).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import logging  # noqa: E402
 import re  # noqa: E402
@@ -55,8 +63,10 @@ import transformers  # noqa: E402
 
 import jmp as smp  # noqa: E402
 from benchmarks.harness import causal_lm, gpt2_config, lm_step, machine, token_ids, write_results  # noqa: E402
+from jmp.torch_bridge.lowering.attention import ENVIRONMENT_VARIABLE as ATTENTION_VARIABLE  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
+ATTENTION_SIDES = {"auto": "jmp", "xla": "jmp_xla_attention", "cudnn": "jmp_cudnn_attention"}
 # dense bf16 tensor-core peak of an H100 / H200 SXM (without sparsity); the H200 has the H100's compute
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}
 TINY = dict(layers=2, d_model=128, heads=4, seq=128, batch=4, vocab=1024, steps=5, warmup=2)
@@ -185,9 +195,31 @@ class _Messages(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def jmp_side(base: torch.nn.Module, ids: torch.Tensor, args) -> dict:
+@contextlib.contextmanager
+def attention_implementation(setting: str):
+    """``JMP_ATTENTION_IMPLEMENTATION`` set to ``setting`` ("auto", "xla", "cudnn") meanwhile, read by jmp's
+    attention lowering as it traces."""
+    previous = os.environ.get(ATTENTION_VARIABLE)
+    os.environ[ATTENTION_VARIABLE] = setting
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ATTENTION_VARIABLE, None)
+        else:
+            os.environ[ATTENTION_VARIABLE] = previous
+
+
+def jmp_side(base: torch.nn.Module, ids: torch.Tensor, args, attention: str = "auto") -> dict:
     if torch.cuda.is_available() and jax.default_backend() != "gpu":  # a GPU-sized model on the CPU: hours
         raise RuntimeError(f"torch sees a GPU but JAX runs on {jax.default_backend()}: see env.txt")
+    with attention_implementation(attention):
+        result = _jmp_side(base, ids, args, ATTENTION_SIDES[attention])
+    result["attention"] = f"{ATTENTION_VARIABLE}={attention}"
+    return result
+
+
+def _jmp_side(base: torch.nn.Module, ids: torch.Tensor, args, name: str) -> dict:
     messages = _Messages()
     log = logging.getLogger("jmp")
     level = log.level
@@ -202,16 +234,25 @@ def jmp_side(base: torch.nn.Module, ids: torch.Tensor, args) -> dict:
         )
         setup = time.perf_counter() - start
 
-        def iteration():
-            optimizer.zero_grad()
-            loss = lm_step(model, ids).reduce_mean()
-            optimizer.step()
-            return loss
-
         def sync():
             jax.block_until_ready(model.training_state.params)
 
-        result = {"setup_s": setup, **run_side("jmp", iteration, sync, args.steps, args.warmup)}
+        first: dict = {}
+
+        def iteration():
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            loss = lm_step(model, ids).reduce_mean()  # a torch tensor: the step has run
+            called = time.perf_counter()
+            optimizer.step()
+            if not first:  # the update's compile shows here, apart from the step program's
+                sync()
+                first.update(first_step_call_s=called - start, first_optimizer_step_s=time.perf_counter() - called)
+                print(f"  {name}: first step call {first['first_step_call_s']:.1f} s, first optimizer.step() "
+                      f"{first['first_optimizer_step_s']:.1f} s", flush=True)  # fmt: skip
+            return loss
+
+        result = {"setup_s": setup, **run_side(name, iteration, sync, args.steps, args.warmup), **first}
     finally:
         log.removeHandler(messages)
         log.setLevel(level)
@@ -243,6 +284,11 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side, the first included")
     parser.add_argument("--torch-compile", choices=("auto", "on", "off"), default="auto", help="auto: on CUDA")
     parser.add_argument("--compile-timeout", type=int, default=150, help="seconds torch.compile's first step gets")
+    parser.add_argument(
+        "--jmp-attention",
+        default="auto",
+        help="comma list of JMP_ATTENTION_IMPLEMENTATION settings (auto, xla, cudnn), one jmp side each",
+    )
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 peak (default: by name)")
     parser.add_argument("--tiny", action="store_true", help=f"a CPU-sized check, unless given otherwise: {TINY}")
     parser.add_argument("--out", default="benchmarks/results/gpu_speed.json")
@@ -252,6 +298,10 @@ def parse_args():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
     args.warmup = max(args.warmup, 1)
+    args.jmp_attention = [setting.strip() for setting in args.jmp_attention.split(",") if setting.strip()]
+    unknown = sorted(set(args.jmp_attention) - set(ATTENTION_SIDES))
+    if unknown or not args.jmp_attention:
+        parser.error(f"--jmp-attention: {unknown or 'nothing'}; expected a comma list of {', '.join(ATTENTION_SIDES)}")
     return args
 
 
@@ -306,7 +356,8 @@ def main() -> None:
         sides.append(("torch_compile", lambda: torch_side(base, ids, args, compiled=True)))
     else:
         result["sides"]["torch_compile"] = {"skipped": "not on CUDA (--torch-compile on runs it)"}
-    sides.append(("jmp", lambda: jmp_side(base, ids, args)))
+    for setting in dict.fromkeys(args.jmp_attention):
+        sides.append((ATTENTION_SIDES[setting], functools.partial(jmp_side, base, ids, args, setting)))
 
     for name, side in sides:
         print(f"{name} ({time.perf_counter() - start:.0f} s)", flush=True)
@@ -338,15 +389,15 @@ def main() -> None:
         }
     result["seconds"] = time.perf_counter() - start
     write_results(args.out, result)
-    print(f"\n{'side':<14}{'first s':>9}{'step ms':>9}{'tokens/s':>11}{'MFU':>7}{'peak GiB':>10}{'loss[0]':>9}")
+    print(f"\n{'side':<20}{'first s':>9}{'step ms':>9}{'tokens/s':>11}{'MFU':>7}{'peak GiB':>10}{'loss[0]':>9}")
     for name, row in result["sides"].items():
         if "median_step_ms" not in row:
-            print(f"{name:<14}{row.get('error') or row.get('skipped')}")
+            print(f"{name:<20}{row.get('error') or row.get('skipped')}")
             continue
         mfu = f"{row['mfu']:.1%}" if row.get("mfu") else "-"
         memory = f"{row['peak_memory_bytes'] / 2**30:.2f}" if "peak_memory_bytes" in row else "-"
         print(
-            f"{name:<14}{row['first_step_s']:>9.1f}{row['median_step_ms']:>9.1f}{row['tokens_per_s']:>11.0f}"
+            f"{name:<20}{row['first_step_s']:>9.1f}{row['median_step_ms']:>9.1f}{row['tokens_per_s']:>11.0f}"
             f"{mfu:>7}{memory:>10}{row['losses'][0]:>9.4f}"
         )
     print(f"first-loss relative difference from torch eager: {result.get('first_loss_rel_diff_vs_torch_eager')}")
