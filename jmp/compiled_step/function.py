@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jmp.compiled_step import microbatches as batching
 from jmp.compiled_step import pipeline_inputs, process_shares
 from jmp.compiled_step import program as step_program
-from jmp.compiled_step.outputs import ProcessShare, StepOutput, results
+from jmp.compiled_step.outputs import ProcessShare, StepOutput, results, whole_batch_shape
 from jmp.compiled_step.signature import StepSignature, place_arguments
 from jmp.errors import StepError
 from jmp.model import live_models as model_registry
@@ -94,6 +94,21 @@ class StepFunction:
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, sown)
         returned = results(call.traced.output_leaves, outputs, call.shards, call.share)
         call.model.run_post_step_hooks()
+        return torch_pytree.tree_unflatten(returned, call.traced.output_spec)
+
+    def output_shapes(self, *args: Any, **kwargs: Any) -> Any:
+        """What this call would return, without running it: each tensor as a torch tensor on the ``meta`` device
+        with the shape and dtype ``StepOutput.as_tensor()`` gives it; other values as they are."""
+        call = self._prepare(args, kwargs)
+        stacked = call.program.eval_shape(*call.arguments)[0]
+        per_process = call.share is not None and call.share.count > 1
+        shapes = iter(stacked)
+        returned = [
+            torch.empty(whole_batch_shape(next(shapes), per_process), dtype=leaf, device="meta")
+            if isinstance(leaf, torch.dtype)
+            else leaf.value
+            for leaf in call.traced.output_leaves
+        ]
         return torch_pytree.tree_unflatten(returned, call.traced.output_spec)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:

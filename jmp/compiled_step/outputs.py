@@ -110,6 +110,17 @@ class StepOutput:
         # each microbatch holds an equal slice of every data shard (see microbatches.split)
         return self._tensor(_in_batch_order(stacked, shards))
 
+    def as_tensor(self) -> torch.Tensor:
+        """The value as a call of the undecorated function on the whole batch gives it (what an implicit step
+        hands back): a scalar per microbatch is their mean (a loss), anything else the microbatches joined in
+        batch order."""
+        return self.reduce_mean() if self._value_ndim == 0 else self.concat()
+
+    @property
+    def _value_ndim(self) -> int:
+        per_process = self._share is not None and self._share.count > 1
+        return self._stacked.ndim - (2 if per_process else 1)
+
     def detach(self) -> StepOutput:
         """This StepOutput: its values carry no autograd graph (as SMP's with ``detach_outputs=True``)."""
         return self
@@ -199,6 +210,12 @@ def output_array(value: Any) -> jax.Array:
     if isinstance(value, torch.Tensor):
         return tensor_to_array(value)
     return jnp.asarray(value)
+
+
+def whole_batch_shape(stacked: jax.ShapeDtypeStruct, per_process: bool) -> tuple[int, ...]:
+    """The shape ``StepOutput.as_tensor()`` gives a program output of shape ``stacked``."""
+    microbatches, *value = stacked.shape[:1] + stacked.shape[2 if per_process else 1 :]
+    return () if not value else (microbatches * value[0], *value[1:])
 
 
 def results(leaves: tuple, arrays: list[jax.Array], data_shards: int, share: ProcessShare | None) -> list[Any]:
