@@ -12,7 +12,7 @@ def train_step(model, data, target):
     return loss
 """
 
-from jmp import amp, nn, optimizers, torch_bridge
+from jmp import amp, eager, nn, optimizers, torch_bridge  # noqa: F401 (eager: models called outside a step)
 from jmp.compiled_step.function import StepOutput, is_tracing, step
 from jmp.errors import (
     ActivationCheckpointingError,

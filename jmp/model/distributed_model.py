@@ -13,8 +13,8 @@ import contextvars
 import functools
 import logging
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -222,13 +222,18 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
 
     # --- inside a step function -------------------------------------------------------------------------
 
+    # a call outside a step function (installed by jmp.eager: records an implicit step)
+    outside_step: ClassVar[Callable[[DistributedModel, tuple, dict], Any] | None] = None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         trace = _TRACE.get()
         if trace is None:
-            raise StepError(
-                "DistributedModel is called outside a step function; put the forward pass (and "
-                "model.backward(loss)) in a function decorated with @smp.step and call that."
-            )
+            if DistributedModel.outside_step is None:
+                raise StepError(
+                    "DistributedModel is called outside a step function; put the forward pass (and "
+                    "model.backward(loss)) in a function decorated with @smp.step and call that."
+                )
+            return DistributedModel.outside_step(self, args, kwargs)
         return trace.module.torch_call(*args, **kwargs)
 
     forward = __call__

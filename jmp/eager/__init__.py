@@ -1,0 +1,26 @@
+"""PyTorch training loops without a step function: ``loss = model(**batch).loss; loss.backward();
+optimizer.step()`` recorded and run as one compiled step (``recording``), on ``LazyTensor`` values
+(``lazy_tensor``).
+
+Importing this package makes a ``DistributedModel`` called outside a step function start a recording (with
+gradients on) or run its forward at once (under ``torch.no_grad()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jmp.eager.lazy_tensor import LazyTensor
+from jmp.eager.recording import Recording
+from jmp.model.distributed_model import DistributedModel
+
+__all__ = ["LazyTensor", "Recording", "call_outside_step"]
+
+
+def call_outside_step(model: DistributedModel, args: tuple, kwargs: dict) -> Any:
+    """``model(*args, **kwargs)`` outside a step function: a recording's values, or (gradients off) the
+    outputs of a forward run at once, as torch tensors."""
+    return Recording(model, args, kwargs).returned
+
+
+DistributedModel.outside_step = staticmethod(call_outside_step)

@@ -1,0 +1,143 @@
+"""A PyTorch training loop written without a step function runs on jmp as written, the model and optimizer
+wrapped: ``loss = model(**batch).loss; loss.backward(); optimizer.step()``, recorded and run as one compiled step.
+
+The loop is Hugging Face's causal-LM fine-tuning as people write it: AdamW with decay / no-decay groups, a linear
+schedule with warm-up, gradient accumulation over 2 batches (the loss divided by 2), ``clip_grad_norm_``,
+``loss.item()`` logging and a ``torch.no_grad()`` evaluation. PyTorch eager runs the same loop on the same
+weights and data.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import jmp as smp
+from jmp.errors import StepError
+from tests.sharding.models import causal_lm, token_batches
+
+transformers = pytest.importorskip("transformers")
+
+ACCUMULATION = 2
+LAYOUTS = {
+    "fsdp4xtp2": {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2},
+    "pp2-mb2": {"pipeline_parallel_degree": 2, "microbatches": 2},
+}
+
+
+def fine_tune(model, optimizer, scheduler, batches, evaluation):
+    """The loop (what a user writes; jmp's run gets the wrapped model and optimizer)."""
+    logged = []
+    model.train()
+    for i, ids in enumerate(batches):
+        outputs = model(input_ids=ids, labels=ids, use_cache=False)
+        loss = outputs.loss / ACCUMULATION
+        loss.backward()
+        if (i + 1) % ACCUMULATION == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            logged.append(loss.item() * ACCUMULATION)
+    model.eval()
+    with torch.no_grad():
+        held_out = [float(model(input_ids=ids, labels=ids, use_cache=False).loss) for ids in evaluation]
+    return logged, held_out
+
+
+def _optimizer(model):
+    no_decay = ["bias", "ln_"]
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)], "weight_decay": 0.1},
+        {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=3e-3)
+
+
+def _run(net, wrap):
+    model = smp.DistributedModel(net) if wrap else net
+    optimizer = _optimizer(model)
+    optimizer = smp.DistributedOptimizer(optimizer) if wrap else optimizer
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 1, 4)
+    batches = token_batches(2 * ACCUMULATION, batch=16)
+    return fine_tune(model, optimizer, scheduler, batches, token_batches(1, batch=16, seed=7)), model
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_loop_trains_as_pytorch_eager(layout):
+    smp.init(LAYOUTS[layout])
+    net = causal_lm("gpt2")
+    (expected, expected_held_out), reference = _run(copy.deepcopy(net), wrap=False)
+    (logged, held_out), model = _run(net, wrap=True)
+    np.testing.assert_allclose(logged, expected, rtol=1e-5)
+    np.testing.assert_allclose(held_out, expected_held_out, rtol=1e-5)
+    trained = model.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=2e-5)
+
+
+def test_the_loop_compiles_once_per_structure():
+    smp.init({})
+    model = smp.DistributedModel(causal_lm("gpt2"))
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for ids in token_batches(5):
+        model.train()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    # the training step, its forward's shapes, the evaluation: each traced for the first batch only
+    assert len(model.programs) == 3
+
+
+def test_two_backward_calls_accumulate_as_one_on_both_batches():
+    smp.init({})
+    net = causal_lm("gpt2")
+    first, second = token_batches(2)
+    both = smp.DistributedModel(copy.deepcopy(net))
+    both(input_ids=torch.cat([first, second]), labels=torch.cat([first, second]), use_cache=False).loss.backward()
+    halves = smp.DistributedModel(net)
+    for ids in (first, second):
+        (halves(input_ids=ids, labels=ids, use_cache=False).loss / 2).backward()
+    for grad, expected in zip(jax.tree.leaves(halves.grads), jax.tree.leaves(both.grads), strict=True):
+        np.testing.assert_allclose(grad, expected, rtol=2e-5, atol=1e-7)
+
+
+def test_values_kept_past_backward_read_as_tensors_and_misuse_says_what_to_do():
+    smp.init({})
+    model = smp.DistributedModel(causal_lm("gpt2"))
+    ids = token_batches(1)[0]
+    outputs = model(input_ids=ids, labels=ids, use_cache=False)
+    loss, logits = outputs.loss, outputs.logits
+    assert loss.requires_grad and loss.shape == () and logits.shape == (8, 16, 128)
+    loss.backward()
+    total = torch.zeros(())
+    total += loss.detach()  # logged as torch tensors are
+    assert float(total) == pytest.approx(loss.item())
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert float(expected) == pytest.approx(loss.item(), rel=1e-5)  # the logits kept are the step's
+    with pytest.raises(StepError, match="twice"):
+        loss.backward()
+    with pytest.raises(StepError, match="scalar"):
+        model(input_ids=ids, use_cache=False).logits.backward()
+
+
+def test_a_plain_torch_optimizer_on_the_models_parameters_says_to_wrap_it():
+    smp.init({})
+    model = smp.DistributedModel(causal_lm("gpt2"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = token_batches(1)[0]
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    with pytest.raises(smp.OptimizerError, match="smp.DistributedOptimizer"):
+        optimizer.step()  # torch's step would skip every parameter (no param.grad) and train nothing
+    reference = torch.nn.Linear(2, 2)  # optimizers of other modules are torch's as always
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(torch.ones(1, 2)).sum().backward()
+    plain.step()
