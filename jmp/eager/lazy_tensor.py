@@ -40,8 +40,9 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, recording: Any, index: int, like: torch.Tensor):
+        differentiable = recording.differentiable and (like.dtype.is_floating_point or like.dtype.is_complex)
         tensor = torch.Tensor._make_wrapper_subclass(
-            cls, tuple(like.shape), dtype=like.dtype, device="cpu", requires_grad=recording.differentiable
+            cls, tuple(like.shape), dtype=like.dtype, device="cpu", requires_grad=differentiable
         )
         tensor.recording = recording
         tensor.index = index
@@ -60,6 +61,8 @@ class LazyTensor(torch.Tensor):
                 return func(*args, **kwargs)
         if func is torch.Tensor.backward:
             return recording.backward(*args, **kwargs)
+        if func is torch.autograd.backward:  # torch.autograd.backward(tensors, grad_tensors=None, ...)
+            return recording.backward(*_autograd_backward_arguments(*args, **kwargs))
         if func in READS or recording.ran:
             return recording.call_on_values(func, args, kwargs)
         return recording.record(func, args, kwargs)
@@ -73,3 +76,16 @@ class LazyTensor(torch.Tensor):
 
     def __repr__(self) -> str:
         return repr(self.recording.value(self))
+
+
+def _autograd_backward_arguments(tensors: Any, grad_tensors: Any = None, *rest: Any, **options: Any) -> tuple:
+    """(tensor, gradient) of ``torch.autograd.backward(tensors, grad_tensors)`` with one tensor, as
+    ``Tensor.backward`` takes them."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    grads = [grad_tensors] if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
+    if len(tensors) != 1:
+        raise NotImplementedError(
+            "torch.autograd.backward of several recorded tensors at once; add them into one loss (their sum "
+            "has the same gradients) and call backward() on it"
+        )
+    return tensors[0], grads[0]

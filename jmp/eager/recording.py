@@ -173,12 +173,29 @@ class Recording:
         if isinstance(leaf, torch.Tensor):
             if model_input and self.rows is None and leaf.dim() > 0:
                 self.rows = leaf.shape[0]
+            split = leaf.dim() > 0 and (model_input or leaf.shape[0] == self.rows)
+            if not split and not model_input:
+                self._check_not_a_reshaped_batch(leaf)
             self.inputs.append(leaf)
-            self.split.append(leaf.dim() > 0 and (model_input or leaf.shape[0] == self.rows))
+            self.split.append(split)
             return Input(len(self.inputs) - 1)
         if isinstance(leaf, slice):
             return SliceConstant(leaf.start, leaf.stop, leaf.step)
         return leaf
+
+    def _check_not_a_reshaped_batch(self, tensor: torch.Tensor) -> None:
+        """A tensor of several times the batch's rows (labels flattened on the host: ``ids[:, 1:].reshape(-1)``)
+        cannot be cut into the microbatches the batch is cut into; given whole it would meet every microbatch."""
+        microbatches = self.model.layout.config.microbatches
+        rows = self.rows or 0
+        if microbatches > 1 and tensor.dim() > 0 and rows and tensor.shape[0] % rows == 0:
+            raise StepError(
+                f"a tensor of {tensor.shape[0]} rows ({tensor.shape[0] // rows} x the batch's {rows}) enters the "
+                f"recorded step, which splits the batch into {microbatches} microbatches; a tensor reshaped on the "
+                "host cannot be split with it. Keep the batch dimension first, e.g. "
+                "cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:]) rather than flattening ids, or use "
+                "microbatches=1."
+            )
 
     def _new_values(self, leaves: list) -> tuple[list, list]:
         outputs, indices = [], []

@@ -141,3 +141,21 @@ def test_a_plain_torch_optimizer_on_the_models_parameters_says_to_wrap_it():
     plain = torch.optim.SGD(reference.parameters(), lr=0.1)
     reference(torch.ones(1, 2)).sum().backward()
     plain.step()
+
+
+def test_a_loss_computed_outside_the_model_and_torch_autograd_backward_give_the_models_own(caplog):
+    smp.init({"microbatches": 2})
+    net = causal_lm("gpt2")
+    ids = token_batches(1, batch=16)[0]
+    inside = smp.DistributedModel(copy.deepcopy(net))
+    inside(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    outside = smp.DistributedModel(net)
+    logits = outside(input_ids=ids, use_cache=False).logits
+    with pytest.raises(StepError, match="cannot be split"):  # labels flattened on the host lose their batch rows
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:])  # labels keep their rows
+    if loss > 0:  # a Python branch on a value runs the forward first, and says what that costs
+        torch.autograd.backward(loss)
+    assert "read before backward()" in caplog.text
+    for grad, expected in zip(jax.tree.leaves(outside.grads), jax.tree.leaves(inside.grads), strict=True):
+        np.testing.assert_allclose(grad, expected, rtol=2e-5, atol=1e-7)
