@@ -29,8 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jmp.eager.lazy_tensor import LazyTensor
 from jmp.errors import ArgumentTypeError, StepError
 from jmp.model.distributed_model import current_trace
 from jmp.optim.distributed_optimizer import DistributedOptimizer
@@ -99,6 +101,9 @@ class GradScaler:
             return outputs
         trace = current_trace()
         if trace is None:
+            lazy = next((t for t in torch_pytree.tree_leaves(outputs) if isinstance(t, LazyTensor)), None)
+            if lazy is not None:  # a loop without a step function: scaled inside the step it records
+                return lazy.recording.record(GradScaler.scale, (self, outputs), {})
             if isinstance(outputs, JaxTensor) or not _holds_tensors(outputs):
                 raise StepError(
                     "GradScaler.scale(loss) is called outside a step function; call it inside the @smp.step "

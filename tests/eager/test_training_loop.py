@@ -159,3 +159,23 @@ def test_a_loss_computed_outside_the_model_and_torch_autograd_backward_give_the_
     assert "read before backward()" in caplog.text
     for grad, expected in zip(jax.tree.leaves(outside.grads), jax.tree.leaves(inside.grads), strict=True):
         np.testing.assert_allclose(grad, expected, rtol=2e-5, atol=1e-7)
+
+
+def test_a_grad_scalers_scaled_loss_trains_as_the_loss_itself():
+    smp.init({})
+    net = causal_lm("gpt2")
+    plain = smp.DistributedModel(copy.deepcopy(net))
+    scaled = smp.DistributedModel(net)
+    optimizers = {m: smp.DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3)) for m in (plain, scaled)}
+    scaler = smp.amp.GradScaler()
+    for ids in token_batches(2):
+        plain(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizers[plain].step()
+        optimizers[plain].zero_grad()
+        scaler.scale(scaled(input_ids=ids, labels=ids, use_cache=False).loss).backward()
+        scaler.step(optimizers[scaled])
+        scaler.update()
+        optimizers[scaled].zero_grad()
+    assert scaler.get_scale() == 65536.0  # float32 gradients never overflow: the scale stays
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(scaled.state_dict()[name], value, rtol=0, atol=1e-6)
