@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jmp.compiled_step import microbatches as batching
 from jmp.compiled_step import pipeline_inputs, process_shares
 from jmp.compiled_step import program as step_program
-from jmp.compiled_step.outputs import ProcessShare, StepOutput, results, whole_batch_shape
+from jmp.compiled_step.outputs import ProcessShare, StepOutput, as_tensor_shape, results
 from jmp.compiled_step.signature import StepSignature, place_arguments
 from jmp.errors import StepError
 from jmp.model import live_models as model_registry
@@ -104,7 +104,7 @@ class StepFunction:
         per_process = call.share is not None and call.share.count > 1
         shapes = iter(stacked)
         returned = [
-            torch.empty(whole_batch_shape(next(shapes), per_process), dtype=leaf, device="meta")
+            torch.empty(as_tensor_shape(next(shapes), per_process), dtype=leaf, device="meta")
             if isinstance(leaf, torch.dtype)
             else leaf.value
             for leaf in call.traced.output_leaves

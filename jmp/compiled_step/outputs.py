@@ -212,7 +212,7 @@ def output_array(value: Any) -> jax.Array:
     return jnp.asarray(value)
 
 
-def whole_batch_shape(stacked: jax.ShapeDtypeStruct, per_process: bool) -> tuple[int, ...]:
+def as_tensor_shape(stacked: jax.ShapeDtypeStruct, per_process: bool) -> tuple[int, ...]:
     """The shape ``StepOutput.as_tensor()`` gives a program output of shape ``stacked``."""
     microbatches, *value = stacked.shape[:1] + stacked.shape[2 if per_process else 1 :]
     return () if not value else (microbatches * value[0], *value[1:])

@@ -1,36 +1,60 @@
-"""A plain torch optimizer built on a ``DistributedModel``'s parameters is refused at ``step()``, with how to wrap
-it: the gradients of a step jmp ran live on the devices, not in ``param.grad``, so torch's own ``step()`` would
-skip every parameter and train nothing without a word.
+"""A plain torch optimizer built on a ``DistributedModel``'s parameters (``torch.optim.AdamW(model.parameters())``,
+never wrapped) becomes a ``DistributedOptimizer`` at its first ``step()``.
 
-Installed (a global optimizer step pre-hook, ``torch.optim.optimizer.register_optimizer_step_pre_hook``) by the
-first implicit step, as such loops are where an unwrapped optimizer is written.
+The gradients of a step jmp ran live on the devices, not in ``param.grad``, so torch's own ``step()`` would skip
+every parameter and train nothing without a word. A global optimizer step pre-hook
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``, installed by the first implicit step) wraps such an
+optimizer in ``smp.DistributedOptimizer`` and runs the wrapper's step before each of torch's (which then finds no
+``param.grad`` and changes nothing); the object's ``zero_grad``, ``state_dict`` and ``load_state_dict`` become the
+wrapper's. The loop keeps calling the object it holds, and LR schedulers keep wrapping its ``step`` and writing
+its ``param_groups``, which the wrapper reads at every step. It says so once, at INFO.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from jmp.errors import OptimizerError
 from jmp.model import live_models
+from jmp.optim.distributed_optimizer import DistributedOptimizer
+
+logger = logging.getLogger("jmp")
+
+ROUTED = ("zero_grad", "state_dict", "load_state_dict")  # step stays torch's (LR schedulers wrap it); the hook acts
 
 _installed: list[Any] = []
+_wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch optimizer -> its DistributedOptimizer
+_noted: set[str] = set()
 
 
 def install() -> None:
     if not _installed:
-        _installed.append(register_optimizer_step_pre_hook(_refuse_model_parameters))
+        _installed.append(register_optimizer_step_pre_hook(_step_on_the_devices))
 
 
-def _refuse_model_parameters(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for model in live_models.live():
-        if any(id(p) in held for p in model.torch_module.parameters()):
-            raise OptimizerError(
-                f"{type(optimizer).__name__}.step() on the parameters of a smp.DistributedModel: their gradients "
-                "are on the devices, so torch's step would update nothing. Wrap the optimizer once, after "
-                "building it: optimizer = smp.DistributedOptimizer(optimizer), and call step() and zero_grad() on "
-                "that (it takes the same param groups, schedulers and state_dict)."
-            )
+def _step_on_the_devices(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    distributed = _wrappers.get(optimizer)
+    if distributed is None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not any(any(id(p) in held for p in m.torch_module.parameters()) for m in live_models.live()):
+            return  # an optimizer of plain torch parameters: torch's own step
+        distributed = _wrappers[optimizer] = DistributedOptimizer(optimizer)
+        for name in ROUTED:
+            setattr(optimizer, name, getattr(distributed, name))
+        _note(type(optimizer).__name__)
+    distributed.step()  # torch's step then finds no param.grad and changes nothing
+
+
+def _note(name: str) -> None:
+    if name not in _noted:
+        _noted.add(name)
+        logger.info(
+            "torch.optim.%s on a smp.DistributedModel's parameters: wrapped in smp.DistributedOptimizer at its "
+            "first step(); each step() updates the model's sharded state, and its zero_grad and state_dict are "
+            "the wrapper's",
+            name,
+        )

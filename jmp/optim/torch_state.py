@@ -119,7 +119,9 @@ class TorchStateAdapter:
         if self.torch_optimizer is None:
             return {"optax_state": jax.tree.map(lambda array: host_array(piece(array)), opt_state)} | scaler
         to_tensor = lambda array: array_to_tensor(piece(array))  # noqa: E731
-        saved = self.torch_optimizer.state_dict() | scaler
+        # torch's own methods on the wrapped object: a loop's plain optimizer routes its state_dict to the
+        # DistributedOptimizer (jmp.eager.plain_optimizers), which would lead back here
+        saved = torch.optim.Optimizer.state_dict(self.torch_optimizer) | scaler
         saved["state"] = self._per_param(opt_state, to_tensor)
         if self.module_is_half():
             saved["fp32_from_fp16"] = self.masters(to_tensor)
@@ -136,7 +138,9 @@ class TorchStateAdapter:
             )
         if state_dict.get("fp32_from_fp16") is not None:
             self.load_masters(state_dict["fp32_from_fp16"])
-        self.torch_optimizer.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        torch.optim.Optimizer.load_state_dict(
+            self.torch_optimizer, {"state": {}, "param_groups": state_dict["param_groups"]}
+        )
         index = self.param_index()
         tensors = state_dict["state"]
         replaced = {}

@@ -53,11 +53,17 @@ def test_synthetic_data_is_what_the_scripts_read_and_the_same_every_time(tmp_pat
     assert all(0 <= t < vocab for r in rows for t in r["input_ids"])
 
 
-# Run by the benchmark, not here (the suite's time): gpt2_dp2_fp32 is gpt2_dp2_validation's training without its
-# validation; gpt2_sdp2_distributed_transformer's path (seq_layers under model_creation(tensor_parallelism=True),
-# checkpointed) is tests/model/test_smp_paths.py's, in one process.
+# Run by the benchmark, not here (the suite's time), each covered by another test: gpt2_dp2_fp32's training is
+# gpt2_dp2_partial_checkpoint_resume's first phase; gpt2_sdp2_distributed_transformer's path (seq_layers under
+# model_creation(tensor_parallelism=True), checkpointed) is tests/model/test_smp_paths.py's, in one process.
 COVERED_BY_ANOTHER = {
     "gpt2_dp2_fp32",
+    # its training is gpt2_dp2_fp32's; its validation (eval steps read per process, all_reduce over SMP's dp group)
+    # is tests/multiprocess/test_step_outputs_per_process.py's and test_launch_and_comm.py's
+    "gpt2_dp2_validation",
+    # sharded data parallelism trains as data parallelism (tests/sharding); the DeepSpeed views the script reads
+    # (p.ds_tensor, fp32_partitioned_groups_flat) are tests/model/test_sdp_partitions.py's
+    "gpt2_sdp2",
     "gpt2_sdp2_distributed_transformer",
     "gpt2_pp2_dp2_fp16_manual_partition",  # 4 processes; the per-process rule: tests/compiled_step, tests/multiprocess
     "gpt2_tp2_distributed_transformer_checkpoint_sublayers",  # its path: tests/model/test_smp_paths.py, at tp2
