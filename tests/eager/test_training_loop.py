@@ -190,3 +190,29 @@ def test_a_grad_scalers_scaled_loss_trains_as_the_loss_itself():
     assert scaler.get_scale() == 65536.0  # float32 gradients never overflow: the scale stays
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(scaled.state_dict()[name], value, rtol=0, atol=1e-6)
+
+
+@smp.step
+def _lm_step(model, ids):
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    model.backward(loss)
+    return loss
+
+
+def test_the_loop_computes_what_the_same_loop_with_a_step_function_computes():
+    smp.init({"microbatches": 2})
+    net = causal_lm("gpt2")
+    models = {"eager": smp.DistributedModel(copy.deepcopy(net)), "step": smp.DistributedModel(net)}
+    optimizers = {k: smp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)) for k, m in models.items()}
+    losses = {"eager": [], "step": []}
+    for ids in token_batches(2, batch=16):
+        loss = models["eager"](input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses["eager"].append(loss.item())
+        losses["step"].append(_lm_step(models["step"], ids).reduce_mean().item())
+        for optimizer in optimizers.values():
+            optimizer.step()
+            optimizer.zero_grad()
+    assert losses["eager"] == losses["step"]  # the same program: the same numbers, bit for bit
+    stepped = models["step"].state_dict()
+    assert all(torch.equal(value, stepped[name]) for name, value in models["eager"].state_dict().items())
