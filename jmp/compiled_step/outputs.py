@@ -69,7 +69,7 @@ class StepOutput:
                 if not value.is_fully_replicated:  # a loss is already on every device
                     value = _replicate(value, share.replicated)
                 value = local_piece(value)  # replicated: this process's copy of the whole value
-            if share is not None and share.count > 1:
+            if self._per_process:
                 value = _entry(value, share.index)
             self._own = value
         return self._own
@@ -117,9 +117,13 @@ class StepOutput:
         return self.reduce_mean() if self._value_ndim == 0 else self.concat()
 
     @property
+    def _per_process(self) -> bool:
+        """Whether the stacked values carry a process axis (several processes ran the step function)."""
+        return self._share is not None and self._share.count > 1
+
+    @property
     def _value_ndim(self) -> int:
-        per_process = self._share is not None and self._share.count > 1
-        return self._stacked.ndim - (2 if per_process else 1)
+        return self._stacked.ndim - (2 if self._per_process else 1)
 
     def detach(self) -> StepOutput:
         """This StepOutput: its values carry no autograd graph (as SMP's with ``detach_outputs=True``)."""
@@ -129,8 +133,7 @@ class StepOutput:
         return self._stacked.shape[0]
 
     def __repr__(self) -> str:
-        per_process = self._share is not None and self._share.count > 1
-        shape = tuple(self._stacked.shape[2 if per_process else 1 :])
+        shape = tuple(self._stacked.shape[2 if self._per_process else 1 :])
         return f"StepOutput({len(self)} microbatches of shape {shape})"
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jmp.compiled_step import microbatches as batching
 from jmp.compiled_step import side_outputs
 from jmp.runtime.mesh_state import DATA_AXES
 from jmp.torch_bridge import dispatch
@@ -53,7 +53,7 @@ def blocks(array: jax.Array, axis: int, shares: int, mesh: jax.sharding.Mesh, pi
     places the process axis on part of the data axes, which its partitioner cannot do inside a pipeline's
     ``shard_map``: there each process's rows are spread over the data axes instead."""
     cut = array.reshape(block_shape(array.shape, axis, shares))
-    before, data_shards = [None] * axis, int(np.prod([mesh.shape[a] for a in DATA_AXES]))
+    before, data_shards = [None] * axis, batching.data_shards(mesh)
     if data_shards == shares:
         spec = PartitionSpec(*before, DATA_AXES)
     elif pipelined:  # rows that do not divide over the shards are computed whole (padded ones move in pieces)

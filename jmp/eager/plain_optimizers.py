@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from jmp.model import live_models
+from jmp.optim import model_lookup
 from jmp.optim.distributed_optimizer import DistributedOptimizer
 
 logger = logging.getLogger("jmp")
@@ -39,8 +39,7 @@ def install() -> None:
 def _step_on_the_devices(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     distributed = _wrappers.get(optimizer)
     if distributed is None:
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if not any(any(id(p) in held for p in m.torch_module.parameters()) for m in live_models.live()):
+        if not model_lookup.owners_of(optimizer):
             return  # an optimizer of plain torch parameters: torch's own step
         distributed = _wrappers[optimizer] = DistributedOptimizer(optimizer)
         for name in ROUTED:

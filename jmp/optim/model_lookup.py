@@ -20,8 +20,7 @@ def model_updated_by(torch_optimizer: torch.optim.Optimizer | None, given: Distr
         return model_registry.the_only(
             "smp.DistributedOptimizer(<optax transformation>)", "pass model= to say which one it updates"
         )
-    held = {id(p) for g in torch_optimizer.param_groups for p in g["params"]}
-    owners = [m for m in model_registry.live() if any(id(p) in held for p in m.torch_module.parameters())]
+    owners = owners_of(torch_optimizer)
     if len(owners) == 1:
         return owners[0]
     if not owners:
@@ -33,3 +32,9 @@ def model_updated_by(torch_optimizer: torch.optim.Optimizer | None, given: Distr
         f"the {type(torch_optimizer).__name__} optimizer's parameters belong to {len(owners)} "
         "smp.DistributedModels (one torch module wrapped twice?); pass model= to say which one it updates"
     )
+
+
+def owners_of(torch_optimizer: torch.optim.Optimizer) -> list[DistributedModel]:
+    """The live models holding any of ``torch_optimizer``'s parameters."""
+    held = {id(p) for g in torch_optimizer.param_groups for p in g["params"]}
+    return [m for m in model_registry.live() if any(id(p) in held for p in m.torch_module.parameters())]
