@@ -13,7 +13,6 @@ its ``param_groups``, which the wrapper reads at every step. It says so once, at
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any
 
 import torch
@@ -27,7 +26,9 @@ logger = logging.getLogger("jmp")
 ROUTED = ("zero_grad", "state_dict", "load_state_dict")  # step stays torch's (LR schedulers wrap it); the hook acts
 
 _installed: list[Any] = []
-_wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch optimizer -> its DistributedOptimizer
+# the wrapper lives on the torch optimizer it wraps (a cycle the collector frees with both); a WeakKeyDictionary
+# would keep every such optimizer, and its model, alive, as its value holds its key
+WRAPPER = "_jmp_distributed_optimizer"
 _noted: set[str] = set()
 
 
@@ -37,11 +38,12 @@ def install() -> None:
 
 
 def _step_on_the_devices(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    distributed = _wrappers.get(optimizer)
+    distributed = getattr(optimizer, WRAPPER, None)
     if distributed is None:
         if not model_lookup.owners_of(optimizer):
             return  # an optimizer of plain torch parameters: torch's own step
-        distributed = _wrappers[optimizer] = DistributedOptimizer(optimizer)
+        distributed = DistributedOptimizer(optimizer)
+        setattr(optimizer, WRAPPER, distributed)
         for name in ROUTED:
             setattr(optimizer, name, getattr(distributed, name))
         _note(type(optimizer).__name__)

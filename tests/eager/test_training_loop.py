@@ -11,6 +11,8 @@ at its first ``step()``.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import jax
 import numpy as np
@@ -152,6 +154,10 @@ def test_a_plain_torch_optimizers_state_dict_and_zero_grad_are_the_wrappers():
     before = reference.weight.detach().clone()
     plain.step()
     assert not torch.equal(reference.weight, before)
+    gone = weakref.ref(model)
+    del model, optimizer
+    gc.collect()
+    assert gone() is None  # the wrapper made at step() keeps neither the optimizer nor its model alive
 
 
 def test_a_loss_computed_outside_the_model_and_torch_autograd_backward_give_the_models_own(caplog):
