@@ -3,13 +3,15 @@ optimizer.step()`` recorded and run as one compiled step (``recording``), on ``L
 (``lazy_tensor``).
 
 Importing this package makes a ``DistributedModel`` called outside a step function start a recording (with
-gradients on) or run its forward at once (under ``torch.no_grad()``).
+gradients on) or run its forward at once (under ``torch.no_grad()``), and gives a model wrapping a Hugging Face
+generating module ``model.generate(...)`` (``generation``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from jmp.eager import generation
 from jmp.eager.lazy_tensor import LazyTensor
 from jmp.eager.recording import Recording
 from jmp.model.distributed_model import DistributedModel
@@ -24,3 +26,4 @@ def call_outside_step(model: DistributedModel, args: tuple, kwargs: dict) -> Any
 
 
 DistributedModel.outside_step = staticmethod(call_outside_step)
+DistributedModel.generate = property(generation.generate_of)

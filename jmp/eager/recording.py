@@ -17,12 +17,14 @@ import logging
 import weakref
 from typing import Any
 
+import jax
 import torch
 import torch.utils._pytree as torch_pytree
 
+from jmp.compiled_step import microbatches as batching
 from jmp.compiled_step.function import step
 from jmp.compiled_step.outputs import StepOutput
-from jmp.eager import plain_optimizers
+from jmp.eager import generation, plain_optimizers
 from jmp.eager.lazy_tensor import LazyTensor
 from jmp.errors import StepError
 
@@ -131,6 +133,9 @@ class Recording:
         self.ran = False
         leaves, spec = torch_pytree.tree_flatten((args, kwargs))
         refs = [self._leaf(leaf, model_input=True) for leaf in leaves]
+        if not self.differentiable:
+            generation.check_no_cache(leaves)
+            self._whole_if_indivisible()
         forward = Plan(Call(None, tuple(refs), spec, ()), (), None, None, None, tuple(self.split))
         if not self.differentiable:  # gradients off: nothing to record, the forward runs at once
             self.ran = True
@@ -210,6 +215,27 @@ class Recording:
                 outputs.append(leaf)
                 indices.append(None)
         return outputs, indices
+
+    def _whole_if_indivisible(self) -> None:
+        """A forward under ``no_grad`` whose batch the data-parallel devices cannot share equally (a generation's
+        one prompt) is given whole: every device computes all of it, as nothing needs it split (one microbatch,
+        no pipeline, one process; elsewhere the step says what is wrong)."""
+        shards = batching.data_shards(self.model.layout.mesh)
+        rows = [t.shape[0] for t, split in zip(self.inputs, self.split) if split]
+        if not any(r % shards for r in rows):
+            return
+        if self.model.layout.config.microbatches > 1 or self.model.pipeline is not None or jax.process_count() > 1:
+            return
+        self.split = [False] * len(self.split)
+        if "whole" not in _noted:
+            _noted.add("whole")
+            logger.info(
+                "a forward under torch.no_grad() on a batch of %d rows, which %d data-parallel shards cannot share "
+                "equally: every device computes the whole batch (a batch of a multiple of %d rows is split)",
+                rows[0],
+                shards,
+                shards,
+            )
 
     # --- running ----------------------------------------------------------------------------------------
 

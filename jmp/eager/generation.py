@@ -1,0 +1,97 @@
+"""Hugging Face ``generate()`` on a ``DistributedModel``: the wrapped module's own generation loop (search,
+sampling, logits processors, stopping criteria), its forward calls run by jmp.
+
+Each forward is a model call under ``torch.no_grad()`` outside a step function (``recording``): a forward-only
+program, cached by its inputs' shapes. A key/value cache cannot cross the compiled forward (a step's cache is in
+microbatch pieces on the devices, and each call would bake a new cache object into a new program), so generation
+runs without one: every new token runs the forward on the whole sequence so far, which computes the same tokens.
+A generation of N tokens from a prompt of length L runs programs for the lengths L .. L+N-1: N programs the first
+time, none for a later generation over the same lengths (and batch size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from jmp.errors import StepError
+
+logger = logging.getLogger("jmp")
+
+
+def generate_of(model: Any) -> Callable[..., Any]:
+    """``model.generate``: the wrapped module's ``generate`` running on ``model``'s forward. AttributeError when
+    the module has no ``generate``, so that ``hasattr(model, "generate")`` answers as for the module."""
+    module = model.__dict__.get("torch_module")
+    method = getattr(module, "generate", None)
+    if not callable(method):
+        raise AttributeError("generate")  # DistributedModel.__getattr__ then says what the module lacks
+
+    @functools.wraps(method)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        return run_generate(model, method, args, kwargs)
+
+    return generate
+
+
+def run_generate(model: Any, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``method(*args, **kwargs)`` (the module's bound ``generate``) with the module's forward routed to
+    ``model``'s and no key/value cache."""
+    if kwargs.get("past_key_values") is not None:
+        raise StepError(
+            "DistributedModel.generate(past_key_values=...): a key/value cache cannot enter jmp's compiled forward; "
+            "pass the whole sequence so far as input_ids instead (jmp generates without a cache)"
+        )
+    _note_once(
+        "no-cache",
+        "generate() on a DistributedModel runs without a key/value cache (use_cache=False): each new token runs "
+        "the forward on the whole sequence so far, one compiled program per sequence length (the same tokens "
+        "as with a cache)",
+    )
+    with _forward_routed_to(model):
+        return method(*args, **{**kwargs, "use_cache": False})
+
+
+@contextlib.contextmanager
+def _forward_routed_to(model: Any) -> Iterator[None]:
+    """The wrapped module's ``forward`` (what ``module(...)`` and ``module.__call__`` reach) calls ``model``."""
+    module = model.torch_module
+    before = module.__dict__.get("forward")
+    # wraps: Hugging Face reads the forward's signature to choose the inputs it passes
+    module.__dict__["forward"] = functools.wraps(module.forward)(lambda *args, **kwargs: model(*args, **kwargs))
+    try:
+        yield
+    finally:
+        if before is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = before
+
+
+def check_no_cache(leaves: list) -> None:
+    """Refuse a key/value cache among a forward's inputs: baked into the program as a constant, each call's
+    cache would compile a new program, and the model's in-place cache updates would write traced values into
+    the user's cache object."""
+    cache_utils = sys.modules.get("transformers.cache_utils")  # never imports transformers itself
+    if cache_utils is None:
+        return
+    for leaf in leaves:
+        if isinstance(leaf, cache_utils.Cache):
+            raise StepError(
+                f"a {type(leaf).__name__} (past_key_values) was passed to a DistributedModel: a key/value cache "
+                "cannot enter jmp's compiled forward (and a forward's cache comes back as None). Call the model on "
+                "the whole sequence so far, with use_cache=False, or use model.generate(...), which does that"
+            )
+
+
+_noted: set[str] = set()
+
+
+def _note_once(key: str, message: str) -> None:
+    if key not in _noted:
+        _noted.add(key)
+        logger.info(message)
