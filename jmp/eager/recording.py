@@ -218,21 +218,29 @@ class Recording:
 
     def _whole_if_indivisible(self) -> None:
         """A forward under ``no_grad`` whose batch the data-parallel devices cannot share equally (a generation's
-        one prompt) is given whole: every device computes all of it, as nothing needs it split (one microbatch,
-        no pipeline, one process; elsewhere the step says what is wrong)."""
+        one prompt) is given whole: every device computes all of it. Only where nothing needs the batch split
+        (one microbatch, no pipeline); with several processes the step says how each one's share must divide."""
+        config = self.model.layout.config
         shards = batching.data_shards(self.model.layout.mesh)
-        rows = [t.shape[0] for t, split in zip(self.inputs, self.split) if split]
-        if not any(r % shards for r in rows):
+        parts = config.microbatches * shards
+        rows = next((t.shape[0] for t, split in zip(self.inputs, self.split) if split and t.shape[0] % parts), None)
+        if rows is None or jax.process_count() > 1:
             return
-        if self.model.layout.config.microbatches > 1 or self.model.pipeline is not None or jax.process_count() > 1:
-            return
+        if config.microbatches > 1 or self.model.pipeline is not None:
+            raise StepError(
+                f"a forward under torch.no_grad() on a batch of {rows} rows: the config splits each batch into "
+                f"{config.microbatches} microbatches x {shards} data-parallel shards"
+                f"{' for its pipeline' if self.model.pipeline is not None else ''}, so it takes a multiple of "
+                f"{parts} rows. Pad the batch to {-(-rows // parts) * parts} rows (copies of a prompt) and keep "
+                f"the first {rows} rows of what it returns."
+            )
         self.split = [False] * len(self.split)
         if "whole" not in _noted:
             _noted.add("whole")
             logger.info(
                 "a forward under torch.no_grad() on a batch of %d rows, which %d data-parallel shards cannot share "
-                "equally: every device computes the whole batch (a batch of a multiple of %d rows is split)",
-                rows[0],
+                "equally: every device computes the whole batch (a multiple of %d rows is split over them)",
+                rows,
                 shards,
                 shards,
             )

@@ -92,3 +92,10 @@ def test_a_cache_passed_to_the_model_is_refused_and_generate_is_the_modules():
         model.generate(_prompt(8, 1), past_key_values=cache, max_new_tokens=1)
     assert model.generate.__doc__ == net.generate.__doc__
     assert not hasattr(smp.DistributedModel(torch.nn.Linear(4, 4)), "generate")
+
+
+def test_a_batch_that_microbatches_cannot_split_says_how_to_pad_it():
+    smp.init({"microbatches": 2})
+    model = smp.DistributedModel(causal_lm("gpt2").eval())
+    with torch.no_grad(), pytest.raises(StepError, match="Pad the batch to 16 rows"):
+        model(input_ids=_prompt(1))
