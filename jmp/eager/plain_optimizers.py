@@ -1,13 +1,14 @@
 """A plain torch optimizer built on a ``DistributedModel``'s parameters (``torch.optim.AdamW(model.parameters())``,
 never wrapped) becomes a ``DistributedOptimizer`` at its first ``step()``.
 
-The gradients of a step jmp ran live on the devices, not in ``param.grad``, so torch's own ``step()`` would skip
-every parameter and train nothing without a word. A global optimizer step pre-hook
-(``torch.optim.optimizer.register_optimizer_step_pre_hook``, installed by the first implicit step) wraps such an
-optimizer in ``smp.DistributedOptimizer`` and runs the wrapper's step before each of torch's (which then finds no
-``param.grad`` and changes nothing); the object's ``zero_grad``, ``state_dict`` and ``load_state_dict`` become the
-wrapper's. The loop keeps calling the object it holds, and LR schedulers keep wrapping its ``step`` and writing
-its ``param_groups``, which the wrapper reads at every step. It says so once, at INFO.
+The gradients of a step jmp ran live on the devices (``param.grad`` reads them lazily: ``jmp.model.param_grads``);
+torch's own ``step()`` would update the host's copies of the parameters, not the model. A global optimizer step
+pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``, installed by the first implicit step) wraps
+such an optimizer in ``smp.DistributedOptimizer`` and runs the wrapper's step before each of torch's, which then
+finds no ``param.grad`` (a post-hook puts them back) and changes nothing; the object's ``zero_grad``,
+``state_dict`` and ``load_state_dict`` become the wrapper's. The loop keeps calling the object it holds, and LR
+schedulers keep wrapping its ``step`` and writing its ``param_groups``, which the wrapper reads at every step.
+It says so once, at INFO.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from jmp.optim import model_lookup
 from jmp.optim.distributed_optimizer import DistributedOptimizer
@@ -29,12 +30,14 @@ _installed: list[Any] = []
 # the wrapper lives on the torch optimizer it wraps (a cycle the collector frees with both); a WeakKeyDictionary
 # would keep every such optimizer, and its model, alive, as its value holds its key
 WRAPPER = "_jmp_distributed_optimizer"
+HIDDEN = "_jmp_hidden_grads"  # the p.grad torch's own step must not see (it would update host copies)
 _noted: set[str] = set()
 
 
 def install() -> None:
     if not _installed:
         _installed.append(register_optimizer_step_pre_hook(_step_on_the_devices))
+        _installed.append(register_optimizer_step_post_hook(_show_grads_again))
 
 
 def _step_on_the_devices(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -47,7 +50,18 @@ def _step_on_the_devices(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
         for name in ROUTED:
             setattr(optimizer, name, getattr(distributed, name))
         _note(type(optimizer).__name__)
-    distributed.step()  # torch's step then finds no param.grad and changes nothing
+    distributed.step()
+    # torch's step runs next: with no p.grad to see, it changes nothing; they are back after it
+    hidden = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    for parameter, _ in hidden:
+        parameter.grad = None
+    setattr(optimizer, HIDDEN, hidden)
+
+
+def _show_grads_again(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for parameter, grad in getattr(optimizer, HIDDEN, ()):
+        parameter.grad = grad
+    setattr(optimizer, HIDDEN, [])
 
 
 def _note(name: str) -> None:

@@ -28,6 +28,7 @@ from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
 from jmp.model import delayed_init, sdp_partitions, smp_paths
 from jmp.model import live_models as model_registry
 from jmp.model.module_surface import ModelOptions, ModuleSurface
+from jmp.model.param_grads import ParamGrads
 from jmp.model.parameter_store import ParameterStore, StageStore, TreeStore
 from jmp.model.records import ParameterLayout, ProgramCache, TrainingState, copy_tree
 from jmp.model.seams import AttachedOptimizer, LossScaleSource
@@ -169,6 +170,8 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
                 rest=state.put_replicated(rest, self.layout.replicated),
             )
             self._module_version = self.training_state.version  # the torch module holds these values now
+        if not self.abstract:
+            self.training_state.grad_views = ParamGrads(self)  # p.grad reads the gradients on the devices
         self.programs = ProgramCache()
         self.call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
         _log_layout(self.layout.specs, mesh)

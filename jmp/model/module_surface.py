@@ -45,6 +45,28 @@ def _log_once(key: str, message: str, *args: Any) -> None:
 # --- constructor arguments ------------------------------------------------------------------------------
 
 
+class ModelParameters(Iterator[nn.Parameter]):
+    """``model.parameters()``: an iterator over the torch module's parameters that gives them their current
+    values when first advanced. ``objects()`` lists them without that copy, for callers that only need
+    which tensors were meant (jmp's ``clip_grad_norm_``)."""
+
+    def __init__(self, model: ModuleSurface, recurse: bool):
+        self._model = model
+        self._recurse = recurse
+        self._iterator: Iterator[nn.Parameter] | None = None
+
+    def __next__(self) -> nn.Parameter:
+        if self._iterator is None:
+            self._iterator = self._model.current_module.parameters(self._recurse)
+        return next(self._iterator)
+
+    def objects(self) -> list[nn.Parameter]:
+        """The parameters not yet iterated, without copying values into them."""
+        rest = list(self._model.torch_module.parameters(self._recurse) if self._iterator is None else self._iterator)
+        self._iterator = iter(())
+        return rest
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
     """SMP's ``DistributedModel`` keyword arguments, with SMP's defaults.
@@ -172,11 +194,13 @@ class ModuleSurface:
         """The wrapped torch module (SMP's ``get_module()``; the same object as ``model.module``)."""
         return self.module
 
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+    def parameters(self, recurse: bool = True) -> ModelParameters:
         """The torch module's parameters: what a torch optimizer is built on (``DistributedOptimizer`` finds
         the model by them). They hold the current values (see ``DistributedModel.module``), except those of
-        a model built on the meta device, which stay there (its values live only in its shards)."""
-        return self.current_module.parameters(recurse)
+        a model built on the meta device, which stay there (its values live only in its shards). The values
+        are copied when the iterator is first advanced: ``clip_grad_norm_(model.parameters(), ...)`` at
+        every step copies nothing."""
+        return ModelParameters(self, recurse)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

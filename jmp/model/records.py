@@ -86,6 +86,9 @@ class TrainingState:
     version: int = 0  # counts changes of ``params`` and ``rest`` (what a copy of them is checked against)
     _grads: Any = None
     _grad_factor: jax.Array | None = None
+    # the parameters' ``p.grad`` (jmp.model.param_grads.ParamGrads): told when the gradients change, and asked
+    # for the host's edits of them before the gradients are read
+    grad_views: Any = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ("params", "rest"):
@@ -94,12 +97,19 @@ class TrainingState:
 
     @property
     def grads(self) -> Any:
+        self._take_host_edits()
         if self._grad_factor is not None:
             self.grads = _scaled(self._grads, self._grad_factor)
         return self._grads
 
     @grads.setter
     def grads(self, value: Any) -> None:
+        object.__setattr__(self, "_grads", value)
+        object.__setattr__(self, "_grad_factor", None)
+        self._changed()
+
+    def replace_grads(self, value: Any) -> None:
+        """New gradients that the parameters' ``p.grad`` already show (their edits, written back)."""
         object.__setattr__(self, "_grads", value)
         object.__setattr__(self, "_grad_factor", None)
 
@@ -109,14 +119,29 @@ class TrainingState:
 
     def kept_grads(self) -> tuple[Any, jax.Array | None]:
         """(the gradients as kept, the factor still to multiply them by or None)."""
+        self._take_host_edits()
+        return self._grads, self._grad_factor
+
+    def kept_grads_as_computed(self) -> tuple[Any, jax.Array | None]:
+        """``kept_grads`` without the host's edits (what ``p.grad`` reads from)."""
         return self._grads, self._grad_factor
 
     def scale_grads_later(self, factor: jax.Array) -> None:
         """The gradients multiplied by ``factor`` (a device scalar; torch's clipping rounds each product to the
         gradient's dtype) when next read, or in the optimizer's update."""
+        self._take_host_edits()
         if self._grad_factor is not None:  # a factor already pending is multiplied in first
             self.grads = _scaled(self._grads, self._grad_factor)
         object.__setattr__(self, "_grad_factor", factor)
+        self._changed()
+
+    def _take_host_edits(self) -> None:
+        if self.grad_views is not None:
+            self.grad_views.write_back(self)
+
+    def _changed(self) -> None:
+        if self.grad_views is not None:
+            self.grad_views.publish(self._grads is not None)
 
     @property
     def dropped_tokens(self) -> jax.Array | None:

@@ -25,7 +25,9 @@ import torch.nn.utils.clip_grad
 
 from jmp.errors import OptimizerError
 from jmp.model import live_models as model_registry
+from jmp.model.module_surface import ModelParameters
 from jmp.optim import update_steps
+from jmp.torch_bridge.device_values import DeviceArray
 
 _TORCH_NORM = torch.nn.utils.clip_grad.clip_grad_norm_
 _TORCH_VALUE = torch.nn.utils.clip_grad.clip_grad_value_
@@ -56,7 +58,7 @@ def clip_grad_norm_(
         training.scale_grads_later(factor)
     else:
         training.grads = _scaled_some(training.grads, mask, factor)
-    norm = torch.tensor(float(norm))
+    norm = DeviceArray(norm)  # read (a wait for the devices) only if the loop reads it
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
@@ -98,6 +100,8 @@ def install() -> None:
 
 
 def _listed(parameters: Any) -> list:
+    if isinstance(parameters, ModelParameters):  # model.parameters(): which tensors, without copying their values
+        return parameters.objects()
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 

@@ -112,11 +112,16 @@ def test_two_backward_calls_accumulate_as_one_on_both_batches():
     first, second = token_batches(2)
     both = smp.DistributedModel(copy.deepcopy(net))
     both(input_ids=torch.cat([first, second]), labels=torch.cat([first, second]), use_cache=False).loss.backward()
+    torch_net = copy.deepcopy(net)
     halves = smp.DistributedModel(net)
     for ids in (first, second):
         (halves(input_ids=ids, labels=ids, use_cache=False).loss / 2).backward()
     for grad, expected in zip(jax.tree.leaves(halves.grads), jax.tree.leaves(both.grads), strict=True):
         np.testing.assert_allclose(grad, expected, rtol=2e-5, atol=1e-7)
+    for ids in (first, second):  # p.grad reads them as torch's .grad after the same two backward() calls
+        (torch_net(input_ids=ids, labels=ids, use_cache=False).loss / 2).backward()
+    for (name, parameter), (_, expected) in zip(halves.named_parameters(), torch_net.named_parameters()):
+        torch.testing.assert_close(parameter.grad + 0, expected.grad, rtol=2e-4, atol=1e-6, msg=name)
 
 
 def test_values_kept_past_backward_read_as_tensors_and_misuse_says_what_to_do():
@@ -144,8 +149,10 @@ def test_a_plain_torch_optimizers_state_dict_and_zero_grad_are_the_wrappers():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = token_batches(1)[0]
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    optimizer.step()  # wrapped here: torch's step would find no param.grad and update nothing
+    optimizer.step()  # wrapped here: the wrapper's step updates the model, torch's then finds no p.grad
     assert optimizer.state_dict()["state"][0]["exp_avg"].abs().sum() > 0  # the moments live on the devices
+    assert not optimizer.state  # torch's own step saw no gradient: it kept no moments of its own
+    assert all(p.grad is not None for p in model.parameters())  # and p.grad is back after it
     optimizer.zero_grad()
     assert model.grads is None
     reference = torch.nn.Linear(2, 2)  # optimizers of other modules are torch's as always

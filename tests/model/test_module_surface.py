@@ -179,8 +179,8 @@ def test_attributes_of_the_wrapped_module_are_readable():
     model = smp.DistributedModel(module)
     assert model.config is module.config and model.config.n_layer == 1
     assert model.lm_head is module.lm_head
-    with pytest.raises(AttributeError, match=r"model\.module\.generate\(\)"):
-        model.generate  # noqa: B018 - a torch method would not act on the distributed model
+    with pytest.raises(AttributeError, match=r"model\.module\.prepare_inputs_for_generation\(\)"):
+        model.prepare_inputs_for_generation  # noqa: B018 - a torch method would not act on the distributed model
     with pytest.raises(AttributeError, match="nor has its GPT2LMHeadModel"):
         model.no_such_thing  # noqa: B018
     with pytest.raises(AttributeError):

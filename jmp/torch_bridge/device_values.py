@@ -1,0 +1,72 @@
+"""Torch tensors whose values live on the JAX devices and are copied to the host only when read.
+
+What jmp hands back to torch code between steps (``p.grad``, the norm ``clip_grad_norm_`` returns) stays on the
+devices until something reads it: ``.item()``, ``float()``, printing, or any torch op on it, which runs on the
+host copy made at that first read. Shape, dtype and device answer without a copy, so a loop that logs every N
+steps waits for the devices every N steps, not at each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+
+from jmp.torch_bridge.dtypes import to_torch_dtype
+from jmp.torch_bridge.interop import array_to_tensor
+
+
+class DeviceValue(torch.Tensor):
+    """A tensor of ``shape`` and ``dtype`` whose value a subclass's ``fetch()`` copies from the devices, once."""
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, device: Any = "cpu", *_: Any):
+        return torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: Any = "cpu", *_: Any):
+        super().__init__()
+        self.host_value: torch.Tensor | None = None
+
+    def fetch(self) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} defines fetch()")
+
+    def materialized(self) -> torch.Tensor:
+        if self.host_value is None:
+            self.host_value = self.fetch()
+        return self.host_value
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) == "__get__":  # .shape, .dtype, .device: the wrapper's own
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        return func(*_materialized(args), **_materialized(kwargs or {}))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return func(*_materialized(args), **_materialized(kwargs or {}))
+
+    def __repr__(self) -> str:
+        return repr(self.materialized())
+
+
+class DeviceArray(DeviceValue):
+    """A JAX array as a torch tensor, copied to the host at its first read (gathered across processes then:
+    a collective every process must make)."""
+
+    @staticmethod
+    def __new__(cls, array: jax.Array):
+        return DeviceValue.__new__(cls, tuple(array.shape), to_torch_dtype(array.dtype))
+
+    def __init__(self, array: jax.Array):
+        super().__init__(tuple(array.shape), to_torch_dtype(array.dtype))
+        self.array = array
+
+    def fetch(self) -> torch.Tensor:
+        return array_to_tensor(self.array, self.dtype)
+
+
+def _materialized(tree: Any) -> Any:
+    return torch_pytree.tree_map_only(DeviceValue, DeviceValue.materialized, tree)
