@@ -9,6 +9,9 @@ finds no ``param.grad`` (a post-hook puts them back) and changes nothing; the ob
 ``state_dict`` and ``load_state_dict`` become the wrapper's. The loop keeps calling the object it holds, and LR
 schedulers keep wrapping its ``step`` and writing its ``param_groups``, which the wrapper reads at every step.
 It says so once, at INFO.
+
+A state loaded before the first ``step()`` (``optimizer.load_state_dict(saved)`` when a loop resumes) is torch's
+own ``optimizer.state`` until then: the wrapper takes it over at the first ``step()``, before its update.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from jmp.errors import OptimizerError
 from jmp.optim import model_lookup
 from jmp.optim.distributed_optimizer import DistributedOptimizer
 
@@ -49,6 +53,7 @@ def _step_on_the_devices(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
         setattr(optimizer, WRAPPER, distributed)
         for name in ROUTED:
             setattr(optimizer, name, getattr(distributed, name))
+        _take_over_loaded_state(optimizer, distributed)
         _note(type(optimizer).__name__)
     distributed.step()
     # torch's step runs next: with no p.grad to see, it changes nothing; they are back after it
@@ -62,6 +67,23 @@ def _show_grads_again(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
     for parameter, grad in getattr(optimizer, HIDDEN, ()):
         parameter.grad = grad
     setattr(optimizer, HIDDEN, [])
+
+
+def _take_over_loaded_state(optimizer: torch.optim.Optimizer, distributed: DistributedOptimizer) -> None:
+    """Move what torch's ``load_state_dict`` put in ``optimizer.state`` before the first ``step()`` to the devices
+    (the wrapper's load empties torch's copy)."""
+    loaded = torch.optim.Optimizer.state_dict(optimizer)  # torch's own: state_dict is the wrapper's now
+    if not loaded["state"]:
+        return
+    tensors = [v for entry in loaded["state"].values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    if any(t.is_meta for t in tensors):  # torch moved the loaded tensors to the parameters' device
+        raise OptimizerError(
+            f"the state loaded into torch.optim.{type(optimizer).__name__} before its first step() was moved to "
+            "the meta device, where the parameters of a model built under smp.delay_param_initialization() live, "
+            "and its values are lost. Wrap the optimizer first, smp.DistributedOptimizer(optimizer), then call "
+            "its load_state_dict"
+        )
+    distributed.load_state_dict(loaded)
 
 
 def _note(name: str) -> None:

@@ -151,7 +151,7 @@ class TorchStateAdapter:
             steps = [float(tensors[i]["step"]) for i in self.group_indices(group) if "step" in tensors.get(i, {})]
             count = jnp.asarray(int(steps[0]) if steps else 0, jnp.int32)
             inner = _set_counts(inner, count)
-            replaced[group] = inject_state._replace(inner_state=inner, count=jnp.array(count))
+            replaced[group] = inject_state._replace(inner_state=inner, count=_placed_like(count, inject_state.count))
         return with_group_states(opt_state, replaced)
 
     def _per_param(self, opt_state: Any, to_tensor: Callable[[jax.Array], torch.Tensor]) -> dict:
@@ -312,10 +312,16 @@ def _loaded_field(field: Any, torch_name: str, index: dict, tensors: dict) -> An
     return jax.tree_util.tree_map_with_path(load, field)
 
 
+def _placed_like(value: jax.Array, like: jax.Array) -> jax.Array:
+    """``value`` in a buffer of its own (the state is donated), of ``like``'s dtype and where ``like`` lives: the update
+    program was compiled for the state's shardings, and a count on one device would compile another."""
+    return jax.device_put(jnp.array(value, like.dtype), like.sharding)
+
+
 def _set_counts(tree: Any, count: jax.Array) -> Any:
     """Give every step counter inside a group's state the loaded step (Adam's bias correction uses it)."""
     if hasattr(tree, "_fields") and "count" in tree._fields:
-        return tree._replace(count=jnp.array(count, tree.count.dtype))  # own buffer: the state is donated
+        return tree._replace(count=_placed_like(count, tree.count))
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
         return tuple(_set_counts(item, count) for item in tree)
     return tree
