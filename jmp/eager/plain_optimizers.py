@@ -44,17 +44,27 @@ def install() -> None:
         _installed.append(register_optimizer_step_post_hook(_show_grads_again))
 
 
-def _step_on_the_devices(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+def distributed_optimizer_of(optimizer: torch.optim.Optimizer) -> DistributedOptimizer | None:
+    """The ``DistributedOptimizer`` a plain torch optimizer on a model's parameters stands for, made now if its
+    first ``step()`` has not come yet (``smp.save_checkpoint`` / ``resume_from_checkpoint`` given the torch
+    optimizer); None for an optimizer of other tensors."""
     distributed = getattr(optimizer, WRAPPER, None)
     if distributed is None:
         if not model_lookup.owners_of(optimizer):
-            return  # an optimizer of plain torch parameters: torch's own step
+            return None
         distributed = DistributedOptimizer(optimizer)
         setattr(optimizer, WRAPPER, distributed)
         for name in ROUTED:
             setattr(optimizer, name, getattr(distributed, name))
         _take_over_loaded_state(optimizer, distributed)
         _note(type(optimizer).__name__)
+    return distributed
+
+
+def _step_on_the_devices(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    distributed = distributed_optimizer_of(optimizer)
+    if distributed is None:
+        return  # an optimizer of plain torch parameters: torch's own step
     distributed.step()
     # torch's step runs next: with no p.grad to see, it changes nothing; they are back after it
     hidden = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

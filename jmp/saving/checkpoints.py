@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from jmp.eager import plain_optimizers
 from jmp.errors import ArgumentTypeError, CheckpointError
 from jmp.model import live_models as model_registry
 from jmp.model import portable_state
@@ -63,6 +64,8 @@ def save_checkpoint(
     tag = directory.check_tag(tag)
     if model is not None and not isinstance(model, DistributedModel):
         raise ArgumentTypeError(f"save_checkpoint(model=...) takes an smp.DistributedModel, not {type(model).__name__}")
+    if isinstance(optimizer, torch.optim.Optimizer):  # a plain torch optimizer of a loop without @smp.step
+        optimizer = plain_optimizers.distributed_optimizer_of(optimizer) or optimizer
     if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
         raise ArgumentTypeError(
             f"save_checkpoint(optimizer=...) takes an smp.DistributedOptimizer, not {type(optimizer).__name__}"
@@ -104,6 +107,7 @@ def resume_from_checkpoint(
     translate_function: Any = None,
     *,
     model: DistributedModel | None = None,
+    optimizer: DistributedOptimizer | torch.optim.Optimizer | None = None,
 ) -> Any:
     """Load checkpoint ``tag`` (None: the newest complete one) into the run's model and optimizer.
 
@@ -119,6 +123,9 @@ def resume_from_checkpoint(
         translate_function: (full checkpoints) applied to the loaded state_dict before it is loaded.
         model: (a jmp extension) the model to load into; default: the DistributedModel built last, and the
             optimizer built on it last.
+        optimizer: (a jmp extension) the optimizer to load into: a DistributedOptimizer, or the plain torch
+            optimizer of a loop without ``@smp.step`` (wrapped now, as its first ``step()`` would); default: the
+            model's.
 
     Returns:
         The ``user_content`` saved with the checkpoint (None if there was none).
@@ -130,6 +137,17 @@ def resume_from_checkpoint(
     partial_checkpoint.wait_for_saves()
     root = Path(path)
     tag = directory.resolve_tag(root, tag, partial)
+    if isinstance(optimizer, torch.optim.Optimizer):  # a plain torch optimizer of a loop without @smp.step
+        optimizer = plain_optimizers.distributed_optimizer_of(optimizer) or optimizer
+    if optimizer is not None:
+        if not isinstance(optimizer, DistributedOptimizer):
+            raise ArgumentTypeError(
+                "resume_from_checkpoint(optimizer=...) takes an smp.DistributedOptimizer or a torch optimizer of the "
+                f"model's parameters, not {type(optimizer).__name__}"
+            )
+        if model is not None and optimizer.model is not model:
+            raise CheckpointError("resume_from_checkpoint: the optimizer updates another model than the one given")
+        model = optimizer.model
     if not partial:
         model = _the_model(model)
         user_content, _ = full.resume(root, tag, model, strict, load_optimizer, translate_function)
@@ -139,7 +157,8 @@ def resume_from_checkpoint(
     saved = meta["arrays"]
     has_optimizer = meta.get("optimizer") is not None and load_optimizer
     model = _the_model(model) if meta.get("model") is not None or has_optimizer else None
-    optimizer = model.attached_optimizer if model is not None else None
+    if optimizer is None and model is not None:
+        optimizer = model.attached_optimizer
     wanted: dict[str, Any] = {}
     if meta.get("model") is not None:
         wanted |= _matching(portable_state.model_arrays(model), saved, (PARAMS, BUFFERS), strict)
@@ -147,7 +166,8 @@ def resume_from_checkpoint(
         if optimizer is None:
             raise CheckpointError(
                 f"resume_from_checkpoint: {directory.partial_dir(root, tag)} holds optimizer state but the model "
-                "has no smp.DistributedOptimizer yet; create it before resuming, or pass load_optimizer=False"
+                "has no smp.DistributedOptimizer yet; create it before resuming (or pass optimizer=), or pass "
+                "load_optimizer=False"
             )
         prefixes = (OPTIMIZER, LOSS_SCALE) if load_sharded_optimizer_state else (LOSS_SCALE,)
         current = {k: v for k, v in portable_state.optimizer_arrays(optimizer).items() if k.startswith(prefixes)}

@@ -93,3 +93,19 @@ def test_a_state_loaded_into_meta_device_parameters_is_refused_at_the_first_step
     plain_optimizers.install()  # as the model's first call does
     with pytest.raises(OptimizerError, match="smp.DistributedOptimizer\\(optimizer\\), then call its load_state_dict"):
         optimizer.step()
+
+
+def test_smp_checkpoints_take_the_plain_torch_optimizer_of_the_loop(tmp_path):
+    smp.init({"sharded_data_parallel_degree": 8})
+    batches = token_batches(4)
+    model, optimizer, scheduler = _setup(causal_lm("gpt2"), wrap=True)
+    before = _train(model, optimizer, scheduler, batches[:SAVED_AFTER])
+    smp.save_checkpoint(tmp_path, "after-2", model=model, optimizer=optimizer)  # the torch AdamW the loop holds
+    schedule = scheduler.state_dict()
+    uninterrupted = before + _train(model, optimizer, scheduler, batches[SAVED_AFTER:])
+
+    model, optimizer, scheduler = _setup(causal_lm("gpt2"), wrap=True)
+    smp.resume_from_checkpoint(tmp_path, "after-2", optimizer=optimizer)  # before its first step()
+    scheduler.load_state_dict(schedule)  # the loop's own to keep, as with torch.save
+    resumed = before + _train(model, optimizer, scheduler, batches[SAVED_AFTER:])
+    np.testing.assert_allclose(resumed, uninterrupted, rtol=1e-6)
