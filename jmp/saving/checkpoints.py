@@ -64,7 +64,7 @@ def save_checkpoint(
     tag = directory.check_tag(tag)
     if model is not None and not isinstance(model, DistributedModel):
         raise ArgumentTypeError(f"save_checkpoint(model=...) takes an smp.DistributedModel, not {type(model).__name__}")
-    if isinstance(optimizer, torch.optim.Optimizer):  # a plain torch optimizer of a loop without @smp.step
+    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DistributedOptimizer):  # a loop's own
         optimizer = plain_optimizers.distributed_optimizer_of(optimizer) or optimizer
     if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
         raise ArgumentTypeError(
@@ -137,7 +137,7 @@ def resume_from_checkpoint(
     partial_checkpoint.wait_for_saves()
     root = Path(path)
     tag = directory.resolve_tag(root, tag, partial)
-    if isinstance(optimizer, torch.optim.Optimizer):  # a plain torch optimizer of a loop without @smp.step
+    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DistributedOptimizer):  # a loop's own
         optimizer = plain_optimizers.distributed_optimizer_of(optimizer) or optimizer
     if optimizer is not None:
         if not isinstance(optimizer, DistributedOptimizer):
