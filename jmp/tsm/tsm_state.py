@@ -1,0 +1,186 @@
+"""``tsm.state``: SMP v2's state object, under SMP v2's attribute names, read live from the run's config and mesh.
+
+Ranks count processes, as jmp's ``smp.tp_rank()`` and its siblings do: one process may drive several devices
+of a mesh axis (then its rank along that axis is 0). Under ``python -m jmp.launch``, one device per process by
+default, they are SMP v2's ranks. Sizes are the degrees (the mesh's axis sizes).
+
+``hybrid_shard_degree`` is what jmp's FSDP wrapper reads to lay a model out: 0 exactly when SMP v2 leaves
+the sharding to PyTorch FSDP's ``sharding_strategy`` (``hybrid_shard_degree`` 0, v2's default, with
+``tensor_parallel_degree`` 1; the mesh's ``fsdp`` axis then spans every data-parallel device, FULL_SHARD's
+layout); otherwise the mesh's ``fsdp`` degree, which SMP v2 uses with HYBRID_SHARD whatever strategy the
+script names (unless it names ``_HYBRID_SHARD_ZERO2``). After a plain ``jmp.init`` it is the config's degree.
+
+The degrees (``tensor_parallel_degree``, ``expert_parallel_degree``, ``context_parallel_degree``) may be
+assigned; see ``jmp.tsm.initialization``. Replication (``ranker``) is across the mesh's ``dp`` axis: the
+processes holding the same shard of the same model part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import torch.distributed as dist
+
+from jmp.errors import JmpError
+from jmp.runtime import mesh_state, process_groups
+from jmp.tsm import initialization
+
+_CONTEXT_AXIS = "cp"  # the mesh axis context parallelism will add; absent, the degree is 1
+
+
+def _initialized_mesh(what: str):
+    if not mesh_state.is_initialized():
+        raise JmpError(f"tsm.state.{what} needs the run's mesh: call tsm.init() first")
+    return mesh_state.get_mesh()
+
+
+def _rank_along(axis: str) -> int:
+    """This process's rank among the processes that differ from it only along ``axis`` (0 without the axis)."""
+    mesh = _initialized_mesh(f"{axis}_rank")
+    if axis not in mesh.axis_names:
+        return 0
+    me = jax.process_index()
+    group = next((g for g in process_groups.partition_of(mesh, (axis,)) if me in g), (me,))
+    return group.index(me)
+
+
+class Ranker:
+    """SMP v2's ``tsm.state.ranker``: the replication groups, the processes holding the same shard."""
+
+    def get_rep_groups(self) -> list[list[int]]:
+        """Every replication group (data-parallel replicas of the same shard), as sorted rank lists."""
+        mesh = _initialized_mesh("ranker")
+        return [list(group) for group in process_groups.partition_of(mesh, ("dp",))]
+
+    def get_rep_rank(self, rank: int | None = None) -> int:
+        """``rank``'s index in its replication group (default: this process's); 0 on the first replica, the one
+        that writes sharded checkpoints."""
+        rank = jax.process_index() if rank is None else rank
+        for group in self.get_rep_groups():
+            if rank in group:
+                return group.index(rank)
+        raise JmpError(f"tsm.state.ranker.get_rep_rank: rank {rank} holds no device of the mesh")
+
+
+class State:
+    """SMP v2's ``torch.sagemaker.state``."""
+
+    def __init__(self):
+        object.__setattr__(self, "ranker", Ranker())
+
+    # --- the config ---------------------------------------------------------------------------------------
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        return self._degree("tensor_parallel_degree", "tp")
+
+    @tensor_parallel_degree.setter
+    def tensor_parallel_degree(self, value: int) -> None:
+        initialization.assign_degree("tensor_parallel_degree", value)
+
+    @property
+    def expert_parallel_degree(self) -> int:
+        return self._degree("expert_parallel_degree", "ep")
+
+    @expert_parallel_degree.setter
+    def expert_parallel_degree(self, value: int) -> None:
+        initialization.assign_degree("expert_parallel_degree", value)
+
+    @property
+    def context_parallel_degree(self) -> int:
+        return self._degree("context_parallel_degree", _CONTEXT_AXIS)
+
+    @context_parallel_degree.setter
+    def context_parallel_degree(self, value: int) -> None:
+        initialization.assign_degree("context_parallel_degree", value)
+
+    @property
+    def hybrid_shard_degree(self) -> int:
+        """0: PyTorch FSDP's ``sharding_strategy`` decides the sharding; else the mesh's ``fsdp`` degree."""
+        if not mesh_state.is_initialized():
+            return initialization.pending_value("hybrid_shard_degree")
+        run = initialization.current_run()
+        return run.hybrid_shard_degree if run is not None else mesh_state.get_config().sharded_data_parallel_degree
+
+    @property
+    def sm_activation_offloading(self) -> bool:
+        return self._config_value("sm_activation_offloading", "offload_activations")
+
+    @property
+    def activation_loading_horizon(self) -> int:
+        if not mesh_state.is_initialized():
+            return initialization.pending_value("activation_loading_horizon")
+        run = initialization.current_run()
+        return run.activation_loading_horizon if run is not None else mesh_state.get_config().activation_loading_horizon
+
+    @property
+    def fsdp_cache_flush_warnings(self) -> bool:
+        return self._config_value("fsdp_cache_flush_warnings", "fsdp_cache_flush_warnings")
+
+    @property
+    def allow_empty_shards(self) -> bool:
+        return self._config_value("allow_empty_shards", "allow_empty_shards")
+
+    @property
+    def random_seed(self) -> int:
+        return self._config_value("random_seed", "random_seed")
+
+    # --- ranks and groups ---------------------------------------------------------------------------------
+
+    @property
+    def tp_rank(self) -> int:
+        _initialized_mesh("tp_rank")
+        return mesh_state.tp_rank()
+
+    @property
+    def tp_size(self) -> int:
+        return _initialized_mesh("tp_size").shape["tp"]
+
+    @property
+    def ep_rank(self) -> int:
+        return _rank_along("ep")
+
+    @property
+    def cp_rank(self) -> int:
+        return _rank_along(_CONTEXT_AXIS)
+
+    @property
+    def cp_size(self) -> int:
+        return dict(_initialized_mesh("cp_size").shape).get(_CONTEXT_AXIS, 1)
+
+    @property
+    def world_process_group(self) -> dist.ProcessGroup:
+        """Every process, as a ``torch.distributed`` group."""
+        _initialized_mesh("world_process_group")
+        return process_groups.get_world_process_group()
+
+    @property
+    def tp_process_group(self) -> dist.ProcessGroup:
+        """The processes holding the tensor-parallel slices of the same layers, as a ``torch.distributed`` group."""
+        _initialized_mesh("tp_process_group")
+        return process_groups.get_tp_process_group()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in initialization.DEGREES:
+            object.__setattr__(self, name, value)  # the property's setter
+            return
+        raise AttributeError(
+            f"tsm.state.{name} cannot be assigned: give it to tsm.init (only {', '.join(initialization.DEGREES)} "
+            "are assignable)"
+        )
+
+    # --- helpers ------------------------------------------------------------------------------------------
+
+    def _degree(self, key: str, axis: str) -> int:
+        if not mesh_state.is_initialized():
+            return initialization.pending_value(key)
+        return dict(mesh_state.get_mesh().shape).get(axis, 1)
+
+    def _config_value(self, key: str, field: str) -> Any:
+        if not mesh_state.is_initialized():
+            return initialization.pending_value(key)
+        return getattr(mesh_state.get_config(), field)
+
+
+state = State()
