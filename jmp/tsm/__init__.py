@@ -16,6 +16,7 @@ Submodules at SMP v2's paths: ``delayed_param`` (``DelayedParamIniter``), ``grad
 """
 
 from jmp.tsm.initialization import init, is_initialized
+from jmp.tsm.transformation import transform
 from jmp.tsm.tsm_state import state
 
-__all__ = ["init", "is_initialized", "state"]
+__all__ = ["init", "is_initialized", "state", "transform"]

@@ -1,0 +1,54 @@
+"""``torch.sagemaker.tensor_parallel.transformer.TransformerLayer``: the class SMP v2's transformed decoder layers
+are instances of.
+
+SMP v2 replaces a model's decoder layers by its own ``TransformerLayer``; scripts then select them by that class
+(PyTorch FSDP's ``transformer_auto_wrap_policy``, the activation-checkpointing predicate). jmp keeps the layers:
+``tsm.transform`` gives each one a class derived from both its own class and ``TransformerLayer``
+(``layer_class``), so the layer keeps its forward, attributes and state-dict keys, its class name, and every
+``isinstance`` answer it had, and is a ``TransformerLayer`` too. One derived class per layer class, kept here:
+a transformed model pickles (``torch.save(model)``) and loads in another process, where the class is made again
+from its name.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_PREFIX = "TransformerLayer:"
+_made: dict[type, type] = {}
+
+
+class TransformerLayer(nn.Module):
+    """A decoder layer ``tsm.transform`` took: only its derived classes (``layer_class``) have instances."""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is TransformerLayer:
+            raise TypeError(
+                "TransformerLayer is the class of the decoder layers tsm.transform(model) returns; it is not "
+                "built by itself: transform a model and select its layers with isinstance(m, TransformerLayer)"
+            )
+        return super().__new__(cls)
+
+
+def layer_class(base: type[nn.Module]) -> type[nn.Module]:
+    """The class derived from ``base`` and ``TransformerLayer`` (``base`` itself if it is one already)."""
+    if issubclass(base, TransformerLayer):
+        return base
+    if base not in _made:
+        qualname = _PREFIX + base.__module__.replace(".", "/") + ":" + base.__qualname__.replace(".", "/")
+        attributes = {"__module__": __name__, "__qualname__": qualname, "__doc__": base.__doc__}
+        _made[base] = type(base.__name__, (base, TransformerLayer), attributes)
+    return _made[base]
+
+
+def __getattr__(name: str) -> type[nn.Module]:
+    """A derived class by its qualified name (how pickle finds it): made again from the layer class it names."""
+    if not name.startswith(_PREFIX):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name, _, qualname = name[len(_PREFIX) :].partition(":")
+    found = importlib.import_module(module_name.replace("/", "."))
+    for part in qualname.split("/"):
+        found = getattr(found, part)
+    return layer_class(found)
