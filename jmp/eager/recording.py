@@ -8,10 +8,13 @@ them, the others are given whole. ``backward()`` runs ``implicit_step`` (forward
 ``model.backward(loss)``): gradients accumulate in the model as a step function's do, until
 ``optimizer.zero_grad()``. Every value of the recording still referenced then comes back (as
 ``StepOutput.as_tensor()`` gives it: a scalar is the mean over microbatches, a batch is joined in order).
+A call recorded inside a ``torch.autocast`` region is replayed inside the same region in the step, as the calls
+of a step function written inside one run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import weakref
@@ -57,12 +60,14 @@ class SliceConstant:
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One recorded torch call: ``func`` on the leaves (``Value``, ``Input`` or constants) of ``spec``; each
-    tensor it returned became the value at its place in ``outputs`` (None for what is not a tensor)."""
+    tensor it returned became the value at its place in ``outputs`` (None for what is not a tensor). ``autocast``:
+    the (device type, dtype) of the ``torch.autocast`` region it was made in (None: none)."""
 
     func: Any
     leaves: tuple
     spec: Any
     outputs: tuple
+    autocast: tuple[str, torch.dtype] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +104,10 @@ def implicit_step(model, batch: list, whole: list, plan: Plan):
 def _replay(func: Any, call: Call, inputs: list, values: dict) -> Any:
     leaves = [_resolve(leaf, inputs, values) for leaf in call.leaves]
     args, kwargs = torch_pytree.tree_unflatten(leaves, call.spec)
-    result = func(*args, **kwargs)
+    # the region the call was recorded in: at backward() the loop has left it, the step enters it again
+    region = contextlib.nullcontext() if call.autocast is None else torch.autocast(call.autocast[0], call.autocast[1])
+    with region:
+        result = func(*args, **kwargs)
     for leaf, index in zip(torch_pytree.tree_leaves(result), call.outputs):
         if index is not None:
             values[index] = leaf
@@ -136,7 +144,8 @@ class Recording:
         if not self.differentiable:
             generation.check_no_cache(leaves)
             self._whole_if_indivisible()
-        forward = Plan(Call(None, tuple(refs), spec, ()), (), None, None, None, tuple(self.split))
+        self.autocast = _autocast_region()
+        forward = Plan(Call(None, tuple(refs), spec, (), self.autocast), (), None, None, None, tuple(self.split))
         if not self.differentiable:  # gradients off: nothing to record, the forward runs at once
             self.ran = True
             returned = self._run(forward)
@@ -145,7 +154,7 @@ class Recording:
         shapes = self._run(forward, shapes=True)
         out_leaves, out_spec = torch_pytree.tree_flatten(shapes)
         outputs, indices = self._new_values(out_leaves)
-        self.model_call = Call(None, tuple(refs), spec, tuple(indices))
+        self.model_call = Call(None, tuple(refs), spec, tuple(indices), self.autocast)
         self.returned = torch_pytree.tree_unflatten(outputs, out_spec)
 
     # --- recording ------------------------------------------------------------------------------------------
@@ -162,7 +171,7 @@ class Recording:
         if not any(isinstance(leaf, torch.Tensor) for leaf in out_leaves):
             return result  # sizes, dtypes, dims: answered from the shapes
         outputs, indices = self._new_values(out_leaves)
-        self.calls.append(Call(func, tuple(refs), spec, tuple(indices)))
+        self.calls.append(Call(func, tuple(refs), spec, tuple(indices), _autocast_region()))
         in_place = _is_in_place(func) and isinstance(args[0], LazyTensor)
         if in_place:  # the tensor the user holds now stands for the new value, as torch's in-place ops keep it
             args[0].index = indices[0]
@@ -305,6 +314,15 @@ class Recording:
             if shapes:
                 return implicit_step.output_shapes(self.model, split, whole, plan)
             return implicit_step(self.model, split, whole, plan)
+
+
+def _autocast_region() -> tuple[str, torch.dtype] | None:
+    """The ``torch.autocast`` region open where a call is recorded, as (device type, dtype); CUDA's first, as the
+    bridge reads an open region (``jmp.torch_bridge.autocast``)."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return device_type, torch.get_autocast_dtype(device_type)
+    return None
 
 
 def _meta(leaf: Any) -> Any:
