@@ -1,0 +1,80 @@
+"""PyTorch's FSDP API on jmp: an FSDP (or FSDP2) training script runs with its import line changed.
+
+    from jmp.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy, fully_shard
+    # instead of: from torch.distributed.fsdp import ...
+
+- ``FullyShardedDataParallel`` (``fully_sharded``): a ``DistributedModel`` laid out as FSDP's arguments ask
+  (``layout``), with FSDP's methods and class-level API (``state_dict_type``, ``optim_state_dict``,
+  ``summon_full_params``, ``clip_grad_norm_``, ...; ``state_dicts``).
+- ``fully_shard`` (FSDP2, ``fully_shard``): marks modules and swaps their class in place; the root runs a
+  ``FullyShardedDataParallel`` from its first call.
+- ``apply_activation_checkpointing``, ``checkpoint_wrapper``, ``offload_wrapper`` (``activation_checkpointing``):
+  jmp's remat and activation offloading.
+- The option types and wrap policies are torch's own objects (``options``).
+"""
+
+from jmp.fsdp.activation_checkpointing import apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper
+from jmp.fsdp.fully_shard import FSDPModule, fully_shard
+from jmp.fsdp.fully_sharded import FullyShardedDataParallel
+from jmp.fsdp.options import (
+    BackwardPrefetch,
+    CheckpointImpl,
+    CPUOffload,
+    CPUOffloadPolicy,
+    CustomPolicy,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ModuleWrapPolicy,
+    OffloadPolicy,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+    always_wrap_policy,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+
+FSDP = FullyShardedDataParallel
+
+__all__ = [
+    "FSDP",
+    "BackwardPrefetch",
+    "CPUOffload",
+    "CPUOffloadPolicy",
+    "CheckpointImpl",
+    "CustomPolicy",
+    "FSDPModule",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "ModuleWrapPolicy",
+    "OffloadPolicy",
+    "OptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+    "always_wrap_policy",
+    "apply_activation_checkpointing",
+    "checkpoint_wrapper",
+    "fully_shard",
+    "lambda_auto_wrap_policy",
+    "offload_wrapper",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+]

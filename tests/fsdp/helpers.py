@@ -1,0 +1,62 @@
+"""A small Llama, its batches, and an FSDP training loop as people write it, for the FSDP tests."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+
+VOCAB = 128
+STEPS = 3
+
+
+def llama() -> torch.nn.Module:
+    """A 2-layer Llama (hidden 64, vocab 128, grouped-query attention), the same weights at every call."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def batches(count: int = STEPS, rows: int = 8, length: int = 16) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (rows, length), generator=generator) for _ in range(count)]
+
+
+def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW with decay / no-decay groups (norm weights undecayed), as FSDP scripts build it."""
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if "norm" not in n], "weight_decay": 0.1},
+        {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor]) -> list[float]:
+    """The loop: forward, backward, clip, step, zero_grad, the loss read each step."""
+    losses = []
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@functools.cache
+def pytorch_run() -> tuple[list[float], dict[str, torch.Tensor], dict]:
+    """The loop in plain PyTorch eager on ``llama()``: losses, final state_dict, the optimizer's state by name."""
+    model = llama()
+    optimizer = optimizer_for(model)
+    losses = train(model, optimizer, batches())
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {names[id(p)]: copy.deepcopy(s) for p, s in optimizer.state.items()}
+    return losses, copy.deepcopy(model.state_dict()), state
