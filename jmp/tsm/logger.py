@@ -1,8 +1,9 @@
 """``torch.sagemaker.logger.get_logger``: the logger SMP v2 scripts log their own progress with.
 
-A ``logging.Logger`` that prints INFO and above on stderr on every process (the scripts choose which rank
-logs), with the time and level, whatever the root logger's configuration, and not twice when the script
-configures the root logger too. jmp's own notices go to the ``jmp`` logger, as everywhere in jmp.
+It is jmp's logger (``"jmp"``), as SMP v2's is the library's own: the script's lines and jmp's notices go one
+way, through jmp's rank filter (INFO and WARNING on the first process only, errors on every one; the scripts
+log on rank 0 anyway). ``get_logger`` makes it print INFO and above on stderr, with the time and level, unless
+the script has configured the root logger, whose handlers then print them (once).
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ from __future__ import annotations
 import logging
 import sys
 
-NAME = "torch.sagemaker"
 FORMAT = "[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"
 
 
 class StderrHandler(logging.StreamHandler):
-    """Writes to ``sys.stderr`` as it is when a record comes (a script, or a test's capture, may replace it)."""
+    """Writes to ``sys.stderr`` as it is when a record comes (a script, or a test's capture, may replace it), while
+    the root logger has no handler of its own."""
 
     def __init__(self):
         super().__init__(sys.stderr)
+        self.setFormatter(logging.Formatter(FORMAT))
+        self.addFilter(lambda record: not logging.getLogger().handlers)
 
     @property
     def stream(self):
@@ -29,13 +32,10 @@ class StderrHandler(logging.StreamHandler):
         pass  # always the current sys.stderr
 
 
-def get_logger(name: str = NAME) -> logging.Logger:
-    """The logger ``name`` with one stderr handler at INFO (added at the first call), not propagating to the root."""
-    logger = logging.getLogger(name)
+def get_logger() -> logging.Logger:
+    """jmp's logger, printing INFO and above (its stderr handler added at the first call)."""
+    logger = logging.getLogger("jmp")
     if not any(isinstance(handler, StderrHandler) for handler in logger.handlers):
-        handler = StderrHandler()
-        handler.setFormatter(logging.Formatter(FORMAT))
-        logger.addHandler(handler)
+        logger.addHandler(StderrHandler())
         logger.setLevel(logging.INFO)
-        logger.propagate = False
     return logger

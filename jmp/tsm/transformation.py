@@ -45,9 +45,8 @@ def transform(
     """SMP v2's ``torch.sagemaker.transform``: the model, its decoder layers ``TransformerLayer`` instances.
 
     Args:
-        model: a Hugging Face causal language model (GPT-NeoX, Llama, Mistral, Mixtral, GPT-2, ...; its
-            ``_no_split_modules`` name the decoder layers), or a model whose layers are an ``nn.ModuleList``;
-            on the meta device too (delayed parameter initialisation).
+        model: a Hugging Face causal language model (GPT-NeoX, Llama, Mistral, Mixtral, GPT-2, ...), or a model
+            whose layers are an ``nn.ModuleList``; on the meta device too (delayed parameter initialisation).
         device: accepted; jmp places the parameters on the mesh's devices when the model is wrapped.
         dtype: the parameters' dtype, as ``model.to(dtype)`` casts them.
         config: a ``MoEConfig`` for mixture-of-experts models (``smp_moe``: split the experts over ``ep``).
@@ -84,12 +83,13 @@ def transform(
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's decoder layers: the modules of the classes its ``_no_split_modules`` name (Hugging Face), else
-    the longest ``nn.ModuleList`` / ``nn.Sequential`` of modules of one class."""
-    named = set(getattr(model, "_no_split_modules", None) or ())
-    found = [m for m in model.modules() if m is not model and type(m).__name__ in named]
-    if found:
-        return found
+    """The model's decoder layers: a Hugging Face model's ``GradientCheckpointingLayer``s (the base class of its
+    decoder layers), else the longest ``nn.ModuleList`` / ``nn.Sequential`` of modules of one class."""
+    hugging_face = _hugging_face_layer_class(model)
+    if hugging_face is not None:
+        found = [m for m in model.modules() if isinstance(m, hugging_face)]
+        if found:
+            return found
     stacks = [
         list(m.children())
         for m in model.modules()
@@ -98,10 +98,21 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     stacks = [s for s in stacks if s and not isinstance(s[0], (nn.ModuleList, nn.Sequential))]
     if not stacks:
         raise ConfigError(
-            f"tsm.transform found no decoder layers in {type(model).__name__}: it takes a Hugging Face model "
-            "(whose _no_split_modules name its layer class) or a model whose layers are an nn.ModuleList of one class"
+            f"tsm.transform found no decoder layers in {type(model).__name__}: it takes a Hugging Face model (its "
+            "layers derive from GradientCheckpointingLayer) or a model whose layers are an nn.ModuleList of one class"
         )
     return max(stacks, key=len)
+
+
+def _hugging_face_layer_class(model: nn.Module) -> type | None:
+    """Hugging Face's base class of decoder layers, for a Hugging Face model (transformers is not jmp's dependency)."""
+    if not type(model).__module__.startswith("transformers."):
+        return None
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # an older transformers: its layers have no common base class
+        return None
+    return GradientCheckpointingLayer
 
 
 def _check_layout(model: nn.Module, config: MoEConfig | None) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -103,12 +104,13 @@ def test_limit_num_subdirs_keeps_the_newest_n_by_the_last_integer(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-10steps", "llama-1steps.txt", "llama-30steps", "other"]
 
 
-def test_timeit_logs_on_rank_0_through_the_tsm_logger(capsys):
+def test_timeit_logs_on_rank_0_through_the_logger_scripts_get(caplog, capsys, monkeypatch):
+    caplog.set_level(logging.INFO, logger="jmp")
     with timeit(True, "Model creation", 0):
         pass
     with timeit(True, "FSDP constructor", 1):
         pass
+    assert "Model creation took" in caplog.text and "FSDP constructor" not in caplog.text
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # a script that configured no logging: it prints
     get_logger().info("Batch 0 Loss: 1.25")
-    err = capsys.readouterr().err
-    assert "Model creation took" in err and "FSDP constructor" not in err
-    assert "[INFO] [torch.sagemaker] Batch 0 Loss: 1.25" in err
+    assert "[INFO] [jmp] Batch 0 Loss: 1.25" in capsys.readouterr().err
