@@ -9,7 +9,10 @@ share of them. On a cluster use the cluster's launcher (torchrun, SLURM, mpirun)
 recognises too.
 
 An SMP script runs with no edit: in the processes, ``import smdistributed.modelparallel.torch as smp`` (and
-``smdistributed.modelparallel``, its submodules) resolve to jmp (``--no-smp-aliases`` turns this off),
+``smdistributed.modelparallel``, its submodules) resolve to jmp, ``import torch.sagemaker as tsm`` (SMP v2) to
+``jmp.tsm``, ``import smdistributed.dataparallel.torch.torch_smddp`` registers the ``"smddp"`` backend, and
+``torch.distributed.init_process_group`` starts gloo whatever backend it names (``--no-smp-aliases`` turns all
+this off; ``runtime/smp_import_path``),
 ``SM_HP_MP_PARAMETERS`` holds ``--mp-parameters`` (else what the environment has) and ``SM_FRAMEWORK_PARAMS``
 says MPI is enabled, as SageMaker's launcher sets them, so tools that detect SMP that way (Hugging Face's
 ``is_sagemaker_mp_enabled``) see it. Hyperparameters are the script's arguments, passed on as given.
@@ -88,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
         "--no-smp-aliases",
         dest="smp_aliases",
         action="store_false",
-        help="do not make `import smdistributed.modelparallel.torch` resolve to jmp in the processes",
+        help="do not make `import smdistributed.modelparallel.torch` and `import torch.sagemaker` resolve to jmp "
+        "in the processes (nor init_process_group take any backend name)",
     )
     parser.add_argument(
         "--port", type=int, default=None, help="MASTER_PORT (default: a free one); JAX's coordinator uses PORT+1"

@@ -1,8 +1,11 @@
-"""SMP's import paths as aliases of jmp's: ``smdistributed.modelparallel.torch.X`` is the module ``jmp.X``.
+"""SMP's import paths as aliases of jmp's: ``smdistributed.modelparallel.torch.X`` is the module ``jmp.X`` (SMP v1),
+``torch.sagemaker.X`` the module ``jmp.tsm.X`` (SMP v2).
 
 The same module object under both names, not a second copy: a second copy would hold its own state (the
 config, registries) and its own classes, which ``isinstance`` would tell apart. ``python -m jmp.launch`` makes
-``smdistributed`` importable (``jmp/runtime/smp_import_path``), whose ``torch`` package installs this finder.
+``smdistributed`` importable (``jmp/runtime/smp_import_path``), whose ``torch`` package installs this finder;
+for ``torch.sagemaker`` (``torch`` is a real package, so no directory can stand for it) the launcher's
+``sitecustomize`` installs it at the first import of a name under ``torch.sagemaker``.
 """
 
 from __future__ import annotations
@@ -16,14 +19,20 @@ from types import ModuleType
 
 SMP_PACKAGE = "smdistributed.modelparallel.torch"
 JMP_PACKAGE = "jmp"
+TSM_PACKAGE = "torch.sagemaker"
+JMP_TSM_PACKAGE = "jmp.tsm"
+# SMP's package -> jmp's. SMP v1's package itself is a file of smp_import_path that replaces itself with jmp;
+# torch.sagemaker has no file, so this finder answers for the package too.
+PACKAGES = {SMP_PACKAGE: JMP_PACKAGE, TSM_PACKAGE: JMP_TSM_PACKAGE}
 
 
 def jmp_name(smp_name: str) -> str | None:
-    """The jmp module an SMP module name stands for, or None for names outside SMP's torch package."""
-    if smp_name == SMP_PACKAGE:
-        return JMP_PACKAGE
-    if smp_name.startswith(SMP_PACKAGE + "."):
-        return JMP_PACKAGE + smp_name[len(SMP_PACKAGE) :]
+    """The jmp module an SMP module name stands for, or None for names outside SMP's packages."""
+    for package, target in PACKAGES.items():
+        if smp_name == package:
+            return target
+        if smp_name.startswith(package + "."):
+            return target + smp_name[len(package) :]
     return None
 
 
@@ -43,16 +52,17 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class SmpAliasFinder(importlib.abc.MetaPathFinder):
-    """Finds ``smdistributed.modelparallel.torch.X`` as ``jmp.X`` (and nothing else)."""
+    """Finds ``smdistributed.modelparallel.torch.X`` as ``jmp.X`` and ``torch.sagemaker[.X]`` as ``jmp.tsm[.X]``
+    (and nothing else)."""
 
     def find_spec(self, fullname: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
         name = jmp_name(fullname)
         if name is None or fullname == SMP_PACKAGE or importlib.util.find_spec(name) is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(name))
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(name), is_package=fullname in PACKAGES)
 
 
 def install() -> None:
-    """Put the finder first on ``sys.meta_path`` (once), so SMP's submodule names find jmp's modules."""
+    """Put the finder first on ``sys.meta_path`` (once), so SMP's module names find jmp's modules."""
     if not any(isinstance(finder, SmpAliasFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, SmpAliasFinder())

@@ -1,0 +1,1 @@
+"""``smdistributed.dataparallel.torch``: see ``torch_smddp``."""

@@ -1,0 +1,55 @@
+"""Under ``python -m jmp.launch`` an SMP v2 script's ``torch.sagemaker`` is jmp's and its
+``dist.init_process_group("smddp")`` starts the one default group jmp uses (gloo); ``import jmp.tsm`` in a plain
+process leaves torch alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import jmp.tsm  # noqa: F401
+from tests.multiprocess.reports import json_objects
+
+ROOT = Path(__file__).resolve().parents[2]
+MP_PARAMETERS = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1}
+
+
+def test_an_smp_v2_scripts_start_runs_under_jmp_launch():
+    command = [sys.executable, "-m", "jmp.launch", "-n", "2", "--mp-parameters", json.dumps(MP_PARAMETERS)]
+    env = os.environ | {"PYTHONPATH": str(ROOT), "JMP_HEARTBEAT_TIMEOUT": "30"}
+    env.pop("SM_FRAMEWORK_PARAMS", None)
+    done = subprocess.run(
+        [*command, "tests/tsm/launched_script.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    reports = {r["rank"]: r for r in json_objects(done.stdout) if "rank" in r}
+    assert sorted(reports) == [0, 1], done.stdout
+    for rank, report in reports.items():
+        assert report["world"] == 2 and report["backend"] == "gloo"
+        assert report["torch_sagemaker_is_jmp_tsm"]
+        assert all(name.startswith("jmp.tsm.") for name in report["names"]), report["names"]
+        # one device per process, tp 2: the processes are each other's tensor-parallel peers, each its own replica
+        assert report["env_config"] == {
+            "tp": [rank, 2, 2, 1],
+            "tp_group": [0, 1],
+            "tp_sum": 3.0,
+            "replicas": [[[0], [1]], 0],
+        }
+        # hybrid shard 1, tp 1: the processes are two data-parallel replicas of the whole model
+        assert report["two_replicas"] == {
+            "tp": [0, 1, 1, 1],
+            "tp_group": [rank],
+            "tp_sum": rank + 1.0,
+            "replicas": [[[0, 1]], rank],
+        }
+
+
+def test_import_jmp_tsm_gives_torch_no_sagemaker_and_keeps_its_init_process_group():
+    assert "torch.sagemaker" not in sys.modules and not hasattr(torch, "sagemaker")
+    assert not getattr(dist.init_process_group, "jmp_any_backend", False)
