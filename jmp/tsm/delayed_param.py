@@ -1,13 +1,13 @@
 """``torch.sagemaker.delayed_param.DelayedParamIniter``: SMP v2's delayed parameter initialisation, over jmp's.
 
 A model built on the meta device (``accelerate.init_empty_weights()``, ``torch.device("meta")``) has shapes but
-no values. Wrapped by jmp (``smp.DistributedModel``, or jmp's FSDP wrapper), it is initialised directly into its
-shards by its own initialisation code, in one compiled program (``jmp.model.delayed_init``): no process ever
-holds the whole model. jmp's FSDP wrapper therefore never calls ``get_param_init_fn()``'s function module by
-module; it recognises the function (``initer_of``) and leaves the model on the meta device for that program.
-Called by anything else, the function does what SMP's does, on the CPU: it gives one module's own tensors
-storage and runs the model's initialisation code on them (a Hugging Face model's ``_init_weights``, else the
-module's ``reset_parameters``), tied tensors kept tied.
+no values. Wrapped by ``smp.DistributedModel`` as it is, it is initialised directly into its shards by its own
+initialisation code, in one compiled program (``jmp.model.delayed_init``): no process ever holds the whole
+model. ``get_param_init_fn()``'s function is the same code run module by module, as SMP's is, on the CPU: it
+gives one module's own tensors storage and runs the model's initialisation code on them (a Hugging Face model's
+``_init_weights``, else the module's ``reset_parameters``), tied tensors kept tied; FSDP calls it so (PyTorch's,
+and jmp's FSDP wrapper, which then lays the values out). ``initer_of`` tells a wrapper that a ``param_init_fn``
+is this one, so that it may leave the model on the meta device for the in-shard initialisation instead.
 
 ``init_empty_weights()`` leaves the buffers with values (rotary frequencies, ...), and jmp initialises a model
 on the meta device all or nothing: ``DelayedParamIniter(model)`` moves those buffers to the meta device, and
@@ -115,7 +115,7 @@ class DelayedParamIniter:
 
 
 def initer_of(function: Any) -> DelayedParamIniter | None:
-    """The ``DelayedParamIniter`` whose ``get_param_init_fn()`` ``function`` is, else None (for jmp's FSDP wrapper)."""
+    """The ``DelayedParamIniter`` whose ``get_param_init_fn()`` ``function`` is, else None (for an FSDP wrapper)."""
     owner = getattr(function, "__self__", None)
     return owner if isinstance(owner, DelayedParamIniter) else None
 
