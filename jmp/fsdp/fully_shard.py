@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from jmp.errors import ArgumentTypeError
@@ -176,9 +177,8 @@ def _root_model(root: nn.Module) -> FullyShardedDataParallel:
     if any(isinstance(o.reshard_after_forward, int) and not isinstance(o.reshard_after_forward, bool)
            for o in (options, *blocks)):  # fmt: skip
         log_once("fully_shard(reshard_after_forward=<int>): jmp gathers layers over the whole shard group")
-    policies = {(b.mp_policy.param_dtype, b.mp_policy.reduce_dtype) for b in blocks}
     policy = options.mp_policy
-    if policies - {(policy.param_dtype, policy.reduce_dtype)}:
+    if {_compute_dtype(b.mp_policy) for b in blocks} - {_compute_dtype(policy)}:
         log_once("fully_shard: the blocks' mp_policy differs from the root's; jmp computes the model in the root's")
     hybrid = options.mesh is not None and options.mesh.ndim == 2
     if hybrid:
@@ -214,6 +214,10 @@ def _syncing(root: nn.Module) -> Iterator[None]:
         yield
     finally:
         root.__dict__.pop(SYNCING, None)
+
+
+def _compute_dtype(policy: MixedPrecisionPolicy) -> torch.dtype | None:
+    return None if policy.param_dtype in (None, torch.float32) else policy.param_dtype
 
 
 def _no_effect(call: str) -> None:

@@ -89,8 +89,8 @@ def test_bf16_mixed_precision_trains_as_jmps_own_bf16_loop_bit_for_bit(caplog):
     reference = smp.DistributedModel(llama())
     assert train(reference, optimizer_for(reference), batches()) == losses
 
-    torch_losses, _, _ = pytorch_run()  # float32 PyTorch: bf16 stays within 4e-4 of it over the 3 steps
-    np.testing.assert_allclose(losses, torch_losses, rtol=1e-3)
+    torch_losses, _, _ = pytorch_run()  # float32 PyTorch: bf16 stays within 4e-5 of it (5e-6, then 3.5e-5)
+    np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
     net = llama()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's CPU autocast gives the same first loss (6e-6); its
         autocast = train(net, optimizer_for(net), batches()[:1])  # op lists differ from the CUDA ones jmp follows
