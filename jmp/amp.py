@@ -32,6 +32,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jmp.eager import plain_optimizers
 from jmp.eager.lazy_tensor import LazyTensor
 from jmp.errors import ArgumentTypeError, StepError
 from jmp.model.distributed_model import current_trace
@@ -117,11 +118,11 @@ class GradScaler:
 
     # --- after the step function ----------------------------------------------------------------------------
 
-    def unscale_(self, optimizer: DistributedOptimizer) -> None:
+    def unscale_(self, optimizer: DistributedOptimizer | torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale (into float32), e.g. before clipping them."""
         if not self._enabled:
             return
-        _check_optimizer(optimizer)
+        optimizer = _distributed(optimizer)
         stage, _ = self._stages.get(id(optimizer), (_READY, None))
         if stage == _UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
@@ -134,13 +135,13 @@ class GradScaler:
             optimizer.grads_unscaled = True
         self._stages[id(optimizer)] = (_UNSCALED, found_inf)
 
-    def step(self, optimizer: DistributedOptimizer, *args: Any, **kwargs: Any) -> None:
+    def step(self, optimizer: DistributedOptimizer | torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         """``optimizer.step()`` unless a gradient is inf/nan (decided on the devices, nothing waits)."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if args or kwargs:
             raise StepError("GradScaler.step(optimizer) takes no closure or other arguments with jmp")
-        _check_optimizer(optimizer)
+        optimizer = _distributed(optimizer)
         stage, found_inf = self._stages.get(id(optimizer), (_READY, None))
         if stage == _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -234,11 +235,19 @@ def _replicated() -> NamedSharding:
     return NamedSharding(state.get_mesh(), PartitionSpec())
 
 
-def _check_optimizer(optimizer: Any) -> None:
-    if not isinstance(optimizer, DistributedOptimizer):
-        raise ArgumentTypeError(
-            f"smp.amp.GradScaler works with an smp.DistributedOptimizer, not {type(optimizer).__name__}"
-        )
+def _distributed(optimizer: Any) -> DistributedOptimizer:
+    """The ``DistributedOptimizer`` that ``optimizer`` is, or that a plain torch optimizer on a model's parameters
+    stands for (a loop without a step function leaves its optimizer unwrapped: ``jmp.eager.plain_optimizers``)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        distributed = plain_optimizers.distributed_optimizer_of(optimizer)
+        if distributed is not None:
+            return distributed
+    raise ArgumentTypeError(
+        f"smp.amp.GradScaler works with an smp.DistributedOptimizer or a torch optimizer of a smp.DistributedModel's "
+        f"parameters, not {type(optimizer).__name__}"
+    )
 
 
 @jax.jit
