@@ -37,20 +37,21 @@ from jmp.fsdp.options import (
 )
 from jmp.model.distributed_model import DistributedModel
 from jmp.optim import grad_clipping
+from jmp.tsm.delayed_param import initer_of
 
 WHERE = "FullyShardedDataParallel"
 JMP_MODEL = "_jmp_fsdp_model"  # on a module fully_shard made a root: the FullyShardedDataParallel that runs it
 
 _XLA = "XLA schedules the collectives of the compiled step itself"
-_NO_EFFECT = {  # argument -> (its default, why it has no effect here)
+_NO_EFFECT = {  # argument -> (the value that needs no notice, why another has no effect here)
     "backward_prefetch": (BackwardPrefetch.BACKWARD_PRE, _XLA),
     "forward_prefetch": (False, _XLA),
     "limit_all_gathers": (True, _XLA),
     "device_id": (None, "the model's arrays live on the devices of smp.init's mesh; inputs may stay on the host"),
     "use_orig_params": (
-        False,
-        "parameters() are always the module's own parameters (as with use_orig_params=True): there are no flat "
-        "parameters",
+        True,
+        "parameters() and named_parameters() are the module's own parameters, as with use_orig_params=True: jmp "
+        "has no flat parameters",
     ),
 }
 
@@ -101,9 +102,9 @@ class FullyShardedDataParallel(DistributedModel):
         device_mesh: Any = None,
         post_param_init_fn: Callable[[nn.Module], None] | None = None,
     ):
-        if isinstance(module, FullyShardedDataParallel) or not isinstance(module, nn.Module):
-            what = "already a FullyShardedDataParallel" if isinstance(module, nn.Module) else type(module).__name__
-            raise ArgumentTypeError(f"{WHERE} takes a torch.nn.Module, not {what}")
+        if isinstance(module, DistributedModel) or not isinstance(module, nn.Module):
+            laid_out = " already laid out by jmp; wrap the module itself, once" if isinstance(module, nn.Module) else ""
+            raise ArgumentTypeError(f"{WHERE} takes a torch.nn.Module, not a {type(module).__name__}{laid_out}")
         module = _unwrap_nested(module)
         ignored = _ignored(module, ignored_modules, ignored_states)
         given = dict(
@@ -115,7 +116,13 @@ class FullyShardedDataParallel(DistributedModel):
         )
         _log_no_effect(given, cpu_offload, auto_wrap_policy)
         meta = materialise.is_meta(module, ignored["modules"])
-        if meta and param_init_fn is not None:
+        if meta and param_init_fn is not None and initer_of(param_init_fn) is not None:
+            layout.log_once(
+                "%s(param_init_fn=DelayedParamIniter's): jmp runs the same initialisation code directly into the "
+                "shards, in one program, instead of module by module on the host (JAX's random numbers)",
+                WHERE,
+            )
+        elif meta and param_init_fn is not None:
             materialise.with_init_fns(module, param_init_fn, post_param_init_fn, ignored["modules"], WHERE)
         elif meta and post_param_init_fn is not None:
             layout.log_once(
@@ -146,17 +153,16 @@ class FullyShardedDataParallel(DistributedModel):
     def module(self) -> nn.Module:
         """The wrapped module with the current values (``DistributedModel.module``; read under full state dicts
         whatever ``state_dict_type`` says, as it gathers the values itself)."""
-        saved, self.state_dict_settings = (
-            self.state_dict_settings,
-            state_dicts.settings(StateDictType.FULL_STATE_DICT, None, None),
-        )
+        saved = self.__dict__.get("state_dict_settings")
+        self.state_dict_settings = state_dicts.settings(StateDictType.FULL_STATE_DICT, None, None)
         try:
             return DistributedModel.module.fget(self)
         finally:
             self.state_dict_settings = saved
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """The model's state dict as the current ``state_dict_type`` gives it (see ``jmp.fsdp.state_dicts``)."""
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The model's state dict as the current ``state_dict_type`` gives it (see ``jmp.fsdp.state_dicts``); its
+        tensors are copies (``keep_vars`` changes nothing)."""
         kind, config = self.state_dict_settings.state_dict_type, self.state_dict_settings.state_dict_config
         if kind is StateDictType.LOCAL_STATE_DICT:
             values = self.local_state_dict()

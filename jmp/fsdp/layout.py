@@ -7,6 +7,10 @@ hybrid degree for ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2``, 1 for ``NO_SHARD``
 in the half dtype, float32 master parameters, as FSDP keeps its sharded parameters). When the run's config asks
 for something else, ``smp.init`` runs again with these keys changed and every other key kept, which says so once.
 
+After ``torch.sagemaker.init`` (``jmp.tsm``), SMP v2's rule holds: a ``hybrid_shard_degree`` of 2 or more is
+the shard degree whatever the strategy (which becomes ``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2`` staying itself);
+0 leaves it to the strategy, ``HYBRID_SHARD`` then sharding within one host, as SMP v2 documents.
+
 A process group or a ``DeviceMesh`` counts processes; jmp's degrees count devices: a group of ``n`` processes
 spans ``n`` times the data-parallel devices each process drives (1 under torchrun's one process per GPU).
 """
@@ -26,6 +30,7 @@ from jmp.fsdp.options import HYBRID, KEEP_GATHERED, MixedPrecision, ShardingStra
 from jmp.runtime import mesh_state as state
 from jmp.runtime import process_groups
 from jmp.runtime.config import Config
+from jmp.tsm import initialization as v2_initialization
 
 logger = logging.getLogger("jmp")
 
@@ -83,10 +88,23 @@ def request(
         raise ArgumentTypeError(f"{where}: mixed_precision takes a MixedPrecision, not {mixed_precision!r}")
     mesh = state.get_mesh()
     data_devices = mesh.shape["dp"] * mesh.shape["fsdp"]
-    if strategy is ShardingStrategy.NO_SHARD:
+    run = v2_initialization.current_run()
+    v2_degree = None if run is None else run.hybrid_shard_degree  # 0: the sharding strategy decides
+    if v2_degree is not None and v2_degree >= 2:  # SMP v2: its degree, under HYBRID_SHARD, whatever the script says
+        if strategy not in HYBRID:
+            log_once(
+                "%s: torch.sagemaker's hybrid_shard_degree %d makes sharding_strategy=%s HYBRID_SHARD, as SMP v2 does",
+                where,
+                v2_degree,
+                strategy.name,
+            )
+            strategy = ShardingStrategy.HYBRID_SHARD
+        degree = v2_degree
+    elif strategy is ShardingStrategy.NO_SHARD:
         degree = 1
     elif strategy in HYBRID:
-        degree = _hybrid_degree(process_group, device_mesh, mesh, where)
+        configured = mesh.shape["fsdp"] if v2_degree is None and mesh.shape["fsdp"] > 1 else None
+        degree = _hybrid_degree(process_group, device_mesh, mesh, configured, where)
     else:
         group_size = _group_size(process_group, device_mesh)
         degree = data_devices if group_size is None else group_size * _devices_per_process(mesh)
@@ -139,10 +157,10 @@ def _group_of(axes: tuple[str, ...]) -> dist.ProcessGroup:
     return _groups[next(m for m in partition if jax.process_index() in m)]
 
 
-def _hybrid_degree(process_group: Any, device_mesh: Any, mesh: Any, where: str) -> int:
+def _hybrid_degree(process_group: Any, device_mesh: Any, mesh: Any, configured: int | None, where: str) -> int:
     """The shard degree of a hybrid strategy: the shard group's (a ``(shard, replicate)`` group pair or a 2-D
-    ``DeviceMesh``), else the run's ``hybrid_shard_degree``, else one host's devices (torch's default: shard within
-    a node, replicate across nodes)."""
+    ``DeviceMesh``), else the ``hybrid_shard_degree`` the config gave (``configured``), else one host's devices
+    (torch's default, and SMP v2's with ``hybrid_shard_degree`` 0: shard within a node, replicate across nodes)."""
     if isinstance(process_group, tuple):
         if len(process_group) != 2:
             raise ArgumentTypeError(f"{where}: hybrid sharding takes a (shard_group, replicate_group) group pair")
@@ -151,8 +169,8 @@ def _hybrid_degree(process_group: Any, device_mesh: Any, mesh: Any, where: str) 
         if device_mesh.ndim != 2:
             raise ArgumentTypeError(f"{where}: hybrid sharding takes a 2-D device_mesh (replicate, shard)")
         return device_mesh.size(1) * _devices_per_process(mesh)
-    if mesh.shape["fsdp"] > 1:
-        return mesh.shape["fsdp"]
+    if configured is not None:
+        return configured
     return min(_devices_per_process(mesh) * state.local_size(), mesh.shape["dp"] * mesh.shape["fsdp"])
 
 

@@ -60,3 +60,18 @@ def pytorch_run() -> tuple[list[float], dict[str, torch.Tensor], dict]:
     names = {id(p): n for n, p in model.named_parameters()}
     state = {names[id(p)]: copy.deepcopy(s) for p, s in optimizer.state.items()}
     return losses, copy.deepcopy(model.state_dict()), state
+
+
+def checkpoints_and_host_copies(step, *args) -> tuple[int, int]:
+    """(checkpointed regions, values moved to host memory) in the program ``step(*args)`` runs, from one trace."""
+    import jax.extend.core as jex
+
+    regions = copies = 0
+    stack = [step.trace(*args).jaxpr.jaxpr]
+    while stack:
+        for eqn in stack.pop().eqns:
+            regions += eqn.primitive.name == "remat2"
+            to_host = any("Host" in str(d) for d in eqn.params.get("devices", ()))
+            copies += eqn.primitive.name == "device_put" and to_host
+            stack.extend(j.jaxpr if isinstance(j, jex.ClosedJaxpr) else j for j in jex.jaxprs_in_params(eqn.params))
+    return regions, copies

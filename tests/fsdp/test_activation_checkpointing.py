@@ -20,8 +20,7 @@ from jmp.fsdp import (
     checkpoint_wrapper,
     offload_wrapper,
 )
-from tests.fsdp.helpers import batches, llama, optimizer_for, pytorch_run, train
-from tests.remat.helpers import host_transfers, recomputations
+from tests.fsdp.helpers import batches, checkpoints_and_host_copies, llama, optimizer_for, pytorch_run, train
 from tests.sharding.models import lm_step
 
 transformers = pytest.importorskip("transformers")
@@ -38,17 +37,16 @@ def test_checkpointing_the_decoder_layers_trains_as_without_it():
     smp.init({})
     model = FSDP(llama(), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)  # no per-layer resharding checkpoints
     ids = batches()[0]
-    assert recomputations(lm_step, model, ids) == 0
+    assert checkpoints_and_host_copies(lm_step, model, ids) == (0, 0)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=WRAPPER, check_fn=is_layer)
-    assert recomputations(lm_step, model, ids) == 2  # one checkpoint per decoder layer
-    assert host_transfers(lm_step, model, ids) == 0
+    assert checkpoints_and_host_copies(lm_step, model, ids) == (2, 0)  # one checkpoint per decoder layer
     expected, _, _ = pytorch_run()
     np.testing.assert_allclose(train(model, optimizer_for(model), batches()), expected, rtol=1e-5)
     assert [name for name, _ in model.named_parameters()] == [name for name, _ in llama().named_parameters()]
 
     offload_wrapper(model)  # SMP v2's sm_activation_offloading: the root offloads what the checkpoints keep
-    assert recomputations(lm_step, model, ids) == 2
-    assert host_transfers(lm_step, model, ids) >= 2  # each layer's input
+    regions, copies = checkpoints_and_host_copies(lm_step, model, ids)
+    assert regions == 2 and copies >= 2  # each layer's input goes to the host
 
 
 def test_checkpointing_applied_before_wrapping_takes_effect_when_fsdp_wraps():
@@ -56,4 +54,4 @@ def test_checkpointing_applied_before_wrapping_takes_effect_when_fsdp_wraps():
     net = llama()
     apply_activation_checkpointing(net, check_fn=is_layer)
     model = FSDP(net, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
-    assert recomputations(lm_step, model, batches()[0]) == 2
+    assert checkpoints_and_host_copies(lm_step, model, batches()[0]) == (2, 0)

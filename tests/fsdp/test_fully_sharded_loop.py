@@ -107,3 +107,27 @@ def test_fsdp_instances_nested_by_hand_are_unwrapped_into_the_root():
     assert all(not isinstance(m, FSDP) for m in model.module.modules())
     expected, _, _ = pytorch_run()
     np.testing.assert_allclose(train(model, optimizer_for(model), batches()), expected, rtol=1e-5)
+
+
+def test_under_torch_sagemaker_its_hybrid_shard_degree_overrides_the_strategy_as_in_smp_v2(caplog):
+    import jmp.tsm as tsm
+
+    caplog.set_level("INFO", logger="jmp")
+    tsm.init({"hybrid_shard_degree": 4})
+    model = FSDP(llama(), sharding_strategy=ShardingStrategy.FULL_SHARD)
+    assert model.sharding_strategy is ShardingStrategy.HYBRID_SHARD
+    assert (model.layout.mesh.shape["dp"], model.layout.mesh.shape["fsdp"]) == (2, 4)
+    assert "hybrid_shard_degree 4 makes sharding_strategy=FULL_SHARD HYBRID_SHARD" in caplog.text
+    tsm.init({})  # 0: the strategy decides; HYBRID_SHARD shards within the host (its 8 devices)
+    model = FSDP(llama(), sharding_strategy=ShardingStrategy["_HYBRID_SHARD_ZERO2"])
+    assert model.layout.mesh.shape["fsdp"] == 8 and not model.layout.config.reshard_after_forward
+
+
+def test_wrong_arguments_are_refused_before_the_config_changes():
+    smp.init({"hybrid_shard_degree": 4})
+    model = FSDP(llama(), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    with pytest.raises(smp.ArgumentTypeError, match="already laid out by jmp"):
+        FSDP(model)
+    with pytest.raises(smp.ArgumentTypeError, match="sharding_strategy takes a ShardingStrategy"):
+        FSDP(llama(), sharding_strategy="FULL_SHARD")
+    assert smp.get_config().sharded_data_parallel_degree == 4  # neither changed the run's layout

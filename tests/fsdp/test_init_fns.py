@@ -60,3 +60,18 @@ def test_without_param_init_fn_jmp_draws_the_same_distributions_into_the_shards(
             assert not torch.equal(values[name], value), name
             assert abs(float(values[name].std()) - reference.config.initializer_range) < 2e-3, name
             assert abs(float(values[name].mean())) < 2e-3, name
+
+
+def test_smp_v2s_delayed_param_initer_is_run_into_the_shards_not_on_the_host():
+    from jmp.tsm.delayed_param import DelayedParamIniter
+
+    smp.init({})
+    reference = llama()
+    with torch.device("meta"):
+        net = transformers.AutoModelForCausalLM.from_config(reference.config)
+    initer = DelayedParamIniter(net)
+    model = FSDP(net, param_init_fn=initer.get_param_init_fn(), post_param_init_fn=initer.get_post_param_init_fn())
+    assert all(t.is_meta for t in (*net.parameters(), *net.buffers()))  # no module was materialised on the host
+    values = model.state_dict()
+    assert torch.equal(values["model.norm.weight"], reference.state_dict()["model.norm.weight"])
+    assert abs(float(values["lm_head.weight"].std()) - reference.config.initializer_range) < 2e-3
