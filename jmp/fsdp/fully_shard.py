@@ -15,16 +15,14 @@ read through); ``state_dict()`` gives the current values (written back into the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from jmp.errors import ArgumentTypeError
-from jmp.fsdp.fully_sharded import JMP_MODEL, FullyShardedDataParallel, model_of
+from jmp.fsdp.fully_sharded import JMP_MODEL, WRITING_BACK, FullyShardedDataParallel, model_of, writing_back
 from jmp.fsdp.layout import log_once
 from jmp.fsdp.options import (
     HYBRID_ZERO2,
@@ -38,7 +36,6 @@ from jmp.fsdp.options import (
 from jmp.torch_bridge import dispatch
 
 MARK = "_jmp_fully_shard"  # the options of the fully_shard call on a module
-SYNCING = "_jmp_fsdp_syncing"  # set on a root while its jmp model writes values into it or switches its mode
 _classes: dict[type, type] = {}
 
 
@@ -69,9 +66,8 @@ class FSDPModule:
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The module's ``state_dict``, with the model's current values written into it first."""
         built = model_of(self)
-        if built is not None and not self.__dict__.get(SYNCING):
-            with _syncing(self):
-                built.module  # noqa: B018 (reading it writes the current values into this module)
+        if built is not None and WRITING_BACK not in self.__dict__:
+            built.module  # noqa: B018 (reading it writes the current values into this module)
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -84,9 +80,9 @@ class FSDPModule:
 
     def train(self, mode: bool = True) -> Any:
         built = model_of(self)
-        if built is None or self.__dict__.get(SYNCING):
+        if built is None or WRITING_BACK in self.__dict__:
             return super().train(mode)
-        with _syncing(self):
+        with writing_back(self):
             built.train(mode)  # switches this module too
         return self
 
@@ -204,16 +200,6 @@ def _root_model(root: nn.Module) -> FullyShardedDataParallel:
         len(blocks),
     )
     return built
-
-
-@contextlib.contextmanager
-def _syncing(root: nn.Module) -> Iterator[None]:
-    """While the jmp model reads or switches the root: its calls back into the root act as the module's own."""
-    root.__dict__[SYNCING] = True
-    try:
-        yield
-    finally:
-        root.__dict__.pop(SYNCING, None)
 
 
 def _compute_dtype(policy: MixedPrecisionPolicy) -> torch.dtype | None:

@@ -41,6 +41,7 @@ from jmp.tsm.delayed_param import initer_of
 
 WHERE = "FullyShardedDataParallel"
 JMP_MODEL = "_jmp_fsdp_model"  # on a module fully_shard made a root: the FullyShardedDataParallel that runs it
+WRITING_BACK = "_jmp_fsdp_writing_back"  # on a fully_shard root while its model writes values into it or sets its mode
 
 _XLA = "XLA schedules the collectives of the compiled step itself"
 _NO_EFFECT = {  # argument -> (the value that needs no notice, why another has no effect here)
@@ -156,7 +157,8 @@ class FullyShardedDataParallel(DistributedModel):
         saved = self.__dict__.get("state_dict_settings")
         self.state_dict_settings = state_dicts.settings(StateDictType.FULL_STATE_DICT, None, None)
         try:
-            return DistributedModel.module.fget(self)
+            with writing_back(self.torch_module):
+                return DistributedModel.module.fget(self)
         finally:
             self.state_dict_settings = saved
 
@@ -287,6 +289,19 @@ class FullyShardedDataParallel(DistributedModel):
         if writeback:
             for wrapper, torch_module in zip(wrappers, modules):
                 wrapper.load_state_dict(nn.Module.state_dict(torch_module))
+
+
+@contextlib.contextmanager
+def writing_back(module: nn.Module) -> Iterator[None]:
+    """While a model writes its values into ``module`` or switches its mode: a ``fully_shard`` root's ``state_dict``
+    and ``train`` then act as the module's own (they would otherwise ask the model again)."""
+    outer = WRITING_BACK in module.__dict__
+    module.__dict__[WRITING_BACK] = True
+    try:
+        yield
+    finally:
+        if not outer:
+            module.__dict__.pop(WRITING_BACK, None)
 
 
 def model_of(module: Any) -> FullyShardedDataParallel | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -38,28 +40,45 @@ def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=1e-2)
 
 
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor]) -> list[float]:
-    """The loop: forward, backward, clip, step, zero_grad, the loss read each step."""
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: list[torch.Tensor],
+    clip: Callable[[], torch.Tensor] | None = None,
+    norms: list[float] | None = None,
+) -> list[float]:
+    """The loop: forward, backward, clip (``clip()``, else ``torch.nn.utils.clip_grad_norm_``; the norms go to
+    ``norms``), step, zero_grad, the loss read each step."""
     losses = []
     for ids in data:
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = clip() if clip is not None else torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if norms is not None:
+            norms.append(float(norm))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
 
 
+class Run(NamedTuple):
+    losses: list[float]
+    state: dict[str, torch.Tensor]  # the model's final state_dict
+    optimizer_state: dict[str, dict]  # the optimizer's state by parameter name
+    norms: list[float]  # the gradients' norms before clipping
+
+
 @functools.cache
-def pytorch_run() -> tuple[list[float], dict[str, torch.Tensor], dict]:
-    """The loop in plain PyTorch eager on ``llama()``: losses, final state_dict, the optimizer's state by name."""
+def pytorch_run() -> Run:
+    """The loop in plain PyTorch eager on ``llama()``."""
     model = llama()
     optimizer = optimizer_for(model)
-    losses = train(model, optimizer, batches())
+    norms: list[float] = []
+    losses = train(model, optimizer, batches(), norms=norms)
     names = {id(p): n for n, p in model.named_parameters()}
     state = {names[id(p)]: copy.deepcopy(s) for p, s in optimizer.state.items()}
-    return losses, copy.deepcopy(model.state_dict()), state
+    return Run(losses, copy.deepcopy(model.state_dict()), state, norms)
 
 
 def checkpoints_and_host_copies(step, *args) -> tuple[int, int]:

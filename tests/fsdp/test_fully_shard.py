@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import jmp as smp
-from jmp.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from jmp.fsdp import FSDP, FSDPModule, MixedPrecisionPolicy, fully_shard
 from jmp.fsdp.fully_sharded import model_of
 from tests.fsdp.helpers import batches, llama, optimizer_for, pytorch_run, train
 
@@ -39,11 +39,13 @@ def test_the_torchtitan_loop_trains_as_pytorch_eager():
     built = model_of(model)
     assert built is not None and built.layout.mesh.shape["fsdp"] == 8
     assert built.layout.config.reshard_after_forward  # the blocks' default: resharded after their forward
-    expected, state, _ = pytorch_run()
+    expected, state, _, _ = pytorch_run()
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     trained = model.state_dict()  # the module's own state_dict, holding the trained values
     assert trained.keys() == state.keys()
     for name, value in state.items():
         torch.testing.assert_close(trained[name], value, rtol=0, atol=2e-5, msg=name)
+    with FSDP.summon_full_params(model):  # the full values in the module's own parameters
+        torch.testing.assert_close(model.lm_head.weight.detach(), state["lm_head.weight"], rtol=0, atol=2e-5)
     model.eval()
     assert not built.training and not model.model.layers[0].training

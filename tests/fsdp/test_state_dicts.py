@@ -39,7 +39,7 @@ def test_full_state_dicts_are_pytorchs_and_a_saved_run_resumes_where_it_stopped(
     assert FSDP.get_state_dict_type(model).state_dict_config == FullStateDictConfig()  # restored after the block
     losses += train(model, optimizer, data[-1:])
 
-    expected, state, optimizer_state = pytorch_run()
+    expected, state, optimizer_state, _ = pytorch_run()
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     trained = model.state_dict()
     assert list(trained) == list(state)  # torch's keys, in torch's order
