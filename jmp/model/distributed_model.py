@@ -62,6 +62,7 @@ PARTIAL_MARK = "_smp_is_partial"  # SMP's key in a local_state_dict()
 
 _TRACE: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("jmp_model_trace", default=None)
 _ABSTRACT: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_abstract_models", default=False)
+_IN_FORWARD_OVERRIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_forward_override", default=False)
 
 
 @contextlib.contextmanager
@@ -229,6 +230,15 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
     outside_step: ClassVar[Callable[[DistributedModel, tuple, dict], Any] | None] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # a forward set on the instance (Accelerate's mixed precision: model.forward = autocast(model.forward))
+        # runs as torch's Module.__call__ would run it; its own call of the class's forward lands below
+        override = self.__dict__.get("forward")
+        if override is not None and not _IN_FORWARD_OVERRIDE.get():
+            token = _IN_FORWARD_OVERRIDE.set(True)
+            try:
+                return override(*args, **kwargs)
+            finally:
+                _IN_FORWARD_OVERRIDE.reset(token)
         trace = _TRACE.get()
         if trace is None:
             if DistributedModel.outside_step is None:

@@ -79,3 +79,29 @@ def test_accelerates_loop_trains_a_distributed_model_as_pytorch(layout):
     trained = model.state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=0, atol=2e-5, msg=name)
+
+
+def test_accelerates_mixed_precision_forward_runs_under_its_autocast():
+    """``Accelerator(mixed_precision="bf16")`` sets ``model.forward`` to the forward under ``torch.autocast``: the
+    wrapped model runs it, as ``nn.Module.__call__`` does (ignoring it would train in float32 without a word)."""
+    smp.init({})
+    net = causal_lm("gpt2")
+    ids = token_batches(1)[0]
+    _fresh_accelerate_state()
+    accelerator = accelerate.Accelerator(mixed_precision="bf16", cpu=True)
+    model = accelerator.prepare(smp.DistributedModel(copy.deepcopy(net)))
+    outputs = model(input_ids=ids, labels=ids)
+    accelerator.backward(outputs.loss)
+    assert outputs.logits.dtype == torch.float32  # Accelerate's convert_outputs_to_fp32, recorded on the values
+    by_accelerate = outputs.loss.item()
+
+    explicit = smp.DistributedModel(copy.deepcopy(net))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = explicit(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert by_accelerate == loss.item()  # the same program: the forward under bf16 autocast
+    full = smp.DistributedModel(net)
+    in_float32 = full(input_ids=ids, labels=ids).loss
+    in_float32.backward()
+    assert by_accelerate != in_float32.item()
+    assert by_accelerate == pytest.approx(in_float32.item(), rel=2e-2)
