@@ -106,6 +106,7 @@ class FullyShardedDataParallel(DistributedModel):
         if isinstance(module, DistributedModel) or not isinstance(module, nn.Module):
             laid_out = " already laid out by jmp; wrap the module itself, once" if isinstance(module, nn.Module) else ""
             raise ArgumentTypeError(f"{WHERE} takes a torch.nn.Module, not a {type(module).__name__}{laid_out}")
+        wanted = layout.request(sharding_strategy, process_group, device_mesh, mixed_precision, WHERE)  # checks only
         module = _unwrap_nested(module)
         ignored = _ignored(module, ignored_modules, ignored_states)
         given = dict(
@@ -136,7 +137,6 @@ class FullyShardedDataParallel(DistributedModel):
                 materialise.sync_from_process_zero(module)
             else:
                 layout.log_once("%s(sync_module_states=True): no effect with one process", WHERE)
-        wanted = layout.request(sharding_strategy, process_group, device_mesh, mixed_precision, WHERE)
         layout.apply(wanted, f"{WHERE}(sharding_strategy={wanted.strategy.name})")
         rules = {f"^{re.escape(name)}$": PartitionSpec() for name in ignored["names"]}
         super().__init__(module, sharding_rules=rules or None)
