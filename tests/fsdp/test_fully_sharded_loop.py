@@ -64,6 +64,7 @@ def test_the_fsdp_loop_trains_as_pytorch_eager(strategy, config, mesh, caplog):
 
 
 def test_each_strategy_sets_the_shard_degree_and_resharding():
+    assert ShardingStrategy is torch.distributed.fsdp.ShardingStrategy  # torch's own types: scripts mix imports
     cases = {
         ShardingStrategy.SHARD_GRAD_OP: (8, False),
         ShardingStrategy["_HYBRID_SHARD_ZERO2"]: (4, False),
