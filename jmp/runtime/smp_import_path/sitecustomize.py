@@ -9,6 +9,14 @@
   XLA's, inside the compiled step), and gloo is the backend that carries them on any host. When jmp
   (``tsm.init`` / ``smp.init``) has started it already, the script's call returns without starting a second
   default group.
+- PyTorch's FSDP wrapper and activation-checkpointing names resolve to ``jmp.fsdp``'s in a script's modules, as
+  SMP v2's container patches torch's FSDP constructor: ``torch.distributed.fsdp.FullyShardedDataParallel`` and
+  ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``'s ``apply_activation_checkpointing``,
+  ``checkpoint_wrapper``, ``offload_wrapper``; with them ``FSDP.state_dict_type`` and the other class-level calls
+  are jmp's. ``ShardingStrategy``, ``MixedPrecision``, ``StateDictType``, the wrap policies stay torch's (jmp
+  takes torch's own). And ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict`` takes
+  SMP's ``process_group=`` (``jmp.fsdp.distributed_checkpoint``). torch's own modules keep torch's objects (they use
+  FSDP's internals, flat parameters, which jmp's wrapper does not have), and so do jmp's (``JmpNames``).
 
 Then the environment's own ``sitecustomize``, which this one shadows, runs. Standard library only, and nothing
 is imported until the script imports it: torch and jmp load when the script asks for them.
@@ -41,12 +49,13 @@ class TorchSagemakerFinder(importlib.abc.MetaPathFinder):
         return smp_aliases.SmpAliasFinder().find_spec(fullname, path, target)
 
 
-class TorchDistributedFinder(importlib.abc.MetaPathFinder):
-    """Finds ``torch.distributed`` with the other finders and has its loader replace ``init_process_group``
-    once the module has run (torch imports it while it is imported itself, so nothing can import jmp here)."""
+class AfterImportFinder(importlib.abc.MetaPathFinder):
+    """Finds the modules of ``AFTER_IMPORT`` with the other finders and has their loader run a patch once the
+    module has run (torch imports them while it is imported itself, so nothing can import jmp here)."""
 
     def find_spec(self, fullname: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _DISTRIBUTED:
+        patch = AFTER_IMPORT.get(fullname)
+        if patch is None:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -62,17 +71,60 @@ class TorchDistributedFinder(importlib.abc.MetaPathFinder):
 
             def exec_module(module):
                 run(module)
-                if hasattr(module, "init_process_group"):
-                    patch_init_process_group(module)
+                patch(module)
 
             spec.loader.exec_module = exec_module  # this spec's loader only: its module keeps it as __loader__
         return spec
 
 
+class JmpNames:
+    """Makes some of a torch module's names resolve to a jmp module's objects for every module but torch's own.
+
+    The names leave the module's namespace; its ``__getattr__`` (PEP 562, which ``from m import name`` calls too)
+    answers for them: torch's own object when torch or jmp asks (the nearest frame outside the import system
+    belongs to a module of ``torch`` or ``jmp``: jmp's wrappers call torch's), else the object of that name in
+    ``target``, imported at the first such question. While a ``target`` is being imported the answer is torch's
+    (what that import brings in gets torch's).
+    """
+
+    resolving: list[str] = []  # the names being resolved now, across instances
+
+    def __init__(self, target: str, names: tuple[str, ...]):
+        self.target, self.names = target, names
+
+    def __call__(self, module) -> None:
+        own = {name: module.__dict__.pop(name) for name in self.names if name in module.__dict__}
+        before = module.__dict__.get("__getattr__")
+        target, resolving = self.target, self.resolving
+
+        def __getattr__(name: str):
+            if name not in own:
+                if before is not None:
+                    return before(name)
+                raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
+            if resolving or _asked_by_torch_or_jmp():
+                return own[name]
+            resolving.append(name)
+            try:
+                return getattr(importlib.import_module(target), name)
+            finally:
+                resolving.pop()
+
+        module.__getattr__ = __getattr__
+
+
+def _asked_by_torch_or_jmp() -> bool:
+    frame = sys._getframe(2)  # the caller of the module's __getattr__
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("importlib"):
+        frame = frame.f_back
+    asking = str(frame.f_globals.get("__name__", "")) if frame is not None else ""
+    return asking.partition(".")[0] in ("torch", "jmp")
+
+
 def patch_init_process_group(distributed) -> None:
     """Make ``distributed.init_process_group`` (and ``distributed_c10d``'s) start gloo whatever backend it is given."""
-    given = distributed.init_process_group
-    if getattr(given, "jmp_any_backend", False):
+    given = getattr(distributed, "init_process_group", None)
+    if given is None or getattr(given, "jmp_any_backend", False):
         return
 
     @functools.wraps(given)
@@ -108,6 +160,17 @@ def _run_shadowed_sitecustomize() -> None:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-sys.meta_path.insert(0, TorchDistributedFinder())
+# module -> what to do once it has run
+AFTER_IMPORT = {
+    _DISTRIBUTED: patch_init_process_group,
+    "torch.distributed.fsdp": JmpNames("jmp.fsdp", ("FullyShardedDataParallel",)),
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper": JmpNames(
+        "jmp.fsdp", ("apply_activation_checkpointing", "checkpoint_wrapper", "offload_wrapper")
+    ),
+    "torch.distributed.checkpoint.optimizer": JmpNames(
+        "jmp.fsdp.distributed_checkpoint", ("load_sharded_optimizer_state_dict",)
+    ),
+}
+sys.meta_path.insert(0, AfterImportFinder())
 sys.meta_path.insert(0, TorchSagemakerFinder())
 _run_shadowed_sitecustomize()
