@@ -168,10 +168,10 @@ class FullyShardedDataParallel(DistributedModel):
         kind, config = self.state_dict_settings.state_dict_type, self.state_dict_settings.state_dict_config
         if kind is StateDictType.LOCAL_STATE_DICT:
             values = self.local_state_dict()
-        elif state_dicts.rank0_only(config) and self.rank != 0:
-            values = {}
         else:
-            values = DistributedModel.state_dict(self)
+            values = DistributedModel.state_dict(self)  # every process takes part in the gather, as in FSDP
+            if state_dicts.rank0_only(config) and self.rank != 0:
+                values = {}
         out = destination if destination is not None else {}
         out.update({prefix + name: value for name, value in values.items()})
         return out
@@ -244,9 +244,9 @@ class FullyShardedDataParallel(DistributedModel):
         ``{}`` on ranks other than 0 with ``FullOptimStateDictConfig(rank0_only=True)``."""
         wrapper = _wrappers(model, "FSDP.optim_state_dict")[0]
         settings = wrapper.state_dict_settings
+        state = optim.state_dict() if optim_state_dict is None else optim_state_dict  # a gather on every process
         if state_dicts.rank0_only(settings.optim_state_dict_config) and wrapper.rank != 0:
             return {}
-        state = optim.state_dict() if optim_state_dict is None else optim_state_dict
         if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
             return state
         return state_dicts.optimizer_by_names(wrapper.torch_module, optim, state)
