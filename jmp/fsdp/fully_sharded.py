@@ -23,6 +23,7 @@ import torch.distributed as dist
 from jax.sharding import PartitionSpec
 from torch import nn
 
+from jmp.eager import plain_optimizers
 from jmp.errors import ArgumentTypeError
 from jmp.fsdp import activation_checkpointing, layout, materialise, state_dicts
 from jmp.fsdp.options import (
@@ -37,6 +38,7 @@ from jmp.fsdp.options import (
 )
 from jmp.model.distributed_model import DistributedModel
 from jmp.optim import grad_clipping
+from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.tsm.delayed_param import initer_of
 
 WHERE = "FullyShardedDataParallel"
@@ -261,8 +263,16 @@ class FullyShardedDataParallel(DistributedModel):
         group: Any = None,
     ) -> dict:
         """``optim_state_dict`` (parameters by name) as ``optim.load_state_dict`` takes it; with ``load_directly``
-        it is loaded too."""
+        it is loaded too.
+
+        A plain torch optimizer of the model is wrapped in its ``DistributedOptimizer`` here, before its first
+        ``step()`` (``jmp.eager.plain_optimizers``): from now on its ``load_state_dict`` is the wrapper's, which
+        puts the state on the devices. torch's own would move it to the parameters' device, which is the meta
+        device for a model initialised in its shards (``param_init_fn`` / delayed parameters), losing it.
+        """
         wrapper = _wrappers(model, "FSDP.optim_state_dict_to_load")[0]
+        if not isinstance(optim, DistributedOptimizer):
+            plain_optimizers.distributed_optimizer_of(optim)
         if wrapper.state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
             state = optim_state_dict
         else:
