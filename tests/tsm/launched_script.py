@@ -12,6 +12,18 @@ import sys
 import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401 (registers the "smddp" backend)
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as torch_state_dict  # torch's own module, which imports FSDP
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+    offload_wrapper,
+)
+from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # before torch.sagemaker: no need to wait for it
+from torch.distributed.fsdp import ShardingStrategy
+
+# isort: split
 import torch.sagemaker as tsm
 import torch.sagemaker.checkpoint.utils as tsm_checkpoint
 import torch.sagemaker.utils.utils as tsm_utils
@@ -47,6 +59,12 @@ report = {
     "names": [f.__module__ for f in (transform, DelayedParamIniter, clip_grad_norm_, get_logger, TransformerLayer)]
     + [tsm_checkpoint.__name__, tsm_utils.__name__],
     "env_config": layout(),
+    "fsdp_names": {
+        f.__name__: f.__module__
+        for f in (FSDP, apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper)
+        + (load_sharded_optimizer_state_dict,)
+    },
+    "torch_keeps": [ShardingStrategy.__module__, CheckpointImpl.__module__, torch_state_dict.FSDP.__module__],
 }
 tsm.init({"hybrid_shard_degree": 1})
 report["two_replicas"] = layout()

@@ -34,6 +34,20 @@ def test_an_smp_v2_scripts_start_runs_under_jmp_launch():
         assert report["world"] == 2 and report["backend"] == "gloo"
         assert report["torch_sagemaker_is_jmp_tsm"]
         assert all(name.startswith("jmp.tsm.") for name in report["names"]), report["names"]
+        # a script's torch FSDP wrapper names are jmp's (SMP v2's container patches torch's FSDP); torch's own
+        # modules, and the option types, keep torch's
+        assert report["fsdp_names"] == {
+            "FullyShardedDataParallel": "jmp.fsdp.fully_sharded",
+            "apply_activation_checkpointing": "jmp.fsdp.activation_checkpointing",
+            "checkpoint_wrapper": "jmp.fsdp.activation_checkpointing",
+            "offload_wrapper": "jmp.fsdp.activation_checkpointing",
+            "load_sharded_optimizer_state_dict": "jmp.fsdp.distributed_checkpoint",
+        }
+        assert report["torch_keeps"] == [
+            "torch.distributed.fsdp.api",
+            "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+            "torch.distributed.fsdp.fully_sharded_data_parallel",
+        ]
         # one device per process, tp 2: the processes are each other's tensor-parallel peers, each its own replica
         assert report["env_config"] == {
             "tp": [rank, 2, 2, 1],
@@ -53,3 +67,15 @@ def test_an_smp_v2_scripts_start_runs_under_jmp_launch():
 def test_import_jmp_tsm_gives_torch_no_sagemaker_and_keeps_its_init_process_group():
     assert "torch.sagemaker" not in sys.modules and not hasattr(torch, "sagemaker")
     assert not getattr(dist.init_process_group, "jmp_any_backend", False)
+
+
+def test_import_jmp_fsdp_leaves_torchs_fsdp_names_torchs():
+    import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as wrappers
+    import torch.distributed.checkpoint.optimizer as dcp_optimizer
+    import torch.distributed.fsdp as fsdp
+
+    import jmp.fsdp  # noqa: F401
+
+    assert fsdp.FullyShardedDataParallel.__module__ == "torch.distributed.fsdp.fully_sharded_data_parallel"
+    assert wrappers.offload_wrapper.__module__ == wrappers.__name__
+    assert dcp_optimizer.load_sharded_optimizer_state_dict.__module__ == dcp_optimizer.__name__
