@@ -84,3 +84,26 @@ def test_logged_losses_track_pytorch(run):
     comparison = smp_v2_examples.compare(record, reference)
     assert comparison["within_tolerance"], comparison
     assert reference["losses_rank0"][-1] < reference["losses_rank0"][0]  # it trains
+
+
+def test_the_cpu_hosts_stand_ins_cover_only_the_paths_that_do_not_need_the_real_package():
+    import sys
+
+    sys.path.insert(0, str(smp_v2_examples.EXAMPLES))
+    try:
+        import cpu_host
+    finally:
+        sys.path.remove(str(smp_v2_examples.EXAMPLES))
+    engine = cpu_host.STAND_INS["transformer_engine"][0]()
+    with engine["transformer_engine.pytorch"].fp8_autocast(enabled=False):  # --fp8 0
+        pass
+    recipe = engine["transformer_engine.common.recipe"]
+    for fp8 in (
+        lambda: engine["transformer_engine.pytorch"].fp8_autocast(enabled=True),
+        lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID),
+        lambda: engine["transformer_engine.pytorch"].checkpoint(lambda x: x, 1),
+    ):
+        with pytest.raises(NotImplementedError, match="fp8 needs NVIDIA Transformer Engine on a GPU"):
+            fp8()
+    with pytest.raises(NotImplementedError, match="--dataset_type hf needs Hugging Face's datasets"):
+        cpu_host.STAND_INS["datasets"][0]()["datasets"].load_from_disk("/data")
