@@ -10,9 +10,10 @@ recognises too.
 
 An SMP script runs with no edit: in the processes, ``import smdistributed.modelparallel.torch as smp`` (and
 ``smdistributed.modelparallel``, its submodules) resolve to jmp, ``import torch.sagemaker as tsm`` (SMP v2) to
-``jmp.tsm``, ``import smdistributed.dataparallel.torch.torch_smddp`` registers the ``"smddp"`` backend, and
-``torch.distributed.init_process_group`` starts gloo whatever backend it names (``--no-smp-aliases`` turns all
-this off; ``runtime/smp_import_path``),
+``jmp.tsm``, ``import smdistributed.dataparallel.torch.torch_smddp`` registers the ``"smddp"`` backend,
+``torch.distributed.init_process_group`` starts gloo whatever backend it names, and a script's PyTorch FSDP
+wrapper names (``FullyShardedDataParallel``, ``apply_activation_checkpointing``, ...) are ``jmp.fsdp``'s, as
+SMP v2's container patches torch's (``--no-smp-aliases`` turns all this off; ``runtime/smp_import_path``),
 ``SM_HP_MP_PARAMETERS`` holds ``--mp-parameters`` (else what the environment has) and ``SM_FRAMEWORK_PARAMS``
 says MPI is enabled, as SageMaker's launcher sets them, so tools that detect SMP that way (Hugging Face's
 ``is_sagemaker_mp_enabled``) see it. Hyperparameters are the script's arguments, passed on as given.
