@@ -48,7 +48,8 @@ def _note(message: str) -> None:
         return
     _noted.add(message)
     if os.environ.get("RANK", "0") == "0":
-        print(f"{HARNESS_NOTE} {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"{HARNESS_NOTE} {message}\n")  # one write: other processes' lines go between lines only
+        sys.stderr.flush()
 
 
 def _installed(name: str) -> bool:
