@@ -38,8 +38,8 @@ logits averaged over 64 tokens, so the forward's roundings mostly cancel. Beside
 reference records PyTorch's own bf16 training of the same steps (parameters cast to bf16 for forward and
 backward, gradients applied to float32 masters: what FSDP's ``MixedPrecision`` computes) and its gap to fp32
 (``torch_bf16_gap``), which the tolerance must exceed: jmp's bf16 is then as far from fp32 as torch's own bf16.
-Measured over 4 steps: torch's bf16 is 0.9e-4 to 1.7e-4 from fp32; jmp's 2.7e-5 (hybrid shard x replicate) and
-1.1e-4 (tp 2), closer than torch's because XLA:CPU computes many bf16 ops in float32 (fewer roundings). What the
+Measured over 4 steps: torch's bf16 is 0.9e-4 to 1.9e-4 from fp32; jmp's 2.7e-5 to 2.5e-4, the same order (and
+1.5e-4 to 2e-4 from torch's bf16: the two round differently; XLA:CPU computes many bf16 ops in float32). What the
 tolerance must catch is ten times above it: one update more or less moves the loss by 1-4% from step to step.
 
 Sharded checkpoints: the script's ``torch.distributed.checkpoint.save_state_dict`` / ``load_state_dict`` (torch's
