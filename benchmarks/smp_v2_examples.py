@@ -16,9 +16,12 @@ cores, 8 processes each compiling their own program take minutes per configurati
 with every degree above 1. The 8-process forms are configurations too (``..._8proc``), run when named.
 
 For each configuration: ran or not, the first error (type, message, the innermost frame and the vendored
-script's frame), the logged ``Batch N Loss`` values (rank 0's ``loss.item()``: its own rows' loss, as on SMP),
-and the same training in plain PyTorch in one process (``reference``): the script's own ``get_model_config`` /
-``create_model``, ``get_param_groups_by_weight_decay``, AdamW, ``AnnealingLR`` and ``create_data_pipeline``
+script's frame), the logged ``Batch N Loss`` values (rank 0's ``loss.item()``: its own rows' loss, as on SMP) and
+``Validation loss`` values (every 2 steps, as the notebooks validate at each save: ``eval_model``'s all-reduced
+mean; after a resume the script's validation loader skips the batches the saved job had read, and so does the
+reference's), and the same training in plain PyTorch in one process (``reference``): the script's own
+``get_model_config`` / ``create_model``, ``get_param_groups_by_weight_decay``, AdamW, ``AnnealingLR`` and
+``create_data_pipeline``
 (one pipeline per data-parallel rank, ``dp_rank = rank // tp``), each step the mean of the data-parallel ranks'
 losses backpropagated (FSDP's gradient average), ``clip_grad_norm_(grad_clip)``, ``optimizer.step()``,
 ``lr_scheduler.step()``.
@@ -72,7 +75,7 @@ CPU_HOST = EXAMPLES / "cpu_host.py"
 RESULTS = ROOT / "benchmarks" / "results" / "smp_v2_examples.json"
 TIMEOUT_S = 900
 
-DATA = {"vocab": 128, "seq_len": 32, "train_files": 2, "train_rows": 32, "test_rows": 16, "seed": 1234}
+DATA = {"vocab": 128, "seq_len": 32, "train_files": 2, "train_rows": 32, "test_rows": 32, "seed": 1234}
 # the notebooks' common flags (census section 6), the model and the schedule scaled to a few CPU steps
 LLAMA = [
     "--model_type", "llama_v2", "--hidden_width", "64", "--num_layers", "2", "--num_heads", "4",
@@ -83,7 +86,8 @@ LLAMA = [
     "--forward_prefetch", "1", "--limit_all_gathers", "1", "--lr", "1e-3", "--min_lr", "1e-4",
     "--lr_decay_style", "cosine", "--lr_decay_iters", "8", "--warmup", "0", "--weight_decay", "0.2",
     "--beta1", "0.9", "--beta2", "0.95", "--seed", "12345", "--fast_validation", "0",
-    "--num_kept_checkpoints", "2", "--checkpoint_freq", "1000",
+    "--num_kept_checkpoints", "2", "--checkpoint_freq", "1000", "--validation_freq", "2",
+    "--validation_batches", "2", "--val_batch_size", "2",
 ]  # fmt: skip
 HS2 = {"hybrid_shard_degree": 2}
 TP2_HS2 = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}
@@ -141,6 +145,7 @@ CONFIGS: dict[str, dict] = {
 DEFAULT_RUN = [name for name in CONFIGS if not name.endswith("_8proc")]
 
 _LOSS = re.compile(r"Batch (\d+) Loss: (\S+?),")
+_VAL = re.compile(r"Batch (\d+) Validation loss: (\S+)")
 _FINISHED = "FSDP training finished successfully"
 _INTERLEAVED = re.compile(
     r"^(\d{4}-\d\d-\d\d[:T ]|\[\d{4}-|\[transformers\]|smp_v2_examples|[WEIF]\d{4} |jmp\.launch:|/|Traceback \(most)"
@@ -257,6 +262,7 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
     checkpoints.mkdir(parents=True, exist_ok=True)
     record: dict = {"name": name, "nproc": cfg["nproc"], "mp_parameters": cfg["mp"], "phases": []}
     losses: dict[int, float] = {}
+    val_losses: dict[int, float] = {}
     harness: set[str] = set()
     record["ran"] = True
     init = _with(cfg["phases"][0], max_steps=0, save_final_model=1, model_dir=work / "init")
@@ -268,6 +274,8 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
         if kind == "train":
             for step, value in _LOSS.findall(log):
                 losses[int(step)] = float(value)
+            for step, value in _VAL.findall(log):
+                val_losses[int(step)] = float(value)
         harness |= {line.split(":", 1)[1].strip() for line in log.splitlines() if line.startswith("smp_v2_examples")}
         finished = code == 0 and _FINISHED in log
         record["phases"].append(
@@ -288,6 +296,7 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
     errors = [p["first_error"] for p in record["phases"] if p["first_error"]]
     record["first_error"] = errors[0] if errors else None
     record["losses"] = {str(k): v for k, v in sorted(losses.items())}
+    record["val_losses"] = {str(k): v for k, v in sorted(val_losses.items())}
     record["harness"] = sorted(harness)
     record["initial_weights"] = str(work / "init" / "pytorch_model.bin")
     return record
@@ -326,12 +335,17 @@ def compare(record: dict, reference: dict) -> dict:
         for k, v in record["losses"].items()
         if int(k) < len(reference["losses_rank0"])
     }
+    if record["val_losses"]:
+        theirs = reference["val_losses"]
+        result["max_rel_diff_validation"] = max(
+            abs(v - theirs[k]) / abs(theirs[k]) for k, v in record["val_losses"].items()
+        )
     if precision == "bf16":
         result["torch_bf16_gap"] = gap(
             {str(i): v for i, v in enumerate(reference["losses_rank0_torch_bf16"])}, reference["losses_rank0"]
         )
         result["max_rel_diff_to_torch_bf16"] = gap(record["losses"], reference["losses_rank0_torch_bf16"])
-    result["within_tolerance"] = result["max_rel_diff"] <= tol
+    result["within_tolerance"] = result["max_rel_diff"] <= tol and result.get("max_rel_diff_validation", 0.0) <= tol
     return result
 
 
@@ -361,9 +375,11 @@ def reference(name: str, data: Path, initial_weights: Path) -> dict:
 
     cfg = CONFIGS[name]
     argv = [a for a in cfg["phases"][-1] if "{checkpoints}" not in a]
-    if "--resume_from_checkpoint" in argv:  # the reference trains straight through
+    resumed_at = None
+    if "--resume_from_checkpoint" in argv:  # the reference trains straight through, from the same data
         i = argv.index("--resume_from_checkpoint")
         del argv[i : i + 2]
+        resumed_at = int(_arg(cfg["phases"][0], "max_steps"))
     sys.path[:0] = [str(SCRIPTS), str(EXAMPLES)]
     import cpu_host
 
@@ -392,7 +408,7 @@ def reference(name: str, data: Path, initial_weights: Path) -> dict:
     model.load_state_dict(torch.load(initial_weights, weights_only=True))
     start = copy.deepcopy(model.state_dict())
 
-    def train(bf16: bool) -> list[float]:
+    def train(bf16: bool) -> tuple[list[float], dict[str, float]]:
         model.load_state_dict(start)
         half = copy.deepcopy(model).to(torch.bfloat16) if bf16 else None
         if half is not None:  # MixedPrecision(buffer_dtype=float32), as the script sets with the SMP implementation
@@ -405,6 +421,7 @@ def reference(name: str, data: Path, initial_weights: Path) -> dict:
         params = [p for p in model.parameters()]
         set_seed(args.seed)
         pipelines = [create_data_pipeline(args, 0, 0, 0, r, ranks) for r in range(ranks)]
+        validations: dict[str, float] = {}
         losses, steps = [], 0
         while steps < args.max_steps:
             for pipeline in pipelines:
@@ -429,14 +446,34 @@ def reference(name: str, data: Path, initial_weights: Path) -> dict:
                 scheduler.step()
                 losses.append(float(per_rank[0]))
                 steps += 1
+                if args.validation_freq and steps % args.validation_freq == 0:
+                    validations[str(steps - 1)] = validate(pipelines)
+                if steps == resumed_at:  # the resumed job's validation loader skips what the saved one had read
+                    read = (steps // args.validation_freq) * args.val_batch_size * args.validation_batches
+                    for r, pipeline in enumerate(pipelines):
+                        pipeline.val_dataloader = create_data_pipeline(args, 0, 0, read, r, ranks).val_dataloader
             if isinstance(pipelines[0], GPTDataPipeline):
                 for pipeline in pipelines:
                     pipeline.increment_path_in_epoch()
-        return losses
+        return losses, validations
 
-    result = {"losses_rank0": train(bf16=False), "data_parallel_ranks": ranks}
+    def validate(pipelines) -> float:
+        """``eval_model``: each process's summed loss over ``validation_batches`` batches, all-reduced, over the
+        world size and the batches; tensor-parallel peers read the same rows, so it is the data-parallel mean."""
+        model.eval()
+        with torch.no_grad():
+            totals = []
+            for pipeline in pipelines:
+                batches = [b for _, b in zip(range(args.validation_batches), pipeline.val_dataloader)]
+                ids = [pipeline.get_val_batch(b)[0] for b in batches]
+                totals.append(sum(float(model(input_ids=x, attention_mask=None, labels=x)["loss"]) for x in ids))
+        model.train()
+        return sum(totals) / len(totals) / args.validation_batches
+
+    losses, validations = train(bf16=False)
+    result = {"losses_rank0": losses, "val_losses": validations, "data_parallel_ranks": ranks}
     if args.bf16:
-        result["losses_rank0_torch_bf16"] = train(bf16=True)
+        result["losses_rank0_torch_bf16"] = train(bf16=True)[0]
     dist.destroy_process_group()
     return result
 

@@ -74,6 +74,7 @@ def test_the_script_runs_unchanged_and_logs_every_step(run):
         assert phase["command"][phase["command"].index(host) + 1] == script
     steps = int(smp_v2_examples._arg(smp_v2_examples.CONFIGS[NAME]["phases"][-1], "max_steps"))
     assert list(record["losses"]) == [str(i) for i in range(steps)]
+    assert list(record["val_losses"]) == ["1", "3"]  # --validation_freq 2
     # what the CPU host lacked, each said once: no flash_attn, no transformer_engine, no datasets, no CUDA
     notes = " ".join(record["harness"])
     for lacking in ("flash_attention_2", "transformer_engine", "datasets", "torch.cuda.device_count"):
