@@ -7,7 +7,7 @@ Each configuration runs the vendored ``train.py`` unmodified, as SageMaker runs 
 (``python -m jmp.launch -n P --cpu-devices 1``), the SMP parameters as ``SM_HP_MP_PARAMETERS``
 (``--mp-parameters``), the notebooks' flags (docs/smp_v2_census.md, section 6) with a tiny Llama 2
 (``--hidden_width 64 --num_layers 2 --num_heads 4 --max_context_width 32 --vocab_size 128``) and a few steps,
-``--fp8 0``, on synthetic data in the script's ``gpt_jsonl`` format (``tests/vendored/smp_v2/make_data.py``).
+``--fp8 0``, on synthetic data in the script's ``gpt_jsonl`` format (``tests/vendored/smp_v1_examples/make_data.py``).
 ``cpu_host.py`` wraps the script with what a CPU host lacks (it says what, on stderr; recorded as ``harness``).
 
 Process counts. The notebooks run 8 GPUs (hybrid shard 4 x replicate 2 at tp 1, tp 2 x hybrid shard 4). On two
@@ -70,6 +70,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "tests" / "vendored" / "smp_v2"
+V1_EXAMPLES = ROOT / "tests" / "vendored" / "smp_v1_examples"  # its make_data.py writes the same format
 SCRIPTS = EXAMPLES / "shared-scripts"
 CPU_HOST = EXAMPLES / "cpu_host.py"
 RESULTS = ROOT / "benchmarks" / "results" / "smp_v2_examples.json"
@@ -175,12 +176,13 @@ def _environment(work: Path, data: Path, nproc: int) -> dict[str, str]:
 
 
 def make_data(out: Path) -> Path:
-    """The synthetic dataset (``make_data.py``, fixed seed) under ``out``."""
-    sys.path.insert(0, str(EXAMPLES))
+    """The synthetic dataset (fixed seed) under ``out``: the SMP v1 examples' ``make_data.py``, as the v2 script's
+    ``gpt_jsonl`` format is their pretraining data's (gzip'd JSON lines of ``input_ids`` and ``attention_mask``)."""
+    sys.path.insert(0, str(V1_EXAMPLES))
     try:
         from make_data import make_data as write
     finally:
-        sys.path.remove(str(EXAMPLES))
+        sys.path.remove(str(V1_EXAMPLES))
     write(out, **DATA)
     return out
 
