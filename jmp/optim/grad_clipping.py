@@ -108,11 +108,9 @@ def _listed(parameters: Any) -> list:
 def _owner(tensors: list, call: str) -> tuple[Any, list[str]] | None:
     """(the DistributedModel these are parameters of, their names), or None for other tensors."""
     ids = {id(t) for t in tensors}
-    owners = []
-    for model in model_registry.live():
-        names = [n for n, p in model.torch_module.named_parameters(remove_duplicate=False) if id(p) in ids]
-        if names:
-            owners.append((model, names))
+    owners = _owners(model_registry.live(collect=False), ids)  # clipping runs every step: no collection
+    if len(owners) > 1:  # unless a dropped model, not yet collected, holds the same parameters
+        owners = _owners(model_registry.live(), ids)
     if not owners:
         return None
     if len(owners) > 1:
@@ -126,6 +124,15 @@ def _owner(tensors: list, call: str) -> tuple[Any, list[str]] | None:
             "beside its parameters; clip the model's parameters and other tensors in separate calls"
         )
     return model, names
+
+
+def _owners(models: list, ids: set[int]) -> list[tuple[Any, list[str]]]:
+    owners = []
+    for model in models:
+        names = [n for n, p in model.torch_module.named_parameters(remove_duplicate=False) if id(p) in ids]
+        if names:
+            owners.append((model, names))
+    return owners
 
 
 def _mask(model: Any, names: list[str]) -> tuple[bool, ...] | None:
