@@ -31,7 +31,7 @@ import os
 from typing import Any
 
 from jmp.errors import ArgumentTypeError, ConfigError
-from jmp.runtime import mesh_state, sagemaker_config
+from jmp.runtime import mesh_state, rank_zero_logging, sagemaker_config
 from jmp.runtime.config import ALIASES, Config, parse
 
 logger = logging.getLogger("jmp")
@@ -125,6 +125,7 @@ def assign_degree(key: str, value: int) -> None:
 
 def _start(given: dict[str, Any], source: str | None) -> None:
     global _run
+    rank_zero_logging.install()  # before this function's own notices, which come ahead of jmp.init's
     horizon = given.get(_HORIZON, V2_DEFAULTS[_HORIZON])
     parse({_HORIZON: horizon}, source)  # a positive integer, checked as jmp checks it
     jmp_config = {key: value for key, value in given.items() if key != _HORIZON}

@@ -1,12 +1,14 @@
 """The start of an SMP v2 training script as AWS's ``train_lib.py`` writes it (module-level ``torch.sagemaker``
 imports, ``dist.init_process_group("smddp")`` before ``tsm.init()``), run with no edit by ``python -m jmp.launch``
 (``test_launched.py``). Prints one JSON line per process: what the names resolved to, ``tsm.state``, and a
-collective on its tensor-parallel group; then the same after ``tsm.init`` with two data-parallel replicas."""
+collective on its tensor-parallel group; then the same after ``tsm.init`` with two data-parallel replicas. Its
+INFO records go to stderr, as a script that configures logging shows them: jmp's notices must be once per job."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import sys
 
 import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401 (registers the "smddp" backend)
@@ -47,6 +49,7 @@ def layout() -> dict:
     }
 
 
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
 dist.init_process_group("smddp", timeout=datetime.timedelta(seconds=120))
 tsm.init()
 import jmp.tsm  # noqa: E402 (after the script's own start: what torch.sagemaker is)

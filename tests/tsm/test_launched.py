@@ -30,6 +30,9 @@ def test_an_smp_v2_scripts_start_runs_under_jmp_launch():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     reports = {r["rank"]: r for r in json_objects(done.stdout) if "rank" in r}
     assert sorted(reports) == [0, 1], done.stdout
+    # jmp's notices once per job, not once per process: tsm.init's config line and the launcher's backend notice
+    assert done.stderr.count("jmp tsm.init(): the config comes from SM_HP_MP_PARAMETERS") == 1, done.stderr
+    assert done.stderr.count("jmp torch.distributed.init_process_group('smddp') starts gloo") == 1, done.stderr
     for rank, report in reports.items():
         assert report["world"] == 2 and report["backend"] == "gloo"
         assert report["torch_sagemaker_is_jmp_tsm"]

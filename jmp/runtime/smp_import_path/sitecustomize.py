@@ -147,7 +147,9 @@ _noted: set[str] = set()
 
 
 def _note(message: str) -> None:
-    if message not in _noted:
+    """One of jmp's notices, once per job: the launcher's first process says it (jmp, whose logger filters the
+    others' notices, is not imported yet; the launcher gives each process its ``RANK``)."""
+    if message not in _noted and os.environ.get("RANK", "0") == "0":
         _noted.add(message)
         logging.getLogger("jmp").info(message)
 
