@@ -31,8 +31,12 @@ dynamic loss scaler (initial scale 2^32, ``scale_window`` 1000, ``delayed_shift`
 script sets); the reference decides each step's overflow as SMP does, from an fp16 copy of its weights
 running each data-parallel rank's backward of the scaled loss (``_fp16_backward_overflows``), and updates
 its fp32 weights when none overflowed.
-T5 is not compared to the digit: the script's ``model_config`` fixes T5's ``dropout_rate`` at 0.1 (no argument
-turns it off) and jmp's dropout masks are not torch's; its losses are recorded beside the reference's.
+T5: the script's ``model_config`` fixes T5's ``dropout_rate`` at 0.1 (no argument turns it off) and jmp's
+dropout masks are not torch's, so the configuration sets ``SMP_EXAMPLES_T5_DROPOUT_RATE=0``, which
+``cpu_host.py`` applies to every ``T5Config`` (said on stderr) and the reference to its own.
+``--use_distributed_transformer``: the script makes Hugging Face's ``init_weights`` a no-op (on SMP its
+``DistributedTransformer`` initialises the weights); jmp keeps the modules' own initialisation, and the
+reference makes the same no-op, so both start from the same weights.
 """
 
 from __future__ import annotations
@@ -119,10 +123,13 @@ CONFIGS: dict[str, dict] = {
         "nproc": 2,
         "phases": [_with(GPT2, validation_freq=2, validation_batches=2, max_steps=4)],
     },
+    # model_config fixes T5's dropout_rate at 0.1 and no argument turns it off; jmp's dropout masks are not
+    # torch's, so the harness sets it to 0 (cpu_host.py, said on stderr) here and in the reference
     "flan_t5_tp2_activation_checkpointing": {
         "script": "flan_t5",
         "nproc": 2,
         "phases": [_with(T5, tensor_parallel_degree=2, activation_checkpointing=1)],
+        "env": {"SMP_EXAMPLES_T5_DROPOUT_RATE": "0"},
     },
 }
 
@@ -146,8 +153,9 @@ def _arg(args: list[str], key: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
 
 
-def _environment(work: Path, data: Path, nproc: int) -> dict[str, str]:
-    env = dict(os.environ)
+def _environment(work: Path, data: Path, cfg: dict) -> dict[str, str]:
+    env = dict(os.environ) | cfg.get("env", {})
+    nproc = cfg["nproc"]
     for name in ("model", "out", "checkpoints"):
         (work / name).mkdir(parents=True, exist_ok=True)
     env |= {
@@ -222,7 +230,7 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
         start = time.monotonic()
         try:
             done = subprocess.run(
-                command, cwd=work, env=_environment(work, data, cfg["nproc"]), capture_output=True,
+                command, cwd=work, env=_environment(work, data, cfg), capture_output=True,
                 text=True, timeout=timeout_s,
             )  # fmt: skip
             log, code = done.stdout + done.stderr, done.returncode
@@ -262,7 +270,7 @@ def run_reference(name: str, data: Path) -> dict:
     """The plain-PyTorch reference of ``name``, in a process of its own (no jmp imported there)."""
     cfg = CONFIGS[name]
     with tempfile.TemporaryDirectory(prefix="smp-ref-") as tmp:
-        env = _environment(Path(tmp), data, cfg["nproc"])
+        env = _environment(Path(tmp), data, cfg)
         done = subprocess.run(
             [sys.executable, "-m", "benchmarks.smp_examples", "--reference", name, "--data", str(data)],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
@@ -276,9 +284,6 @@ def compare(record: dict, reference: dict) -> dict:
     """jmp's logged losses against the reference's: max relative difference, and to which reading."""
     tol, precision = tolerance(CONFIGS[record["name"]]["phases"][-1])
     result: dict = {"tolerance": tol, "precision": precision}
-    if not reference.get("comparable", True):
-        result["note"] = reference["note"]
-        return result
     if not record["losses"]:
         result["note"] = "no loss was logged"
         return result
@@ -379,14 +384,13 @@ def reference(name: str, data: Path) -> dict:
     train = runpy.run_path(str(folder / "train.py"), run_name="smp_reference")
     sys.argv = ["train.py", *argv]
     args = train["parse_args"]()
-    if args.use_distributed_transformer > 0 and args.model_type == "gpt2":
-        return {
-            "comparable": False,
-            "note": "with --use_distributed_transformer the script skips Hugging Face's weight init "
-            "(PreTrainedModel.init_weights = no-op) and SMP's DistributedTransformer initialises the weights; "
-            "no torch model has those weights",
-        }
+    if args.use_distributed_transformer > 0:
+        # as the script does (train.py:906): the weights are the modules' own initialisation, which jmp keeps
+        # (on SMP, its DistributedTransformer would initialise them again)
+        transformers.PreTrainedModel.init_weights = lambda self: None
     model_config, args = train["model_config_lib"].get_model_config_from_args(args.model_type, "", args)
+    if "SMP_EXAMPLES_T5_DROPOUT_RATE" in os.environ:
+        model_config.dropout_rate = float(os.environ["SMP_EXAMPLES_T5_DROPOUT_RATE"])
     transformers.set_seed(args.seed)
     auto = transformers.AutoModelForSeq2SeqLM if args.model_type == "flan_t5" else transformers.AutoModelForCausalLM
     model = auto.from_config(model_config)
@@ -464,9 +468,9 @@ def reference(name: str, data: Path) -> dict:
                 result["val_losses"][steps - 1] = total / ranks
                 model.train()
     result["val_losses"] = [result["val_losses"].get(k, math.nan) for k in range(steps)]
-    if args.model_type == "flan_t5":
+    if getattr(model_config, "dropout_rate", 0.0) > 0:
         result["dropout"] = True
-        result["note"] = "T5 keeps dropout_rate 0.1 (model_config fixes it): losses recorded, not compared"
+        result["note"] = f"T5's dropout_rate is {model_config.dropout_rate}: losses recorded, not compared"
     return result
 
 

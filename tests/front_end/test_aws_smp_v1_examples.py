@@ -72,13 +72,6 @@ COVERED_BY_ANOTHER = {
     "gpt2_tp2_bf16",
 }
 RUNS_TODAY = [n for n in smp_examples.CONFIGS if n not in COVERED_BY_ANOTHER]
-# Runs; no torch model can match it: --use_distributed_transformer skips Hugging Face's init (SMP's
-# DistributedTransformer initialises), and model_config fixes T5's dropout_rate at 0.1.
-NOT_COMPARABLE = {
-    "gpt2_sdp2_distributed_transformer",
-    "gpt2_tp2_distributed_transformer_checkpoint_sublayers",
-    "flan_t5_tp2_activation_checkpointing",
-}
 
 
 @pytest.mark.parametrize("name", RUNS_TODAY)
@@ -89,7 +82,7 @@ def test_script_runs_unchanged_and_logs_every_step(name, data, tmp_path_factory)
     assert list(record["losses"]) == [str(i) for i in range(steps)]
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS_TODAY if n not in NOT_COMPARABLE])
+@pytest.mark.parametrize("name", RUNS_TODAY)
 def test_logged_losses_track_pytorch(name, data, tmp_path_factory):
     record, _, comparison = _run(name, data, tmp_path_factory)
     assert record["ran"], record["first_error"]

@@ -8,7 +8,9 @@ acts, on stderr, once per process), so the scripts need no edit for it:
 - ``torch.cuda.synchronize()`` and ``torch.cuda.set_device(i)`` as no-ops when torch has no CUDA: the scripts
   call them on every step / once, and a CPU build of torch raises on both (``AssertionError: Torch not
   compiled with CUDA enabled``; ``AttributeError: ... _cuda_setDevice``). There is nothing to synchronise,
-  and JAX, not torch, picks the device of a jmp process.
+  and JAX, not torch, picks the device of a jmp process;
+- with ``SMP_EXAMPLES_T5_DROPOUT_RATE`` set, every ``T5Config`` takes that ``dropout_rate`` (flan-t5's
+  ``model_config.py`` fixes it at 0.1, and a comparison with PyTorch needs the same, mask-free, forward).
 
 Then the script runs as ``__main__`` with its own folder first on ``sys.path``, as ``python SCRIPT``
 would; an error it raises is printed here too (see ``main``).
@@ -71,12 +73,30 @@ def cuda_calls_as_no_ops() -> list[str]:
     return names
 
 
+def t5_dropout_from_environment() -> float | None:
+    """``T5Config``'s ``dropout_rate`` forced to ``$SMP_EXAMPLES_T5_DROPOUT_RATE`` when that is set."""
+    if "SMP_EXAMPLES_T5_DROPOUT_RATE" not in os.environ:
+        return None
+    import transformers
+
+    rate = float(os.environ["SMP_EXAMPLES_T5_DROPOUT_RATE"])
+    original = transformers.T5Config.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **{**kwargs, "dropout_rate": rate})
+
+    transformers.T5Config.__init__ = init
+    _note(f"T5Config's dropout_rate is {rate} (SMP_EXAMPLES_T5_DROPOUT_RATE; the script fixes 0.1)")
+    return rate
+
+
 def main(argv: list[str]) -> None:
     if not argv:
         raise SystemExit("usage: cpu_host.py SCRIPT [args...]")
     script = os.path.abspath(argv[0])
     alias_smdistributed()
     cuda_calls_as_no_ops()
+    t5_dropout_from_environment()
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))
     try:
