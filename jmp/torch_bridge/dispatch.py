@@ -34,7 +34,7 @@ import torch.compiler
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from jmp.errors import JmpError, LoweringError, TracedControlFlowError, UnsupportedOpError
-from jmp.torch_bridge import autocast, registry
+from jmp.torch_bridge import autocast, keyword_aliases, registry
 from jmp.torch_bridge.patching import SharedPatch
 from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wrap
 
@@ -212,6 +212,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _apply(entry: registry.Lowering, func: Any, args: tuple, kwargs: dict) -> Any:
+    kwargs = keyword_aliases.with_torch_names(func, entry.fn, kwargs)
     out_target = None
     if "out" in kwargs:
         kwargs = dict(kwargs)

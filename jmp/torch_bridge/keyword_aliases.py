@@ -1,0 +1,50 @@
+"""Torch's NumPy-style keyword aliases (``torch.cumsum(x, axis=0)``, ``x.sum(keepdims=True)``).
+
+Torch's C++ argument parser accepts, for every function it parses (``torch.*`` and ``Tensor`` methods
+implemented in C++, not Python-level functions such as ``F.softmax``), the NumPy names of four of its
+arguments (``numpy_compatibility_arg_names`` in torch/csrc/utils/python_arg_parser.cpp). Lowerings take
+torch's own names; the dispatcher renames the aliases first, for the callables torch would accept them on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+# NumPy's name -> torch's, as torch's argument parser maps them.
+TORCH_NAME = {"axis": "dim", "keepdims": "keepdim", "x": "input", "a": "input", "x1": "input", "x2": "other"}
+
+
+def takes_numpy_aliases(func: Any) -> bool:
+    """Whether torch parses ``func``'s arguments in C++ (where the aliases apply): builtins and method
+    descriptors, not Python functions."""
+    return not (inspect.isfunction(func) or inspect.ismethod(func))
+
+
+def with_torch_names(func: Any, lowering: Any, kwargs: dict) -> dict:
+    """``kwargs`` with each NumPy alias renamed to torch's name, where torch accepts the alias on ``func``
+    and the lowering does not take the alias itself."""
+    if not kwargs or not any(name in TORCH_NAME for name in kwargs) or not takes_numpy_aliases(func):
+        return kwargs
+    accepted = _parameter_names(lowering)
+    renamed = {}
+    for name, value in kwargs.items():
+        torch_name = TORCH_NAME.get(name)
+        if torch_name is not None and name not in accepted and torch_name not in kwargs:
+            renamed[torch_name] = value
+        else:
+            renamed[name] = value
+    return renamed
+
+
+_NAMES: dict[Any, frozenset] = {}
+
+
+def _parameter_names(fn: Any) -> frozenset:
+    if fn not in _NAMES:
+        try:
+            parameters = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            parameters = ()
+        _NAMES[fn] = frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD)
+    return _NAMES[fn]
