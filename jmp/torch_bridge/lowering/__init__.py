@@ -4,6 +4,7 @@ from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their regis
     activations,
     attention,
     autograd_function,
+    complex_numbers,
     conversions,
     convolution,
     elementwise,
