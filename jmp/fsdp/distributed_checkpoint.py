@@ -10,6 +10,12 @@ by every rank of ``process_group``: what ``FSDP.optim_state_dict_to_load`` of jm
 ``python -m jmp.launch`` a script's ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict``
 is this function (the launcher's ``sitecustomize``); a model state dict holding torch's own sharded tensors
 (``ShardedTensor`` / ``DTensor``: a torch FSDP model's) goes to PyTorch's function.
+
+``save_state_dict`` / ``load_state_dict`` take SMP v2's ``coordinator_rank``: its scripts pass the lowest *global*
+rank of ``process_group`` (``min(get_global_ranks(model.process_group))``, AWS's ``checkpoints.py``), as the
+PyTorch of SMP's containers used it (the ``src`` / ``dst`` of DCP's object collectives, global ranks then); the
+PyTorch here reads it as a rank *in* the group, so a group without global rank 0 (hybrid sharding's second
+replica) failed. A rank that names a member of the group is taken as that member; any other stays torch's.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
@@ -60,3 +67,50 @@ def load_sharded_optimizer_state_dict(
         )
     dcp.load(state, storage_reader=storage_reader, planner=planner, process_group=process_group)
     return unflatten_state_dict(state, metadata.planner_data)
+
+
+def save_state_dict(
+    state_dict: dict[str, Any],
+    storage_writer: dcp.StorageWriter,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    planner: dcp.SavePlanner | None = None,
+) -> dcp.metadata.Metadata:
+    """PyTorch's ``save_state_dict``, its ``coordinator_rank`` a global rank of the group or a rank in it."""
+    coordinator = group_coordinator(process_group, coordinator_rank, "save_state_dict", no_dist)
+    return dcp.save_state_dict(state_dict, storage_writer, process_group, coordinator, no_dist, planner)
+
+
+def load_state_dict(
+    state_dict: dict[str, Any],
+    storage_reader: dcp.StorageReader,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    planner: dcp.LoadPlanner | None = None,
+) -> None:
+    """PyTorch's ``load_state_dict``, its ``coordinator_rank`` a global rank of the group or a rank in it."""
+    coordinator = group_coordinator(process_group, coordinator_rank, "load_state_dict", no_dist)
+    dcp.load_state_dict(state_dict, storage_reader, process_group, coordinator, no_dist, planner)
+
+
+def group_coordinator(process_group: Any, coordinator_rank: int, where: str, no_dist: bool = False) -> int:
+    """The rank in ``process_group`` of the coordinator SMP v2's ``coordinator_rank`` names: the member with that
+    global rank, else (no member has it) the group rank itself, as PyTorch reads it.
+
+    Raises:
+        StateDictError: ``coordinator_rank`` is neither a member's global rank nor a rank in the group.
+    """
+    if process_group is None or no_dist or not dist.is_initialized():
+        return coordinator_rank
+    members = dist.get_process_group_ranks(process_group)
+    if coordinator_rank in members:
+        return members.index(coordinator_rank)
+    if 0 <= coordinator_rank < len(members):
+        return coordinator_rank
+    raise StateDictError(
+        f"torch.distributed.checkpoint.{where}(coordinator_rank={coordinator_rank}): the process group's global "
+        f"ranks are {members}; pass one of them (SMP v2's scripts pass the lowest) or a rank in the group "
+        f"(0 to {len(members) - 1})"
+    )

@@ -15,7 +15,8 @@
   ``checkpoint_wrapper``, ``offload_wrapper``; with them ``FSDP.state_dict_type`` and the other class-level calls
   are jmp's. ``ShardingStrategy``, ``MixedPrecision``, ``StateDictType``, the wrap policies stay torch's (jmp
   takes torch's own). And ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict`` takes
-  SMP's ``process_group=`` (``jmp.fsdp.distributed_checkpoint``). torch's own modules keep torch's objects (they use
+  SMP's ``process_group=``, and ``torch.distributed.checkpoint``'s ``save_state_dict`` / ``load_state_dict`` SMP's
+  global ``coordinator_rank`` (``jmp.fsdp.distributed_checkpoint``). torch's own modules keep torch's objects (they use
   FSDP's internals, flat parameters, which jmp's wrapper does not have), and so do jmp's (``JmpNames``).
 
 Then the environment's own ``sitecustomize``, which this one shadows, runs. Standard library only, and nothing
@@ -169,6 +170,7 @@ AFTER_IMPORT = {
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper": JmpNames(
         "jmp.fsdp", ("apply_activation_checkpointing", "checkpoint_wrapper", "offload_wrapper")
     ),
+    "torch.distributed.checkpoint": JmpNames("jmp.fsdp.distributed_checkpoint", ("save_state_dict", "load_state_dict")),
     "torch.distributed.checkpoint.optimizer": JmpNames(
         "jmp.fsdp.distributed_checkpoint", ("load_sharded_optimizer_state_dict",)
     ),
