@@ -46,12 +46,13 @@ Measured over 4 steps: torch's bf16 is 0.9e-4 to 1.9e-4 from fp32; jmp's 2.7e-5 
 tolerance must catch is ten times above it: one update more or less moves the loss by 1-4% from step to step.
 
 Sharded checkpoints: the script's ``torch.distributed.checkpoint.save_state_dict`` / ``load_state_dict`` (torch's
-own DCP over gloo) on jmp's full-tensor SHARDED_STATE_DICT, and ``load_sharded_optimizer_state_dict`` with SMP's
-``process_group=`` (``jmp.fsdp.distributed_checkpoint``). With more than one replica the resume fails in the
-script: it passes ``coordinator_rank=min(global ranks of the shard group)``, which torch's DCP (since 2.6) reads as
-a rank within the group, so every replica but the first names a rank its group does not have (``ValueError:
-Group rank 2 is not part of group``, checkpoints.py:557); the notebooks' layouts (tp 2 x hybrid shard 4: one
-replica) do not meet it. Recorded, not worked around.
+DCP over gloo) on jmp's full-tensor SHARDED_STATE_DICT, and ``load_sharded_optimizer_state_dict`` with SMP's
+``process_group=`` (``jmp.fsdp.distributed_checkpoint``). The script passes ``coordinator_rank=min(global ranks of
+the shard group)``, a global rank as the PyTorch of SMP's containers used it; torch's DCP (since 2.6) reads it as a
+rank within the group, so with more than one replica every replica but the first named a rank its group does not
+have (``ValueError: Group rank 2 is not part of group``, checkpoints.py:557). Under ``jmp.launch`` the script's
+``save_state_dict`` / ``load_state_dict`` are jmp's, which take a member's global rank as that member: hybrid
+shard 2 x replicate 2 resumes and continues to the digit (steps 2-3 log the uninterrupted run's losses).
 """
 
 from __future__ import annotations
