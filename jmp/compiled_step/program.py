@@ -25,6 +25,8 @@ from jmp.compiled_step.outputs import output_array, output_leaf
 from jmp.compiled_step.signature import StepSignature, rebuild
 from jmp.model.distributed_model import DistributedModel
 from jmp.pipeline.engine import StepInputs
+from jmp.precision import fp8_state
+from jmp.precision.fp8_scaling import DelayedScaling
 from jmp.remat import xla as remat_xla
 from jmp.torch_bridge import autocast, call_hooks, dispatch
 from jmp.torch_bridge.tensor import unwrap
@@ -106,13 +108,30 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
         return _run_pipeline(fn, model, signature, traced, params, rest, pieces)
     step_forward = forward(fn, model, signature, traced)
     shardings = model.store.shardings
+    fp8_recipe = DelayedScaling.from_config(model.layout.config)
 
     def arrays_of(mb):
         return [m if axis is not None else p for m, p, axis in zip(mb, pieces, split)]
 
     def with_grads(rest, mb_arrays):
+        if fp8_recipe is not None:
+            return with_fp8_grads(rest, mb_arrays)
         (_, (outputs, rest, sown)), grads = jax.value_and_grad(step_forward, has_aux=True)(params, rest, mb_arrays)
         # gradients live where their parameters do (sharded data parallel: reduce-scattered)
+        return outputs, rest, jax.lax.with_sharding_constraint(grads, shardings), sown
+
+    def with_fp8_grads(rest, mb_arrays):
+        # the loss is differentiated with respect to the output gradients' fp8 scales too: their cotangents are
+        # the gradients' amaxes (jmp.precision.fp8_matmul), recorded after each microbatch's backward
+        scales, others = fp8_state.split_gradient_scales(rest)
+
+        def on_scales(params, scales, others, mb_arrays):
+            return step_forward(params, nnx.merge_state(others, scales), mb_arrays)
+
+        grad_of = jax.value_and_grad(on_scales, argnums=(0, 1), has_aux=True)
+        (_, (outputs, rest, sown)), (grads, amaxes) = grad_of(params, scales, others, mb_arrays)
+        scales, others = fp8_state.split_gradient_scales(rest)
+        rest = fp8_state.record_gradient_amaxes(fp8_recipe, scales, amaxes, others)
         return outputs, rest, jax.lax.with_sharding_constraint(grads, shardings), sown
 
     if microbatches == 1:

@@ -33,13 +33,16 @@ from jmp.model.parameter_store import ParameterStore, StageStore, TreeStore
 from jmp.model.records import ParameterLayout, ProgramCache, TrainingState, copy_tree
 from jmp.model.seams import AttachedOptimizer, LossScaleSource
 from jmp.pipeline.stepping import Pipeline
+from jmp.precision import fp8_state
 from jmp.precision import policy as precision
+from jmp.precision.fp8_scaling import DelayedScaling
 from jmp.remat import api as remat
 from jmp.runtime import compilation_cache as compilation
 from jmp.runtime import mesh_state as state
 from jmp.sharding import experts
 from jmp.torch_bridge import JaxTensor, TorchModule, convert, named_variables, to_state_dict, torch_name
 from jmp.torch_bridge.interop import array_to_tensor, local_piece, tensor_to_array
+from jmp.torch_bridge.layers.linear import Linear
 
 logger = logging.getLogger("jmp")
 
@@ -136,6 +139,9 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         smp_paths.add(module)
         self.delayed = _is_delayed(module)
         converted = convert(module, rngs=nnx.Rngs(config.random_seed), allow_meta=self.delayed)
+        fp8_recipe = DelayedScaling.from_config(config)
+        if fp8_recipe is not None:  # each nn.Linear's fp8 scaling state joins the buffers
+            fp8_state.attach(converted, fp8_recipe, lambda m: isinstance(m, Linear))
         graphdef, params, rest = nnx.split(converted, nnx.Param, ...)
         leaves = [(torch_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
         shapes = {name: tuple(leaf.shape) for name, leaf in leaves}

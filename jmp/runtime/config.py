@@ -86,6 +86,12 @@ class Config:
     fp16: bool = False
     fp16_params: bool = False  # implies fp16
     bf16: bool = False
+    # FP8 Linear matmuls with Transformer Engine's DelayedScaling recipe and its defaults (jmp.precision.fp8_scaling)
+    fp8: bool = False
+    fp8_format: str = "hybrid"  # TE's Format.HYBRID: E4M3 forward, E5M2 gradients; "e4m3": E4M3 for both
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"  # or "most_recent"
+    fp8_margin: int = 0
     offload_activations: bool = False
     activation_loading_horizon: int = 4
     activation_checkpointing_policy: str = "full"  # jmp: the remat policy of checkpointed modules (see jmp.remat)
@@ -160,6 +166,11 @@ def _check_combination(parsed: Config) -> None:
             f"'default_partition' is {parsed.default_partition}, but stages are numbered 0.."
             f"{parsed.pipeline_parallel_degree - 1} (pipeline_parallel_degree={parsed.pipeline_parallel_degree})"
         )
+    if parsed.fp8 and parsed.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            "'fp8' is True with 'pipeline_parallel_degree' > 1: jmp's fp8 does not run inside a pipeline yet; "
+            "train in fp8 without pipeline parallelism, or use 'bf16' with it"
+        )
     if parsed.context_parallel_degree > 1:
         raise ConfigError(
             f"'context_parallel_degree' is {parsed.context_parallel_degree}: context parallelism is not "
@@ -228,15 +239,18 @@ _BOOLEANS = (
     "auto_partition ddp prescaled_batch sdp_hierarchical_allgather shard_optimizer_state allow_empty_shards "
     "fsdp_cache_flush_warnings fp16 fp16_params bf16 offload_activations delayed_parameter_initialization horovod "
     "contiguous deterministic_server skip_tracing static_mode fast_mode predefined_hooks load_partition "
-    "compilation_cache reshard_after_forward pipeline_recompute"
+    "compilation_cache reshard_after_forward pipeline_recompute fp8"
 ).split()
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(_BOOLEANS, _boolean),
     **dict.fromkeys(
         "pipeline_parallel_degree microbatches tensor_parallel_degree expert_parallel_degree context_parallel_degree "
-        "activation_loading_horizon sdp_reduce_bucket_size sdp_max_live_parameters".split(),
+        "activation_loading_horizon sdp_reduce_bucket_size sdp_max_live_parameters fp8_amax_history_len".split(),
         _POSITIVE,
     ),
+    "fp8_margin": _COUNT,
+    "fp8_format": _choice(("hybrid", "e4m3")),
+    "fp8_amax_compute_algo": _choice(("max", "most_recent")),
     "sharded_data_parallel_degree": _integer(0, "a positive integer, or 0 for all data-parallel devices"),
     "sdp_param_persistence_threshold": _COUNT,
     "random_seed": _COUNT,

@@ -1,12 +1,18 @@
-"""nn.Linear (weight [out, in], as in torch) and nn.Identity."""
+"""nn.Linear (weight [out, in], as in torch) and nn.Identity.
+
+A Linear given an ``fp8`` child (``jmp.precision.fp8_state.attach``, when the config's ``fp8`` is on) runs its
+matmul in fp8 with its delayed-scaling state (``jmp.precision.fp8_matmul``).
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch.nn.functional as F
 from torch import nn
 
+from jmp.precision.fp8_matmul import fp8_linear
 from jmp.torch_bridge import autocast
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering.nn_functional import linear
@@ -19,9 +25,13 @@ class Linear(ArrayModule):
         super().__init__(torch_module, path, converter)
         self.in_features = torch_module.in_features
         self.out_features = torch_module.out_features
+        self.fp8 = None  # an Fp8Meta when the model trains in fp8
 
     def forward(self, input):
-        return autocast.call(F.linear, linear, input, self.weight[...], None if self.bias is None else self.bias[...])
+        bias = None if self.bias is None else self.bias[...]
+        if self.fp8 is not None:
+            return autocast.call(F.linear, functools.partial(fp8_linear, self.fp8), input, self.weight[...], bias)
+        return autocast.call(F.linear, linear, input, self.weight[...], bias)
 
 
 @register_layer(nn.Identity)

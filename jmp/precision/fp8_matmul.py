@@ -1,0 +1,85 @@
+"""A Linear's matmuls in FP8 (``input @ weight.T``, torch's [out, in] weight), as Transformer Engine's Linear runs them.
+
+Forward: input and weight quantised to the forward format with their scales, one XLA ``dot_general`` on the fp8
+arrays accumulating in float32 (on a GPU with fp8 tensor cores, XLA's fp8 GEMM), the product times both inverse
+scales. Backward: the output gradient quantised to the gradient format with its scale; the input gradient is
+``q(grad) @ q(weight)`` and the weight gradient ``q(grad).T @ q(input)``, each an fp8 ``dot_general`` times the
+inverse scales. Quantisation is straight through (its clipping passes gradients unchanged), as in TE.
+
+The output gradient's amax arises in the backward, where no forward state can be written: it leaves as the
+cotangent of ``grad_scale`` (a scale has no gradient of its own), and the step records it in the gradient's amax
+history (``jmp.precision.fp8_state.record_gradient_amaxes``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmp.precision.fp8_scaling import amax, quantise
+
+
+def _fp8_dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], inverse_scale: jax.Array) -> jax.Array:
+    out = jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
+    return out * inverse_scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def scaled_matmul(x, weight, x_scale, weight_scale, grad_scale, forward_dtype, gradient_dtype):
+    """``x @ weight.T`` in fp8 for ``x`` [..., in] and ``weight`` [out, in]; the result in ``x``'s dtype.
+
+    ``weight``'s gradient comes out in ``x``'s dtype too: the weight a Linear multiplies is in its compute dtype.
+    """
+    return _forward(x, weight, x_scale, weight_scale, grad_scale, forward_dtype, gradient_dtype)[0]
+
+
+def _forward(x, weight, x_scale, weight_scale, grad_scale, forward_dtype, gradient_dtype):
+    del gradient_dtype
+    q_x = quantise(x.reshape(-1, x.shape[-1]), x_scale, forward_dtype)
+    q_weight = quantise(weight, weight_scale, forward_dtype)
+    out = _fp8_dot(q_x, q_weight, (1, 1), (1.0 / x_scale) * (1.0 / weight_scale))
+    out = out.astype(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out, (q_x, q_weight, x_scale, weight_scale, grad_scale)
+
+
+def _backward(forward_dtype, gradient_dtype, residuals, grad):
+    del forward_dtype
+    q_x, q_weight, x_scale, weight_scale, grad_scale = residuals
+    dtype, x_shape = grad.dtype, (*grad.shape[:-1], q_weight.shape[1])
+    grad = grad.reshape(-1, grad.shape[-1])
+    q_grad = quantise(grad, grad_scale, gradient_dtype)
+    grad_inverse = 1.0 / grad_scale
+    x_grad = _fp8_dot(q_grad, q_weight, (1, 0), grad_inverse * (1.0 / weight_scale))
+    weight_grad = _fp8_dot(q_grad, q_x, (0, 0), grad_inverse * (1.0 / x_scale))
+    return (
+        x_grad.astype(dtype).reshape(x_shape),
+        weight_grad.astype(dtype),
+        jnp.zeros_like(x_scale),
+        jnp.zeros_like(weight_scale),
+        amax(grad).astype(grad_scale.dtype),  # what the step records in the gradient's amax history
+    )
+
+
+scaled_matmul.defvjp(_forward, _backward)
+
+
+def fp8_linear(meta: Any, x: jax.Array, weight: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """``F.linear`` in fp8 with a Linear's scaling state ``meta`` (``fp8_state.Fp8Meta``).
+
+    In training mode the input's and weight's amaxes are recorded in ``meta`` and their next scales set; in eval
+    mode the scales are used as they are.
+    """
+    recipe = meta.recipe
+    x_scale, weight_scale = meta.input_scale[...], meta.weight_scale[...]
+    weight = weight.astype(x.dtype)
+    out = scaled_matmul(
+        x, weight, x_scale, weight_scale, meta.grad_scale[...], recipe.forward_dtype, recipe.gradient_dtype
+    )
+    if meta.recording:
+        meta.record_forward(amax(x), amax(weight))
+    if bias is not None:
+        out = out + bias.astype(out.dtype)
+    return out
