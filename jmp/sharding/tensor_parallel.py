@@ -46,9 +46,12 @@ COLUMN, ROW, VOCAB = "column", "row", "vocab"
 
 _COLUMN_NAMES = frozenset(
     {"q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "c_attn", "c_fc", "query", "key", "value",
-     "fc1", "w1", "w3", "wi", "lm_head"}
+     "fc1", "w1", "w3", "wi", "lm_head", "query_key_value"}
 )  # fmt: skip
 _ROW_NAMES = frozenset({"o_proj", "down_proj", "c_proj", "out_proj", "fc2", "w2", "wo"})
+# a linear of this name is row-parallel beside a sibling of the other: the output projection ``dense`` of attention
+# with a fused ``query_key_value`` (GPT-NeoX, Bloom, Falcon; ``dense`` alone is too common a name to say a role)
+_ROW_BESIDE = {"dense": "query_key_value"}
 _KEY_VALUE_NAMES = frozenset({"k_proj", "v_proj", "key", "value"})
 _POSITION_NAMES = ("wpe", "position")  # position tables are small and indexed by position, not token: replicated
 
@@ -195,7 +198,7 @@ def _roles(root: nn.Module) -> dict[str, tuple[str, nn.Module, nn.Module | None]
         if enabled and kind in _LINEAR_KINDS:
             if name in _COLUMN_NAMES:
                 roles[path] = (COLUMN, module, parent)
-            elif name in _ROW_NAMES:
+            elif name in _ROW_NAMES or _beside(name, parent):
                 roles[path] = (ROW, module, parent)
             elif path not in roles and (kind == "registered_linear" or isinstance(module, DistributedLinear)):
                 roles[path] = (COLUMN, module, parent)  # smp.nn.DistributedLinear outside a pair
@@ -212,12 +215,17 @@ def _roles(root: nn.Module) -> dict[str, tuple[str, nn.Module, nn.Module | None]
     return roles
 
 
+def _beside(name: str, parent: nn.Module | None) -> bool:
+    sibling = _ROW_BESIDE.get(name)
+    return sibling is not None and parent is not None and isinstance(getattr(parent, sibling, None), nn.Module)
+
+
 def _pair_by_structure(module: nn.Module, path: str, roles: dict) -> None:
     """Direct linear children without a role, in order: consecutive ones whose sizes chain are column then row."""
     linears = [
         (f"{path}.{n}" if path else n, c)
         for n, c in module.named_children()
-        if _kind(c) in _LINEAR_KINDS and n not in _COLUMN_NAMES | _ROW_NAMES
+        if _kind(c) in _LINEAR_KINDS and n not in _COLUMN_NAMES | _ROW_NAMES and not _beside(n, module)
     ]
     index = 0
     while index + 1 < len(linears):
@@ -320,11 +328,12 @@ def _check_divisible(path: str, module: nn.Module, kind: str, role: str, parent:
 
 def _heads(path: str, features_out: int, parent: nn.Module | None) -> tuple[int, str] | None:
     """(heads, what) when a column-parallel projection belongs to an attention module with ``head_dim``."""
-    head_dim = getattr(parent, "head_dim", None)
+    head_dim = getattr(parent, "head_dim", getattr(parent, "head_size", None))  # GPT-NeoX: head_size
     if not isinstance(head_dim, int) or head_dim <= 0:
         return None
     name = path.rsplit(".", 1)[-1]
-    if name == "c_attn":  # GPT-2's fused q, k, v
+    if name in ("c_attn", "query_key_value") and features_out % (3 * head_dim) == 0:
+        # fused q, k, v: GPT-2's [q | k | v], NeoX's [q, k, v] per head (Falcon's multi-query layout is neither)
         return features_out // (3 * head_dim), "attention heads"
     if name in _KEY_VALUE_NAMES:
         return features_out // head_dim, "key/value heads"
