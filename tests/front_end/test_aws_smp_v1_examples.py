@@ -54,13 +54,13 @@ def test_synthetic_data_is_what_the_scripts_read_and_the_same_every_time(tmp_pat
 
 
 # Run by the benchmark, not here (the suite's time), each covered by another test: gpt2_dp2_fp32's training is
-# gpt2_dp2_partial_checkpoint_resume's first phase; gpt2_sdp2_distributed_transformer's path (seq_layers under
+# gpt2_dp2_validation's first steps; gpt2_sdp2_distributed_transformer's path (seq_layers under
 # model_creation(tensor_parallelism=True), checkpointed) is tests/model/test_smp_paths.py's, in one process.
 COVERED_BY_ANOTHER = {
     "gpt2_dp2_fp32",
-    # its training is gpt2_dp2_fp32's; its validation (eval steps read per process, all_reduce over SMP's dp group)
-    # is tests/multiprocess/test_step_outputs_per_process.py's and test_launch_and_comm.py's
-    "gpt2_dp2_validation",
+    # two launches: partial checkpoints saved by 2 processes and resumed are tests/saving's and
+    # tests/multiprocess/test_launch_and_comm.py's; the script's --load_partial path runs in the benchmark
+    "gpt2_dp2_partial_checkpoint_resume",
     # sharded data parallelism trains as data parallelism (tests/sharding); the DeepSpeed views the script reads
     # (p.ds_tensor, fp32_partitioned_groups_flat) are tests/model/test_sdp_partitions.py's
     "gpt2_sdp2",
