@@ -34,7 +34,7 @@ import torch.compiler
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from jmp.errors import JmpError, LoweringError, TracedControlFlowError, UnsupportedOpError
-from jmp.torch_bridge import autocast, keyword_aliases, registry
+from jmp.torch_bridge import autocast, higher_order_ops, keyword_aliases, registry
 from jmp.torch_bridge.patching import SharedPatch
 from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wrap
 
@@ -115,7 +115,7 @@ def session(rngs: Any = None) -> Iterator[None]:
     was_compiling = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        with BridgeMode(), _FUNCTION_APPLY_ROUTE, autocast.Route():
+        with BridgeMode(), _FUNCTION_APPLY_ROUTE, _HIGHER_ORDER_ROUTE, autocast.Route():
             yield
     finally:
         torch.compiler._is_compiling_flag = was_compiling
@@ -143,6 +143,23 @@ def _routed_apply(function: type, *args: Any, **kwargs: Any) -> Any:
 # runs. Outside sessions torch is left untouched; a thread without a session that calls ``apply`` meanwhile
 # reaches torch's own ``apply`` through the check in ``_routed_apply``.
 _FUNCTION_APPLY_ROUTE = SharedPatch((torch.autograd.Function, "apply", classmethod(_routed_apply)))
+
+
+def _route_higher_order(original: Any) -> Any:
+    """A router for one higher-order op: calls inside a session go to the dispatcher, others to torch."""
+
+    @functools.wraps(original)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        if _ACTIVE.get() and (
+            torch.overrides._is_torch_function_mode_enabled() or contains_tensor((args, kwargs), JaxTensor)
+        ):
+            return dispatch(original, args, kwargs)
+        return original(*args, **kwargs)
+
+    return routed
+
+
+_HIGHER_ORDER_ROUTE = SharedPatch(*higher_order_ops.replacements(_route_higher_order))
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their regis
     attention,
     autograd_function,
     complex_numbers,
+    control_flow,
     conversions,
     convolution,
     elementwise,

@@ -1,0 +1,56 @@
+"""Torch's higher-order ops (``torch.cond``, ``while_loop``, ``scan``, ``associative_scan``, ``map``) as
+calls the dispatcher sees.
+
+They are Python functions below the torch-function protocol: on the bridge's tensors they would run their
+eager fallbacks, which call ATen ops directly (``aten.slice`` inside ``associative_scan``). While a session
+runs, each is replaced at every import path torch offers it under by a router that sends calls made inside
+the session to the dispatcher under the original function (lowered in ``lowering/control_flow.py``).
+Hugging Face picks these paths only when ``torch.compiler.is_compiling()`` says True, which the bridge
+reports while tracing (Mamba's ``use_associative_scan``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# (module that defines it, name); the package torch._higher_order_ops re-exports each under the same name
+_DEFINED_IN = (
+    ("torch._higher_order_ops.cond", "cond"),
+    ("torch._higher_order_ops.while_loop", "while_loop"),
+    ("torch._higher_order_ops.scan", "scan"),
+    ("torch._higher_order_ops.associative_scan", "associative_scan"),
+    ("torch._higher_order_ops.map", "map"),
+)
+
+
+def _load() -> dict[str, Callable]:
+    functions = {}
+    for module_name, name in _DEFINED_IN:
+        try:
+            functions[name] = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError):  # not in this torch build
+            continue
+    return functions
+
+
+FUNCTIONS: dict[str, Callable] = _load()
+
+
+def replacements(route: Callable[[Callable], Callable]) -> list[tuple[Any, str, Any]]:
+    """(target, name, router) for every place torch offers a higher-order op under: its defining module,
+    ``torch._higher_order_ops`` and ``torch`` itself (``torch.cond``). ``route(original)`` makes the router."""
+    package = importlib.import_module("torch._higher_order_ops")
+    triples = []
+    for module_name, name in _DEFINED_IN:
+        original = FUNCTIONS.get(name)
+        if original is None:
+            continue
+        router = route(original)
+        for target in (importlib.import_module(module_name), package, torch):
+            if vars(target).get(name) is original:
+                triples.append((target, name, router))
+    return triples
