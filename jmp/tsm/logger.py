@@ -23,13 +23,9 @@ class StderrHandler(logging.StreamHandler):
         self.setFormatter(logging.Formatter(FORMAT))
         self.addFilter(lambda record: not logging.getLogger().handlers)
 
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass  # always the current sys.stderr
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
 
 
 def get_logger() -> logging.Logger:
