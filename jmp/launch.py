@@ -1,4 +1,4 @@
-"""``python -m jmp.launch [-n N] [--cpu-devices K] [--mp-parameters JSON] [-m module | script.py] [args...]``.
+"""``python -m jmp.launch [-n N] [--cpu-devices K] [--max-restarts R] [options] [-m module | script.py] [args...]``.
 
 SageMaker's launcher for model-parallel jobs, on one machine: it starts one process per device (SMP's process
 model: a script's batch size is per process), N processes with torchrun's environment (``MASTER_ADDR``,
@@ -20,10 +20,18 @@ says MPI is enabled, as SageMaker's launcher sets them, so tools that detect SMP
 
 The children's output passes through the launcher line by line, as they wrote it, less gloo's connection
 lines ("[Gloo] Rank 0 is connected to 7 peer ranks ..."), which JAX's CPU collectives print once per process
-and peer group. When one child exits non-zero or is killed, the launcher stops the others (SIGTERM, then
-SIGKILL ``--grace`` seconds later, default 10), says on stderr which rank failed and how, and exits with that
-child's code (128 + the signal number for a signal). SIGINT / SIGTERM / SIGHUP sent to the launcher are passed
-on to the children. The launcher exits 0 only when every child does.
+and peer group. When one child exits non-zero or is killed, the launcher (the children's parent: it learns
+of it at once) says on stderr which rank failed and how, and stops the others: SIGTERM, then SIGKILL
+``--grace`` seconds later (default 5; a process in a JAX multi-process run catches SIGTERM, and after a peer's
+death it can only wait in a collective, so it is the SIGKILL that stops it: seconds, not JAX's 60 s heartbeat
+timeout). With ``--max-restarts N`` (torchrun's option) it then starts every process again, on a fresh port,
+up to N times; each restart is said in one line (which rank failed, how, the time lost). The processes see
+torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 on the first attempt) and ``TORCHELASTIC_MAX_RESTARTS``; a script
+that resumes with ``smp.resume_from_checkpoint(path)`` continues from its newest complete checkpoint. Without
+restarts left the launcher exits with the failed child's code (128 + the signal number for a signal).
+SIGINT / SIGTERM / SIGHUP sent to the launcher are passed on to the children and end the run (no restart); it
+exits 0 if every child then does (a preempted run that saved and stopped cleanly), else 128 + the signal.
+The launcher exits 0 only when every child does.
 
 This file uses the standard library only: running it does not import jmp (torch and JAX).
 """
@@ -42,13 +50,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # How long stopped children get after SIGTERM before SIGKILL. A process in a JAX multi-process run catches
 # SIGTERM (JAX's preemption notifier records it for multihost_utils.reached_preemption_sync_point) and keeps
-# running, so it is the SIGKILL that stops it.
-GRACE_SECONDS = 10.0
+# running, so after a failure it is the SIGKILL that stops it.
+GRACE_SECONDS = 5.0
 _POLL_SECONDS = 0.05
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # A launcher JAX would read before torchrun's variables (see jmp.runtime.mesh_state): they would describe another run.
@@ -104,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
         default=GRACE_SECONDS,
         help="seconds stopped processes get between SIGTERM and SIGKILL (default %(default)s)",
     )
+    parser.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=int,
+        default=0,
+        help="restart every process this many times at most when one fails (torchrun's option; default 0)",
+    )
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("target", help="the script (or, with -m, the module) to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to every process")
@@ -129,9 +145,16 @@ def free_port_pair(host: str = "", attempts: int = 50) -> int:
 
 
 def child_environment(
-    rank: int, world_size: int, port: int, cpu_devices: int | None = None, base: dict[str, str] | None = None
+    rank: int,
+    world_size: int,
+    port: int,
+    cpu_devices: int | None = None,
+    base: dict[str, str] | None = None,
+    restart_count: int = 0,
+    max_restarts: int = 0,
 ) -> dict[str, str]:
-    """The environment of local process ``rank`` of ``world_size``: torchrun's variables on one node."""
+    """The environment of local process ``rank`` of ``world_size``: torchrun's variables on one node, in the
+    ``restart_count``-th restart of at most ``max_restarts``."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _OTHER_LAUNCHERS}
     env |= {
         "MASTER_ADDR": "127.0.0.1",
@@ -142,6 +165,12 @@ def child_environment(
         "LOCAL_WORLD_SIZE": str(world_size),
         "GROUP_RANK": "0",
         "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
     }
     if cpu_devices is not None:
         flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
@@ -327,30 +356,80 @@ class _Children:
         for process in self.processes:
             process.wait()
 
-    def wait(self, grace: float) -> int:
-        """Wait for every child; on the first failure stop the others. Returns the launcher's exit code."""
-        while True:
-            if self.signalled is not None:
-                name = signal.Signals(self.signalled).name
-                print(f"jmp.launch: got {name}, passed it on to the processes", file=sys.stderr, flush=True)
-                self.stop(grace, signum=None)  # they have the signal already
-                return 128 + self.signalled
+    def reset(self) -> None:
+        """Forget the stopped processes of a failed attempt (their last output passed on) before a restart."""
+        self.drain()
+        self.processes, self.forwarders = [], []
+
+    def wait_for_failure(self) -> tuple[int, int] | None:
+        """Wait until every child has exited 0 (None), one has failed ((its rank, its return code)), or the
+        launcher is signalled (None, ``signalled`` set)."""
+        while self.signalled is None:
             codes = [p.poll() for p in self.processes]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                rank, code = failed[0]
-                running = sum(c is None for c in codes)
-                print(
-                    f"jmp.launch: rank {rank} (pid {self.processes[rank].pid}) {_describe(code)}; "
-                    f"stopping the {running} other running process(es)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                self.stop(grace)
-                return _exit_code(code)
+                return failed[0]
             if all(code == 0 for code in codes):
-                return 0
+                return None
             time.sleep(_POLL_SECONDS)
+        return None
+
+    def end_signalled(self, grace: float) -> int:
+        """After a signal passed on: wait ``grace`` seconds for the children, then kill the rest. 0 if every
+        child exited 0 (it stopped cleanly, e.g. a preempted job that saved), else 128 + the signal."""
+        name = signal.Signals(self.signalled).name
+        print(f"jmp.launch: got {name}, passed it on to the processes", file=sys.stderr, flush=True)
+        self.stop(grace, signum=None)  # they have the signal already
+        clean = self.processes and all(p.returncode == 0 for p in self.processes)
+        return 0 if clean else 128 + self.signalled
+
+
+def _say(message: str) -> None:
+    print(f"jmp.launch: {message}", file=sys.stderr, flush=True)
+
+
+def _run(
+    children: _Children,
+    command: list[str],
+    environments: Callable[[int, int], list[dict[str, str]]],
+    max_restarts: int,
+    grace: float,
+    port: int | None,
+) -> int:
+    """Start the processes and restart them all after a failure, up to ``max_restarts`` times; the exit code."""
+    attempt, lost = 0, 0.0
+    while True:
+        started = time.monotonic()
+        for env in environments(attempt, port if port is not None else free_port_pair()):
+            if children.signalled is None:
+                children.start(command, env)
+        failure = children.wait_for_failure()
+        if children.signalled is not None:
+            return children.end_signalled(grace)
+        if failure is None:
+            if attempt:
+                _say(f"the run finished after {attempt} restart(s); {lost:.1f} s went to the failed attempts")
+            return 0
+        rank, code = failure
+        running = sum(p.poll() is None for p in children.processes)
+        restarting = attempt < max_restarts
+        _say(
+            f"rank {rank} (pid {children.processes[rank].pid}) {_describe(code)}; stopping the {running} other "
+            f"running process(es)"
+            + ("" if restarting or not max_restarts else f" (no restarts left: --max-restarts {max_restarts})")
+        )
+        failed_at = time.monotonic()
+        children.stop(grace)
+        if not restarting or children.signalled is not None:
+            return _exit_code(code)
+        lost += time.monotonic() - started
+        _say(
+            f"restart {attempt + 1} of {max_restarts} (rank {rank} {_describe(code)}): starting the "
+            f"{len(children.processes)} processes again; time lost: the failed attempt's "
+            f"{failed_at - started:.1f} s and {time.monotonic() - failed_at:.1f} s stopping it"
+        )
+        children.reset()
+        attempt += 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -369,24 +448,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.cpu_devices is not None and options.cpu_devices < 1:
         parser.error(f"--cpu-devices must be at least 1, got {options.cpu_devices}")
     cpu_devices = None if gpus else (options.cpu_devices or 1)
-    port = options.port if options.port is not None else free_port_pair()
+    if options.max_restarts < 0:
+        parser.error(f"--max-restarts must be at least 0, got {options.max_restarts}")
     command = [sys.executable, *(["-m"] if options.module else []), options.target, *options.args]
-    environments = []
-    for rank in range(nproc):
-        env = child_environment(rank, nproc, port, cpu_devices)
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpu_share(gpus, rank, nproc)
-        environments.append(sagemaker_environment(env, nproc, mp_parameters, options.smp_aliases))
+
+    def environments(attempt: int, port: int) -> list[dict[str, str]]:
+        result = []
+        for rank in range(nproc):
+            env = child_environment(rank, nproc, port, cpu_devices, None, attempt, options.max_restarts)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = gpu_share(gpus, rank, nproc)
+            result.append(sagemaker_environment(env, nproc, mp_parameters, options.smp_aliases))
+        return result
+
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.getsignal(s) for s in handled}
     children = _Children()
     try:
         for s in handled:  # before the first child starts, so a signal during the start reaches those started
             signal.signal(s, children.forward)
-        for env in environments:
-            if children.signalled is None:
-                children.start(command, env)
-        return children.wait(options.grace)
+        return _run(children, command, environments, options.max_restarts, options.grace, options.port)
     finally:
         for s, handler in previous.items():
             if handler is not None:  # None: a handler not installed from Python, which cannot be put back

@@ -7,7 +7,6 @@
   ``recv_from`` calls, whose ``CommError`` messages are printed too.
 - ``exit CODE`` / ``sigkill`` (no JAX): rank 1 exits with CODE / kills itself; the others wait.
 - ``sleep`` (no JAX): print the pid and wait.
-- ``runtime-exit CODE``: after ``smp.init``, rank 1 exits with CODE at once; the others wait in a barrier.
 - ``runtime-sigkill``: after ``smp.init``, rank 1 kills itself; the others wait in ``recv_from(1)``.
 """
 
@@ -117,20 +116,15 @@ def main(mode: str, *args: str) -> None:
         if mode == "sigkill" and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(120)
-    elif mode in ("runtime-exit", "runtime-sigkill"):
+    elif mode == "runtime-sigkill":
         import jmp as smp
 
         smp.init({})
         smp.barrier()
         emit({"rank": rank, "pid": os.getpid()})
         if rank == 1:
-            if mode == "runtime-exit":
-                os._exit(int(args[0]))  # not sys.exit: JAX's exit handler would wait for the others (see the test)
             os.kill(os.getpid(), signal.SIGKILL)
-        if mode == "runtime-exit":
-            smp.barrier()
-        else:
-            smp.recv_from(1, smp.RankType.WORLD_RANK)
+        smp.recv_from(1, smp.RankType.WORLD_RANK)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

@@ -153,16 +153,6 @@ def test_sigint_to_the_launcher_is_passed_on_to_the_processes():
     assert not any(_alive(pid) for pid in pids)
 
 
-def test_a_process_leaving_a_running_jax_job_stops_the_one_waiting_in_a_barrier(capfd, monkeypatch):
-    """JAX's runtime catches SIGTERM (as a preemption notice), so the launcher's SIGKILL after ``--grace``
-    is what stops the waiting process."""
-    args = ["-n", "2", "--cpu-devices", "4", "--grace", "2", SCRIPT, "runtime-exit", "3"]
-    code, out, err = _launch_here(capfd, monkeypatch, *args)
-    assert code == 3, err[-5000:]
-    assert "jmp.launch: rank 1" in err and "exited with code 3" in err
-    assert not any(_alive(r["pid"]) for r in _records(out))
-
-
 def test_when_a_process_is_killed_the_one_waiting_for_it_fails_with_the_runtimes_heartbeat_error():
     """Without a launcher to stop it, the waiting process learns from JAX's heartbeat timeout that its peer died."""
     port = free_port_pair()
