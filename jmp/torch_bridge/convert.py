@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import torch
 from flax import nnx
+from torch.nn.utils import parametrize
 
 from jmp.errors import ConversionError
 from jmp.torch_bridge.dtypes import to_jax_dtype
@@ -30,8 +31,13 @@ def register_layer(*torch_types: type) -> Callable[[type[TorchModule]], type[Tor
 
 
 def layer_class(torch_module: torch.nn.Module) -> type[TorchModule]:
-    """The NNX class for a torch module: its standard layer if forward is the standard one, else generic."""
-    if "forward" not in torch_module.__dict__:
+    """The NNX class for a torch module: its standard layer if forward is the standard one, else generic.
+
+    A parametrized module (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``, ...) is generic:
+    its forward reads the computed weight, which the parametrizations (converted children) compute from their
+    ``original`` parameters on every call, under torch's names (``parametrizations.weight.original0``).
+    """
+    if "forward" not in torch_module.__dict__ and not parametrize.is_parametrized(torch_module):
         for klass in type(torch_module).__mro__:
             if klass in LAYERS:
                 if type(torch_module).forward is klass.forward:

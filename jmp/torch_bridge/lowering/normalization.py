@@ -150,3 +150,24 @@ def local_response_norm(input, size, alpha=1e-4, beta=0.75, k=1.0):
         jnp.pad(sq, pad), 0.0, jax.lax.add, (1, size) + (1,) * (input.ndim - 2), (1,) * input.ndim, "VALID"
     )
     return input / (k + alpha / size * summed) ** beta
+
+
+def _norm_except_dim(v, pow, dim):
+    if dim == -1:
+        return jnp.sum(jnp.abs(v) ** pow) ** (1.0 / pow)
+    dim = dim % v.ndim
+    axes = tuple(a for a in range(v.ndim) if a != dim)
+    return jnp.sum(jnp.abs(v) ** pow, axis=axes, keepdims=True) ** (1.0 / pow)
+
+
+@register_lowering(torch.norm_except_dim)
+def norm_except_dim(v, pow=2, dim=0):
+    return _norm_except_dim(v, pow, dim)
+
+
+@register_lowering(torch._weight_norm)
+def weight_norm(v, g, dim=0):
+    """``g * v / ||v||`` with the norm over every dimension but ``dim`` (``weight_norm``'s parametrization)."""
+    compute = _compute_dtype(v.dtype)
+    norm = _norm_except_dim(v.astype(compute), 2, dim)
+    return (v.astype(compute) * (g.astype(compute) / norm)).astype(v.dtype)
