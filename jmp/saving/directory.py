@@ -3,6 +3,7 @@
 ```
 path/
   <tag>_partial/          a partial checkpoint (an Orbax checkpoint directory, visible once complete)
+  <tag>_partial.replacing/  a new checkpoint of a tag that exists, written beside it, then swapped in
   <tag>                   a full checkpoint: the model's torch state_dict
   optimizer_<tag>         its optimizer's torch state_dict (jmp's addition)
   user_content_<tag>      its user_content
@@ -14,7 +15,9 @@ Files are written under a temporary name and renamed into place, so a reader see
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,10 +25,47 @@ from jmp.errors import CheckpointError
 
 NEWEST = "newest"
 PARTIAL_SUFFIX = "_partial"
+REPLACING_SUFFIX = ".replacing"
 
 
 def partial_dir(path: str | os.PathLike, tag: str) -> Path:
     return Path(path) / f"{tag}{PARTIAL_SUFFIX}"
+
+
+def replacement_dir(path: str | os.PathLike, tag: str) -> Path:
+    """Where a new partial checkpoint of an existing ``tag`` is written before it takes the old one's place."""
+    return Path(path) / f"{tag}{PARTIAL_SUFFIX}{REPLACING_SUFFIX}"
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Put the directory ``new`` in ``target``'s place, then delete the old ``target``.
+
+    The two are swapped in one step (Linux's ``renameat2(RENAME_EXCHANGE)``), so ``target`` names a whole
+    checkpoint at every moment; where the filesystem cannot swap, two renames leave a moment without one.
+    """
+    if not _exchange(new, target):
+        os.replace(target, new.with_name(new.name + ".old"))
+        os.replace(new, target)
+        new = new.with_name(new.name + ".old")
+    shutil.rmtree(new)  # the old checkpoint, now under the new one's former name
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    if _RENAMEAT2 is None:
+        return False
+    at_cwd, rename_exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE (linux/fcntl.h, linux/fs.h)
+    result = _RENAMEAT2(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), rename_exchange)
+    return result == 0
+
+
+def _find_renameat2():
+    try:
+        return ctypes.CDLL(None, use_errno=True).renameat2  # glibc 2.28+
+    except (OSError, AttributeError):
+        return None
+
+
+_RENAMEAT2 = _find_renameat2()
 
 
 def full_file(path: str | os.PathLike, tag: str) -> Path:

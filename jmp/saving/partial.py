@@ -5,7 +5,8 @@ One Orbax checkpoint directory per tag holds two items: ``state`` (a flat dict o
 the optimizer's hyper-parameters, when it was saved). Orbax writes into a temporary directory and renames
 it when every process has finished, so a checkpoint is visible only when complete; the ``newest`` pointer
 moves and old checkpoints are pruned after that (in a thread waiting for Orbax: its own finalisation
-callback runs before the rename).
+callback runs before the rename). A tag that exists already is written beside it and swapped in once complete,
+so a failed or killed save leaves the old checkpoint whole.
 
 ``save`` returns once the arrays are copied off the devices (training may go on and overwrite them); the
 writing continues in the background. The next save, a resume, or the end of the process waits for it.
@@ -27,6 +28,7 @@ import jax
 import numpy as np
 
 from jmp.errors import CheckpointError
+from jmp.runtime import comm
 from jmp.saving import directory
 from jmp.saving import user_content as user_content_file
 from jmp.saving.orbax_import import orbax_checkpoint, root_logging_kept
@@ -73,6 +75,12 @@ def save(
         "arrays": {key: {"shape": list(v.shape), "dtype": str(v.dtype)} for key, v in arrays.items()},
     }
     primary = jax.process_index() == 0
+    target = directory.partial_dir(root, tag)
+    if jax.process_count() > 1:
+        comm.barrier()  # process 0's last save is in place: every process sees the same directory below
+    # a tag saved before is written beside the old checkpoint and swapped in once complete: Orbax's force=True
+    # would delete the old one first, and a failure while writing would leave neither
+    written = directory.replacement_dir(root, tag) if target.exists() else target
 
     ocp = orbax_checkpoint()
     if primary:
@@ -80,22 +88,24 @@ def save(
     with root_logging_kept():
         checkpointer = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
         checkpointer.save(
-            directory.partial_dir(root, tag).absolute(),
+            written.absolute(),
             args=ocp.args.Composite(
                 state=ocp.args.PyTreeSave(dict(arrays) | {USER_CONTENT: blob}), meta=ocp.args.JsonSave(meta)
             ),
-            force=True,
+            force=True,  # only ever deletes a replacement a failed save left
         )
 
     def finish() -> None:
         try:
             checkpointer.wait_until_finished()  # written, and renamed into place
         except Exception:
-            logger.exception("save_checkpoint: writing %s failed", directory.partial_dir(root, tag))
+            logger.exception("save_checkpoint: writing %s failed", written)
             raise
         finally:
             checkpointer.close()
         if primary:
+            if written != target:
+                directory.replace_dir(written, target)
             directory.point_newest(root, tag)
             if keep is not None:
                 _prune(root, keep, current=tag)
