@@ -32,6 +32,9 @@ def scaled_matmul(x, weight, x_scale, weight_scale, grad_scale, forward_dtype, g
     """``x @ weight.T`` in fp8 for ``x`` [..., in] and ``weight`` [out, in]; the result in ``x``'s dtype.
 
     ``weight``'s gradient comes out in ``x``'s dtype too: the weight a Linear multiplies is in its compute dtype.
+    Under ``jax.vmap`` with an unbatched ``grad_scale`` (one entry per process, ``jmp.compiled_step.process_shares``)
+    its cotangent is the sum of the entries' gradient amaxes: at most their count times the largest, so the scale
+    errs small (a collective cannot run in a ``custom_vjp`` backward under ``vmap``).
     """
     return _forward(x, weight, x_scale, weight_scale, grad_scale, forward_dtype, gradient_dtype)[0]
 
@@ -66,11 +69,15 @@ def _backward(forward_dtype, gradient_dtype, residuals, grad):
 scaled_matmul.defvjp(_forward, _backward)
 
 
-def fp8_linear(meta: Any, x: jax.Array, weight: jax.Array, bias: jax.Array | None) -> jax.Array:
+def fp8_linear(
+    meta: Any, x: jax.Array, weight: jax.Array, bias: jax.Array | None, across: str | None = None
+) -> jax.Array:
     """``F.linear`` in fp8 with a Linear's scaling state ``meta`` (``fp8_state.Fp8Meta``).
 
     In training mode the input's and weight's amaxes are recorded in ``meta`` and their next scales set; in eval
-    mode the scales are used as they are.
+    mode the scales are used as they are. ``across``: the ``jax.vmap`` axis of the processes' entries
+    (``jmp.compiled_step.process_shares``), over which the input's amax is the maximum, as TE reduces amaxes over
+    the data-parallel group.
     """
     recipe = meta.recipe
     x_scale, weight_scale = meta.input_scale[...], meta.weight_scale[...]
@@ -79,7 +86,8 @@ def fp8_linear(meta: Any, x: jax.Array, weight: jax.Array, bias: jax.Array | Non
         x, weight, x_scale, weight_scale, meta.grad_scale[...], recipe.forward_dtype, recipe.gradient_dtype
     )
     if meta.recording:
-        meta.record_forward(amax(x), amax(weight))
+        input_amax = amax(x) if across is None else jax.lax.pmax(amax(x), across)
+        meta.record_forward(input_amax, amax(weight))
     if bias is not None:
         out = out + bias.astype(out.dtype)
     return out

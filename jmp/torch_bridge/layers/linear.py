@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jmp.precision.fp8_matmul import fp8_linear
-from jmp.torch_bridge import autocast
+from jmp.torch_bridge import autocast, dispatch
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering.nn_functional import linear
 from jmp.torch_bridge.module import ArrayModule, TorchModule
@@ -30,7 +30,8 @@ class Linear(ArrayModule):
     def forward(self, input):
         bias = None if self.bias is None else self.bias[...]
         if self.fp8 is not None:
-            return autocast.call(F.linear, functools.partial(fp8_linear, self.fp8), input, self.weight[...], bias)
+            fp8 = functools.partial(fp8_linear, self.fp8, across=dispatch.batch_axis())
+            return autocast.call(F.linear, fp8, input, self.weight[...], bias)
         return autocast.call(F.linear, linear, input, self.weight[...], bias)
 
 
