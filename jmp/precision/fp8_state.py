@@ -9,7 +9,8 @@ state's ``rest``, through the compiled step, into checkpoints (``buffers/<path>`
 The forward records the input's and weight's amaxes itself (as a batch norm updates its running statistics). The
 output gradient's amax arises in the backward, as the cotangent of ``grad_scale`` (``fp8_matmul``): the step
 differentiates the loss with respect to the ``GradientScale`` Variables too (``split_gradient_scales``) and
-records those amaxes (``record_gradient_amaxes``).
+records those amaxes (``record_gradient_amaxes``). A Linear called twice in one forward records each call's input
+amax (its history advances per call) and the sum of the calls' gradient amaxes (a scale that errs small).
 """
 
 from __future__ import annotations
@@ -69,10 +70,6 @@ def attach(module: nnx.Module, recipe: DelayedScaling, is_linear: Any) -> int:
 def split_gradient_scales(rest: nnx.State) -> tuple[nnx.State, nnx.State]:
     """(the ``GradientScale`` Variables, everything else) of a module state."""
     return nnx.split_state(rest, GradientScale, ...)
-
-
-def has_gradient_scales(rest: nnx.State) -> bool:
-    return bool(nnx.to_flat_state(split_gradient_scales(rest)[0]))
 
 
 def record_gradient_amaxes(

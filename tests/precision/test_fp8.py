@@ -123,6 +123,17 @@ def test_an_fp8_linear_trains_as_te_delayed_scaling_emulated_in_torch():
             np.testing.assert_allclose(state[f"fp8/{name}_scale"], scaling.scale, rtol=1e-7)
     assert reference.input.scale != 1.0 and reference.grad.scale > 1e4  # the scales moved away from their start
 
+    trained = _fp8_state(model)
+    model.eval()  # eval mode quantises with the current scales and records nothing
+    with torch.no_grad():
+        out = model(x * 100)
+    q_x, s_x = quantised(x * 100, reference.input.scale, E4M3), reference.input.scale
+    q_w, s_w = quantised(reference.weight, reference.weight_scaling.scale, E4M3), reference.weight_scaling.scale
+    torch.testing.assert_close(
+        out, (q_x @ q_w.T) * ((1 / torch.tensor(s_x)) * (1 / torch.tensor(s_w))) + reference.bias
+    )
+    assert all(np.array_equal(value, trained[path]) for path, value in _fp8_state(model).items())
+
 
 def test_the_fp8_matmul_input_gradient_and_gradient_amax_match_the_emulation():
     generator = torch.Generator().manual_seed(4)
