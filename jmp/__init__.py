@@ -93,7 +93,7 @@ from jmp.runtime.process_groups import (
     get_world_process_group,
 )
 from jmp.runtime.smp_state import state
-from jmp.saving import load, resume_from_checkpoint, save, save_checkpoint
+from jmp.saving import load, resume_from_checkpoint, save, save_checkpoint, set_preemption_user_content
 from jmp.sharding import set_tensor_parallelism, tensor_parallelism
 from jmp.sharding.tensor_parallel import tp_register, tp_register_with_module
 
@@ -179,6 +179,7 @@ __all__ = [
     "resume_from_checkpoint",
     "save",
     "save_checkpoint",
+    "set_preemption_user_content",
     "send",
     "set_tensor_parallelism",
     "set_activation_checkpointing",

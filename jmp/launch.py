@@ -30,7 +30,9 @@ torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 on the first attempt) and ``TORCHEL
 that resumes with ``smp.resume_from_checkpoint(path)`` continues from its newest complete checkpoint. Without
 restarts left the launcher exits with the failed child's code (128 + the signal number for a signal).
 SIGINT / SIGTERM / SIGHUP sent to the launcher are passed on to the children and end the run (no restart); it
-exits 0 if every child then does (a preempted run that saved and stopped cleanly), else 128 + the signal.
+exits 0 if every child then does, else 128 + the signal. With ``--preemption-checkpoint-dir DIR``, a SIGTERM
+(to the launcher or to one process: a spot reclaim) makes every process finish its step, save a checkpoint in
+DIR and exit 0 (``jmp.saving.preemption``); they get ``--preemption-grace`` seconds (default 120) for it.
 The launcher exits 0 only when every child does.
 
 This file uses the standard library only: running it does not import jmp (torch and JAX).
@@ -57,6 +59,9 @@ from pathlib import Path
 # SIGTERM (JAX's preemption notifier records it for multihost_utils.reached_preemption_sync_point) and keeps
 # running, so after a failure it is the SIGKILL that stops it.
 GRACE_SECONDS = 5.0
+PREEMPTION_GRACE_SECONDS = 120.0
+# where the processes save when preempted (read by jmp.saving.preemption; this file imports nothing of jmp)
+PREEMPTION_DIRECTORY = "JMP_PREEMPTION_CHECKPOINT_DIR"
 _POLL_SECONDS = 0.05
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # A launcher JAX would read before torchrun's variables (see jmp.runtime.mesh_state): they would describe another run.
@@ -119,6 +124,19 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="restart every process this many times at most when one fails (torchrun's option; default 0)",
+    )
+    parser.add_argument(
+        "--preemption-checkpoint-dir",
+        default=None,
+        help="on SIGTERM (to the launcher or a process) every process finishes its step, saves partial checkpoint "
+        "'preempted' here (its newest) and exits 0 (JMP_PREEMPTION_CHECKPOINT_DIR; see jmp.saving.preemption)",
+    )
+    parser.add_argument(
+        "--preemption-grace",
+        type=float,
+        default=PREEMPTION_GRACE_SECONDS,
+        help="with --preemption-checkpoint-dir: seconds the processes get after SIGTERM to save and exit before "
+        "SIGKILL (default %(default)s, a spot instance's notice)",
     )
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("target", help="the script (or, with -m, the module) to run")
@@ -393,11 +411,12 @@ def _run(
     command: list[str],
     environments: Callable[[int, int], list[dict[str, str]]],
     max_restarts: int,
-    grace: float,
+    grace: tuple[float, float],
     port: int | None,
 ) -> int:
-    """Start the processes and restart them all after a failure, up to ``max_restarts`` times; the exit code."""
-    attempt, lost = 0, 0.0
+    """Start the processes and restart them all after a failure, up to ``max_restarts`` times; the exit code.
+    ``grace``: the seconds stopped processes get before SIGKILL (after a failure, after a signal passed on)."""
+    (grace, signal_grace), attempt, lost = grace, 0, 0.0
     while True:
         started = time.monotonic()
         for env in environments(attempt, port if port is not None else free_port_pair()):
@@ -405,7 +424,7 @@ def _run(
                 children.start(command, env)
         failure = children.wait_for_failure()
         if children.signalled is not None:
-            return children.end_signalled(grace)
+            return children.end_signalled(signal_grace)
         if failure is None:
             if attempt:
                 _say(f"the run finished after {attempt} restart(s); {lost:.1f} s went to the failed attempts")
@@ -458,6 +477,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             env = child_environment(rank, nproc, port, cpu_devices, None, attempt, options.max_restarts)
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = gpu_share(gpus, rank, nproc)
+            if options.preemption_checkpoint_dir is not None:
+                env[PREEMPTION_DIRECTORY] = str(Path(options.preemption_checkpoint_dir).absolute())
             result.append(sagemaker_environment(env, nproc, mp_parameters, options.smp_aliases))
         return result
 
@@ -467,7 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for s in handled:  # before the first child starts, so a signal during the start reaches those started
             signal.signal(s, children.forward)
-        return _run(children, command, environments, options.max_restarts, options.grace, options.port)
+        grace = (options.grace, options.preemption_grace if options.preemption_checkpoint_dir else options.grace)
+        return _run(children, command, environments, options.max_restarts, grace, options.port)
     finally:
         for s, handler in previous.items():
             if handler is not None:  # None: a handler not installed from Python, which cannot be put back

@@ -27,6 +27,7 @@ from jmp.optim import torch_rules as torch_optimizers
 from jmp.optim.torch_surface import TorchOptimizerSurface
 from jmp.optim.update_program import UpdateProgram
 from jmp.precision import loss_scaling
+from jmp.runtime import step_boundary
 from jmp.torch_bridge.interop import array_to_tensor
 
 
@@ -212,6 +213,7 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
         scaling = self._run_update(scaling, self._no_inf, checked=dynamic, dynamic=dynamic, clip=float(clip))
         if dynamic:
             self.scale_state = scaling
+        step_boundary.step_ended(self)
 
     def update_master_grads(self) -> None:
         """SMP's fp16 call between backward and step: here it only checks the gradients for inf/nan
@@ -227,6 +229,7 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
         if not self.model.training_state.has_grads:
             return known_inf
         self._run_update(self._one if scale is None else scale, known_inf, checked=True, dynamic=False)
+        step_boundary.step_ended(self)
         return self._found_inf
 
     def _run_update(

@@ -5,11 +5,13 @@ Every process prints one JSON line with its rank, pid and torchrun's restart var
 - ``fail-once`` (no JAX): on the first attempt rank 1 kills itself (SIGKILL) and the others wait to be stopped;
   on a restart every process exits 0.
 - ``fail-always`` (no JAX): rank 1 exits with code 3 on every attempt, the others wait.
-- ``train DIR``: train a small model for ``STEPS`` steps, a partial checkpoint in DIR after each, resuming from
-  DIR's newest one when it has one; on the first attempt rank 1 kills itself (SIGKILL) right after step
-  ``KILLED_AFTER``'s save, while the others wait for it in a barrier. The attempt that completes then trains
-  the same model from the same seed uninterrupted, in the same processes and layout, and prints both runs'
-  losses and final parameters (hex).
+- ``train DIR`` (under ``--max-restarts 1 --preemption-checkpoint-dir DIR``): train a small model for ``STEPS``
+  steps, a partial checkpoint in DIR after each, resuming from DIR's newest one when it has one; every step's
+  loss printed before its update. The first start: rank 1 kills itself (SIGKILL) after step ``KILLED_AFTER``'s
+  save, while the others wait for it in a barrier. The restart: after step ``PREEMPTED_AFTER``'s save rank 1
+  sends the launcher SIGTERM, and every process saves the preemption checkpoint at the end of the next step and
+  exits 0. A later launch resumes from it, finishes, then trains the same model from the same seed
+  uninterrupted, in the same processes and layout, and prints its losses and both runs' final parameters (hex).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import signal
 import sys
 import time
 
-STEPS = 3
+STEPS = 5
 KILLED_AFTER = 1  # the step whose checkpoint the killed attempt leaves
+PREEMPTED_AFTER = 2  # the step after which the launcher gets SIGTERM on the restart
 
 
 def emit(record: dict) -> None:
@@ -65,41 +68,51 @@ def train(root: str, rank: int, attempt: int) -> None:
         )
         return model, smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
 
-    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(1000 * step + smp.rank())
-        return torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
-
-    def one_step(model, optimizer, step: int) -> str:
+    def loss_of_step(model, optimizer, step: int) -> str:
+        generator = torch.Generator().manual_seed(1000 * step + smp.rank())  # each process its own rows
         optimizer.zero_grad()
-        loss = train_step(model, *batch(step)).reduce_mean()
-        optimizer.step()
-        return float(loss).hex()
+        return float(
+            train_step(
+                model, torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+            ).reduce_mean()
+        ).hex()
 
     def parameters(model) -> dict[str, list[str]]:
         return {name: [float(x).hex() for x in value.flatten()] for name, value in model.state_dict().items()}
 
     smp.init({})
     model, optimizer = build()
-    first = 0
-    if os.path.exists(os.path.join(root, "newest")):
-        first = smp.resume_from_checkpoint(root)["next_step"]
-    losses = {}
+    first_start = not os.path.exists(os.path.join(root, "newest"))
+    first = 0 if first_start else smp.resume_from_checkpoint(root)["next_step"]
+    emit({"rank": rank, "attempt": attempt, "first_step": first})
+    step = first
+    smp.set_preemption_user_content(lambda: {"next_step": step + 1})
     for step in range(first, STEPS):
-        losses[step] = one_step(model, optimizer, step)
+        emit({"rank": rank, "step": step, "loss": loss_of_step(model, optimizer, step)})
+        optimizer.step()  # the step the preemption checkpoint is taken after
         smp.save_checkpoint(
             root, f"step{step + 1}", model=model, optimizer=optimizer, user_content={"next_step": step + 1}
         )
-        if attempt == 0 and step + 1 == KILLED_AFTER:
+        if first_start and step + 1 == KILLED_AFTER:
             smp.saving.wait_for_saves()
             smp.barrier()  # the checkpoint is complete on every process
             if rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             smp.barrier()  # waits for the dead process, inside JAX's runtime, until the launcher stops it
             raise SystemExit("the barrier returned without rank 1")
-    resumed = {"first_step": first, "losses": losses, "parameters": parameters(model)}
+        if attempt == 1 and step + 1 == PREEMPTED_AFTER:
+            if rank == 1:
+                os.kill(os.getppid(), signal.SIGTERM)  # the launcher passes it on to every process
+            smp.barrier()
+            time.sleep(2)  # JAX's preemption notice reaches every process: the next step ends at the sync point
+    smp.saving.wait_for_saves()
+    resumed = parameters(model)
     model, optimizer = build()
-    uninterrupted = {"losses": {step: one_step(model, optimizer, step) for step in range(STEPS)}}
-    emit({"rank": rank, "resumed": resumed, "uninterrupted": uninterrupted | {"parameters": parameters(model)}})
+    reference = {}
+    for step in range(STEPS):
+        reference[step] = loss_of_step(model, optimizer, step)
+        optimizer.step()
+    emit({"rank": rank, "resumed": resumed, "uninterrupted": {"losses": reference, "parameters": parameters(model)}})
 
 
 def main(mode: str, *args: str) -> None:

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 from jmp import launch
+from jmp.saving import directory
 from tests.multiprocess.reports import json_objects
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,24 +60,33 @@ def test_without_restarts_left_the_launcher_exits_with_the_failed_processs_code(
     assert "restart" not in err
 
 
-def test_a_run_killed_mid_training_restarts_resumes_and_ends_as_an_uninterrupted_run_bitwise(
+def test_a_run_killed_then_preempted_resumes_each_time_and_ends_as_an_uninterrupted_run_bitwise(
     tmp_path, capfd, monkeypatch
 ):
-    """Rank 1 dies by SIGKILL after step 1's checkpoint while rank 0 waits for it in a barrier, inside JAX's
-    runtime (which catches SIGTERM): the launcher stops rank 0 (``--grace``'s SIGKILL), restarts both, and they
-    resume from step 1."""
-    args = ["-n", "2", "--max-restarts", "1", "--grace", "1", SCRIPT, "train", str(tmp_path)]
-    code, records, err = _launch_here(capfd, monkeypatch, *args)
+    """Rank 1 dies by SIGKILL after step 0 while rank 0 waits for it in a barrier, inside JAX's runtime (which
+    catches SIGTERM): the launcher stops rank 0 (``--grace``'s SIGKILL) and restarts both, which resume from
+    step 1. After step 1 the launcher gets SIGTERM: both processes finish step 2, save the preemption checkpoint
+    and exit 0. A new launch resumes from it at step 3."""
+    options = ["-n", "2", "--grace", "1", "--preemption-checkpoint-dir", str(tmp_path)]
+    code, first, err = _launch_here(capfd, monkeypatch, *options, "--max-restarts", "1", SCRIPT, "train", str(tmp_path))
     assert code == 0, err[-5000:]
-    assert _starts(records) == [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
-    assert "restart 1 of 1 (rank 1 was killed by SIGKILL (9))" in err
+    assert _starts(first) == [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
+    assert "jmp.launch: restart 1 of 1 (rank 1 was killed by SIGKILL (9))" in err
+    assert "jmp.launch: got SIGTERM, passed it on to the processes" in err
+    assert "preempted (SIGTERM): saved partial checkpoint 'preempted'" in err
+    assert (tmp_path / "newest").read_text() == "preempted"
+    code, last, err = _launch_here(capfd, monkeypatch, *options, SCRIPT, "train", str(tmp_path))
+    assert code == 0, err[-5000:]
+    records = first + last
+    assert sorted((r["rank"], r["first_step"]) for r in records if "first_step" in r) == [
+        (0, 0), (0, 1), (0, 3), (1, 0), (1, 1), (1, 3)
+    ]  # fmt: skip
     reports = {r["rank"]: r for r in records if "resumed" in r}
     assert sorted(reports) == [0, 1]
-    for report in reports.values():
-        resumed, uninterrupted = report["resumed"], report["uninterrupted"]
-        assert resumed["first_step"] == 1
-        assert resumed["losses"] == {step: uninterrupted["losses"][step] for step in ("1", "2")}
-        assert resumed["parameters"] == uninterrupted["parameters"]
+    for rank, report in reports.items():
+        losses = {str(r["step"]): r["loss"] for r in records if r.get("rank") == rank and "loss" in r}
+        assert losses == report["uninterrupted"]["losses"]  # steps 0-4, each computed once
+        assert report["resumed"] == report["uninterrupted"]["parameters"]
     # the processes see their own data, so the two ranks' losses differ: the comparison is per process
     assert reports[0]["uninterrupted"]["losses"] != reports[1]["uninterrupted"]["losses"]
-    assert sorted(p.name for p in tmp_path.glob("*_partial")) == [f"step{n}_partial" for n in range(1, 4)]
+    assert directory.partial_tags(tmp_path) == ["preempted", "step1", "step2", "step4", "step5"]
