@@ -1,8 +1,10 @@
 """The start of an SMP v2 training script as AWS's ``train_lib.py`` writes it (module-level ``torch.sagemaker``
 imports, ``dist.init_process_group("smddp")`` before ``tsm.init()``), run with no edit by ``python -m jmp.launch``
 (``test_launched.py``). Prints one JSON line per process: what the names resolved to, ``tsm.state``, and a
-collective on its tensor-parallel group; then the same after ``tsm.init`` with two data-parallel replicas. Its
-INFO records go to stderr, as a script that configures logging shows them: jmp's notices must be once per job."""
+collective on its tensor-parallel group; then the same after ``tsm.init`` with two data-parallel replicas; then,
+FSDP's sharding over both processes, ``tests/fsdp/launched_fsdp.py``'s training, state dicts and checkpoints (in the
+directory the first argument names). Its INFO records go to stderr, as a script that configures logging shows
+them: jmp's notices must be once per job."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import datetime
 import json
 import logging
 import sys
+from pathlib import Path
 
 import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401 (registers the "smddp" backend)
 import torch
@@ -35,6 +38,8 @@ from torch.sagemaker.grad_norm import clip_grad_norm_
 from torch.sagemaker.logger import get_logger
 from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
 from torch.sagemaker.utils.process_group_utils import get_global_ranks
+
+from tests.fsdp import launched_fsdp
 
 
 def layout() -> dict:
@@ -71,5 +76,7 @@ report = {
 }
 tsm.init({"hybrid_shard_degree": 1})
 report["two_replicas"] = layout()
+tsm.init({})  # hybrid_shard_degree 0: FSDP's FULL_SHARD over both processes
+report["fsdp"] = launched_fsdp.run(Path(sys.argv[1]))
 print(json.dumps(report), flush=True)
 dist.destroy_process_group()

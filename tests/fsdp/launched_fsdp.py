@@ -1,14 +1,11 @@
-"""An SMP v2-style FSDP script run by ``python -m jmp.launch -n 2`` (``test_launched.py``): each process starts from
-its own initial weights (seeded by its rank), wraps them with ``sync_module_states=True``, trains one step, and reads
-full state dicts with ``rank0_only=True`` and without; then each saves a ``torch.distributed.checkpoint`` with its own
-one-process group and the global ``coordinator_rank`` AWS's scripts pass, and loads process 0's. Prints one JSON line
-per process."""
+"""The FSDP part of the SMP v2 script ``tests/tsm/launched_script.py`` runs under ``python -m jmp.launch -n 2``
+(checked by ``tests/tsm/test_launched.py``, against PyTorch here): each process starts from its own initial weights
+(seeded by its rank), wraps them with ``sync_module_states=True``, trains one step, and reads full state dicts with
+``rank0_only=True`` and without; then each saves a ``torch.distributed.checkpoint`` with its own one-process group
+and the global ``coordinator_rank`` AWS's scripts pass, and loads process 0's."""
 
 from __future__ import annotations
 
-import datetime
-import json
-import sys
 from pathlib import Path
 
 import torch
@@ -53,20 +50,18 @@ def plain(value):
     return value
 
 
-def main(directory: Path) -> None:
+def run(directory: Path) -> dict:
+    """What this process saw (JSON-ready), run after ``tsm.init`` with FSDP's sharding over both processes."""
     import torch.distributed as dist
-    import torch.sagemaker as tsm
     from torch.distributed import checkpoint
     from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.sagemaker.utils.process_group_utils import get_global_ranks
 
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
-    tsm.init({})
     rank = dist.get_rank()
     torch.manual_seed(rank)
     net = Net()
-    report = {"rank": rank, "initial": plain(net.state_dict())}
+    report = {"initial": plain(net.state_dict())}
     model = FSDP(net, sync_module_states=True)
     optimizer = optimizer_for(model.parameters())
     loss = loss_of(model(batch(rank)))
@@ -96,9 +91,4 @@ def main(directory: Path) -> None:
     report["coordinator"] = coordinator
     report["loaded"] = plain(loaded)
     report["dcp_names"] = [checkpoint.save_state_dict.__module__, checkpoint.load_state_dict.__module__]
-    print(json.dumps(report), flush=True)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    return report
