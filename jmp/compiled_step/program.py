@@ -26,7 +26,6 @@ from jmp.compiled_step.signature import StepSignature, rebuild
 from jmp.model.distributed_model import DistributedModel
 from jmp.pipeline.engine import StepInputs
 from jmp.precision import fp8_state
-from jmp.precision.fp8_scaling import DelayedScaling
 from jmp.remat import xla as remat_xla
 from jmp.torch_bridge import autocast, call_hooks, dispatch
 from jmp.torch_bridge.tensor import unwrap
@@ -108,7 +107,7 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
         return _run_pipeline(fn, model, signature, traced, params, rest, pieces)
     step_forward = forward(fn, model, signature, traced)
     shardings = model.store.shardings
-    fp8_recipe = DelayedScaling.from_config(model.layout.config)
+    fp8_recipe = model.fp8_recipe
 
     def arrays_of(mb):
         return [m if axis is not None else p for m, p, axis in zip(mb, pieces, split)]

@@ -33,7 +33,7 @@ from jmp.model.parameter_store import ParameterStore, StageStore, TreeStore
 from jmp.model.records import ParameterLayout, ProgramCache, TrainingState, copy_tree
 from jmp.model.seams import AttachedOptimizer, LossScaleSource
 from jmp.pipeline.stepping import Pipeline
-from jmp.precision import fp8_state
+from jmp.precision import fp8_autocast, fp8_state
 from jmp.precision import policy as precision
 from jmp.precision.fp8_scaling import DelayedScaling
 from jmp.remat import api as remat
@@ -139,9 +139,9 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         smp_paths.add(module)
         self.delayed = _is_delayed(module)
         converted = convert(module, rngs=nnx.Rngs(config.random_seed), allow_meta=self.delayed)
-        fp8_recipe = DelayedScaling.from_config(config)
-        if fp8_recipe is not None:  # each nn.Linear's fp8 scaling state joins the buffers
-            fp8_state.attach(converted, fp8_recipe, lambda m: isinstance(m, Linear))
+        self.fp8_recipe = DelayedScaling.from_config(config)
+        if self.fp8_recipe is not None:  # each nn.Linear's fp8 scaling state joins the buffers
+            fp8_state.attach(converted, self.fp8_recipe, _is_linear)
         graphdef, params, rest = nnx.split(converted, nnx.Param, ...)
         leaves = [(torch_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
         shapes = {name: tuple(leaf.shape) for name, leaf in leaves}
@@ -252,6 +252,8 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
                     "DistributedModel is called outside a step function; put the forward pass (and "
                     "model.backward(loss)) in a function decorated with @smp.step and call that."
                 )
+            if fp8_autocast.requested() is not None:
+                self.use_fp8(fp8_autocast.requested())
             return DistributedModel.outside_step(self, args, kwargs)
         return trace.module.torch_call(*args, **kwargs)
 
@@ -437,6 +439,31 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
     def eval(self) -> DistributedModel:
         return self.train(False)
 
+    def use_fp8(self, recipe: DelayedScaling) -> None:
+        """Train in fp8 from now on (a call inside TE's ``fp8_autocast``; ``jmp.precision.fp8_autocast``): each
+        ``nn.Linear`` gets its scaling state, as the config's ``fp8`` key gives it at construction.
+
+        Raises:
+            ConfigError: the model trains in fp8 with another recipe already, or is pipelined.
+        """
+        if self.fp8_recipe is not None:
+            if self.fp8_recipe != recipe:
+                raise ConfigError(
+                    f"fp8_autocast asks for {recipe}, but this model trains in fp8 with {self.fp8_recipe} already; "
+                    "use one recipe per model"
+                )
+            return
+        if self.pipeline is not None:
+            raise ConfigError("fp8_autocast around a pipelined model: jmp's fp8 does not run inside a pipeline yet")
+        module = self.flax_module
+        fp8_state.attach(module, recipe, _is_linear)
+        graphdef, _, rest = nnx.split(module, nnx.Param, ...)
+        self.training_state.rest = state.put_replicated(rest, self.layout.replicated)
+        self.fp8_recipe = recipe
+        self._graphdefs = {graphdef: graphdef}  # programs compiled without fp8 are not reused
+        self._graphdef = graphdef
+        logger.info("fp8_autocast: the model trains in fp8 from now on (%s)", recipe)
+
     @property
     def training(self) -> bool:
         module = self.__dict__.get("torch_module")
@@ -596,3 +623,7 @@ def _log_layout(specs: dict[str, PartitionSpec], mesh: Any) -> None:
             len(specs),
             ", ".join(f"{n}: {tuple(s)}" for n, s in list(split.items())[:8]) + (", ..." if len(split) > 8 else ""),
         )
+
+
+def _is_linear(module: Any) -> bool:
+    return isinstance(module, Linear)

@@ -16,6 +16,8 @@ lagged by a step or a gradient left unquantised moves single steps by more.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import types
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ from torch import nn
 import jmp as smp
 from jmp.errors import ConfigError
 from jmp.precision import fp8_state
+from jmp.precision.fp8_autocast import fp8_autocast
 from jmp.precision.fp8_matmul import fp8_linear, scaled_matmul
 from jmp.precision.fp8_scaling import DelayedScaling
 from tests.sharding.models import causal_lm, lm_step, token_batches
@@ -133,6 +136,40 @@ def test_an_fp8_linear_trains_as_te_delayed_scaling_emulated_in_torch():
         out, (q_x @ q_w.T) * ((1 / torch.tensor(s_x)) * (1 / torch.tensor(s_w))) + reference.bias
     )
     assert all(np.array_equal(value, trained[path]) for path, value in _fp8_state(model).items())
+
+
+class Format(enum.Enum):  # TE's recipe format, as a script passes it
+    HYBRID = "HYBRID"
+
+
+def test_a_loop_inside_te_fp8_autocast_trains_its_model_in_fp8_from_then_on():
+    """A script written for TE (SMP v2's train.py --fp8 1): the model built without fp8, each forward run inside
+    ``fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(...))``, then ``loss.backward()`` and a torch optimizer."""
+    smp.init({})
+    linear = nn.Linear(32, 16)
+    reference = TorchDelayedScaling(linear.weight.detach().clone(), linear.bias.detach().clone())
+    model = smp.DistributedModel(linear)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    recipe = types.SimpleNamespace(
+        fp8_format=Format.HYBRID, amax_history_len=HISTORY, amax_compute_algo="max", margin=0
+    )
+    generator = torch.Generator().manual_seed(3)
+    for factor in (1.0, 8.0, 0.25):
+        x = torch.randn(8, 32, generator=generator) * factor
+        grad_out = torch.randn(8, 16, generator=generator) * factor * 1e-3
+        with fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=None):
+            out = model(x)
+        loss = (out * grad_out).sum()
+        loss.backward()
+        _, weight_grad, bias_grad, _ = reference.step(x, grad_out)
+        torch.testing.assert_close(linear.weight.grad, weight_grad, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(linear.bias.grad, bias_grad, rtol=1e-6, atol=1e-9)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = _fp8_state(model)
+    np.testing.assert_allclose(state["fp8/grad_amax_history"], reference.grad.history, rtol=1e-7)
+    np.testing.assert_allclose(state["fp8/input_scale"], reference.input.scale, rtol=1e-7)
+    assert model.fp8_recipe == DelayedScaling(amax_history_len=HISTORY)
 
 
 def test_the_fp8_matmul_input_gradient_and_gradient_amax_match_the_emulation():
