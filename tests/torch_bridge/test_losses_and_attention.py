@@ -98,6 +98,12 @@ def test_grouped_query_attention_and_longer_keys():
     _check(F.scaled_dot_product_attention, [Q[:, :, :3], K, V], grad_of=(0, 1, 2), rtol=1e-4, is_causal=True)
 
 
+def test_values_with_another_head_size_than_queries():
+    # multi-head latent attention (DeepSeek-V3, ...): queries and keys 192 wide, values 128
+    value = torch.randn(*V.shape[:-1], V.shape[-1] + 3)
+    _check(F.scaled_dot_product_attention, [Q, K, value], grad_of=(0, 1, 2), rtol=1e-4, is_causal=True)
+
+
 def test_grouped_expert_matmul_lowers_to_ragged_dot():
     tokens, weights = torch.randn(7, 4), torch.randn(3, 4, 5)
     offsets = torch.tensor([2, 2, 7], dtype=torch.int32)  # the middle expert gets no tokens

@@ -187,7 +187,9 @@ def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     """Torch layout (..., heads, seq, dim); JAX's is (batch, seq, heads, dim)."""
-    if query.ndim != 4 or dropout_p > 0.0:
+    # jax.nn.dot_product_attention wants the values' head size to be the queries' (multi-head latent
+    # attention's differ: DeepSeek-V3's 128 against 192)
+    if query.ndim != 4 or dropout_p > 0.0 or value.shape[-1] != query.shape[-1]:
         return _attention_by_formula(query, key, value, attn_mask, dropout_p, is_causal, scale)
     q, k, v = (jnp.swapaxes(t, 1, 2) for t in (query, key, value))
     platform = traced_platform()
