@@ -46,18 +46,26 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import time
 import types
 from pathlib import Path
+
+from benchmarks.script_runs import (
+    TIMEOUT_S,
+    first_error,
+    jmp_tree,
+    launch,
+    reference_in_own_process,
+    status_line,
+    tolerance,
+    with_args,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "tests" / "vendored" / "smp_v1_examples"
 CPU_HOST = EXAMPLES / "cpu_host.py"
 RESULTS = ROOT / "benchmarks" / "results" / "smp_examples.json"
-TIMEOUT_S = 900
 
 DATA = {"vocab": 256, "seq_len": 32, "train_files": 2, "train_rows": 32, "test_rows": 16, "seed": 1234}
 GPT2 = [
@@ -75,19 +83,7 @@ T5 = [
 ]  # fmt: skip
 
 
-def _with(base: list[str], **overrides) -> list[str]:
-    """``base`` with ``--key value`` pairs replaced or added."""
-    out = list(base)
-    for key, value in overrides.items():
-        flag = f"--{key}"
-        if flag in out:
-            out[out.index(flag) + 1] = str(value)
-        else:
-            out += [flag, str(value)]
-    return out
-
-
-PP2_FP16 = _with(GPT2, pipeline_parallel_degree=2, microbatches=2, fp16=1, manual_partition=1, max_steps=28)
+PP2_FP16 = with_args(GPT2, pipeline_parallel_degree=2, microbatches=2, fp16=1, manual_partition=1, max_steps=28)
 
 # name -> (script folder, processes, phases: each a list of the script's arguments). One device per process.
 CONFIGS: dict[str, dict] = {
@@ -98,37 +94,37 @@ CONFIGS: dict[str, dict] = {
     "gpt2_pp2_fp16_manual_partition": {"script": "gpt2", "nproc": 2, "phases": [PP2_FP16]},
     # the same on 4 processes: each data-parallel rank's fp16 backward overflows on its own, as on SMP
     "gpt2_pp2_dp2_fp16_manual_partition": {"script": "gpt2", "nproc": 4, "phases": [PP2_FP16]},
-    "gpt2_tp2_bf16": {"script": "gpt2", "nproc": 2, "phases": [_with(GPT2, tensor_parallel_degree=2, bf16=1)]},
-    "gpt2_sdp2": {"script": "gpt2", "nproc": 2, "phases": [_with(GPT2, sharded_data_parallel_degree=2)]},
+    "gpt2_tp2_bf16": {"script": "gpt2", "nproc": 2, "phases": [with_args(GPT2, tensor_parallel_degree=2, bf16=1)]},
+    "gpt2_sdp2": {"script": "gpt2", "nproc": 2, "phases": [with_args(GPT2, sharded_data_parallel_degree=2)]},
     "gpt2_sdp2_distributed_transformer": {
         "script": "gpt2",
         "nproc": 2,
-        "phases": [_with(GPT2, sharded_data_parallel_degree=2, use_distributed_transformer=1)],
+        "phases": [with_args(GPT2, sharded_data_parallel_degree=2, use_distributed_transformer=1)],
     },
     "gpt2_tp2_distributed_transformer_checkpoint_sublayers": {  # each layer's attention and output checkpointed
         "script": "gpt2",
         "nproc": 2,
-        "phases": [_with(GPT2, tensor_parallel_degree=2, use_distributed_transformer=1, checkpoint_sublayers=1)],
+        "phases": [with_args(GPT2, tensor_parallel_degree=2, use_distributed_transformer=1, checkpoint_sublayers=1)],
     },
     "gpt2_dp2_partial_checkpoint_resume": {
         "script": "gpt2",
         "nproc": 2,
         "phases": [
-            _with(GPT2, max_steps=2, lr_decay_iters=4, checkpoint_freq=2),
-            _with(GPT2, max_steps=4, lr_decay_iters=4, checkpoint_freq=2, load_partial=1),
+            with_args(GPT2, max_steps=2, lr_decay_iters=4, checkpoint_freq=2),
+            with_args(GPT2, max_steps=4, lr_decay_iters=4, checkpoint_freq=2, load_partial=1),
         ],
     },
     "gpt2_dp2_validation": {
         "script": "gpt2",
         "nproc": 2,
-        "phases": [_with(GPT2, validation_freq=2, validation_batches=2, max_steps=4)],
+        "phases": [with_args(GPT2, validation_freq=2, validation_batches=2, max_steps=4)],
     },
     # model_config fixes T5's dropout_rate at 0.1 and no argument turns it off; jmp's dropout masks are not
     # torch's, so the harness sets it to 0 (cpu_host.py, said on stderr) here and in the reference
     "flan_t5_tp2_activation_checkpointing": {
         "script": "flan_t5",
         "nproc": 2,
-        "phases": [_with(T5, tensor_parallel_degree=2, activation_checkpointing=1)],
+        "phases": [with_args(T5, tensor_parallel_degree=2, activation_checkpointing=1)],
         "env": {"SMP_EXAMPLES_T5_DROPOUT_RATE": "0"},
     },
 }
@@ -136,21 +132,6 @@ CONFIGS: dict[str, dict] = {
 _LOSS = re.compile(r"Batch (\d+) Loss: (\S+?),")
 _VAL = re.compile(r"Batch (\d+) Validation loss: (\S+)")
 _OTHER_PROCESS = re.compile(r"^(\d{4}-\d\d-\d\d[:T ]|\[transformers\]|smp_v1_examples|[WEIF]\d{4} |jmp\.launch:)")
-_FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
-
-
-def tolerance(args: list[str]) -> tuple[float, str]:
-    """The relative tolerance of a configuration's losses and its precision."""
-    if _arg(args, "fp16") == "1":
-        return 2.5e-4, "fp16"
-    if _arg(args, "bf16") == "1":
-        return 2e-3, "bf16"
-    return 1e-4, "fp32"
-
-
-def _arg(args: list[str], key: str) -> str | None:
-    flag = f"--{key}"
-    return args[args.index(flag) + 1] if flag in args else None
 
 
 def _environment(work: Path, data: Path, cfg: dict) -> dict[str, str]:
@@ -180,40 +161,6 @@ def make_data(out: Path) -> Path:
     return out
 
 
-def first_error(log: str) -> dict | None:
-    """The first traceback in ``log``: exception type and message, innermost frame, the script's last frame."""
-    lines = log.splitlines()
-    for i, line in enumerate(lines):
-        if not line.startswith("Traceback (most recent call last):"):
-            continue
-        frames, j = [], i + 1
-        # the other processes' lines interleave with a traceback: log records and notes are stepped over
-        while j < len(lines) and (lines[j][:1] in (" ", "\t", "") or _OTHER_PROCESS.match(lines[j])):
-            match = _FRAME.match(lines[j])
-            if match:
-                frames.append((match.group(1), int(match.group(2)), match.group(3)))
-            j += 1
-        if j >= len(lines):
-            continue
-        kind, _, message = lines[j].partition(":")
-        script = [f for f in frames if str(EXAMPLES) in f[0] and not f[0].endswith("cpu_host.py")]
-        where = lambda f: f"{_short(f[0])}:{f[1]} in {f[2]}" if f else None
-        return {
-            "type": kind.strip(),
-            "message": message.strip()[:600],
-            "raised_at": where(frames[-1] if frames else None),
-            "script_frame": where(script[-1] if script else None),
-        }
-    return None
-
-
-def _short(path: str) -> str:
-    for marker in ("site-packages/", str(ROOT) + "/"):
-        if marker in path:
-            return path.split(marker, 1)[1]
-    return path
-
-
 def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) -> dict:
     """Run configuration ``name`` through ``jmp.launch``; its record (not the reference)."""
     cfg = CONFIGS[name]
@@ -227,16 +174,7 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
         args = [*phase_args, "--checkpoint-dir", str(work / "checkpoints")]
         command = [sys.executable, "-m", "jmp.launch", "-n", str(cfg["nproc"]), "--cpu-devices", "1"]
         command += [str(CPU_HOST), str(script), *args]
-        start = time.monotonic()
-        try:
-            done = subprocess.run(
-                command, cwd=work, env=_environment(work, data, cfg), capture_output=True,
-                text=True, timeout=timeout_s,
-            )  # fmt: skip
-            log, code = done.stdout + done.stderr, done.returncode
-        except subprocess.TimeoutExpired as e:
-            log = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
-            code = "timeout"
+        log, code, seconds = launch(command, work, _environment(work, data, cfg), timeout_s)
         (work / f"phase{len(record['phases'])}.log").write_text(log)
         for step, value in _LOSS.findall(log):
             losses[int(step)] = float(value)
@@ -248,9 +186,9 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
             {
                 "args": args,
                 "returncode": code,
-                "seconds": round(time.monotonic() - start, 1),
+                "seconds": seconds,
                 "finished": finished,
-                "first_error": first_error(log) if not finished else None,
+                "first_error": first_error(log, EXAMPLES, _OTHER_PROCESS) if not finished else None,
             }
         )
         if not finished:
@@ -268,16 +206,8 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
 
 def run_reference(name: str, data: Path) -> dict:
     """The plain-PyTorch reference of ``name``, in a process of its own (no jmp imported there)."""
-    cfg = CONFIGS[name]
-    with tempfile.TemporaryDirectory(prefix="smp-ref-") as tmp:
-        env = _environment(Path(tmp), data, cfg)
-        done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.smp_examples", "--reference", name, "--data", str(data)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-        )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"reference of {name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    env_for = lambda folder: _environment(folder, data, CONFIGS[name])
+    return reference_in_own_process("benchmarks.smp_examples", [name, "--data", str(data)], env_for)
 
 
 def compare(record: dict, reference: dict) -> dict:
@@ -496,15 +426,9 @@ def main() -> None:
             record["reference"] = run_reference(name, data)
             record["comparison"] = compare(record, record["reference"])
             results["configurations"][name] = record
-            error = record["first_error"] or {}
-            where = error.get("script_frame") or error.get("raised_at")
-            failure = f" {error.get('type')}: {error.get('message', '')[:200]} at {where}" if error else ""
-            status = "ran" if record["ran"] else "FAILED"
-            print(f"{name}: {status}{failure} | losses {record['losses']} | {record['comparison']}", flush=True)
+            print(status_line(name, record), flush=True)
     results["data"] = DATA
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "jmp"], cwd=ROOT, capture_output=True, text=True).stdout
-    results["jmp_tree"] = {"commit": head, "jmp_uncommitted_changes": bool(dirty.strip())}
+    results["jmp_tree"] = jmp_tree()
     results["command"] = "python -m jmp.launch -n P --cpu-devices 1 tests/vendored/smp_v1_examples/cpu_host.py ..."
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -62,12 +62,22 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import time
 import types
 from pathlib import Path
+
+from benchmarks.script_runs import (
+    TIMEOUT_S,
+    arg_value,
+    first_error,
+    jmp_tree,
+    launch,
+    reference_in_own_process,
+    status_line,
+    tolerance,
+    with_args,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "tests" / "vendored" / "smp_v2"
@@ -75,7 +85,6 @@ V1_EXAMPLES = ROOT / "tests" / "vendored" / "smp_v1_examples"  # its make_data.p
 SCRIPTS = EXAMPLES / "shared-scripts"
 CPU_HOST = EXAMPLES / "cpu_host.py"
 RESULTS = ROOT / "benchmarks" / "results" / "smp_v2_examples.json"
-TIMEOUT_S = 900
 
 DATA = {"vocab": 128, "seq_len": 32, "train_files": 2, "train_rows": 32, "test_rows": 32, "seed": 1234}
 # the notebooks' common flags (census section 6), the model and the schedule scaled to a few CPU steps
@@ -97,22 +106,10 @@ OFFLOAD = {"sm_activation_offloading": True, "activation_loading_horizon": 2}
 RESUME_FROM = "{checkpoints}/llama_v2-2steps"  # the script's subdir f"{model_type}-{total_steps}steps" (Llama only)
 
 
-def _with(base: list[str], **overrides) -> list[str]:
-    """``base`` with ``--key value`` pairs replaced or added."""
-    out = list(base)
-    for key, value in overrides.items():
-        flag = f"--{key}"
-        if flag in out:
-            out[out.index(flag) + 1] = str(value)
-        else:
-            out += [flag, str(value)]
-    return out
-
-
 def _save_then_resume(base: list[str]) -> list[list[str]]:
     return [
-        _with(base, max_steps=2, checkpoint_freq=2),
-        _with(base, max_steps=4, checkpoint_freq=2, resume_from_checkpoint=RESUME_FROM),
+        with_args(base, max_steps=2, checkpoint_freq=2),
+        with_args(base, max_steps=4, checkpoint_freq=2, resume_from_checkpoint=RESUME_FROM),
     ]
 
 
@@ -121,27 +118,27 @@ CONFIGS: dict[str, dict] = {
     # the suite's configuration (tests/front_end/test_aws_smp_v2_examples.py): FULL_SHARD-like over 2 processes
     "llama_hs2_fp32": {"nproc": 2, "mp": HS2, "phases": [LLAMA]},
     "llama_hs2_rep2_fp32": {"nproc": 4, "mp": HS2, "phases": [LLAMA]},
-    "llama_hs2_rep2_bf16": {"nproc": 4, "mp": HS2, "phases": [_with(LLAMA, bf16=1)]},
+    "llama_hs2_rep2_bf16": {"nproc": 4, "mp": HS2, "phases": [with_args(LLAMA, bf16=1)]},
     "llama_tp2_hs2_fp32": {"nproc": 4, "mp": TP2_HS2, "phases": [LLAMA]},
-    "llama_tp2_hs2_bf16": {"nproc": 4, "mp": TP2_HS2, "phases": [_with(LLAMA, bf16=1)]},
+    "llama_tp2_hs2_bf16": {"nproc": 4, "mp": TP2_HS2, "phases": [with_args(LLAMA, bf16=1)]},
     # the GPT-NeoX training notebook's SMP parameters: offloading on, horizon 2
-    "llama_tp2_hs2_bf16_offload": {"nproc": 4, "mp": TP2_HS2 | OFFLOAD, "phases": [_with(LLAMA, bf16=1)]},
+    "llama_tp2_hs2_bf16_offload": {"nproc": 4, "mp": TP2_HS2 | OFFLOAD, "phases": [with_args(LLAMA, bf16=1)]},
     "llama_hs2_rep2_save_resume": {"nproc": 4, "mp": HS2, "phases": _save_then_resume(LLAMA)},
     "llama_tp2_hs2_save_resume": {"nproc": 4, "mp": TP2_HS2, "phases": _save_then_resume(LLAMA)},
     # the GPT-NeoX notebooks' model type (tsm.transform says what jmp's tp rules split of it)
-    "gpt_neox_tp2_hs2_bf16": {"nproc": 4, "mp": TP2_HS2, "phases": [_with(LLAMA, model_type="gpt_neox", bf16=1)]},
+    "gpt_neox_tp2_hs2_bf16": {"nproc": 4, "mp": TP2_HS2, "phases": [with_args(LLAMA, model_type="gpt_neox", bf16=1)]},
     # the notebooks' 8-GPU layouts, run when named (--only)
     "llama_hs4_rep2_fp32_8proc": {"nproc": 8, "mp": {"hybrid_shard_degree": 4}, "phases": [LLAMA]},
     "llama_tp2_hs4_bf16_offload_8proc": {
         "nproc": 8,
         "mp": {"tensor_parallel_degree": 2, "hybrid_shard_degree": 4} | OFFLOAD,
-        "phases": [_with(LLAMA, bf16=1)],
+        "phases": [with_args(LLAMA, bf16=1)],
     },
     # the GPT-NeoX training notebook's job on a tiny Llama: its SMP parameters, a save, then the resume job
     "llama_tp2_hs4_bf16_offload_save_resume_8proc": {
         "nproc": 8,
         "mp": {"tensor_parallel_degree": 2, "hybrid_shard_degree": 4} | OFFLOAD,
-        "phases": _save_then_resume(_with(LLAMA, bf16=1)),
+        "phases": _save_then_resume(with_args(LLAMA, bf16=1)),
     },
 }
 DEFAULT_RUN = [name for name in CONFIGS if not name.endswith("_8proc")]
@@ -152,17 +149,6 @@ _FINISHED = "FSDP training finished successfully"
 _INTERLEAVED = re.compile(
     r"^(\d{4}-\d\d-\d\d[:T ]|\[\d{4}-|\[transformers\]|smp_v2_examples|[WEIF]\d{4} |jmp\.launch:|/|Traceback \(most)"
 )
-_FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
-
-
-def tolerance(args: list[str]) -> tuple[float, str]:
-    """The relative tolerance of a configuration's losses and its precision."""
-    return (2e-3, "bf16") if _arg(args, "bf16") == "1" else (1e-4, "fp32")
-
-
-def _arg(args: list[str], key: str) -> str | None:
-    flag = f"--{key}"
-    return args[args.index(flag) + 1] if flag in args else None
 
 
 def _environment(work: Path, data: Path, nproc: int) -> dict[str, str]:
@@ -188,73 +174,10 @@ def make_data(out: Path) -> Path:
     return out
 
 
-_RANKED = re.compile(r"^\[rank(\d+)\]: ")  # torch's @record (on the script's main) prints each rank's error so
-_FIRST_FAILED = re.compile(r"^jmp\.launch: rank (\d+) \(pid \d+\) exited", re.MULTILINE)
-_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|heartbeat", re.IGNORECASE)
-
-
-def first_error(log: str) -> dict | None:
-    """The first traceback in ``log``: exception type and message, innermost frame, the script's last frame. Each
-    process's traceback may interleave with the others': one rank's, as torch's ``@record`` prefixes it
-    (``[rank2]: ...``), is read when there is one: the lowest rank whose error is not a peer gone from a
-    collective (the consequence of another rank's failure), else the one the launcher says failed first."""
-    ranked = [(int(m.group(1)), line[m.end() :]) for line in log.splitlines() if (m := _RANKED.match(line))]
-    failed = sorted({rank for rank, text in ranked if text.startswith("Traceback")})
-    if failed:
-        own = [r for r in failed if not any(_PEER_GONE.search(text) for rank, text in ranked if rank == r)]
-        first = _FIRST_FAILED.search(log)
-        rank = own[0] if own else int(first.group(1)) if first and int(first.group(1)) in failed else failed[0]
-        log = "\n".join(text for r, text in ranked if r == rank)
-    lines = log.splitlines()
-    for i, line in enumerate(lines):
-        if not line.startswith("Traceback (most recent call last):"):
-            continue
-        frames, j = [], i + 1
-        # the other processes' lines interleave with a traceback: log records and notes are stepped over
-        while j < len(lines) and (lines[j][:1] in (" ", "\t", "") or _INTERLEAVED.match(lines[j])):
-            match = _FRAME.match(lines[j])
-            if match:
-                frames.append((match.group(1), int(match.group(2)), match.group(3)))
-            j += 1
-        if j >= len(lines):
-            continue
-        kind, _, message = lines[j].partition(":")
-        script = [f for f in frames if str(SCRIPTS) in f[0]]
-        where = lambda f: f"{_short(f[0])}:{f[1]} in {f[2]}" if f else None
-        return {
-            "type": kind.strip(),
-            "message": message.strip()[:600],
-            "raised_at": where(frames[-1] if frames else None),
-            "script_frame": where(script[-1] if script else None),
-        }
-    return None
-
-
-def _short(path: str) -> str:
-    for marker in ("site-packages/", str(ROOT) + "/"):
-        if marker in path:
-            return path.split(marker, 1)[1]
-    return path
-
-
 def command(cfg: dict, args: list[str]) -> list[str]:
     """The launch: ``jmp.launch`` running ``cpu_host.py`` around the vendored ``train.py`` with ``args``."""
     launch = [sys.executable, "-m", "jmp.launch", "-n", str(cfg["nproc"]), "--cpu-devices", "1"]
     return [*launch, "--mp-parameters", json.dumps(cfg["mp"]), str(CPU_HOST), str(SCRIPTS / "train.py"), *args]
-
-
-def _launch(cfg: dict, args: list[str], work: Path, data: Path, timeout_s: int) -> tuple[str, int | str, float]:
-    start = time.monotonic()
-    try:
-        done = subprocess.run(
-            command(cfg, args), cwd=work, env=_environment(work, data, cfg["nproc"]), capture_output=True, text=True,
-            timeout=timeout_s,
-        )  # fmt: skip
-        log, code = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as e:
-        log = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
-        code = "timeout"
-    return log, code, round(time.monotonic() - start, 1)
 
 
 def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) -> dict:
@@ -268,11 +191,11 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
     val_losses: dict[int, float] = {}
     harness: set[str] = set()
     record["ran"] = True
-    init = _with(cfg["phases"][0], max_steps=0, save_final_model=1, model_dir=work / "init")
+    init = with_args(cfg["phases"][0], max_steps=0, save_final_model=1, model_dir=work / "init")
     phases = [("init", init), *(("train", p) for p in cfg["phases"])]
     for kind, phase_args in phases:
         args = [a.format(checkpoints=checkpoints) for a in phase_args] + ["--checkpoint_dir", str(checkpoints)]
-        log, code, seconds = _launch(cfg, args, work, data, timeout_s)
+        log, code, seconds = launch(command(cfg, args), work, _environment(work, data, cfg["nproc"]), timeout_s)
         (work / f"phase{len(record['phases'])}.log").write_text(log)
         if kind == "train":
             for step, value in _LOSS.findall(log):
@@ -288,7 +211,7 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
                 "returncode": code,
                 "seconds": seconds,
                 "finished": finished,
-                "first_error": first_error(log) if not finished else None,
+                "first_error": first_error(log, SCRIPTS, _INTERLEAVED) if not finished else None,
             }
         )
         if not finished:
@@ -307,17 +230,9 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
 
 def run_reference(name: str, data: Path, initial_weights: Path) -> dict:
     """The plain-PyTorch reference of ``name``, in a process of its own (no jmp imported there)."""
-    cfg = CONFIGS[name]
-    with tempfile.TemporaryDirectory(prefix="smp-v2-ref-") as tmp:
-        env = _environment(Path(tmp), data, cfg["nproc"])
-        done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.smp_v2_examples", "--reference", name, "--data", str(data),
-             "--initial-weights", str(initial_weights)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-        )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"reference of {name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    arguments = [name, "--data", str(data), "--initial-weights", str(initial_weights)]
+    env_for = lambda folder: _environment(folder, data, CONFIGS[name]["nproc"])
+    return reference_in_own_process("benchmarks.smp_v2_examples", arguments, env_for)
 
 
 def compare(record: dict, reference: dict) -> dict:
@@ -382,7 +297,7 @@ def reference(name: str, data: Path, initial_weights: Path) -> dict:
     if "--resume_from_checkpoint" in argv:  # the reference trains straight through, from the same data
         i = argv.index("--resume_from_checkpoint")
         del argv[i : i + 2]
-        resumed_at = int(_arg(cfg["phases"][0], "max_steps"))
+        resumed_at = int(arg_value(cfg["phases"][0], "max_steps"))
     sys.path[:0] = [str(SCRIPTS), str(EXAMPLES)]
     import cpu_host
 
@@ -508,15 +423,9 @@ def main() -> None:
                 record["reference"], record["comparison"] = None, {"note": "no initial weights: the init run failed"}
             record.pop("initial_weights")
             results["configurations"][name] = record
-            error = record["first_error"] or {}
-            where = error.get("script_frame") or error.get("raised_at")
-            failure = f" {error.get('type')}: {error.get('message', '')[:200]} at {where}" if error else ""
-            status = "ran" if record["ran"] else "FAILED"
-            print(f"{name}: {status}{failure} | losses {record['losses']} | {record['comparison']}", flush=True)
+            print(status_line(name, record), flush=True)
     results["data"] = DATA
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "jmp"], cwd=ROOT, capture_output=True, text=True).stdout
-    results["jmp_tree"] = {"commit": head, "jmp_uncommitted_changes": bool(dirty.strip())}
+    results["jmp_tree"] = jmp_tree()
     results["command"] = (
         "python -m jmp.launch -n P --cpu-devices 1 --mp-parameters JSON tests/vendored/smp_v2/cpu_host.py "
         "tests/vendored/smp_v2/shared-scripts/train.py ..."

@@ -78,7 +78,7 @@ RUNS_TODAY = [n for n in smp_examples.CONFIGS if n not in COVERED_BY_ANOTHER]
 def test_script_runs_unchanged_and_logs_every_step(name, data, tmp_path_factory):
     record, _, _ = _run(name, data, tmp_path_factory)
     assert record["ran"], record["first_error"]
-    steps = int(smp_examples._arg(smp_examples.CONFIGS[name]["phases"][-1], "max_steps"))
+    steps = int(smp_examples.arg_value(smp_examples.CONFIGS[name]["phases"][-1], "max_steps"))
     assert list(record["losses"]) == [str(i) for i in range(steps)]
 
 

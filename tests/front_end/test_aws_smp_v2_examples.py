@@ -72,7 +72,7 @@ def test_the_script_runs_unchanged_and_logs_every_step(run):
     host, script = str(smp_v2_examples.CPU_HOST), str(smp_v2_examples.SCRIPTS / "train.py")
     for phase in record["phases"]:  # jmp.launch ... cpu_host.py shared-scripts/train.py --flags
         assert phase["command"][phase["command"].index(host) + 1] == script
-    steps = int(smp_v2_examples._arg(smp_v2_examples.CONFIGS[NAME]["phases"][-1], "max_steps"))
+    steps = int(smp_v2_examples.arg_value(smp_v2_examples.CONFIGS[NAME]["phases"][-1], "max_steps"))
     assert list(record["losses"]) == [str(i) for i in range(steps)]
     assert list(record["val_losses"]) == ["1", "3"]  # --validation_freq 2
     # what the CPU host lacked, each said once: no flash_attn, no transformer_engine, no datasets, no CUDA
