@@ -16,6 +16,9 @@ rank of ``process_group`` (``min(get_global_ranks(model.process_group))``, AWS's
 PyTorch of SMP's containers used it (the ``src`` / ``dst`` of DCP's object collectives, global ranks then); the
 PyTorch here reads it as a rank *in* the group, so a group without global rank 0 (hybrid sharding's second
 replica) failed. A rank that names a member of the group is taken as that member; any other stays torch's.
+
+``save`` / ``async_save`` / ``load`` are ``jmp.fsdp.dcp_orbax``'s: Orbax for state dicts holding jmp's arrays
+(``get_state_dict`` of a jmp FSDP model: ``jmp.fsdp.dcp_state_dicts``), torch's own for the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_
 from torch.distributed.tensor import DTensor
 
 from jmp.errors import StateDictError
+from jmp.fsdp.dcp_orbax import async_save, load, save
+
+__all__ = ["async_save", "load", "load_sharded_optimizer_state_dict", "load_state_dict", "save", "save_state_dict"]
 
 
 def load_sharded_optimizer_state_dict(

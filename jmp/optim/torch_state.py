@@ -154,6 +154,10 @@ class TorchStateAdapter:
             replaced[group] = inject_state._replace(inner_state=inner, count=_placed_like(count, inject_state.count))
         return with_group_states(opt_state, replaced)
 
+    def per_param_arrays(self, opt_state: Any) -> dict:
+        """torch's ``state`` with each parameter's entries the optax state's own (sharded) arrays; ``step`` a tensor."""
+        return self._per_param(opt_state, lambda array: array)
+
     def _per_param(self, opt_state: Any, to_tensor: Callable[[jax.Array], torch.Tensor]) -> dict:
         """torch's ``state``: each parameter's state entries by its index, arrays made tensors by ``to_tensor``."""
         index = self.param_index()
@@ -307,7 +311,9 @@ def _loaded_field(field: Any, torch_name: str, index: dict, tensors: dict) -> An
         entry = tensors.get(index.get(_name_of(path)), {})
         if torch_name not in entry or not isinstance(leaf, jax.Array):
             return leaf
-        return jax.device_put(tensor_to_array(entry[torch_name]).astype(leaf.dtype), leaf.sharding)
+        value = entry[torch_name]  # a tensor, or a jax.Array in any sharding (a DCP checkpoint's, read back)
+        array = value if isinstance(value, jax.Array) else tensor_to_array(value)
+        return jax.device_put(array.astype(leaf.dtype), leaf.sharding)
 
     return jax.tree_util.tree_map_with_path(load, field)
 

@@ -16,8 +16,12 @@
   are jmp's. ``ShardingStrategy``, ``MixedPrecision``, ``StateDictType``, the wrap policies stay torch's (jmp
   takes torch's own). And ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict`` takes
   SMP's ``process_group=``, and ``torch.distributed.checkpoint``'s ``save_state_dict`` / ``load_state_dict`` SMP's
-  global ``coordinator_rank`` (``jmp.fsdp.distributed_checkpoint``). torch's own modules keep torch's objects (they use
-  FSDP's internals, flat parameters, which jmp's wrapper does not have), and so do jmp's (``JmpNames``).
+  global ``coordinator_rank`` (``jmp.fsdp.distributed_checkpoint``); its ``save`` / ``load`` / ``async_save`` write
+  and read a state dict holding jmp's arrays with Orbax (``jmp.fsdp.dcp_orbax``), and
+  ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` / ``set_state_dict`` (and the model / optimizer
+  halves) give and take them for jmp's FSDP models (``jmp.fsdp.dcp_state_dicts``). torch's own modules keep
+  torch's objects (they use FSDP's internals, flat parameters, which jmp's wrapper does not have), and so do jmp's
+  (``JmpNames``).
 
 Then the environment's own ``sitecustomize``, which this one shadows, runs. Standard library only, and nothing
 is imported until the script imports it: torch and jmp load when the script asks for them.
@@ -170,7 +174,20 @@ AFTER_IMPORT = {
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper": JmpNames(
         "jmp.fsdp", ("apply_activation_checkpointing", "checkpoint_wrapper", "offload_wrapper")
     ),
-    "torch.distributed.checkpoint": JmpNames("jmp.fsdp.distributed_checkpoint", ("save_state_dict", "load_state_dict")),
+    "torch.distributed.checkpoint": JmpNames(
+        "jmp.fsdp.distributed_checkpoint", ("save_state_dict", "load_state_dict", "save", "load", "async_save")
+    ),
+    "torch.distributed.checkpoint.state_dict": JmpNames(
+        "jmp.fsdp.dcp_state_dicts",
+        (
+            "get_state_dict",
+            "set_state_dict",
+            "get_model_state_dict",
+            "get_optimizer_state_dict",
+            "set_model_state_dict",
+            "set_optimizer_state_dict",
+        ),
+    ),
     "torch.distributed.checkpoint.optimizer": JmpNames(
         "jmp.fsdp.distributed_checkpoint", ("load_sharded_optimizer_state_dict",)
     ),
