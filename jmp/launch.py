@@ -33,6 +33,11 @@ SIGINT / SIGTERM / SIGHUP sent to the launcher are passed on to the children and
 exits 0 if every child then does, else 128 + the signal. With ``--preemption-checkpoint-dir DIR``, a SIGTERM
 (to the launcher or to one process: a spot reclaim) makes every process finish its step, save a checkpoint in
 DIR and exit 0 (``jmp.saving.preemption``); they get ``--preemption-grace`` seconds (default 120) for it.
+With ``--step-timeout S``, a run where some process finished no optimizer step for S seconds (after its first
+one: compiling is not timed) is hung (a collective that never completes, a process stopped by SIGSTOP): the
+launcher names the ranks (and those stopped), has every process dump its Python stack (SIGUSR1, faulthandler,
+installed by jmp when ``JMP_PROGRESS_FILE`` is set), and treats it as a failure (exit code 124, or a restart).
+S must exceed the longest stretch without an optimizer step (a validation pass, a synchronous save).
 The launcher exits 0 only when every child does.
 
 This file uses the standard library only: running it does not import jmp (torch and JAX).
@@ -50,9 +55,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 # How long stopped children get after SIGTERM before SIGKILL. A process in a JAX multi-process run catches
@@ -62,6 +69,10 @@ GRACE_SECONDS = 5.0
 PREEMPTION_GRACE_SECONDS = 120.0
 # where the processes save when preempted (read by jmp.saving.preemption; this file imports nothing of jmp)
 PREEMPTION_DIRECTORY = "JMP_PREEMPTION_CHECKPOINT_DIR"
+# the file a process touches after each step (jmp.runtime.step_boundary), watched by --step-timeout
+PROGRESS_FILE = "JMP_PROGRESS_FILE"
+HUNG_EXIT_CODE = 124  # as timeout(1)
+_STACK_DUMP_SECONDS = 2.0  # for faulthandler's dumps (SIGUSR1) to reach the launcher's output
 _POLL_SECONDS = 0.05
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # A launcher JAX would read before torchrun's variables (see jmp.runtime.mesh_state): they would describe another run.
@@ -137,6 +148,13 @@ def _parser() -> argparse.ArgumentParser:
         default=PREEMPTION_GRACE_SECONDS,
         help="with --preemption-checkpoint-dir: seconds the processes get after SIGTERM to save and exit before "
         "SIGKILL (default %(default)s, a spot instance's notice)",
+    )
+    parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=None,
+        help="a process that finishes no training step for this many seconds (after its first) is hung: every "
+        "process's Python stack is dumped, then all are stopped (and restarted with --max-restarts); default off",
     )
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("target", help="the script (or, with -m, the module) to run")
@@ -316,6 +334,45 @@ def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def _is_stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): its state in /proc is T or t (Linux)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
+@dataclass(frozen=True)
+class _Failure:
+    rank: int
+    cause: str  # "was killed by SIGKILL (9)", "exited with code 3", "finished no step for 30 s"
+    exit_code: int
+
+
+class _Watchdog:
+    """Hung steps: each process touches its progress file after every training step; one whose file has not
+    moved for ``timeout`` seconds since its last step is hung. The first step (compiling) is not timed."""
+
+    def __init__(self, timeout: float, world_size: int):
+        self.timeout = timeout
+        self.directory = Path(tempfile.mkdtemp(prefix="jmp-launch-progress-"))
+        self.files = [self.directory / f"rank{rank}" for rank in range(world_size)]
+
+    def restart(self) -> None:
+        for file in self.files:
+            file.write_bytes(b"")
+            os.utime(file, (0, 0))  # no step yet
+
+    def hung(self) -> list[int]:
+        now = time.time()
+        stepped = [file.stat().st_mtime for file in self.files]
+        return [rank for rank, last in enumerate(stepped) if last > 0 and now - last > self.timeout]
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 class _Children:
     """The launched processes; stops them all when one fails or the launcher is signalled."""
 
@@ -379,18 +436,37 @@ class _Children:
         self.drain()
         self.processes, self.forwarders = [], []
 
-    def wait_for_failure(self) -> tuple[int, int] | None:
-        """Wait until every child has exited 0 (None), one has failed ((its rank, its return code)), or the
-        launcher is signalled (None, ``signalled`` set)."""
+    def wait_for_failure(self, watchdog: _Watchdog | None = None) -> _Failure | None:
+        """Wait until every child has exited 0 (None), one has failed or hung, or the launcher is signalled
+        (None, ``signalled`` set)."""
         while self.signalled is None:
             codes = [p.poll() for p in self.processes]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                return failed[0]
+                rank, code = failed[0]
+                return _Failure(rank, _describe(code), _exit_code(code))
             if all(code == 0 for code in codes):
                 return None
+            hung = watchdog.hung() if watchdog is not None else []
+            if hung:
+                return self._hang(hung, watchdog.timeout)
             time.sleep(_POLL_SECONDS)
         return None
+
+    def _hang(self, hung: list[int], timeout: float) -> _Failure:
+        """Dump every running child's Python stack (jmp's processes answer SIGUSR1 with faulthandler) and name
+        the hung ranks, and those stopped (SIGSTOP: they dump nothing until continued)."""
+        stopped = [rank for rank, p in enumerate(self.processes) if _is_stopped(p.pid)]
+        _say(
+            f"rank(s) {', '.join(map(str, hung))} finished no step for {timeout:g} s (--step-timeout)"
+            + (f"; rank(s) {', '.join(map(str, stopped))} stopped (SIGSTOP)" if stopped else "")
+            + "; the processes' Python stacks follow"
+        )
+        self.send(signal.SIGUSR1)
+        time.sleep(_STACK_DUMP_SECONDS)
+        rank = stopped[0] if stopped else hung[0]
+        cause = "is stopped (SIGSTOP)" if stopped else f"finished no step for {timeout:g} s"
+        return _Failure(rank, cause, HUNG_EXIT_CODE)
 
     def end_signalled(self, grace: float) -> int:
         """After a signal passed on: wait ``grace`` seconds for the children, then kill the rest. 0 if every
@@ -413,37 +489,40 @@ def _run(
     max_restarts: int,
     grace: tuple[float, float],
     port: int | None,
+    watchdog: _Watchdog | None = None,
 ) -> int:
     """Start the processes and restart them all after a failure, up to ``max_restarts`` times; the exit code.
     ``grace``: the seconds stopped processes get before SIGKILL (after a failure, after a signal passed on)."""
     (grace, signal_grace), attempt, lost = grace, 0, 0.0
     while True:
         started = time.monotonic()
+        if watchdog is not None:
+            watchdog.restart()
         for env in environments(attempt, port if port is not None else free_port_pair()):
             if children.signalled is None:
                 children.start(command, env)
-        failure = children.wait_for_failure()
+        failure = children.wait_for_failure(watchdog)
         if children.signalled is not None:
             return children.end_signalled(signal_grace)
         if failure is None:
             if attempt:
                 _say(f"the run finished after {attempt} restart(s); {lost:.1f} s went to the failed attempts")
             return 0
-        rank, code = failure
-        running = sum(p.poll() is None for p in children.processes)
+        failed = children.processes[failure.rank]
+        others = sum(p.poll() is None for p in children.processes if p is not failed)
         restarting = attempt < max_restarts
         _say(
-            f"rank {rank} (pid {children.processes[rank].pid}) {_describe(code)}; stopping the {running} other "
-            f"running process(es)"
+            f"rank {failure.rank} (pid {failed.pid}) {failure.cause}; stopping "
+            f"{'it and ' if failed.poll() is None else ''}the {others} other running process(es)"
             + ("" if restarting or not max_restarts else f" (no restarts left: --max-restarts {max_restarts})")
         )
         failed_at = time.monotonic()
         children.stop(grace)
         if not restarting or children.signalled is not None:
-            return _exit_code(code)
+            return failure.exit_code
         lost += time.monotonic() - started
         _say(
-            f"restart {attempt + 1} of {max_restarts} (rank {rank} {_describe(code)}): starting the "
+            f"restart {attempt + 1} of {max_restarts} (rank {failure.rank} {failure.cause}): starting the "
             f"{len(children.processes)} processes again; time lost: the failed attempt's "
             f"{failed_at - started:.1f} s and {time.monotonic() - failed_at:.1f} s stopping it"
         )
@@ -469,7 +548,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpu_devices = None if gpus else (options.cpu_devices or 1)
     if options.max_restarts < 0:
         parser.error(f"--max-restarts must be at least 0, got {options.max_restarts}")
+    if options.step_timeout is not None and options.step_timeout <= 0:
+        parser.error(f"--step-timeout must be a positive number of seconds, got {options.step_timeout}")
     command = [sys.executable, *(["-m"] if options.module else []), options.target, *options.args]
+    watchdog = _Watchdog(options.step_timeout, nproc) if options.step_timeout is not None else None
 
     def environments(attempt: int, port: int) -> list[dict[str, str]]:
         result = []
@@ -479,6 +561,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 env["CUDA_VISIBLE_DEVICES"] = gpu_share(gpus, rank, nproc)
             if options.preemption_checkpoint_dir is not None:
                 env[PREEMPTION_DIRECTORY] = str(Path(options.preemption_checkpoint_dir).absolute())
+            if watchdog is not None:
+                env[PROGRESS_FILE] = str(watchdog.files[rank])
             result.append(sagemaker_environment(env, nproc, mp_parameters, options.smp_aliases))
         return result
 
@@ -489,13 +573,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in handled:  # before the first child starts, so a signal during the start reaches those started
             signal.signal(s, children.forward)
         grace = (options.grace, options.preemption_grace if options.preemption_checkpoint_dir else options.grace)
-        return _run(children, command, environments, options.max_restarts, grace, options.port)
+        return _run(children, command, environments, options.max_restarts, grace, options.port, watchdog)
     finally:
         for s, handler in previous.items():
             if handler is not None:  # None: a handler not installed from Python, which cannot be put back
                 signal.signal(s, handler)
         children.stop(0)  # after an unexpected error here too, no child outlives the launcher
         children.drain()
+        if watchdog is not None:
+            watchdog.close()
 
 
 if __name__ == "__main__":

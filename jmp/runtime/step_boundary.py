@@ -1,10 +1,20 @@
 """What runs at the step boundary, after each optimizer update: packages below the optimizer in the data flow
-(``jmp.saving``'s preemption checkpoint) register here instead of being imported by it."""
+(``jmp.saving``'s preemption checkpoint) register here instead of being imported by it.
+
+Under ``python -m jmp.launch --step-timeout S`` (``JMP_PROGRESS_FILE`` set) each step also touches that file,
+which the launcher watches for hung steps, and SIGUSR1 dumps every thread's Python stack to stderr
+(``faulthandler``), which the launcher asks for before it stops a hung run.
+"""
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import signal
 from collections.abc import Callable
 from typing import Any
+
+PROGRESS_FILE = "JMP_PROGRESS_FILE"
 
 _callbacks: list[Callable[[Any], None]] = []
 
@@ -18,3 +28,17 @@ def step_ended(optimizer: Any) -> None:
     """Called by the optimizer once its update is issued (and its state in place)."""
     for callback in _callbacks:
         callback(optimizer)
+
+
+def report_progress(environment: dict[str, str] | os._Environ = os.environ) -> bool:
+    """With ``JMP_PROGRESS_FILE`` in ``environment``: touch it after each step and dump the stacks on SIGUSR1.
+    Returns whether it was set."""
+    path = environment.get(PROGRESS_FILE)
+    if not path:
+        return False
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    after_each_step(lambda _optimizer: os.utime(path))
+    return True
+
+
+report_progress()

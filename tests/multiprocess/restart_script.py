@@ -5,6 +5,9 @@ Every process prints one JSON line with its rank, pid and torchrun's restart var
 - ``fail-once`` (no JAX): on the first attempt rank 1 kills itself (SIGKILL) and the others wait to be stopped;
   on a restart every process exits 0.
 - ``fail-always`` (no JAX): rank 1 exits with code 3 on every attempt, the others wait.
+- ``hang`` (jmp's ``runtime/step_boundary.py`` loaded alone, no JAX): each process finishes a first step
+  (``step_boundary.step_ended``), then rank 1 stops itself (SIGSTOP) and the others wait in
+  ``wait_in_a_collective``.
 - ``train DIR`` (under ``--max-restarts 1 --preemption-checkpoint-dir DIR``): train a small model for ``STEPS``
   steps, a partial checkpoint in DIR after each, resuming from DIR's newest one when it has one; every step's
   loss printed before its update. The first start: rank 1 kills itself (SIGKILL) after step ``KILLED_AFTER``'s
@@ -16,11 +19,13 @@ Every process prints one JSON line with its rank, pid and torchrun's restart var
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 STEPS = 5
 KILLED_AFTER = 1  # the step whose checkpoint the killed attempt leaves
@@ -43,6 +48,21 @@ def started() -> tuple[int, int]:
         }
     )
     return rank, attempt
+
+
+def jmp_step_boundary():
+    """``jmp.runtime.step_boundary`` (standard library only) without importing the jmp package (torch, JAX)."""
+    path = Path(__file__).resolve().parents[2] / "jmp" / "runtime" / "step_boundary.py"
+    spec = importlib.util.spec_from_file_location("step_boundary", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def wait_in_a_collective() -> None:
+    """Where a hung step's stack dump shows the process waiting."""
+    time.sleep(120)
+    raise SystemExit("was not stopped")
 
 
 def wait_to_be_stopped() -> None:
@@ -122,6 +142,12 @@ def main(mode: str, *args: str) -> None:
             if rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             wait_to_be_stopped()
+    elif mode == "hang":
+        step_boundary = jmp_step_boundary()  # under --step-timeout: dumps stacks on SIGUSR1, notes each step
+        step_boundary.step_ended(None)  # what the optimizer calls after its update: the first step is done
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        wait_in_a_collective()
     elif mode == "fail-always":
         if rank == 1:
             raise SystemExit(3)

@@ -60,6 +60,16 @@ def test_without_restarts_left_the_launcher_exits_with_the_failed_processs_code(
     assert "restart" not in err
 
 
+def test_a_hung_step_dumps_the_stacks_names_the_stopped_process_and_stops_the_run(capfd, monkeypatch):
+    args = ["-n", "2", "--step-timeout", "1", "--grace", "1", SCRIPT, "hang"]
+    code, records, err = _launch_here(capfd, monkeypatch, *args)
+    assert code == launch.HUNG_EXIT_CODE, err
+    assert "finished no step for 1 s (--step-timeout); rank(s) 1 stopped (SIGSTOP); the processes' Python" in err
+    assert 'restart_script.py", line' in err and "in wait_in_a_collective" in err  # rank 0's, from faulthandler
+    assert "rank 1 (pid " in err and "is stopped (SIGSTOP); stopping it and the 1 other running process(es)" in err
+    assert not any(_alive(r["pid"]) for r in records)
+
+
 def test_a_run_killed_then_preempted_resumes_each_time_and_ends_as_an_uninterrupted_run_bitwise(
     tmp_path, capfd, monkeypatch
 ):
