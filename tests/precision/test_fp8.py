@@ -6,11 +6,11 @@ inverse scales; each use records the tensor's amax at the front of a history and
 ``fp8_max / max(history)``. jmp's fp8 ``dot_general`` multiplies the same fp8 values exactly (a product of two fp8
 numbers fits float32) and accumulates in float32 in another order: results agree to float32 rounding (1e-6).
 
-The tiny Llama's tolerance: E4M3 keeps 3 mantissa bits, so each quantised input and weight is off by up to 2**-4
+The tiny LM's tolerance: E4M3 keeps 3 mantissa bits, so each quantised input and weight is off by up to 2**-4
 relative (about 1.6% on average); the errors are independent and average out in dot products. Measured over 20
-AdamW steps on one batch learnt by heart (loss 4.8 -> 1.3), the fp8 losses stay within 0.72% of float32's, as
-close as bf16's own (0.74%; fp8 with bf16 compute is 0.53% from bf16); the assertion allows 2%: a scale that
-lagged by a step or a gradient left unquantised moves single steps by more.
+AdamW steps on the benchmark's Markov-chain stream (loss 5.6 -> 3.5), the fp8 losses stay within 0.56% of
+float32's (bf16's within 0.02%); the assertion allows 2%. Scales left at 1 (no delayed scaling: small gradients
+lose their bits in E5M2) put the run 3.2% off, which it catches. benchmarks/fp8.py runs a Llama for 200 steps.
 """
 
 from __future__ import annotations
@@ -24,16 +24,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from flax import nnx
 from torch import nn
 
 import jmp as smp
+from benchmarks.fp8 import SPEC, markov_batches
 from jmp.errors import ConfigError
 from jmp.precision import fp8_state
 from jmp.precision.fp8_autocast import fp8_autocast
 from jmp.precision.fp8_matmul import fp8_linear, scaled_matmul
 from jmp.precision.fp8_scaling import DelayedScaling
-from tests.sharding.models import causal_lm, lm_step, token_batches
 
 HISTORY = 4
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -241,34 +242,65 @@ def test_fp8_refuses_a_pipeline_and_unknown_formats():
 
 
 LM_STEPS, SAVE_AT = 20, 10
+BATCHES = markov_batches(LM_STEPS)
 LM_TOLERANCE = 0.02  # relative, per step (see the module docstring)
+VOCAB = SPEC["vocab_size"]  # the benchmark's Markov-chain token stream (256 tokens, 4 likely successors each)
 
 
-class LlamaRun:
-    """A tiny Llama (hidden 64, 2 layers: 15 Linears with the head) learning one batch by heart with AdamW."""
+class TinyLM(nn.Module):
+    """A next-token model of 4 Linears (the Llama-sized runs are benchmarks/fp8.py's): each token's embedding with
+    its predecessor's, mixed, a residual MLP block, the vocabulary head."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.mix = nn.Linear(2 * width, width)
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, ids):
+        tokens = self.embed(ids)
+        previous = torch.cat([torch.zeros_like(tokens[:, :1]), tokens[:, :-1]], dim=1)
+        hidden = self.mix(torch.cat([tokens, previous], dim=-1))
+        hidden = hidden + self.down(F.gelu(self.up(self.norm(hidden))))
+        return self.head(hidden)
+
+
+@smp.step
+def next_token_step(model, ids):
+    logits = model(ids)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    model.backward(loss)
+    return loss
+
+
+class LMRun:
+    """The tiny LM trained with AdamW on a new batch of the Markov-chain stream each step."""
 
     def __init__(self, config: dict):
         smp.init(config)
         torch.manual_seed(0)
-        self.model = smp.DistributedModel(causal_lm("llama"))
-        self.optimizer = smp.DistributedOptimizer(torch.optim.AdamW(self.model.module.parameters(), lr=3e-3))
-        self.ids = token_batches(1)[0]
+        self.model = smp.DistributedModel(TinyLM())
+        self.optimizer = smp.DistributedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=3e-3))
+        self.step = 0
 
     def train(self, steps: int) -> list[float]:
         losses = []
         for _ in range(steps):
             self.optimizer.zero_grad()
-            losses.append(float(lm_step(self.model, self.ids).reduce_mean()))
+            losses.append(float(next_token_step(self.model, BATCHES[self.step]).reduce_mean()))
             self.optimizer.step()
+            self.step += 1
         return losses
 
 
-def test_a_tiny_llama_trains_in_fp8_as_in_float32_and_resumes_bitwise(tmp_path):
-    reference = LlamaRun({}).train(LM_STEPS)
+def test_a_tiny_lm_trains_in_fp8_as_in_float32_and_resumes_bitwise(tmp_path):
+    reference = LMRun({}).train(LM_STEPS)
 
-    fp8 = LlamaRun({"fp8": True})
+    fp8 = LMRun({"fp8": True})
     losses = fp8.train(SAVE_AT)
-    smp.save_checkpoint(tmp_path, "fp8", model=fp8.model, optimizer=fp8.optimizer)
+    smp.save_checkpoint(tmp_path, "fp8", model=fp8.model, optimizer=fp8.optimizer, user_content={"step": fp8.step})
     saved_state = _fp8_state(fp8.model)
     losses += fp8.train(LM_STEPS - SAVE_AT)
     final_state = _fp8_state(fp8.model)
@@ -277,11 +309,11 @@ def test_a_tiny_llama_trains_in_fp8_as_in_float32_and_resumes_bitwise(tmp_path):
     for got, expected in zip(losses, reference, strict=True):
         assert abs(got - expected) <= LM_TOLERANCE * expected
     assert losses != reference  # the matmuls did run in fp8
-    assert losses[-1] < 0.5 * losses[0]
+    assert losses[-1] < 0.8 * losses[0]
     scales = {path: value for path, value in final_state.items() if path.endswith("_scale")}
-    assert len(scales) == 3 * 15 and all(value != 1.0 for value in scales.values())  # every Linear's scales moved
+    assert len(scales) == 3 * 4 and all(value != 1.0 for value in scales.values())  # every Linear's scales moved
 
-    smp.resume_from_checkpoint(tmp_path, "fp8")  # into the same model: back to step 10
+    fp8.step = smp.resume_from_checkpoint(tmp_path, "fp8")["step"]  # into the same model: back to step 10
     assert _fp8_state(fp8.model).keys() == saved_state.keys()
     for path, value in _fp8_state(fp8.model).items():
         np.testing.assert_array_equal(value, saved_state[path], err_msg=path)
