@@ -120,3 +120,46 @@ def test_sdpa_lowering_uses_jax_dot_product_attention(monkeypatch):
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **k: calls.append(k) or original(*a, **k))
     _lowered(F.scaled_dot_product_attention)(to_jax(Q), to_jax(K), to_jax(V))
     assert len(calls) == 1
+
+
+CTC_LOG_PROBS = torch.randn(12, 3, 6).log_softmax(-1)  # (time, batch, classes)
+CTC_TARGETS = torch.tensor([[1, 2, 2, 5], [3, 1, 0, 0], [4, 4, 4, 0]])
+CTC_TARGET_LENGTHS = torch.tensor([4, 2, 3])
+
+
+def test_ctc_loss_matches_torch():
+    # Wav2Vec2-CTC passes the targets concatenated (labels.masked_select(mask)), lengths per sequence
+    concatenated = torch.cat([t[:n] for t, n in zip(CTC_TARGETS, CTC_TARGET_LENGTHS)])
+    lengths = (torch.tensor([12, 9, 7]), CTC_TARGET_LENGTHS)
+
+    def losses(log_probs):
+        mean = F.ctc_loss(log_probs, concatenated, *lengths, blank=0)
+        total = F.ctc_loss(log_probs, CTC_TARGETS, *lengths, blank=0, reduction="sum")
+        each = F.ctc_loss(log_probs, CTC_TARGETS, *lengths, blank=0, reduction="none")
+        return torch.cat([torch.stack([mean, total]), each.square()])
+
+    leaf = CTC_LOG_PROBS.clone().requires_grad_()
+    expected = losses(leaf)
+    expected.sum().backward()
+    run = _lowered(losses)
+
+    def total(log_probs):
+        values = run(log_probs)
+        return values.sum(), values
+
+    # compiled: optax's CTC is a scan over time steps, slow op by op
+    (_, actual), grad = jax.jit(jax.value_and_grad(total, has_aux=True))(to_jax(CTC_LOG_PROBS))
+    assert_close(actual, expected, 1e-4)
+    assert_close(grad, leaf.grad, 1e-4)
+
+
+def test_ctc_loss_without_an_alignment_is_infinite_or_zero():
+    # 4 repeated labels need 7 steps; 3 steps fit none
+    log_probs, targets = CTC_LOG_PROBS[:3, :1], torch.tensor([[2, 2, 2, 2]])
+    args = (torch.tensor([3]), torch.tensor([4]))
+    for zero_infinity in (False, True):
+        expected = F.ctc_loss(log_probs, targets, *args, reduction="sum", zero_infinity=zero_infinity)
+        actual = jax.jit(_lowered(F.ctc_loss, reduction="sum", zero_infinity=zero_infinity))(
+            to_jax(log_probs), to_jax(targets), *map(to_jax, args)
+        )
+        assert float(actual) == float(expected)

@@ -10,6 +10,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+import optax
+import torch
 import torch.nn.functional as F
 
 from jmp.torch_bridge.lowering.arguments import reduction as reduction_mode
@@ -229,3 +231,36 @@ def cosine_embedding_loss(input1, input2, target, margin=0.0, size_average=None,
     cos = prod / jnp.sqrt(mag1 * mag2)
     loss = jnp.where(target == 1, 1 - cos, jnp.where(target == -1, jnp.maximum(cos - margin, 0.0), 0.0))
     return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+
+
+_CTC_LOG_EPSILON = -1e5  # optax's stand-in for log(0); an alignment-free sequence costs at least -this / 2
+
+
+@register_lowering(F.ctc_loss, torch.ctc_loss)
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
+    """Connectionist temporal classification (``optax.ctc_loss``) on torch's layouts: ``log_probs`` (T, N, C)
+    or (T, C); ``targets`` padded (N, S) or concatenated (sum of ``target_lengths``), the latter gathered into
+    rows of static length (the concatenation's); ``mean`` divides each sequence's loss by its target length.
+    A sequence no alignment fits costs ``inf`` (0 with ``zero_infinity``), as in torch."""
+    reduction = {0: "none", 1: "mean", 2: "sum"}.get(reduction, reduction)  # torch.ctc_loss takes ATen's enum
+    unbatched = log_probs.ndim == 2
+    if unbatched:
+        log_probs, targets = log_probs[:, None], jnp.asarray(targets)[None]
+    logits = jnp.swapaxes(log_probs, 0, 1)  # (N, T, C)
+    batch, steps = logits.shape[:2]
+    input_lengths = jnp.broadcast_to(jnp.asarray(input_lengths), (batch,))
+    target_lengths = jnp.broadcast_to(jnp.asarray(target_lengths), (batch,))
+    targets = jnp.asarray(targets)
+    if targets.ndim == 1:  # concatenated: row i starts where the rows before it end
+        starts = jnp.cumsum(target_lengths) - target_lengths
+        positions = starts[:, None] + jnp.arange(targets.shape[0])[None]
+        targets = targets[jnp.clip(positions, 0, targets.shape[0] - 1)]
+    label_paddings = (jnp.arange(targets.shape[1])[None] >= target_lengths[:, None]).astype(logits.dtype)
+    logit_paddings = (jnp.arange(steps)[None] >= input_lengths[:, None]).astype(logits.dtype)
+    losses = optax.ctc_loss(
+        logits, logit_paddings, targets, label_paddings, blank_id=blank, log_epsilon=_CTC_LOG_EPSILON
+    )
+    losses = jnp.where(losses >= -_CTC_LOG_EPSILON / 2, 0.0 if zero_infinity else jnp.inf, losses)
+    if reduction == "mean":
+        return jnp.mean(losses / jnp.maximum(target_lengths, 1).astype(losses.dtype))
+    return _reduce(losses[0] if unbatched else losses, reduction)
