@@ -8,7 +8,7 @@ import pytest
 
 import jmp as smp
 from jmp.saving import directory
-from tests.saving.run import FSDP_TP, Run
+from tests.saving.run import Run
 
 pytest.importorskip("transformers")
 
@@ -21,7 +21,7 @@ def _fail_writing_arrays(monkeypatch) -> None:
 
 
 def test_a_failed_resave_of_a_tag_leaves_the_old_checkpoint_and_a_complete_one_replaces_it(tmp_path, monkeypatch):
-    run = Run(FSDP_TP, kind="mlp")
+    run = Run({}, kind="mlp")
     run.train(2)
     run.save(tmp_path)  # step2
     smp.saving.wait_for_saves()
@@ -33,7 +33,7 @@ def test_a_failed_resave_of_a_tag_leaves_the_old_checkpoint_and_a_complete_one_r
                 tmp_path, "step2", model=run.model, optimizer=run.optimizer, user_content=run_content(run, step=4)
             )
             smp.saving.wait_for_saves()
-    resumed = Run(FSDP_TP, kind="mlp")
+    resumed = Run({}, kind="mlp")
     resumed.resume(tmp_path)
     assert resumed.step == 2
     assert resumed.train(4) == after_step2  # the old step2, bitwise
