@@ -72,7 +72,7 @@ PREEMPTION_DIRECTORY = "JMP_PREEMPTION_CHECKPOINT_DIR"
 # the file a process touches after each step (jmp.runtime.step_boundary), watched by --step-timeout
 PROGRESS_FILE = "JMP_PROGRESS_FILE"
 HUNG_EXIT_CODE = 124  # as timeout(1)
-_STACK_DUMP_SECONDS = 2.0  # for faulthandler's dumps (SIGUSR1) to reach the launcher's output
+_STACK_DUMP_SECONDS = 1.0  # for faulthandler's dumps (SIGUSR1) to reach the launcher's output
 _POLL_SECONDS = 0.05
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # A launcher JAX would read before torchrun's variables (see jmp.runtime.mesh_state): they would describe another run.
