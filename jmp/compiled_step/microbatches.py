@@ -4,6 +4,12 @@ The batch is one array sharded over the axes along which processes feed it (the 
 tensor parallelism when its processes load different rows); inside the program it is split into
 ``microbatches``, each an equal slice of every shard (as in SMP, where every data-parallel rank splits its
 own part of the batch), and laid out over the data axes, so every device stays busy on every microbatch.
+
+Context parallelism (a "cp" mesh axis) splits the sequence: the dimension right after the batch axis of every
+split input (``input_ids``, ``attention_mask``, ``labels``, ``position_ids`` as ``[batch, sequence]``) is
+sharded over "cp" when its size divides by the degree, as SMP v2 gives each context-parallel rank a slice of
+every sequence. Other inputs keep that dimension whole. XLA's partitioner (GSPMD) keeps token-wise work
+sequence-sharded and inserts the collectives that attention and the loss's label shift need.
 """
 
 from __future__ import annotations
@@ -24,10 +30,23 @@ def data_shards(mesh: jax.sharding.Mesh, axes: tuple[str, ...] = state.DATA_AXES
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
+def batch_spec(
+    shape: tuple[int, ...], axis: int, batch_axes: tuple[str, ...], mesh: jax.sharding.Mesh
+) -> PartitionSpec:
+    """The layout of a split input: its batch ``axis`` over ``batch_axes``, the dimension after it (the sequence)
+    over the context-parallel axis when the mesh has one and the size divides by its degree."""
+    spec = [None] * axis + [batch_axes]
+    cp = state.CONTEXT_AXIS
+    if cp in mesh.axis_names and len(shape) > axis + 1 and shape[axis + 1] % mesh.shape[cp] == 0:
+        spec.append(cp)
+    return PartitionSpec(*spec)
+
+
 def over_data_axes(x: jax.Array, axis: int, mesh: jax.sharding.Mesh) -> jax.Array:
     """The batch laid out over the data axes alone: processes of a tensor-parallel group feed different rows
-    (SMP's rule without ``prescaled_batch``), and the group computes on all of them."""
-    spec = PartitionSpec(*([None] * axis), state.DATA_AXES)
+    (SMP's rule without ``prescaled_batch``), and the group computes on all of them. The sequence stays split
+    over "cp" (``batch_spec``)."""
+    spec = batch_spec(x.shape, axis, state.DATA_AXES, mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 

@@ -144,7 +144,7 @@ def place_arguments(
             if axis is not None:
                 shape = batching.whole_batch_shape(array, axis, processes)
                 batching.check_divisible(name, shape, axis, microbatches, shards, processes)
-                sharding = NamedSharding(mesh, PartitionSpec(*([None] * axis), fed_over))
+                sharding = NamedSharding(mesh, batching.batch_spec(shape, axis, fed_over, mesh))
                 arrays.append(batching.whole_batch(array, sharding, shape))
             else:  # the same value on every process
                 arrays.append(jax.device_put(array, NamedSharding(mesh, PartitionSpec())))

@@ -65,7 +65,7 @@ class Config:
     tensor_parallel_degree: int = 1
     expert_parallel_degree: int = 1
     expert_capacity_factor: float | None = None  # jmp: None sends every token to its experts (none dropped)
-    context_parallel_degree: int = 1  # v2; only 1 is implemented
+    context_parallel_degree: int = 1  # v2: the mesh's "cp" axis splits each sequence (jmp.compiled_step.microbatches)
     sharded_data_parallel_degree: int = 1  # 0: all data-parallel devices (resolved by smp.init)
     ddp: bool = False
     placement_strategy: str = "cluster"  # or a permutation of "DPT" (last letter varies fastest)
@@ -114,9 +114,10 @@ class Config:
 
     @property
     def model_parallel_degree(self) -> int:
-        """Devices one model replica needs: pipeline x sharded-data x expert x tensor."""
+        """Devices one model replica needs: pipeline x sharded-data x expert x tensor x context."""
         return (
-            self.pipeline_parallel_degree
+            self.context_parallel_degree
+            * self.pipeline_parallel_degree
             * self.sharded_data_parallel_degree
             * self.expert_parallel_degree
             * self.tensor_parallel_degree
@@ -171,10 +172,11 @@ def _check_combination(parsed: Config) -> None:
             "'fp8' is True with 'pipeline_parallel_degree' > 1: jmp's fp8 does not run inside a pipeline yet; "
             "train in fp8 without pipeline parallelism, or use 'bf16' with it"
         )
-    if parsed.context_parallel_degree > 1:
+    if parsed.context_parallel_degree > 1 and parsed.pipeline_parallel_degree > 1:
         raise ConfigError(
-            f"'context_parallel_degree' is {parsed.context_parallel_degree}: context parallelism is not "
-            "implemented in jmp; set it to 1 (sharded data, tensor, expert and pipeline parallelism are)"
+            f"'context_parallel_degree' is {parsed.context_parallel_degree} with 'pipeline_parallel_degree' "
+            f"{parsed.pipeline_parallel_degree}: jmp does not split sequences inside a pipeline yet; use context "
+            "parallelism with data, sharded data, tensor or expert parallelism, or set one of the two to 1"
         )
 
 

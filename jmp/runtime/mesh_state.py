@@ -34,6 +34,7 @@ from jmp.runtime import config_no_effect, process_groups, rank_zero_logging, sag
 from jmp.runtime.config import ALIASES, Config, parse
 
 AXES = ("pp", "dp", "fsdp", "ep", "tp")
+CONTEXT_AXIS = "cp"  # in the mesh only when context_parallel_degree > 1 (before "tp"): a cp = 1 mesh is unchanged
 DATA_AXES = ("dp", "fsdp", "ep")  # the batch is split over these (experts take tokens from all)
 MODEL_AXES = ("pp", "ep", "tp")
 
@@ -74,14 +75,20 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
     if parsed.sharded_data_parallel_degree == 0:  # SMP v2's hybrid_shard_degree 0: all data-parallel devices
-        others = parsed.pipeline_parallel_degree * parsed.expert_parallel_degree * parsed.tensor_parallel_degree
+        others = (
+            parsed.pipeline_parallel_degree
+            * parsed.expert_parallel_degree
+            * parsed.tensor_parallel_degree
+            * parsed.context_parallel_degree
+        )
         parsed = dataclasses.replace(parsed, sharded_data_parallel_degree=max(1, count // others))
     model = parsed.model_parallel_degree
     if count % model:
         raise ConfigError(
             f"pipeline_parallel_degree ({parsed.pipeline_parallel_degree}) x sharded_data_parallel_degree "
             f"({parsed.sharded_data_parallel_degree}) x expert_parallel_degree ({parsed.expert_parallel_degree}) "
-            f"x tensor_parallel_degree ({parsed.tensor_parallel_degree}) = {model} does not divide the {count} "
+            f"x tensor_parallel_degree ({parsed.tensor_parallel_degree}) x context_parallel_degree "
+            f"({parsed.context_parallel_degree}) = {model} does not divide the {count} "
             "devices; choose degrees whose product divides the device count (data parallelism takes the rest)."
         )
     shape = {
@@ -91,6 +98,9 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
         "ep": parsed.expert_parallel_degree,
         "tp": parsed.tensor_parallel_degree,
     }
+    if parsed.context_parallel_degree > 1:
+        _check_context_parallel_in_one_process(parsed.context_parallel_degree)
+        shape = {**{a: shape[a] for a in AXES[:-1]}, CONTEXT_AXIS: parsed.context_parallel_degree, "tp": shape["tp"]}
     _config, _mesh = parsed, _build_mesh(shape, devices, parsed.placement_strategy)
     process_groups.start(_mesh, GROUP_AXES)
     if jax.process_count() > 1:
@@ -112,7 +122,7 @@ def using(config: dict[str, Any]) -> Iterator[None]:
 
 
 # SMP's placement letters: D (data parallelism; here dp, fsdp and ep, which split the batch), P, T.
-_LETTER_AXES = {"D": ("dp", "fsdp", "ep"), "P": ("pp",), "T": ("tp",)}
+_LETTER_AXES = {"D": ("dp", "fsdp", "ep"), "P": ("pp",), "T": (CONTEXT_AXIS, "tp")}
 _NAMED_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}  # as SMP documents them
 
 
@@ -121,15 +131,26 @@ def _build_mesh(shape: dict[str, int], devices: list, placement: str) -> Mesh:
 
     'cluster' ("DPT"): a model replica's pipeline and tensor-parallel devices are neighbours;
     'spread' ("TPD"): data-parallel peers are. Within D, ``ep`` then ``fsdp`` vary fastest (their
-    collectives are the heaviest of the data axes).
+    collectives are the heaviest of the data axes); context parallelism ("cp", when present) sits with
+    tensor parallelism in T, ``tp`` varying fastest. The mesh's axes are ``shape``'s, in its order.
     """
     letters = _NAMED_PLACEMENTS.get(placement, placement)
-    order = tuple(axis for letter in letters for axis in _LETTER_AXES[letter])
+    order = tuple(axis for letter in letters for axis in _LETTER_AXES[letter] if axis in shape)
     laid_out = jax.make_mesh(
         tuple(shape[a] for a in order), order, axis_types=(AxisType.Auto,) * len(order), devices=devices
     )
-    grid = np.transpose(laid_out.devices, [order.index(a) for a in AXES])
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    axes = tuple(shape)
+    grid = np.transpose(laid_out.devices, [order.index(a) for a in axes])
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def _check_context_parallel_in_one_process(degree: int) -> None:
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"'context_parallel_degree' is {degree} in a run of {jax.process_count()} processes: jmp splits the "
+            "sequence over devices one process drives (the process passes whole sequences); run one process "
+            "over all devices (python script.py, not jmp.launch -n N), or set context_parallel_degree to 1"
+        )
 
 
 def _start_distributed_runtime() -> None:
@@ -237,7 +258,7 @@ def is_initialized() -> bool:
 
 
 def get_mesh() -> Mesh:
-    """The run's mesh, axes ("pp", "dp", "fsdp", "ep", "tp")."""
+    """The run's mesh, axes ("pp", "dp", "fsdp", "ep", "tp"), with "cp" before "tp" when context_parallel_degree > 1."""
     if _mesh is None:
         raise JmpError("jmp is not initialized: call smp.init(config) first")
     return _mesh
@@ -260,7 +281,7 @@ def _process_group(axes: tuple[str, ...]) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=64)  # a step call asks for its data share each time; the mesh rarely changes
 def _process_group_in(mesh: Mesh, axes: tuple[str, ...]) -> tuple[int, int]:
-    index = [AXES.index(a) for a in axes]
+    index = [mesh.axis_names.index(a) for a in axes if a in mesh.axis_names]
     coordinates: dict[int, set] = {}
     for position, device in np.ndenumerate(mesh.devices):
         coordinates.setdefault(device.process_index, set()).add(tuple(position[i] for i in index))
@@ -272,7 +293,7 @@ def _process_group_in(mesh: Mesh, axes: tuple[str, ...]) -> tuple[int, int]:
 # SMP's process groups, by the mesh axes along which their members differ (they share the coordinates on the
 # other axes): WORLD every process; DP the processes holding the same model part, MP those holding the same data.
 GROUP_AXES = {
-    "WORLD": AXES,
+    "WORLD": AXES + (CONTEXT_AXIS,),
     "DP_GROUP": ("dp", "fsdp", "tp"),
     "RDP_GROUP": ("dp", "fsdp"),
     "MP_GROUP": MODEL_AXES,
@@ -284,7 +305,7 @@ GROUP_AXES = {
 def group_members(group: str) -> list[int]:
     """The process indices of this process's ``group`` (a ``GROUP_AXES`` name), sorted."""
     mesh = get_mesh()
-    fixed = [i for i, axis in enumerate(AXES) if axis not in GROUP_AXES[group]]
+    fixed = [i for i, axis in enumerate(mesh.axis_names) if axis not in GROUP_AXES[group]]
     coordinates: dict[int, set] = {}
     for position, device in np.ndenumerate(mesh.devices):
         coordinates.setdefault(device.process_index, set()).add(tuple(position[i] for i in fixed))

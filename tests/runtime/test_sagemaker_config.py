@@ -187,10 +187,11 @@ def test_sm_activation_offloading_is_offload_activations():
     assert smp.get_config().offload_activations
 
 
-def test_context_parallelism_is_refused_clearly_and_degree_one_accepted():
-    with pytest.raises(ConfigError, match="context_parallel_degree' is 2: context parallelism is not implemented"):
-        smp.init({"context_parallel_degree": 2})
+def test_context_parallel_degree_adds_a_cp_axis_and_degree_one_none():
+    smp.init({"context_parallel_degree": 2})
+    assert dict(smp.get_mesh().shape) == {"pp": 1, "dp": 4, "fsdp": 1, "ep": 1, "cp": 2, "tp": 1}
     smp.init({"context_parallel_degree": 1})
+    assert "cp" not in smp.get_mesh().axis_names
 
 
 def test_stored_keys_are_validated_for_those_who_implement_them():
