@@ -260,6 +260,10 @@ def _torch_run(family: str, model_type: str, class_name: str, level: int) -> tup
     config = shrink(configuration_auto.CONFIG_MAPPING[model_type], level)
     torch.manual_seed(0)
     model = getattr(transformers, class_name)(config).eval()
+    with torch.no_grad():  # zero-initialised routers score every expert alike: top-k would break ties
+        for parameter in model.parameters():
+            if parameter.is_floating_point():
+                parameter.add_(torch.randn_like(parameter) * 0.02)
     size = sum(p.numel() for p in model.parameters())
     if size > LARGEST:
         raise ValueError(f"{size} parameters at shrink level {level}: larger than the sweep runs")

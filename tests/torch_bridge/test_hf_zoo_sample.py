@@ -1,0 +1,20 @@
+"""A sample of the Hugging Face zoo sweep (``benchmarks/hf_zoo.py``), always on: architectures no other test
+names, each built from its shrunk default config, with jmp's loss and every gradient under ``jit`` equal to
+PyTorch's. Each one exercises a construct the sweep found: Mamba takes torch's ``associative_scan`` (the
+bridge reports compiling), DeepSeek-V3 attends with values narrower
+than its queries and routes over experts."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benchmarks.hf_zoo_models import RTOL, check  # noqa: E402
+
+SAMPLE = ["causal_lm/deepseek_v3", "causal_lm/mamba"]
+
+
+@pytest.mark.parametrize("key", SAMPLE)
+def test_architecture_matches_pytorch(key):
+    result = check(*key.split("/"))
+    assert result["status"] == "pass", result
+    assert result["loss_rel_error"] <= RTOL and result["max_grad_rel_error"] <= RTOL
