@@ -260,7 +260,7 @@ def _restore(root: Path, saved: dict, wanted: dict) -> dict[str, Any]:
         entry = saved[key]
         if entry["kind"] == OBJECTS:
             objects_wanted = True
-        elif isinstance(target, jax.Array):
+        elif isinstance(target, jax.Array) and entry["kind"] == ARRAY:
             item[entry["item"]] = jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=target.sharding)
             restore_args[entry["item"]] = ocp.ArrayRestoreArgs(sharding=target.sharding, dtype=target.dtype)
         else:
@@ -284,9 +284,12 @@ def _restore(root: Path, saved: dict, wanted: dict) -> dict[str, Any]:
         ) from error
     objects = user_content.from_bytes(np.asarray(restored[OBJECTS]).tobytes(), str(root)) if objects_wanted else {}
     out = {}
-    for key in wanted:
+    for key, (_, target) in wanted.items():
         entry = saved[key]
-        out[key] = objects[key] if entry["kind"] == OBJECTS else restored[entry["item"]]
+        value = objects[key] if entry["kind"] == OBJECTS else restored[entry["item"]]
+        if isinstance(target, jax.Array) and entry["kind"] == TENSOR:  # a tensor saved whole, loaded into shards
+            value = jax.device_put(np.asarray(value).astype(target.dtype), target.sharding)
+        out[key] = value
     return out
 
 

@@ -32,7 +32,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from jmp.eager import plain_optimizers
 from jmp.errors import StateDictError
 from jmp.fsdp import state_dicts
-from jmp.fsdp.fully_shard import MARK, _root_model
+from jmp.fsdp.fully_shard import MARK, root_model
 from jmp.fsdp.fully_sharded import FullyShardedDataParallel, model_of
 from jmp.model.distributed_model import DistributedModel
 from jmp.model.records import copy_tree
@@ -92,7 +92,7 @@ def get_optimizer_state_dict(
         if options.cpu_offload and wrapper.rank != 0:
             return {}
     else:
-        per_param = distributed._torch_format.per_param_arrays(distributed.opt_state)
+        per_param = distributed.state_arrays()
         arrays = copy_tree({i: {k: v for k, v in e.items() if isinstance(v, jax.Array)} for i, e in per_param.items()})
         per_param = {i: entry | arrays[i] for i, entry in per_param.items()}  # new buffers: the next step donates
         if options.cpu_offload:
@@ -202,7 +202,7 @@ def _jmp_model(model: nn.Module) -> FullyShardedDataParallel | None:
     """The jmp FSDP model that runs ``model`` (a ``fully_shard`` root's is built now if it has not run yet)."""
     found = model_of(model)
     if found is None and MARK in getattr(model, "__dict__", {}):
-        found = _root_model(model)
+        found = root_model(model)
     return found
 
 

@@ -56,12 +56,12 @@ class FSDPModule:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if dispatch.current_scope() is not None:  # called by the jmp model's own forward: the module's code runs
             return nn.Module.__call__(self, *args, **kwargs)
-        return _root_model(self)(*args, **kwargs)
+        return root_model(self)(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if dispatch.current_scope() is not None:
             return super().forward(*args, **kwargs)
-        return _root_model(self)(*args, **kwargs)
+        return root_model(self)(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The module's ``state_dict``, with the model's current values written into it first."""
@@ -159,7 +159,7 @@ def _fsdp_class(cls: type) -> type:
     return _classes[cls]
 
 
-def _root_model(root: nn.Module) -> FullyShardedDataParallel:
+def root_model(root: nn.Module) -> FullyShardedDataParallel:
     """The jmp model that runs ``root``, built at its first call from the script."""
     built = model_of(root)
     if built is not None:

@@ -104,6 +104,11 @@ class TorchOptimizerSurface:
         scaler = torch_state.scaler_to_torch(self.scaling, self.scale_state, self.loss_scale, self.overflow)
         return self._torch_format.to_torch(self.opt_state, piece, scaler)
 
+    def state_arrays(self) -> dict:
+        """torch's ``state`` (parameters by index) holding the optax state's own sharded arrays, not gathered (the
+        next step donates them: copy what must outlive it); ``step`` a tensor."""
+        return self._torch_format.per_param_arrays(self.opt_state)
+
     def load_state_dict(self, state_dict: dict) -> None:
         scale_state = torch_state.scaler_from_torch(self.scaling, state_dict)
         if scale_state is not None:

@@ -2,7 +2,8 @@
 (checked by ``tests/tsm/test_launched.py``, against PyTorch here): each process starts from its own initial weights
 (seeded by its rank), wraps them with ``sync_module_states=True``, trains one step, and reads full state dicts with
 ``rank0_only=True`` and without; then each saves a ``torch.distributed.checkpoint`` with its own one-process group
-and the global ``coordinator_rank`` AWS's scripts pass, and loads process 0's."""
+and the global ``coordinator_rank`` AWS's scripts pass, and loads process 0's; and saves ``get_state_dict``'s sharded
+arrays with ``torch.distributed.checkpoint.save`` (jmp's, on Orbax), steps again and loads them back."""
 
 from __future__ import annotations
 
@@ -91,4 +92,30 @@ def run(directory: Path) -> dict:
     report["coordinator"] = coordinator
     report["loaded"] = plain(loaded)
     report["dcp_names"] = [checkpoint.save_state_dict.__module__, checkpoint.load_state_dict.__module__]
+    report |= sharded_checkpoint(model, optimizer, directory / "sharded", rank)
     return report
+
+
+def sharded_checkpoint(model, optimizer, directory: Path, rank: int) -> dict:
+    """torch.distributed.checkpoint on Orbax: ``get_state_dict``'s arrays (on both processes' devices) saved with
+    ``save``, one more step, then ``load`` and ``set_state_dict``: the model's full state dict as saved."""
+    import jax
+    from torch.distributed import checkpoint
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    spanning = sorted(n for n, v in model_state.items() if isinstance(v, jax.Array) and not v.is_fully_addressable)
+    checkpoint.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+    loss_of(model(batch(rank))).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    checkpoint.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
+        reloaded = plain(model.state_dict())
+    names = [f.__module__ for f in (checkpoint.save, checkpoint.load, checkpoint.async_save, get_state_dict)]
+    return {"sharded_spanning": spanning, "sharded_reloaded": reloaded, "sharded_names": names}

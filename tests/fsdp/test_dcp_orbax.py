@@ -4,7 +4,8 @@ torch's names, ``dcp.save`` writes them from their owners, and ``dcp.load`` read
 A Llama trained 2 steps at FSDP 8 is saved, loaded at tensor parallel 2 x FSDP 4 and trained 2 more steps: its losses
 and parameters equal PyTorch eager's uninterrupted 4 steps. A re-save of that checkpoint which fails while writing
 its arrays (simulated ENOSPC) leaves it loadable (the resumed run above loads it after that failure), a failed save
-under a new name leaves nothing, and an ``async_save``'s checkpoint loads back at FSDP 8 equal to what was saved.
+under a new name leaves nothing, and an ``async_save``'s checkpoint at tp 2 loads back at FSDP 8 equal to what was
+saved.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import orbax.checkpoint as ocp
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import jmp as smp
@@ -26,12 +30,30 @@ from jmp.errors import StateDictError
 from jmp.fsdp import FSDP, ShardingStrategy
 from jmp.fsdp import distributed_checkpoint as dcp
 from jmp.fsdp.dcp_state_dicts import get_model_state_dict, get_state_dict, set_state_dict
-from tests.fsdp.helpers import batches, llama, optimizer_for, train
+from tests.fsdp.helpers import optimizer_for, train
 
 pytest.importorskip("transformers")
 
 STEPS = 4
+VOCAB = 64
 FULL = StateDictOptions(full_state_dict=True)
+
+
+def llama(seed: int = 0) -> torch.nn.Module:
+    """A one-layer Llama (hidden 32, grouped-query attention): the smallest that tensor parallelism splits."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def batches(count: int = STEPS) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (8, 8), generator=generator) for _ in range(count)]
 
 
 @functools.cache
@@ -95,8 +117,8 @@ def test_a_checkpoint_saved_at_fsdp8_trains_on_at_tp2_fsdp4_as_pytorch(saved_at_
     root, first_losses, _, _ = saved_at_fsdp8
     expected_losses, expected_state = pytorch_four_steps()
     tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 4})
-    torch.manual_seed(123)  # other weights than the checkpoint's: the load must replace them all
-    model = FSDP(tsm.transform(llama()), sharding_strategy=ShardingStrategy.FULL_SHARD)
+    # other weights than the checkpoint's: the load must replace them all
+    model = FSDP(tsm.transform(llama(seed=123)), sharding_strategy=ShardingStrategy.FULL_SHARD)
     optimizer = optimizer_for(model)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state, "step": 0}
@@ -112,20 +134,19 @@ def test_a_checkpoint_saved_at_fsdp8_trains_on_at_tp2_fsdp4_as_pytorch(saved_at_
     for name, value in expected_state.items():
         torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=2e-5, msg=name)
 
-    # async_save, then load at FSDP 8 into a fresh model: the values saved, bitwise
+    # async_save, then load back at FSDP 8 into the first run's model (2 steps behind): the values saved, bitwise
     model_state, optim_state = get_state_dict(model, optimizer)
     future = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=root / "step4")
     future.result()
-    smp.init({})
-    fresh = FSDP(llama(), sharding_strategy=ShardingStrategy.FULL_SHARD)
-    fresh_optimizer = optimizer_for(fresh)
-    fresh_model_state, fresh_optim_state = get_state_dict(fresh, fresh_optimizer)
-    loaded = {"model": fresh_model_state, "optim": fresh_optim_state}
+    _, _, behind, behind_optimizer = saved_at_fsdp8
+    behind_model_state, behind_optim_state = get_state_dict(behind, behind_optimizer)
+    loaded = {"model": behind_model_state, "optim": behind_optim_state}
     dcp.load(loaded, checkpoint_id=root / "step4")
-    set_state_dict(fresh, fresh_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    for name, value in get_model_state_dict(fresh, options=FULL).items():
+    assert loaded["model"]["model.layers.0.self_attn.q_proj.weight"].sharding.spec == P("fsdp", None)  # no tp
+    set_state_dict(behind, behind_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    for name, value in get_model_state_dict(behind, options=FULL).items():
         torch.testing.assert_close(value, trained[name], rtol=0, atol=0, msg=name)
-    moments = get_state_dict(fresh, fresh_optimizer, options=FULL)[1]["state"]
+    moments = get_state_dict(behind, behind_optimizer, options=FULL)[1]["state"]
     saved_moments = get_state_dict(model, optimizer, options=FULL)[1]["state"]
     for name, entry in saved_moments.items():
         torch.testing.assert_close(moments[name]["exp_avg_sq"], entry["exp_avg_sq"], rtol=0, atol=0, msg=name)
@@ -141,4 +162,16 @@ def test_plain_state_dicts_stay_torchs_and_jmp_arrays_need_jmps_checkpoint(tmp_p
     assert torch.equal(back["w"], plain["w"]) and back["note"] == "kept"
     with pytest.raises(StateDictError, match="not a checkpoint jmp wrote"):
         dcp.load({"w": jax.numpy.zeros((2, 3))}, checkpoint_id=tmp_path / "torch")
-    assert dcp.load is not torch_dcp.load  # torch's own names are untouched by importing jmp
+    # a tensor saved beside jmp's arrays loads into an array's shards, and an array into a tensor
+    mesh = jax.make_mesh((8,), ("dp",))
+    sharded = jax.device_put(np.arange(16.0, dtype=np.float32).reshape(8, 2), NamedSharding(mesh, P("dp")))
+    dcp.save({"tensor": plain["w"], "array": sharded}, checkpoint_id=tmp_path / "mixed")
+    back = {
+        "tensor": jax.device_put(np.zeros((2, 3), np.float32), NamedSharding(mesh, P())),
+        "array": torch.zeros(8, 2),
+    }
+    dcp.load(back, checkpoint_id=tmp_path / "mixed")
+    np.testing.assert_array_equal(np.asarray(back["tensor"]), plain["w"].numpy())
+    torch.testing.assert_close(back["array"], torch.arange(16.0).reshape(8, 2), rtol=0, atol=0)
+    # importing jmp leaves torch's own names torch's (jmp.launch's sitecustomize is what points them at jmp's)
+    assert torch_dcp.save is state_dict_saver.save and torch_dcp.load is state_dict_loader.load

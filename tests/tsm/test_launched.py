@@ -4,7 +4,7 @@ process leaves torch alone. The same launch (one for the suite's time) trains wi
 processes, against PyTorch run here from process 0's initial weights: ``sync_module_states=True`` gives every
 process process 0's values, ``rank0_only=True`` full state dicts (model and optimizer) reach rank 0 only, and
 ``torch.distributed.checkpoint`` takes the global ``coordinator_rank`` AWS's SMP v2 scripts pass for a group
-without global rank 0."""
+without global rank 0; its ``save`` / ``load`` of ``get_state_dict``'s arrays are jmp's, on Orbax."""
 
 from __future__ import annotations
 
@@ -124,6 +124,15 @@ def test_a_distributed_checkpoint_takes_the_global_coordinator_rank_of_smp_v2_sc
         assert fsdp["coordinator"] == rank
         assert fsdp["loaded"] == {"values": [0.0, 0.0, 0.0], "step": 0}
         assert fsdp["dcp_names"] == ["jmp.fsdp.distributed_checkpoint"] * 2
+
+
+def test_a_scripts_dcp_save_and_load_of_get_state_dict_are_jmps_on_orbax_over_both_processes(reports):
+    for rank in (0, 1):
+        fsdp = reports[rank]["fsdp"]
+        assert fsdp["sharded_names"] == ["jmp.fsdp.dcp_orbax"] * 3 + ["jmp.fsdp.dcp_state_dicts"]
+        # jmp's arrays, on both processes' devices: Orbax writes and reads them with both
+        assert fsdp["sharded_spanning"] == ["inp.bias", "inp.weight", "out.bias", "out.weight", "shift"]
+        assert fsdp["sharded_reloaded"] == fsdp["full"]  # the values saved, after a step that changed them
 
 
 def test_import_jmp_tsm_gives_torch_no_sagemaker_and_keeps_its_init_process_group():
