@@ -42,6 +42,8 @@ def arg_value(args: list[str], key: str) -> str | None:
 def tolerance(args: list[str]) -> tuple[float, str]:
     """The relative tolerance of a configuration's logged losses, and its precision (the runners' docstrings
     derive each figure)."""
+    if arg_value(args, "fp8") == "1":
+        return 2e-2, "fp8"
     if arg_value(args, "fp16") == "1":
         return 2.5e-4, "fp16"
     if arg_value(args, "bf16") == "1":

@@ -101,12 +101,14 @@ def test_the_cpu_hosts_stand_ins_cover_only_the_paths_that_do_not_need_the_real_
     with engine["transformer_engine.pytorch"].fp8_autocast(enabled=False):  # --fp8 0
         pass
     recipe = engine["transformer_engine.common.recipe"]
-    for fp8 in (
-        lambda: engine["transformer_engine.pytorch"].fp8_autocast(enabled=True),
-        lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID),
-        lambda: engine["transformer_engine.pytorch"].checkpoint(lambda x: x, 1),
-    ):
-        with pytest.raises(NotImplementedError, match="fp8 needs NVIDIA Transformer Engine on a GPU"):
-            fp8()
+    delayed = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    assert (delayed.fp8_format, delayed.amax_history_len, delayed.margin) == (recipe.Format.HYBRID, 16, 0)
+    from jmp.precision.fp8_autocast import requested
+
+    with engine["transformer_engine.pytorch"].fp8_autocast(enabled=True, fp8_recipe=delayed):  # --fp8 1: jmp's fp8
+        assert (requested().fp8_format, requested().amax_history_len) == ("hybrid", 16)
+    assert requested() is None
+    with pytest.raises(NotImplementedError, match="not called under jmp"):
+        engine["transformer_engine.pytorch"].checkpoint(lambda x: x, 1)
     with pytest.raises(NotImplementedError, match="--dataset_type hf needs Hugging Face's datasets"):
         cpu_host.STAND_INS["datasets"][0]()["datasets"].load_from_disk("/data")

@@ -11,9 +11,10 @@ providing; each piece acts only when the real thing is missing, and says so once
   are read with ``loss.item()``), ``nvtx.range_push`` / ``range_pop`` do nothing (profiler ranges). A CPU build
   raises on each. ``empty_cache`` is already a no-op on a CPU build and is left alone.
 - ``transformer_engine``, imported at the top of ``train_lib.py`` in every configuration, when it is not
-  installed: a stand-in for the fp8-disabled path only (``--fp8 0``). ``fp8_autocast(enabled=False)`` is a no-op
-  context; ``fp8_autocast(enabled=True)``, the ``DelayedScaling`` recipe and ``checkpoint`` raise: fp8 needs
-  Transformer Engine on a GPU.
+  installed: ``DelayedScaling`` and ``Format`` are TE's recipe as data, ``fp8_autocast(enabled=True, fp8_recipe=...)``
+  is jmp's (``jmp.precision.fp8_autocast``: the model called inside trains its ``nn.Linear`` matmuls in fp8 with
+  TE's delayed scaling), ``fp8_autocast(enabled=False)`` a no-op context; ``checkpoint`` raises (jmp's
+  ``checkpoint_wrapper`` takes it as ``checkpoint_fn`` and never calls it).
 - ``datasets``, imported by ``data/pipelines/__init__.py`` in every configuration for the ``--dataset_type hf``
   path (``load_from_disk``), when it is not installed: a stand-in whose ``load_from_disk`` raises. The package
   (pyarrow and pandas with it) is not installed for the ``gpt_jsonl`` path, which never calls it.
@@ -90,30 +91,35 @@ def cuda_calls_for_a_cpu_host() -> list[str]:
 
 # --- stand-ins for packages a CPU host lacks --------------------------------------------------------------------
 
-FP8_NEEDS_A_GPU = (
-    "fp8 needs NVIDIA Transformer Engine on a GPU, which this host does not have (transformer_engine here is "
-    "a stand-in for the --fp8 0 path only); run the script with --fp8 0"
-)
-
 
 def _transformer_engine() -> dict[str, types.ModuleType]:
-    """``transformer_engine`` for ``--fp8 0``: fp8 itself raises."""
+    """``transformer_engine``: its fp8 recipe and region as jmp's (``jmp.precision.fp8_autocast``)."""
 
     class Format(enum.Enum):
         E4M3 = "E4M3"
         E5M2 = "E5M2"
         HYBRID = "HYBRID"
 
-    def DelayedScaling(*args, **kwargs):  # noqa: N802 (the recipe class's name)
-        raise NotImplementedError(FP8_NEEDS_A_GPU)
+    def DelayedScaling(  # noqa: N802 (the recipe class's name)
+        margin=0, interval=1, fp8_format=Format.HYBRID, amax_history_len=1024, amax_compute_algo="max", **kwargs
+    ):
+        return types.SimpleNamespace(
+            margin=margin, fp8_format=fp8_format, amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo
+        )
 
-    def fp8_autocast(enabled: bool = True, **kwargs):
-        if enabled:
-            raise NotImplementedError(FP8_NEEDS_A_GPU)
-        return contextlib.nullcontext()
+    def fp8_autocast(enabled: bool = True, fp8_recipe=None, **kwargs):
+        if not enabled:
+            return contextlib.nullcontext()
+        from jmp.precision.fp8_autocast import fp8_autocast as jmp_fp8_autocast
+
+        _note("transformer_engine.pytorch.fp8_autocast: jmp's fp8 (nn.Linear matmuls in fp8, TE's delayed scaling)")
+        return jmp_fp8_autocast(enabled=True, fp8_recipe=fp8_recipe, **kwargs)
 
     def checkpoint(*args, **kwargs):
-        raise NotImplementedError(FP8_NEEDS_A_GPU)
+        raise NotImplementedError(
+            "transformer_engine.pytorch.checkpoint is not called under jmp: checkpoint_wrapper recomputes with "
+            "jax.checkpoint"
+        )
 
     root = types.ModuleType("transformer_engine")
     common = types.ModuleType("transformer_engine.common")
@@ -140,7 +146,7 @@ def _datasets() -> dict[str, types.ModuleType]:
 
 
 STAND_INS = {
-    "transformer_engine": (_transformer_engine, "fp8 raises; --fp8 0 only"),
+    "transformer_engine": (_transformer_engine, "fp8_autocast is jmp's fp8"),
     "datasets": (_datasets, "load_from_disk raises; the gpt_jsonl path only"),
 }
 
