@@ -11,6 +11,10 @@
 - ``apply_activation_checkpointing``, ``checkpoint_wrapper``, ``offload_wrapper`` (``activation_checkpointing``):
   jmp's remat and activation offloading.
 - The option types and wrap policies are torch's own objects (``options``).
+- ``torch.distributed.checkpoint`` for these models: ``get_state_dict`` / ``set_state_dict`` with jmp's sharded
+  arrays (``dcp_state_dicts``), ``save`` / ``async_save`` / ``load`` of them on Orbax (``dcp_orbax``), SMP v2's
+  ``process_group`` / ``coordinator_rank`` arguments (``distributed_checkpoint``); a script reaches them under
+  ``jmp.launch`` by torch's names.
 """
 
 from jmp.fsdp.activation_checkpointing import apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper

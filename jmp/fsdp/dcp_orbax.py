@@ -133,6 +133,8 @@ def load(
     """
     root = _directory(checkpoint_id, storage_reader, "load")
     wait_for_saves()
+    if jax.process_count() > 1:
+        comm.barrier()  # process 0 has put its last save in place (the swap of a re-saved checkpoint_id)
     meta = _meta(root)
     if meta is None:
         if holds_jmp_arrays(state_dict):
