@@ -29,7 +29,7 @@ import jmp.tsm as tsm
 from jmp.errors import StateDictError
 from jmp.fsdp import FSDP, ShardingStrategy
 from jmp.fsdp import distributed_checkpoint as dcp
-from jmp.fsdp.dcp_state_dicts import get_model_state_dict, get_state_dict, set_state_dict
+from jmp.fsdp.dcp_state_dicts import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 from tests.fsdp.helpers import optimizer_for, train
 
 pytest.importorskip("transformers")
@@ -99,6 +99,27 @@ def test_sharded_state_dicts_are_jmps_arrays_under_torchs_names(saved_at_fsdp8):
         sorted(n for n, _ in reference.named_parameters() if "norm" not in n),
         sorted(n for n, _ in reference.named_parameters() if "norm" in n),
     ]
+
+
+def test_set_model_state_dict_says_what_does_not_fit_and_loads_the_rest_when_not_strict(saved_at_fsdp8):
+    _, _, model, _ = saved_at_fsdp8
+    state = get_model_state_dict(model)
+    before = get_model_state_dict(model, options=FULL)
+    norm = state.pop("model.norm.weight")
+    state["lm_head.weight"] = state["lm_head.weight"][:, :8]
+    with pytest.raises(StateDictError, match=r"shapes differ: lm_head.weight: given \(64, 8\), model \(64, 32\)"):
+        set_model_state_dict(model, state)
+    del state["lm_head.weight"]
+    with pytest.raises(StateDictError, match="missing: lm_head.weight, model.norm.weight"):
+        set_model_state_dict(model, state)
+    state["model.norm.weight"] = norm * 0 + 3
+    keys = set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    assert keys.missing_keys == ["lm_head.weight"] and keys.unexpected_keys == []
+    after = get_model_state_dict(model, options=FULL)
+    assert torch.equal(after["model.norm.weight"], torch.full((32,), 3.0))
+    set_model_state_dict(model, before)  # a full state dict (torch tensors) loads too: the run as it was
+    for name, value in get_model_state_dict(model, options=FULL).items():
+        assert torch.equal(value, before[name]), name
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_and_no_new_one(saved_at_fsdp8, monkeypatch):
