@@ -168,13 +168,30 @@ SHRINK_LEVELS = 3
 LARGEST = 30_000_000  # parameters: a model this large at shrink level 2 is left out (CPU time and memory)
 
 
-def shrink(config_class: type, level: int = 0) -> transformers.PretrainedConfig:
-    """``config_class``'s default config made tiny: its constructor sees only the changed keys, so what it
-    derives from them (``layer_types`` from the layer count, ...) stays consistent."""
-    overrides = shrink_overrides(config_class().to_dict(), level)
-    config = config_class(**overrides)
-    if getattr(config, "pad_token_id", 0) is None:
+def shrink(config_class: type, level: int = 0, by_attributes: bool = False) -> transformers.PretrainedConfig:
+    """``config_class``'s default config made tiny. By default its constructor sees only the changed keys, so
+    what it derives from them (``layer_types`` from the layer count, ...) stays consistent; ``by_attributes``
+    sets them on the default config instead (sub-configs keep what their parent gave them), cutting lists
+    as long as the old layer count to the new one."""
+    default = config_class()
+    overrides = shrink_overrides(default.to_dict(), level)
+    config = _set_attributes(default, overrides) if by_attributes else config_class(**overrides)
+    if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0  # sequence classification finds the last token through it
+    return config
+
+
+def _set_attributes(config: Any, overrides: dict) -> Any:
+    layers = {n: getattr(config, n) for n in _LAYER_NAMES if isinstance(getattr(config, n, None), int)}
+    for name, value in overrides.items():
+        if isinstance(value, dict):
+            _set_attributes(getattr(config, name), {k: v for k, v in value.items() if k != "model_type"})
+        else:
+            setattr(config, name, value)
+    counts = {old: getattr(config, n) for n, old in layers.items()}
+    for name, value in list(vars(config).items()):
+        if isinstance(value, list) and len(value) in counts and counts[len(value)] < len(value):
+            setattr(config, name, value[: counts[len(value)]])
     return config
 
 
@@ -240,9 +257,10 @@ def check(family: str, model_type: str) -> dict:
     class_name = architectures(family)[model_type]
     result: dict[str, Any] = {"family": family, "model_type": model_type, "class": class_name}
     first_error = None
-    for level in range(SHRINK_LEVELS):  # the first shrink level PyTorch runs
+    attempts = [(level, by_attributes) for level in range(SHRINK_LEVELS) for by_attributes in (False, True)]
+    for level, by_attributes in attempts:  # the first shrunk config PyTorch runs
         try:
-            model, inputs, loss, expected = _torch_run(family, model_type, class_name, level)
+            model, inputs, loss, expected = _torch_run(family, model_type, class_name, level, by_attributes)
             break
         except Exception as error:  # noqa: BLE001 - any PyTorch failure excludes the architecture
             first_error = first_error or error
@@ -251,13 +269,14 @@ def check(family: str, model_type: str) -> dict:
         error = (lines or [""])[0][:400]
         return {**result, "status": "torch_fails", "error_type": type(first_error).__name__, "error": error}
     result["shrink_level"] = level
+    result["shrunk_by_attributes"] = by_attributes
     result["parameters"] = sum(p.numel() for p in model.parameters())
     return {**result, **_compare_with_jmp(model, inputs, loss.item(), expected)}
 
 
-def _torch_run(family: str, model_type: str, class_name: str, level: int) -> tuple:
+def _torch_run(family: str, model_type: str, class_name: str, level: int, by_attributes: bool) -> tuple:
     """(model, inputs, loss, gradients by name) of PyTorch's forward and backward at one shrink level."""
-    config = shrink(configuration_auto.CONFIG_MAPPING[model_type], level)
+    config = shrink(configuration_auto.CONFIG_MAPPING[model_type], level, by_attributes)
     torch.manual_seed(0)
     model = getattr(transformers, class_name)(config).eval()
     with torch.no_grad():  # zero-initialised routers score every expert alike: top-k would break ties
