@@ -12,7 +12,8 @@ error messages.
 ``torch.autograd.Function.apply`` does not go through the torch-function
 protocol, so while any session runs it is replaced by one that sends calls made
 inside a session to the dispatcher as ``FUNCTION_APPLY(function, *args)``
-(lowered in ``lowering/autograd_function.py``). Likewise ``torch.autocast``
+(lowered in ``lowering/autograd_function.py``); torch's higher-order ops (``torch.cond``, ``scan``,
+``associative_scan``, ...) are routed the same way (``higher_order_ops.py``). Likewise ``torch.autocast``
 entered in a session drives jmp's autocast state (``autocast.py``), under which
 the dispatcher casts a call's arguments by the op's autocast policy.
 """
