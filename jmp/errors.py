@@ -60,6 +60,10 @@ class CheckpointError(JmpError, RuntimeError):
     checkpoint, or one saved from another model."""
 
 
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint's files cannot be read: an incomplete, truncated or corrupted checkpoint."""
+
+
 class CommError(JmpError, RuntimeError):
     """A barrier, broadcast, send or allgather did not complete: a peer did not make the matching call in
     time (``JMP_COMM_TIMEOUT``), or the distributed runtime failed."""

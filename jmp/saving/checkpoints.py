@@ -7,20 +7,23 @@ A resume loads into the run's ``DistributedModel`` and its ``DistributedOptimize
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import torch
 
 from jmp.eager import plain_optimizers
-from jmp.errors import ArgumentTypeError, CheckpointError
+from jmp.errors import ArgumentTypeError, CheckpointError, UnreadableCheckpointError
 from jmp.model import live_models as model_registry
 from jmp.model import portable_state
 from jmp.model.distributed_model import DistributedModel
 from jmp.model.portable_state import BUFFERS, LOSS_SCALE, OPTIMIZER, PARAMS
 from jmp.optim.distributed_optimizer import DistributedOptimizer
+from jmp.runtime import comm
 from jmp.saving import directory, full
 from jmp.saving import partial as partial_checkpoint
 
@@ -109,7 +112,8 @@ def resume_from_checkpoint(
     model: DistributedModel | None = None,
     optimizer: DistributedOptimizer | torch.optim.Optimizer | None = None,
 ) -> Any:
-    """Load checkpoint ``tag`` (None: the newest complete one) into the run's model and optimizer.
+    """Load checkpoint ``tag`` (None: the newest complete one; a partial one that cannot be read, a truncated file,
+    gives way to the one saved before it, with a warning naming it) into the run's model and optimizer.
 
     A partial checkpoint restores under any mesh and parallelism of the same model: each array is read
     straight into its current sharding. Nothing the run holds changes unless the whole load succeeds.
@@ -131,11 +135,13 @@ def resume_from_checkpoint(
         The ``user_content`` saved with the checkpoint (None if there was none).
 
     Raises:
-        CheckpointError: no such directory or tag, an incomplete or corrupted checkpoint, or one of another
-            model (names or shapes differ), or optimizer state with no optimizer to take it.
+        CheckpointError: no such directory or tag, an incomplete or corrupted checkpoint (UnreadableCheckpointError;
+            with tag=None, when no older one can be read either), or one of another model (names or shapes differ),
+            or optimizer state with no optimizer to take it.
     """
     partial_checkpoint.wait_for_saves()
     root = Path(path)
+    tag_given = tag
     tag = directory.resolve_tag(root, tag, partial)
     if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DistributedOptimizer):  # a loop's own
         optimizer = plain_optimizers.distributed_optimizer_of(optimizer) or optimizer
@@ -153,6 +159,59 @@ def resume_from_checkpoint(
         user_content, _ = full.resume(root, tag, model, strict, load_optimizer, translate_function)
         logger.info("Resumed from full checkpoint %s", directory.full_file(root, tag))
         return user_content
+    if tag_given is not None:
+        return _resume_partial(root, tag, model, optimizer, strict, load_optimizer, load_sharded_optimizer_state)
+    # the newest complete checkpoint; one that cannot be read (a truncated file) gives way to the one before it
+    candidates = [tag, *partial_checkpoint.older_than(root, tag)]
+    load = functools.partial(
+        _resume_partial,
+        root,
+        model=model,
+        optimizer=optimizer,
+        strict=strict,
+        load_optimizer=load_optimizer,
+        load_sharded_optimizer_state=load_sharded_optimizer_state,
+    )
+    for candidate, before in zip(candidates, candidates[1:]):
+        try:
+            return _on_every_process(functools.partial(load, candidate))
+        except UnreadableCheckpointError as error:
+            logger.warning(
+                "resume_from_checkpoint: checkpoint %s cannot be read (%s); resuming from %s, saved before it",
+                directory.partial_dir(root, candidate),
+                error,
+                directory.partial_dir(root, before),
+            )
+    return _on_every_process(functools.partial(load, candidates[-1]))
+
+
+def _on_every_process(load: Any) -> Any:
+    """``load()``, or an UnreadableCheckpointError on every process when it could not read on one of them (each
+    process reads its own shards, so all must take the same checkpoint)."""
+    try:
+        result, error = load(), None
+    except UnreadableCheckpointError as raised:
+        result, error = None, raised
+    if jax.process_count() > 1:
+        unreadable = comm.allgather(error is not None, comm.CommGroup.WORLD)
+        if any(unreadable) and error is None:
+            failed = [process for process, bad in enumerate(unreadable) if bad]
+            error = UnreadableCheckpointError(f"process(es) {failed} could not read their part of it")
+    if error is not None:
+        raise error
+    return result
+
+
+def _resume_partial(
+    root: Path,
+    tag: str,
+    model: DistributedModel | None,
+    optimizer: DistributedOptimizer | None,
+    strict: bool,
+    load_optimizer: bool,
+    load_sharded_optimizer_state: bool,
+) -> Any:
+    """Partial checkpoint ``tag`` loaded into the model and optimizer; its user_content."""
     meta = partial_checkpoint.read_meta(root, tag)
     saved = meta["arrays"]
     has_optimizer = meta.get("optimizer") is not None and load_optimizer

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jmp.errors import CheckpointError
+from jmp.errors import CheckpointError, UnreadableCheckpointError
 from jmp.runtime import comm
 from jmp.saving import directory
 from jmp.saving import user_content as user_content_file
@@ -123,7 +123,7 @@ def read_meta(root: Path, tag: str) -> dict:
                 where.absolute(), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
             )["meta"]
     except Exception as error:
-        raise CheckpointError(
+        raise UnreadableCheckpointError(
             f"resume_from_checkpoint: {where} is not a readable jmp partial checkpoint (incomplete, corrupted, "
             f"or written by something else): {type(error).__name__}: {error}"
         ) from error
@@ -150,7 +150,7 @@ def restore(root: Path, tag: str, targets: Mapping[str, jax.ShapeDtypeStruct]) -
             )["state"]
         blob = state.pop(USER_CONTENT)
     except Exception as error:
-        raise CheckpointError(
+        raise UnreadableCheckpointError(
             f"resume_from_checkpoint: reading {where} failed (a truncated or corrupted checkpoint?): "
             f"{type(error).__name__}: {error}"
         ) from error
@@ -168,6 +168,12 @@ def _prune(root: Path, keep: int, current: str) -> None:
         if tag != current:
             shutil.rmtree(directory.partial_dir(root, tag), ignore_errors=True)
             logger.info("save_checkpoint: removed partial checkpoint '%s' (num_kept_partial_checkpoints=%d)", tag, keep)
+
+
+def older_than(root: Path, tag: str) -> list[str]:
+    """The complete partial checkpoints in ``root`` other than ``tag``, the most recently saved first."""
+    saved = [(_saved_at(directory.partial_dir(root, t)), t) for t in directory.partial_tags(root) if t != tag]
+    return [t for at, t in sorted((s for s in saved if s[0] is not None), reverse=True)]
 
 
 def _saved_at(where: Path) -> int | None:
