@@ -115,6 +115,7 @@ EXTERNAL_PRIVATES = {
     "_is_compiling_flag": "torch.compiler.is_compiling()'s flag: Hugging Face takes trace-friendly branches",
     "_is_torch_function_mode_enabled": "torch.overrides: whether the bridge's TorchFunctionMode is on",
     "_grouped_mm": "torch._grouped_mm, the op F.grouped_mm calls (lowered under both names)",
+    "_weight_norm": "torch._weight_norm, the op weight_norm's parametrization calls (lowered)",
     "_parameters": "torch.nn.Module's parameter table (read and written by the bridge)",
     "_buffers": "torch.nn.Module's buffer table",
     "_modules": "torch.nn.Module's child table",

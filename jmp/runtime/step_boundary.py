@@ -11,7 +11,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 PROGRESS_FILE = "JMP_PROGRESS_FILE"
@@ -30,7 +30,7 @@ def step_ended(optimizer: Any) -> None:
         callback(optimizer)
 
 
-def report_progress(environment: dict[str, str] | os._Environ = os.environ) -> bool:
+def report_progress(environment: Mapping[str, str] = os.environ) -> bool:
     """With ``JMP_PROGRESS_FILE`` in ``environment``: touch it after each step and dump the stacks on SIGUSR1.
     Returns whether it was set."""
     path = environment.get(PROGRESS_FILE)
