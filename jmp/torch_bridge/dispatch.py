@@ -35,7 +35,7 @@ import torch.compiler
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from jmp.errors import JmpError, LoweringError, TracedControlFlowError, UnsupportedOpError
-from jmp.torch_bridge import autocast, higher_order_ops, keyword_aliases, registry
+from jmp.torch_bridge import autocast, higher_order_ops, keyword_aliases, registry, value_checks
 from jmp.torch_bridge.patching import SharedPatch
 from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wrap
 
@@ -217,6 +217,11 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     except JmpError:
         raise
     except (jax.errors.ConcretizationTypeError, jax.errors.NonConcreteBooleanIndexError) as error:
+        if func is torch.Tensor.__bool__:  # ``if <traced condition>: raise``: checked as the program runs
+            frame = user_frame()
+            branch = value_checks.raising_branch(frame)
+            if branch is not None:
+                return value_checks.check_at_run_time(unwrap_tree(args[0]), frame, branch)
         raise TracedControlFlowError(
             f"{op_name(func)} needs a concrete value, but it got a traced array{where()}.\n"
             "Under jax.jit / jax.grad, Python control flow and shapes cannot depend on tensor "
@@ -344,6 +349,14 @@ def _is_internal(filename: str) -> bool:
     return filename.startswith(_INTERNAL_DIRS) or filename in _INTERNAL_FILES
 
 
+def user_frame() -> Any:
+    """The innermost frame outside the bridge and torch (the model's code), or None."""
+    frame = sys._getframe(1)
+    while frame is not None and _is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
 def where() -> str:
     """' (in module 'a.b' (Type), at file:line: code)' for the innermost user frame."""
     parts = []
@@ -351,9 +364,7 @@ def where() -> str:
     if scope_stack:
         path, type_name = scope_stack[-1]
         parts.append(f"in module '{path or '<root>'}' ({type_name})")
-    frame = sys._getframe(1)
-    while frame is not None and _is_internal(frame.f_code.co_filename):
-        frame = frame.f_back
+    frame = user_frame()
     if frame is not None:
         filename, lineno = frame.f_code.co_filename, frame.f_lineno
         code = linecache.getline(filename, lineno).strip()

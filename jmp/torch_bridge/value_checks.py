@@ -1,0 +1,55 @@
+"""Python value checks on traced tensors: ``if labels.max() >= vocab_size: raise ValueError(...)``.
+
+Under ``jit`` such a condition has no value while the program is traced. A branch whose body only raises is
+a check on the data, not control flow: the trace goes on as if the check passed, and the compiled program
+tests the condition as it runs, raising when the data is bad (``jax.debug.callback``), as PyTorch does.
+Any other Python branch on a traced value stays a ``TracedControlFlowError``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import linecache
+import types
+
+import jax
+import numpy as np
+
+
+class FailedValueCheck(ValueError):
+    """A model's own check on its inputs (``if <condition>: raise``) failed on a step's data."""
+
+
+def raising_branch(frame: types.FrameType | None) -> ast.If | None:
+    """The ``if`` statement the frame is testing, when its body only raises; else None."""
+    if frame is None:
+        return None
+    tree = _parsed(frame.f_code.co_filename)
+    line = frame.f_lineno
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.If) and node.test.lineno <= line <= (node.test.end_lineno or line):
+            return node if all(isinstance(s, ast.Raise) for s in node.body) else None
+    return None
+
+
+def check_at_run_time(condition: jax.Array, frame: types.FrameType, branch: ast.If) -> bool:
+    """Register the runtime check of ``condition`` (raising when true) and return False, the branch not taken."""
+    source = linecache.getline(frame.f_code.co_filename, branch.lineno).strip()
+    where = f"{frame.f_code.co_filename}:{branch.lineno}"
+    jax.debug.callback(functools.partial(_raise_if_true, f"{source} (at {where})"), condition)
+    return False
+
+
+def _raise_if_true(check: str, condition: np.ndarray) -> None:
+    if np.any(condition):
+        raise FailedValueCheck(f"the model's check on its inputs failed on this step's data: {check}")
+
+
+@functools.cache
+def _parsed(filename: str) -> ast.Module | None:
+    source = "".join(linecache.getlines(filename))
+    try:
+        return ast.parse(source) if source else None
+    except SyntaxError:
+        return None
