@@ -9,7 +9,9 @@ Context parallelism (a "cp" mesh axis) splits the sequence: the dimension right 
 split input (``input_ids``, ``attention_mask``, ``labels``, ``position_ids`` as ``[batch, sequence]``) is
 sharded over "cp" when its size divides by the degree, as SMP v2 gives each context-parallel rank a slice of
 every sequence. Other inputs keep that dimension whole. XLA's partitioner (GSPMD) keeps token-wise work
-sequence-sharded and inserts the collectives that attention and the loss's label shift need.
+sequence-sharded and inserts the collectives the loss's label shift needs; ``F.scaled_dot_product_attention``
+passes key/value blocks around a ring (``jmp.torch_bridge.lowering.ring_attention``), other attention lets
+XLA gather the keys and values.
 """
 
 from __future__ import annotations

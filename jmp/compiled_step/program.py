@@ -27,7 +27,9 @@ from jmp.model.distributed_model import DistributedModel
 from jmp.pipeline.engine import StepInputs
 from jmp.precision import fp8_state
 from jmp.remat import xla as remat_xla
+from jmp.runtime import mesh_state
 from jmp.torch_bridge import autocast, call_hooks, dispatch
+from jmp.torch_bridge.lowering import ring_attention
 from jmp.torch_bridge.tensor import unwrap
 
 
@@ -66,6 +68,7 @@ def forward(fn: Callable, model: DistributedModel, signature: StepSignature, tra
             call_hooks(model.call_hooks),
             side_outputs.collecting() as sown,
             autocast.forced(policy.autocast, half_results=True) if policy.autocast else contextlib.nullcontext(),
+            _sequences_split(model.layout.mesh),
         ):
             returned = fn(*call_args, **call_kwargs)
         flat, out_spec = torch_pytree.tree_flatten(returned)
@@ -80,6 +83,14 @@ def forward(fn: Callable, model: DistributedModel, signature: StepSignature, tra
     if signature.process_shares > 1:
         return process_shares.per_process(run_forward, signature.split_axes)
     return run_forward
+
+
+def _sequences_split(mesh) -> contextlib.AbstractContextManager:
+    """Under context parallelism the inputs' sequences are split over "cp" (``microbatches.batch_spec``): attention
+    can take the ring over it."""
+    if mesh_state.CONTEXT_AXIS not in mesh.axis_names:
+        return contextlib.nullcontext()
+    return ring_attention.sequences_split_over(mesh, mesh_state.CONTEXT_AXIS)
 
 
 def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced: Traced, params, rest, arrays):

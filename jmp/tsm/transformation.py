@@ -52,8 +52,9 @@ def transform(
         config: a ``MoEConfig`` for mixture-of-experts models (``smp_moe``: split the experts over ``ep``).
         load_state_dict_from_rank0: accepted: the layers are kept, so the weights rank 0 loaded stay in its
             model (``FSDP(sync_module_states=True)`` gives them to the other ranks).
-        cp_comm_type: "p2p" or "all_gather", context parallelism's exchange; no effect: jmp's context
-            parallelism lets XLA's partitioner gather the keys and values (the all-gather form) for either.
+        cp_comm_type: "p2p" or "all_gather", context parallelism's exchange; no effect: jmp's attention over
+            split sequences takes the ring (p2p) unless the environment sets
+            ``JMP_CONTEXT_PARALLEL_ATTENTION=all_gather`` (``jmp.torch_bridge.lowering.ring_attention``).
 
     Returns:
         ``model`` itself, transformed in place.
@@ -153,8 +154,8 @@ _ACCEPTED = {
     "model is wrapped",
     "rank0": "tsm.transform(load_state_dict_from_rank0=True): the layers are kept, so rank 0's weights stay in its "
     "model; FSDP(sync_module_states=True) gives them to the other ranks",
-    "cp": "tsm.transform(cp_comm_type='all_gather') has no effect: jmp's context parallelism lets XLA's "
-    "partitioner gather the keys and values (the all-gather form) whatever the type",
+    "cp": "tsm.transform(cp_comm_type='all_gather') has no effect: jmp's attention over split sequences takes the "
+    "ring (p2p) unless the environment sets JMP_CONTEXT_PARALLEL_ATTENTION=all_gather",
 }
 
 

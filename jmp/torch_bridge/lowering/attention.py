@@ -1,7 +1,9 @@
 """Attention and grouped (per-expert) matrix products, lowered to JAX's high-level ops.
 
 ``F.scaled_dot_product_attention`` becomes ``jax.nn.dot_product_attention``; grouped matmuls of mixture-of-
-experts layers become ``jax.lax.ragged_dot``.
+experts layers become ``jax.lax.ragged_dot``. Under context parallelism (sequences split over the mesh's "cp"
+axis), self-attention without dropout and with at most a boolean mask takes the ring instead
+(``jmp.torch_bridge.lowering.ring_attention``).
 
 JAX computes ``dot_product_attention`` with XLA's own ops unless told otherwise (``implementation=None`` means
 ``"xla"`` in JAX 0.10 and 0.11): every head's (queries, keys) score matrix is materialised in float32. So on an
@@ -53,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from jmp.torch_bridge import dispatch
-from jmp.torch_bridge.lowering import grouped_matmul
+from jmp.torch_bridge.lowering import grouped_matmul, ring_attention
 from jmp.torch_bridge.lowering.nn_functional import apply_dropout
 from jmp.torch_bridge.registry import register_lowering
 
@@ -187,6 +189,18 @@ def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     """Torch layout (..., heads, seq, dim); JAX's is (batch, seq, heads, dim)."""
+    split = ring_attention.ring_split()
+    if split is not None and _ring_applies(query, key, value, attn_mask, dropout_p, split):
+        q, k, v = (jnp.swapaxes(t, 1, 2) for t in (query, key, value))
+        if q.dtype == jnp.float16 and traced_platform() == "cpu":  # as below: no float16 dot into float32 there
+            q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+        mask = None if attn_mask is None else _as_4d(attn_mask)
+        if mask is not None and mask.shape[-1] == 1:
+            mask = jnp.broadcast_to(mask, (*mask.shape[:-1], k.shape[1]))
+        mesh, axis = split
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        out = ring_attention.ring_attention(q, k, v, mask, mesh=mesh, axis_name=axis, is_causal=is_causal, scale=scale)
+        return jnp.swapaxes(out, 1, 2).astype(query.dtype)
     # jax.nn.dot_product_attention wants the values' head size to be the queries' (multi-head latent
     # attention's differ: DeepSeek-V3's 128 against 192)
     if query.ndim != 4 or dropout_p > 0.0 or value.shape[-1] != query.shape[-1]:
@@ -234,6 +248,21 @@ def scaled_dot_product_attention(
     else:
         out = _or_xla(lambda: _cudnn_if_causal(attend, q, k, v, mask), lambda: attend("xla", q, k, v))
     return jnp.swapaxes(out, 1, 2).astype(query.dtype)
+
+
+def _ring_applies(query, key, value, attn_mask, dropout_p, split) -> bool:
+    """Self-attention over the split sequence that the ring computes as torch does (else the all-gather form)."""
+    mesh, axis = split
+    if query.ndim != 4 or dropout_p > 0.0 or dispatch.batch_axis() is not None:
+        return False
+    length = query.shape[2]
+    same_shapes = key.shape[2] == length and value.shape[-1] == query.shape[-1] and query.shape[1] % key.shape[1] == 0
+    if not same_shapes or length % mesh.shape[axis]:
+        return False
+    if attn_mask is None:
+        return True
+    mask = _as_4d(attn_mask)
+    return attn_mask.dtype == jnp.bool_ and mask.shape[1] in (1, query.shape[1]) and mask.shape[2] in (1, length)
 
 
 def _cudnn_if_causal(attend, q, k, v, mask):
