@@ -108,7 +108,7 @@ def _shrunk_value(name: str, value: Any) -> Any:
             return value if value < VOCAB else {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
         if name in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
             return min(value, 4)
-        if name in ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"):
+        if name in ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "num_selected_experts"):
             return min(value, 2)
         if name == "image_size":
             return IMAGE
