@@ -102,7 +102,7 @@ def _shrunk_value(name: str, value: Any) -> Any:
             return min(value, 32)
         if name in ("n_group", "topk_group"):
             return 1
-        if name == "vocab_size":
+        if name.startswith("vocab_size"):  # vocab_size_per_layer_input too (Gemma 3n / 4)
             return min(value, VOCAB)
         if name in _TOKEN_ID_NAMES:
             return value if value < VOCAB else {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
