@@ -1,0 +1,213 @@
+"""Context parallelism (``context_parallel_degree``): correctness against PyTorch, and memory, communication and
+step time per device against the sequence length and the degree.
+
+    python -m benchmarks.context_parallel [--lengths 1024 2048 4096] [--degrees 1 2 4] [--timed-up-to 2048]
+        [--out benchmarks/results/context_parallel.json]
+
+Correctness: the model x layout pairs the suite leaves out (``tests/sharding/test_context_parallel.py`` runs
+GPT-2 at cp 4 and Llama at cp 2 x fsdp 2 x tp 2): GPT-2 and Llama (grouped-query attention) at cp 2 and cp 4 on 8
+emulated devices, and GPT-2 at cp 2 x fsdp 2 x tp 2, each with the ring and with the all-gather form of attention,
+one step on four rows of 16 tokens (two right-padded) against
+PyTorch on the whole sequences: the loss's relative difference and the largest per-tensor relative difference of
+the gradients (``||g - g_torch|| / ||g_torch||``).
+
+Memory and communication: a Llama (2 layers, hidden 64, 4 heads, 2 key/value heads, vocabulary 256) on one row of
+``length`` tokens, at cp = ``degree`` on ``degree`` devices (no other parallelism, so every figure is per device
+and cp 1 is the whole step on one device). The step is compiled, not run: ``memory_analysis()``'s temporaries
+(activations, attention scores, gradients in flight), their ratio to cp 1's, and the collectives of the optimized
+HLO at their logical size (all-gather: the result; all-reduce / collective-permute: the result; reduce-scatter:
+the operand), each instruction once (the ring's loop is unrolled). Both forms of attention over the split
+sequence: the ring (``jmp.torch_bridge.lowering.ring_attention``, the default) and "all_gather"
+(``JMP_CONTEXT_PARALLEL_ATTENTION=all_gather``: XLA's partitioner gathers each layer's keys and values). The
+ring's ideal is listed beside them: each device receives the other cp - 1 blocks of every layer's keys and
+values once forward, and as much of their gradients backward (bytes of the per-device buffers). The all-reduce of the
+parameters' gradients over cp (each device's tokens give part of every gradient) is in ``collective_bytes``
+but not in the printed line.
+
+Step time: the median of 5 steps (after 2 untimed) for lengths up to ``--timed-up-to``. The emulated devices share
+this machine's cores, so a cp run's devices do not compute in parallel as GPUs would: the time says what the
+partitioned program costs in total, not the speed-up of a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import statistics
+import time
+
+import jax
+import numpy as np
+import torch
+
+import jmp as smp
+from benchmarks.harness import causal_lm, emulate_devices, hlo_shapes, llama_config, machine, shape_bytes, write_results
+from jmp.torch_bridge.lowering.ring_attention import ENVIRONMENT_VARIABLE, FORMS
+
+LAYOUTS = {
+    "cp2": {"context_parallel_degree": 2},
+    "cp4": {"context_parallel_degree": 4},
+    "cp2xfsdp2xtp2": {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2},
+}
+CHECKED = [("gpt2", "cp2"), ("llama", "cp2"), ("llama", "cp4"), ("gpt2", "cp2xfsdp2xtp2")]
+SMALL_VOCAB = 128
+MEMORY_MODEL = llama_config(vocab=256, positions=16384, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@smp.step
+def lm_step(model, input_ids, attention_mask, labels):
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False)
+    model.backward(out.loss)
+    return out.loss
+
+
+# --- correctness ----------------------------------------------------------------------------------------------------
+
+
+def small_lm(name: str) -> torch.nn.Module:
+    """The suite's small models (tests/sharding/models.py): GPT-2 with 4 heads, Llama with 8 query and 4 kv heads."""
+    common = dict(vocab_size=SMALL_VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    if name == "gpt2":
+        spec = dict(kind="GPT2Config", n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0)
+        spec.update(embd_pdrop=0.0, attn_pdrop=0.0)
+    else:
+        spec = dict(kind="LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+        spec.update(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32)
+    return causal_lm({**spec, **common})
+
+
+def padded_batch(rows: int, length: int, vocab: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if rows > 2:
+        mask[1, length * 2 // 3 :] = 0
+        mask[2, length // 3 :] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def check_against_pytorch(name: str, layout: str) -> dict:
+    batch = padded_batch(4, 16, SMALL_VOCAB)
+    reference = small_lm(name)
+    expected = reference(**batch, use_cache=False).loss
+    expected.backward()
+    smp.init(LAYOUTS[layout])
+    model = smp.DistributedModel(small_lm(name))
+    loss = float(lm_step(model, **batch).reduce_mean())
+    grads = {
+        ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(model.grads)[0]
+    }
+    errors = {
+        key: float(np.linalg.norm(grads[key] - p.grad.numpy()) / max(np.linalg.norm(p.grad.numpy()), 1e-12))
+        for key, p in reference.named_parameters()
+    }
+    worst = max(errors, key=errors.get)
+    return {
+        "mesh": dict(smp.get_mesh().shape),
+        "loss": loss,
+        "torch_loss": expected.item(),
+        "loss_relative_difference": abs(loss - expected.item()) / abs(expected.item()),
+        "largest_gradient_relative_difference": errors[worst],
+        "at": worst,
+        "gradients_compared": len(errors),
+    }
+
+
+# --- memory, communication, time ------------------------------------------------------------------------------------
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(?P<type>.*?)\s(?P<op>[\w-]+?)(?:-start)?\((?P<operands>.*)$")
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+    """Logical bytes of each collective kind in the optimized HLO (async -start forms counted once)."""
+    totals = dict.fromkeys(COLLECTIVES, 0)
+    for line in hlo.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match is None or match["op"] not in COLLECTIVES or "-done(" in line:
+            continue
+        shapes = hlo_shapes(match["operands"] if match["op"] == "reduce-scatter" else match["type"])
+        if match["op"] != "reduce-scatter" and "-start(" in line and len(shapes) > 1:
+            shapes = shapes[len(shapes) // 2 :]  # an async start's type is (operands, results)
+        totals[match["op"]] += sum(shape_bytes(dtype, dims) for dtype, dims in shapes)
+    return {k: v for k, v in totals.items() if v}
+
+
+def ring_ideal_bytes(length: int, degree: int) -> int:
+    """The least a ring moves into one device per step: the other (cp - 1) / cp of each layer's keys and values
+    once forward, and as much of their gradients sent back (float32, the HLO's per-device buffers). Hugging Face's
+    Llama repeats its key/value heads to the query heads before ``F.scaled_dot_product_attention``, so the keys
+    and values attention receives have ``num_attention_heads`` heads: that is what a ring passes here."""
+    spec = MEMORY_MODEL
+    kv = 2 * length * spec["num_attention_heads"] * (spec["hidden_size"] // spec["num_attention_heads"]) * 4
+    return int(spec["num_hidden_layers"] * 2 * kv * (degree - 1) / degree)
+
+
+def measure(length: int, degree: int, timed: bool, form: str) -> dict:
+    os.environ[ENVIRONMENT_VARIABLE] = form
+    smp.init({"context_parallel_degree": degree} if degree > 1 else {}, devices=jax.devices()[:degree])
+    model = smp.DistributedModel(causal_lm(MEMORY_MODEL))
+    batch = padded_batch(1, length, MEMORY_MODEL["vocab_size"])
+    compiled = lm_step.lower(model, **batch).compile()
+    stats = compiled.memory_analysis()
+    row = {
+        "temp_bytes": stats.temp_size_in_bytes,
+        "argument_bytes": stats.argument_size_in_bytes,
+        "output_bytes": stats.output_size_in_bytes,
+        "collective_bytes": collective_bytes(compiled.as_text()),
+        "ring_ideal_bytes": ring_ideal_bytes(length, degree),
+    }
+    if timed:
+        seconds = []
+        for i in range(7):
+            start = time.perf_counter()
+            jax.block_until_ready(lm_step(model, **batch).outputs)
+            if i >= 2:
+                seconds.append(time.perf_counter() - start)
+        row["step_seconds"] = statistics.median(seconds)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--timed-up-to", type=int, default=2048)
+    parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/context_parallel.json")
+    args = parser.parse_args()
+    emulate_devices(8)
+    result: dict = {"machine": machine(), "model": MEMORY_MODEL, "correctness": {}, "memory": {}}
+    if not args.skip_correctness:
+        for (name, layout), form in itertools.product(CHECKED, FORMS):
+            os.environ[ENVIRONMENT_VARIABLE] = form
+            result["correctness"][f"{name}-{layout}-{form}"] = check = check_against_pytorch(name, layout)
+            print(
+                f"{name:6s} {layout:14s} {form:10s} loss rel {check['loss_relative_difference']:.1e}  "
+                f"gradients rel <= {check['largest_gradient_relative_difference']:.1e} ({check['at']})",
+                flush=True,
+            )
+    for length in args.lengths:
+        rows = result["memory"][str(length)] = {}
+        for degree in args.degrees:
+            for form in FORMS if degree > 1 else ("none",):
+                name = f"cp{degree}" + (f"-{form}" if degree > 1 else "")
+                rows[name] = row = measure(length, degree, length <= args.timed_up_to, form)
+                row["temp_ratio_to_cp1"] = row["temp_bytes"] / rows["cp1"]["temp_bytes"] if "cp1" in rows else None
+                moved = row["collective_bytes"].get("collective-permute", 0) + row["collective_bytes"].get(
+                    "all-gather", 0
+                )
+                seconds = row.get("step_seconds", float("nan"))
+                print(
+                    f"length {length:6d} {name:15s}: temp {row['temp_bytes'] / 2**20:8.1f} MiB"
+                    f" (x{row['temp_ratio_to_cp1'] or 1:.2f} of cp1), permute + all-gather {moved / 2**20:7.2f} MiB"
+                    f" (ring ideal {row['ring_ideal_bytes'] / 2**20:.2f}), step {seconds:.3f} s",
+                    flush=True,
+                )
+    write_results(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
