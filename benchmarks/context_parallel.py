@@ -5,8 +5,8 @@ step time per device against the sequence length and the degree.
         [--out benchmarks/results/context_parallel.json]
 
 Correctness: the model x layout pairs the suite leaves out (``tests/sharding/test_context_parallel.py`` runs
-GPT-2 at cp 4 and Llama at cp 2 x fsdp 2 x tp 2): GPT-2 and Llama (grouped-query attention) at cp 2 and cp 4 on 8
-emulated devices, and GPT-2 at cp 2 x fsdp 2 x tp 2, each with the ring and with the all-gather form of attention,
+Llama at cp 2 x fsdp 2 x tp 2): GPT-2 and Llama (grouped-query attention) at cp 2 and cp 4 on 8 emulated
+devices, and GPT-2 at cp 2 x fsdp 2 x tp 2, each with the ring and with the all-gather form of attention,
 one step on four rows of 16 tokens (two right-padded) against
 PyTorch on the whole sequences: the loss's relative difference and the largest per-tensor relative difference of
 the gradients (``||g - g_torch|| / ||g_torch||``).
@@ -51,7 +51,7 @@ LAYOUTS = {
     "cp4": {"context_parallel_degree": 4},
     "cp2xfsdp2xtp2": {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2},
 }
-CHECKED = [("gpt2", "cp2"), ("llama", "cp2"), ("llama", "cp4"), ("gpt2", "cp2xfsdp2xtp2")]
+CHECKED = [("gpt2", "cp2"), ("gpt2", "cp4"), ("llama", "cp2"), ("llama", "cp4"), ("gpt2", "cp2xfsdp2xtp2")]
 SMALL_VOCAB = 128
 MEMORY_MODEL = llama_config(vocab=256, positions=16384, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")

@@ -1,8 +1,8 @@
 """Ring attention over a sequence split in 4 (a dp 2 x cp 4 mesh of the 8 emulated devices) against the whole
 sequence's ``jax.nn.dot_product_attention``: outputs and the gradients of queries, keys and values (relative 1e-5),
-with causal masking and a boolean padding mask, and grouped-query attention (4 query heads on 2 key/value
-heads). Causal masking without a mask, and a mask holding the causal pattern itself (as Hugging Face passes
-with padding), are checked through GPT-2 and Llama in tests/sharding/test_context_parallel.py."""
+with causal masking alone and with a boolean padding mask, and grouped-query attention (4 query heads on 2
+key/value heads). A mask holding the causal pattern itself (as Hugging Face passes with padding) is checked
+through Llama in tests/sharding/test_context_parallel.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jmp.torch_bridge.lowering import ring_attention as ring
 BATCH, LENGTH, HEADS, KV_HEADS, DIM = 2, 16, 4, 2, 8
 SCALE = DIM**-0.5
 _PADDED = jnp.arange(LENGTH)[None, :] < jnp.array([LENGTH, 7])[:, None]  # the second row's last 9 are padding
-MASKS = {"padding-mask-with-is-causal": (_PADDED[:, None, None, :], True)}
+MASKS = {"causal": (None, True), "padding-mask-with-is-causal": (_PADDED[:, None, None, :], True)}
 
 
 def _whole(q, k, v, mask, is_causal):
