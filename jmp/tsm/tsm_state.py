@@ -35,14 +35,18 @@ def _initialized_mesh(what: str):
     return mesh_state.get_mesh()
 
 
+def _group_along(axis: str, asked: str) -> tuple[int, ...]:
+    """The processes that differ from this one only along ``axis`` (this one alone without the axis)."""
+    mesh = _initialized_mesh(asked)
+    me = jax.process_index()
+    if axis not in mesh.axis_names:
+        return (me,)
+    return tuple(next((g for g in process_groups.partition_of(mesh, (axis,)) if me in g), (me,)))
+
+
 def _rank_along(axis: str) -> int:
     """This process's rank among the processes that differ from it only along ``axis`` (0 without the axis)."""
-    mesh = _initialized_mesh(f"{axis}_rank")
-    if axis not in mesh.axis_names:
-        return 0
-    me = jax.process_index()
-    group = next((g for g in process_groups.partition_of(mesh, (axis,)) if me in g), (me,))
-    return group.index(me)
+    return _group_along(axis, f"{axis}_rank").index(jax.process_index())
 
 
 class Ranker:
@@ -147,7 +151,11 @@ class State:
 
     @property
     def cp_size(self) -> int:
-        return dict(_initialized_mesh("cp_size").shape).get(_CONTEXT_AXIS, 1)
+        """How many processes share each sequence: SMP v2 scripts cut a batch's sequences into this many pieces
+        (``get_batch_for_cp_rank``) and pass this process's. A process driving every device of the ``cp`` axis
+        passes whole sequences, which jmp splits over the axis itself: 1 (``context_parallel_degree`` is the
+        degree)."""
+        return len(_group_along(_CONTEXT_AXIS, "cp_size"))
 
     @property
     def world_process_group(self) -> dist.ProcessGroup:
