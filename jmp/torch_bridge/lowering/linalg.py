@@ -1,7 +1,8 @@
-"""Matrix products: matmul, mm, bmm, addmm, baddbmm, einsum, dot, outer."""
+"""Matrix products: matmul, mm, bmm, addmm, baddbmm, einsum, dot, outer; triangular solves."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import torch
 
@@ -131,3 +132,13 @@ def cdist(x1, x2, p=2.0, compute_mode=None):
     if p == 0:
         return jnp.sum((diff != 0).astype(diff.dtype), axis=-1)
     return jnp.sum(jnp.abs(diff) ** p, axis=-1) ** (1.0 / p)
+
+
+@register_lowering(torch.linalg.solve_triangular)
+def solve_triangular(A, B, *, upper, left=True, unitriangular=False):
+    """``X`` with ``A @ X = B`` (``X @ A = B`` when not ``left``), ``A`` triangular (OLMo-hybrid's delta rule)."""
+    a, b = promoted(A, B)
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = jnp.broadcast_to(a, batch + a.shape[-2:])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    return jax.lax.linalg.triangular_solve(a, b, left_side=left, lower=not upper, unit_diagonal=unitriangular)
