@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("h5py", reason="the vendored data_pipeline.py imports h5py (for BERT data) at the top")
 
 from benchmarks import smp_examples  # noqa: E402
+from benchmarks.script_runs import arg_value  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +79,7 @@ RUNS_TODAY = [n for n in smp_examples.CONFIGS if n not in COVERED_BY_ANOTHER]
 def test_script_runs_unchanged_and_logs_every_step(name, data, tmp_path_factory):
     record, _, _ = _run(name, data, tmp_path_factory)
     assert record["ran"], record["first_error"]
-    steps = int(smp_examples.arg_value(smp_examples.CONFIGS[name]["phases"][-1], "max_steps"))
+    steps = int(arg_value(smp_examples.CONFIGS[name]["phases"][-1], "max_steps"))
     assert list(record["losses"]) == [str(i) for i in range(steps)]
 
 

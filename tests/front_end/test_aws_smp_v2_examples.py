@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="the vendored train_lib.py imports accelerate's init_empty_weights")
 
 from benchmarks import smp_v2_examples  # noqa: E402
+from benchmarks.script_runs import arg_value  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NAME = "llama_hs2_fp32"
@@ -72,7 +73,7 @@ def test_the_script_runs_unchanged_and_logs_every_step(run):
     host, script = str(smp_v2_examples.CPU_HOST), str(smp_v2_examples.SCRIPTS / "train.py")
     for phase in record["phases"]:  # jmp.launch ... cpu_host.py shared-scripts/train.py --flags
         assert phase["command"][phase["command"].index(host) + 1] == script
-    steps = int(smp_v2_examples.arg_value(smp_v2_examples.CONFIGS[NAME]["phases"][-1], "max_steps"))
+    steps = int(arg_value(smp_v2_examples.CONFIGS[NAME]["phases"][-1], "max_steps"))
     assert list(record["losses"]) == [str(i) for i in range(steps)]
     assert list(record["val_losses"]) == ["1", "3"]  # --validation_freq 2
     # what the CPU host lacked, each said once: no flash_attn, no transformer_engine, no datasets, no CUDA
