@@ -312,8 +312,10 @@ def test_kernels_update_each_devices_shards_as_the_optax_path_does(make, layout,
     plain_losses, _, plain_params, plain = _train(False, make, 3, layout=layout)
     assert optimizer.fused == "interpret"
     np.testing.assert_allclose(fused_losses, plain_losses, rtol=1e-6)
+    # atol: Adam's update lr * m / (sqrt(v) + eps) magnifies the two paths' roundings of m and v where v is tiny
+    # (1.4e-6 on 1 of 65536 elements of Mixtral's experts after 3 steps)
     for name, value in plain_params.items():
-        np.testing.assert_allclose(fused_params[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(fused_params[name].numpy(), value.numpy(), rtol=1e-5, atol=2e-6)
     # the torch-format state dict is the same, and either path loads the other's
     fused_state, plain_state = optimizer.state_dict()["state"], plain.state_dict()["state"]
     assert fused_state.keys() == plain_state.keys()

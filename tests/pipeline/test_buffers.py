@@ -74,8 +74,13 @@ def test_batch_norm_statistics_follow_the_microbatches_in_order(norm_stage):
     assert_state_matches(pipelined, reference)
     unpipelined = jmp_step(single, data, target, pp=1)
     for name in ("norm.running_mean", "norm.running_var", "norm.num_batches_tracked"):
+        # atol: a running mean near 0 (7e-4 here) of values around 1 carries float32 roundings of ~1e-8
         np.testing.assert_allclose(
-            pipelined.state_dict()[name].numpy(), unpipelined.state_dict()[name].numpy(), rtol=1e-5, err_msg=name
+            pipelined.state_dict()[name].numpy(),
+            unpipelined.state_dict()[name].numpy(),
+            rtol=1e-5,
+            atol=1e-7,
+            err_msg=name,
         )
 
 
