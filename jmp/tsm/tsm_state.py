@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from jmp.errors import JmpError
 from jmp.runtime import mesh_state, process_groups
-from jmp.tsm import initialization
+from jmp.tsm import initialization, rng_state_tracker
+from jmp.tsm.rng_state_tracker import RngStatesTracker
 
 _CONTEXT_AXIS = "cp"  # the mesh axis context parallelism will add; absent, the degree is 1
 
@@ -168,6 +169,10 @@ class State:
         """The processes holding the tensor-parallel slices of the same layers, as a ``torch.distributed`` group."""
         _initialized_mesh("tp_process_group")
         return process_groups.get_tp_process_group()
+
+    def get_rng_state_tracker(self) -> RngStatesTracker:
+        """Transformer Engine's RNG-states tracker (``jmp.tsm.rng_state_tracker``), one per process."""
+        return rng_state_tracker.TRACKER
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in initialization.DEGREES:

@@ -114,3 +114,27 @@ def test_timeit_logs_on_rank_0_through_the_logger_scripts_get(caplog, capsys, mo
     monkeypatch.setattr(logging.getLogger(), "handlers", [])  # a script that configured no logging: it prints
     get_logger().info("Batch 0 Loss: 1.25")
     assert "[INFO] [jmp] Batch 0 Loss: 1.25" in capsys.readouterr().err
+
+
+def test_the_rng_state_tracker_keeps_tes_bookkeeping_and_changes_no_random_number():
+    from jmp.errors import JmpError
+
+    tracker = tsm.state.get_rng_state_tracker()
+    assert tracker is tsm.state.get_rng_state_tracker()  # one per process, as TE's
+    tracker.reset()
+    tracker.add("model-parallel-rng", 1234)
+    with pytest.raises(JmpError, match="already exists"):
+        tracker.add("model-parallel-rng", 1)
+    saved = tracker.get_states()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with tracker.fork():
+        assert torch.equal(torch.rand(3), expected)
+    with pytest.raises(JmpError, match="never added"):
+        with tracker.fork("other"):
+            pass
+    tracker.reset()
+    tracker.set_states(saved)
+    assert tracker.get_states() == {"model-parallel-rng": 1234}
+    tracker.reset()
