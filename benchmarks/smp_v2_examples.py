@@ -44,7 +44,8 @@ backward, gradients applied to float32 masters: what FSDP's ``MixedPrecision`` c
 Measured over 4 steps: torch's bf16 is 0.9e-4 to 1.9e-4 from fp32; jmp's 2.7e-5 to 2.5e-4, the same order (and
 1.5e-4 to 2e-4 from torch's bf16: the two round differently; XLA:CPU computes many bf16 ops in float32). What the
 tolerance must catch is ten times above it: one update more or less moves the loss by 1-4% from step to step.
-fp8 (``--fp8 1 --bf16 1``, with activation checkpointing: TE's ``fp8_autocast`` with ``DelayedScaling``, which ``cpu_host.py`` gives as jmp's fp8):
+fp8 (``--fp8 1 --bf16 1``, with activation checkpointing: TE's ``fp8_autocast`` with ``DelayedScaling``, which
+``cpu_host.py`` gives as jmp's fp8):
 2e-2 against the fp32 reference. E4M3 keeps 3 mantissa bits (unit roundoff 2^-4) on every Linear's inputs and
 weights, E5M2 2 bits on its output gradients, with per-tensor scales; the logged loss averages the roundings over
 every dot's contraction and 64 tokens. jmp's own fp8 runs 0.8% at most from fp32 over 200 steps
