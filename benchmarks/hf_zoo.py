@@ -119,7 +119,8 @@ def print_report(summary: dict) -> None:
     print(f"pass rate: {summary['passed']} / {summary['torch_runs']} PyTorch runs = {summary['pass_rate']}")
     print(f"{'family':26} {'runs':>5} {'pass':>5} {'rate':>6} {'excluded':>9}")
     for family, c in summary["by_family"].items():
-        print(f"{family:26} {c['torch_runs']:5} {c['pass']:5} {c['pass_rate'] or 0:6.2f} {c['torch_fails']:9}")
+        counts = [c.get(k, 0) for k in ("torch_runs", "pass")] + [c["pass_rate"] or 0, c.get("torch_fails", 0)]
+        print(f"{family:26} {counts[0]:5} {counts[1]:5} {counts[2]:6.2f} {counts[3]:9}")
     for category, keys in summary["failures_by_category"].items():
         print(f"{category} ({len(keys)}): {', '.join(keys)}")
     print("missing ops:", summary["missing_ops"])
