@@ -46,6 +46,7 @@ This file uses the standard library only: running it does not import jmp (torch 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -415,10 +416,8 @@ class _Children:
     def send(self, signum: int) -> None:
         for process in self.processes:
             if process.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):  # it exited between the poll and the signal
                     process.send_signal(signum)
-                except ProcessLookupError:
-                    pass
 
     def stop(self, grace: float, signum: int | None = signal.SIGTERM) -> None:
         """Send ``signum`` to the children still running, SIGKILL those still running ``grace`` seconds later."""
