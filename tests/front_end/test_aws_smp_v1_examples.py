@@ -54,11 +54,15 @@ def test_synthetic_data_is_what_the_scripts_read_and_the_same_every_time(tmp_pat
     assert all(0 <= t < vocab for r in rows for t in r["input_ids"])
 
 
-# Run by the benchmark, not here (the suite's time), each covered by another test: gpt2_dp2_fp32's training is
-# gpt2_dp2_validation's first steps; gpt2_sdp2_distributed_transformer's path (seq_layers under
-# model_creation(tensor_parallelism=True), checkpointed) is tests/model/test_smp_paths.py's, in one process.
+# Run by the benchmark, not here (the suite's time), each covered by another test: gpt2_sdp2_distributed_transformer's
+# path (seq_layers under model_creation(tensor_parallelism=True), checkpointed) is tests/model/test_smp_paths.py's,
+# in one process. The suite keeps a pipeline in fp16 (gpt2) and tensor parallelism with checkpointing (flan-t5).
 COVERED_BY_ANOTHER = {
+    # each process's own loss and batches (SMP's per-rank meaning) are tests/compiled_step's and
+    # tests/multiprocess/test_step_outputs_per_process.py's; validation's all_reduce over SMP's dp group is
+    # tests/multiprocess/test_launch_and_comm.py's
     "gpt2_dp2_fp32",
+    "gpt2_dp2_validation",
     # two launches: partial checkpoints saved by 2 processes and resumed are tests/saving's and
     # tests/multiprocess/test_launch_and_comm.py's; the script's --load_partial path runs in the benchmark
     "gpt2_dp2_partial_checkpoint_resume",
