@@ -37,6 +37,22 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
+# The files that take longest (launched processes, notebooks, the OpInfo sweep) go first: pytest-xdist hands out
+# whole files in collection order (--dist loadfile), and one of them started last keeps a worker busy while the
+# others have nothing left.
+_LONG_FIRST = (
+    "tests/multiprocess/",
+    "tests/notebooks/",
+    "tests/front_end/test_aws_smp_",
+    "tests/torch_bridge/test_opinfo.py",
+    "tests/pipeline/",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(_LONG_FIRST))  # stable: the order within each kept
+
+
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one test process per core, at most 4 (each emulates 8 devices and compiles on every core)."""
     return max(1, min(os.cpu_count() or 1, 4))
