@@ -54,7 +54,8 @@ def _held_out(stdout: str) -> list[tuple[float, float]]:
 
 
 def test_the_main_job_under_the_launcher_reports_an_accuracy_over_both_processes_digits():
-    two = _held_out(_run([*LAUNCH, "-m", "jmp.examples.mnist", "--epochs", "1"]).stdout)  # 11 steps of 2 x 64
+    # 11 steps of 2 x 64, data parallel (pipelines across processes: test_training.py, test_pipeline_inputs.py)
+    two = _held_out(_run([*LAUNCH, "-m", "jmp.examples.mnist", "--epochs", "1", "--partitions", "1"]).stdout)
     assert len(two) == 1  # the job's report, printed by rank 0, of the figures summed over both processes
     (_, accuracy) = two[0]
     # counting every process's correct digits over one process's digits gave 157.95% here. One epoch (11 steps
