@@ -23,7 +23,7 @@ import torch
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp import sharding
+from jmp import sharding, stacks
 from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
 from jmp.model import delayed_init, sdp_partitions, smp_paths
 from jmp.model import live_models as model_registry
@@ -40,7 +40,7 @@ from jmp.remat import api as remat
 from jmp.runtime import compilation_cache as compilation
 from jmp.runtime import mesh_state as state
 from jmp.sharding import experts
-from jmp.torch_bridge import JaxTensor, TorchModule, convert, named_variables, to_state_dict, torch_name
+from jmp.torch_bridge import JaxTensor, TorchModule, call_hooks, convert, named_variables, to_state_dict, torch_name
 from jmp.torch_bridge.interop import array_to_tensor, local_piece, tensor_to_array
 from jmp.torch_bridge.layers.linear import Linear
 
@@ -183,6 +183,8 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         self.call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
         _log_layout(self.layout.specs, mesh)
         self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs)
+        # repeated identical layers run as one scan (jmp.stacks); a pipeline cuts the layers into stages instead
+        self.stacks = stacks.find_stacks(module) if config.scan_layers and self.pipeline is None else []
         self.store: ParameterStore = TreeStore(self.layout)  # a StageStore once a pipeline's stages are cut
         sdp_partitions.attach(self)  # p.ds_tensor, as SMP's sharded data parallelism (DeepSpeed's) has it
         self._optimizers: list[weakref.ref[AttachedOptimizer]] = []
@@ -321,8 +323,12 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         """While a step function is traced with ``module`` (the converted model at that trace's level)."""
         trace = Trace(self, module, loss_scale)
         token = _TRACE.set(trace)
+        scanned = stacks.StackedLayers(self.stacks) if self.stacks and self.pipeline is None else None
         try:
-            with remat.tracing(self.torch_module, module, self._gathered()):  # activation checkpointing
+            with (
+                call_hooks(dict.fromkeys(scanned.paths, scanned) if scanned else {}),  # outermost: remat inside
+                remat.tracing(self.torch_module, module, self._gathered()),  # activation checkpointing
+            ):
                 yield trace
         finally:
             _TRACE.reset(token)

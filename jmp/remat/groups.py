@@ -60,6 +60,12 @@ class LayerGroups:
             self.held[members[k]] = _Held(first, (args[1:], kwargs), outputs[k])
         return outputs[0]
 
+    def stack_signature(self, path: str) -> tuple[str, int] | None:
+        """For ``jmp.stacks``: layers checkpointed one by one by this hook are alike; a layer checkpointed with
+        others in a group cannot be scanned (None)."""
+        index = self.index[path]
+        return ("checkpoint each", id(self)) if self.group_of[index] == [index] else None
+
     def _twin(self, index: int) -> TorchModule:
         trace = context.current()
         torch_module = trace.modules[self.paths[index]] if trace is not None else None

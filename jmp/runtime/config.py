@@ -98,6 +98,7 @@ class Config:
     delayed_parameter_initialization: bool = False
     random_seed: int = 0x12345678
     compilation_cache: bool = True  # jmp: JAX's persistent compilation cache (see jmp.runtime.compilation_cache)
+    scan_layers: bool = False  # jmp: repeated identical layers compile once, as one scan (see jmp.stacks)
     # jmp: the update as Pallas kernels (jmp.kernels); None: on a GPU, True: everywhere (interpreted off a GPU)
     fused_optimizer: bool | None = None
     # runtime details of SMP's own engine (no effect here)
@@ -241,7 +242,7 @@ _BOOLEANS = (
     "auto_partition ddp prescaled_batch sdp_hierarchical_allgather shard_optimizer_state allow_empty_shards "
     "fsdp_cache_flush_warnings fp16 fp16_params bf16 offload_activations delayed_parameter_initialization horovod "
     "contiguous deterministic_server skip_tracing static_mode fast_mode predefined_hooks load_partition "
-    "compilation_cache reshard_after_forward pipeline_recompute fp8"
+    "compilation_cache reshard_after_forward pipeline_recompute fp8 scan_layers"
 ).split()
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(_BOOLEANS, _boolean),

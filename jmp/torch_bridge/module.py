@@ -55,6 +55,11 @@ def call_hooks(hooks: Mapping[str, CallHook]) -> Iterator[None]:
         _CALL_HOOKS.reset(token)
 
 
+def hooks_on(path: str) -> tuple[CallHook, ...]:
+    """The call hooks on the module at torch path ``path`` in this context, outermost first."""
+    return _CALL_HOOKS.get().get(path, ())
+
+
 class Buffer(nnx.Variable):
     """A torch buffer: module state that is not trained (running stats, position tables)."""
 
