@@ -1,7 +1,8 @@
 """Context parallelism: ``context_parallel_degree`` adds a "cp" mesh axis and every step input's sequence is split
 over it; attention takes the ring (jmp.torch_bridge.lowering.ring_attention). Llama (grouped-query attention)
 at cp 2 x fsdp 2 x tp 2, with padded rows, against PyTorch on the unsplit sequences: the loss and every gradient
-after one step (relative 1e-5 per tensor), and the losses and parameters over three AdamW steps.
+after one step (relative 1e-5 per tensor), and the losses and parameters over three AdamW steps; Llama at cp 4 on
+unpadded rows (causal attention in the ring's load-balanced order), the loss and every gradient.
 (``benchmarks/context_parallel.py`` checks GPT-2 and Llama at cp 2, cp 4 and cp 2 x fsdp 2 x tp 2 the same way,
 with the ring and with the all-gather form; the suite's time allows one model here.)
 """
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jmp as smp
 from jmp.compiled_step.microbatches import batch_spec
 from jmp.errors import ConfigError
+from jmp.torch_bridge.lowering import ring_attention
 from tests.front_end.helpers import named_grads
 from tests.sharding.models import VOCAB, causal_lm, token_batches
 
@@ -71,6 +73,26 @@ def test_llama_at_cp2_fsdp2_tp2_equals_pytorch_over_three_adamw_steps():
     # Adam moves a parameter whose gradient is near zero by about lr whatever the rounding noise in it says, so
     # the parameters are compared per tensor, at 1e-4 (measured: 1.6e-5 at most)
     _assert_close_per_tensor(model.state_dict(), {k: v.numpy() for k, v in reference.state_dict().items()}, 1e-4)
+
+
+def test_llama_at_cp4_in_the_balanced_order_equals_pytorch(monkeypatch):
+    reordered = []
+    to_balanced = ring_attention.to_balanced
+    monkeypatch.setattr(
+        ring_attention, "to_balanced", lambda x, *a, **k: reordered.append(x) or to_balanced(x, *a, **k)
+    )
+    ids = token_batches(1, batch=2, length=16)[0]
+    reference = causal_lm("llama")
+    expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
+    expected.backward()
+    smp.init({"context_parallel_degree": 4})
+    model = smp.DistributedModel(causal_lm("llama"))
+    loss = float(lm_step(model, ids, None, ids, torch.arange(16).expand(2, 16)).reduce_mean())
+    assert len(reordered) == 4 * 2  # queries, keys, values and the mask of both layers took the balanced ring
+    np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
+    _assert_close_per_tensor(
+        named_grads(model.grads), {n: p.grad.numpy() for n, p in reference.named_parameters()}, 1e-5
+    )
 
 
 def test_the_sequence_dimension_is_split_over_cp_when_it_divides():

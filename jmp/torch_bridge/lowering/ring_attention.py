@@ -11,8 +11,25 @@ overlap with the next block's arithmetic.
 Masks are torch's: True (or a finite additive bias of 0) attends. A boolean mask whose key dimension is the
 whole sequence is sliced to the visiting block; causal masking compares global positions. Grouped-query
 attention (fewer key/value heads than query heads) scores each key/value head against its group of queries.
-The sequences are in their natural order: with a causal mask, the device holding the last block does the
-most work (no load-balanced reordering).
+
+Causal attention is load-balanced ("zigzag", as Megatron and MaxText order it): the sequence is cut into
+``2n`` chunks and device ``i`` works on chunks ``i`` and ``2n - 1 - i``, one from the front and one from the
+back. The model still sees its sequence in natural order, split contiguously by XLA's partitioner; the
+attention moves the halves of its queries, keys and values (and a mask's query rows) into that order on entry
+(two ``ppermute`` of half blocks each) and its output back on exit. Scores above the diagonal are then never
+computed: of its own block a device computes three quarters (its front chunk's queries come before its back
+chunk's keys), and of every visiting block exactly half (``lax.cond``): a block from earlier in the sequence
+meets all queries with its front chunk alone, one from later meets only the back chunk's queries. So every
+device does the same work at every ring step. In natural order (``JMP_CONTEXT_PARALLEL_ATTENTION=ring_natural``)
+blocks wholly above the diagonal are skipped too, but device ``i`` computes ``i + 1`` blocks, and each ring step
+waits for the device holding the last one.
+
+Hugging Face passes the causal pattern as a boolean mask (with its padding) and ``is_causal=False``: a mask with
+query rows takes the balanced order too, and each device checks, as the program runs, whether its rows allow
+any score above the diagonal; where none, it skips as causal attention does, else it computes every block in
+full (a bidirectional mask: then the reordering is paid for nothing). Non-causal attention under a mask of the
+keys alone, or none, and attention whose blocks have an odd length, keep the natural order, every block
+computed.
 
 ``F.scaled_dot_product_attention`` takes this path while a step runs with its sequences split over a mesh axis
 (``sequences_split_over``, set by the compiled step under context parallelism) unless
@@ -25,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from collections.abc import Iterator
 
@@ -35,8 +53,9 @@ from jax.sharding import PartitionSpec
 from jmp.errors import ConfigError
 
 ENVIRONMENT_VARIABLE = "JMP_CONTEXT_PARALLEL_ATTENTION"
-FORMS = ("ring", "all_gather")
+FORMS = ("ring", "ring_natural", "all_gather")
 _SPLIT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jmp_sequence_split", default=None)
+_LOWEST = float(jnp.finfo(jnp.float32).min)
 
 
 @contextlib.contextmanager
@@ -49,75 +68,208 @@ def sequences_split_over(mesh: jax.sharding.Mesh, axis_name: str) -> Iterator[No
         _SPLIT.reset(token)
 
 
+def _form() -> str:
+    form = os.environ.get(ENVIRONMENT_VARIABLE, "ring")
+    if form not in FORMS:
+        raise ConfigError(f"{ENVIRONMENT_VARIABLE}={form!r}: choose one of {FORMS} (ring is the default)")
+    return form
+
+
 def ring_split() -> tuple[jax.sharding.Mesh, str] | None:
     """(mesh, axis) when attention should take the ring over a split sequence, else None."""
     split = _SPLIT.get()
     if split is None:
         return None
-    form = os.environ.get(ENVIRONMENT_VARIABLE, "ring")
-    if form not in FORMS:
-        raise ConfigError(f"{ENVIRONMENT_VARIABLE}={form!r}: choose one of {FORMS} (ring is the default)")
-    return split if form == "ring" else None
+    return None if _form() == "all_gather" else split
 
 
-def ring_attention_block(q, k, v, mask, *, axis_name: str, is_causal: bool, scale: float):
+# --- the load-balanced order ----------------------------------------------------------------------------------------
+
+
+def balanced_home(chunk: int, count: int) -> int:
+    """The device that holds ``chunk`` (of ``2 * count``) in the load-balanced order."""
+    return chunk if chunk < count else 2 * count - 1 - chunk
+
+
+def to_balanced(x, axis_name: str, axis: int = 1):
+    """Inside ``shard_map``: this device's contiguous block (chunks 2i, 2i + 1 of the sequence along ``axis``)
+    -> its balanced block (chunks i, 2n - 1 - i)."""
+    count, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    first, second = jnp.split(x, 2, axis=axis)
+    first = jax.lax.ppermute(first, axis_name, [(i, balanced_home(2 * i, count)) for i in range(count)])
+    second = jax.lax.ppermute(second, axis_name, [(i, balanced_home(2 * i + 1, count)) for i in range(count)])
+    even = me % 2 == 0  # chunk i is even on an even device: it came with the first halves
+    return jnp.concatenate([jnp.where(even, first, second), jnp.where(even, second, first)], axis=axis)
+
+
+def from_balanced(x, axis_name: str, axis: int = 1):
+    """The inverse of ``to_balanced``."""
+    count, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    front, back = jnp.split(x, 2, axis=axis)
+    even = me % 2 == 0
+    even_chunk = jax.lax.ppermute(
+        jnp.where(even, front, back), axis_name, [(balanced_home(2 * i, count), i) for i in range(count)]
+    )
+    odd_chunk = jax.lax.ppermute(
+        jnp.where(even, back, front), axis_name, [(balanced_home(2 * i + 1, count), i) for i in range(count)]
+    )
+    return jnp.concatenate([even_chunk, odd_chunk], axis=axis)
+
+
+def computed_scores(me: int, source: int, count: int, block: int, *, balanced: bool) -> int:
+    """Query x key scores (per batch row and head) device ``me`` computes in causal attention when the block of
+    device ``source`` visits it, ``block`` tokens per device: the plan ``ring_attention_block`` follows."""
+    if source == me:
+        return block * block * 3 // 4 if balanced else block * block
+    if balanced:
+        return block * block // 2
+    return block * block if source < me else 0
+
+
+# --- one device's share ---------------------------------------------------------------------------------------------
+
+
+def _absorb(state, grouped_q, k, v, allowed, scale: float):
+    """The online softmax's (peak, total, out) for the queries ``grouped_q`` after the keys ``k``, values ``v``."""
+    peak, total, out = state
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped_q, k, preferred_element_type=jnp.float32) * scale
+    if allowed is not None:
+        scores = jnp.where(allowed, scores, _LOWEST)
+    new_peak = jnp.maximum(peak, scores.max(-1))
+    weights = jnp.exp(scores - new_peak[..., None])
+    rescale = jnp.exp(peak - new_peak)
+    total = total * rescale + weights.sum(-1)
+    out = out * rescale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", weights, v.astype(jnp.float32))
+    return new_peak, total, out
+
+
+def _rows_from(state, start: int):
+    peak, total, out = state
+    return peak[..., start:], total[..., start:], out[..., start:, :]
+
+
+def _with_rows_from(state, part, start: int):
+    peak, total, out = state
+    return (
+        jnp.concatenate([peak[..., :start], part[0]], -1),
+        jnp.concatenate([total[..., :start], part[1]], -1),
+        jnp.concatenate([out[..., :start, :], part[2]], -2),
+    )
+
+
+def ring_attention_block(q, k, v, mask, *, axis_name: str, is_causal: bool, scale: float, balanced: bool = False):
     """One device's share, inside ``shard_map`` over ``axis_name``: q [B, Sq, H, D] and k, v [B, Sk, Hkv, D] are
     this device's blocks; ``mask`` (bool or None) is [B|1, H|1, Sq|1, Sk * n], its key dimension whole.
-    Returns this device's output block [B, Sq, H, D]."""
+    ``balanced``: the blocks (and the mask's query rows) are in the balanced order (``to_balanced``); without
+    ``is_causal``, the blocks above the diagonal are skipped where the mask allows nothing above it on this device
+    (checked as the program runs), else computed in full. Returns this device's output block [B, Sq, H, D], in the
+    order of ``q``."""
     count = jax.lax.axis_size(axis_name)
     me = jax.lax.axis_index(axis_name)
     batch, block, heads, dim = q.shape
+    half = block // 2
     kv_heads = k.shape[2]
     groups = heads // kv_heads
     grouped_q = q.reshape(batch, block, kv_heads, groups, dim)
-    lowest = jnp.finfo(jnp.float32).min
-    query_positions = me * block + jnp.arange(block)
     if mask is not None:
         mask = mask.reshape(mask.shape[0], *((kv_heads, groups) if mask.shape[1] == heads else (1, 1)), *mask.shape[2:])
 
-    @jax.checkpoint
-    def visit(state, k, v, source):
-        peak, total, out = state
-        scores = jnp.einsum("bqhgd,bkhd->bhgqk", grouped_q, k, preferred_element_type=jnp.float32) * scale
-        allowed = None
-        if mask is not None:
-            allowed = jax.lax.dynamic_slice_in_dim(mask, source * block, block, axis=-1)
+    def chunks(device):
+        return (device, 2 * count - 1 - device) if balanced else (device,)
+
+    def positions(device):
+        width = half if balanced else block
+        return jnp.concatenate([chunk * width + jnp.arange(width) for chunk in chunks(device)])
+
+    def key_mask(source, *, which=slice(None), from_row=0):
+        """The mask's columns of the block ``source`` (of its chunks ``which``), its rows from ``from_row``."""
+        if mask is None:
+            return None
+        rows = mask[..., from_row:, :] if mask.shape[-2] > 1 else mask
+        width = half if balanced else block
+        starts = chunks(source)[which]
+        return jnp.concatenate([jax.lax.dynamic_slice_in_dim(rows, s * width, width, axis=-1) for s in starts], -1)
+
+    def causal_and(allowed, query_positions, key_positions):
+        causal = query_positions[:, None] >= key_positions[None, :]
+        return causal if allowed is None else allowed & causal
+
+    def own_block(state, k, v, source):
+        allowed = key_mask(source)
         if is_causal:
-            causal = query_positions[:, None] >= (source * block + jnp.arange(block))[None, :]
-            allowed = causal if allowed is None else allowed & causal
-        if allowed is not None:
-            scores = jnp.where(allowed, scores, lowest)
-        new_peak = jnp.maximum(peak, scores.max(-1))
-        weights = jnp.exp(scores - new_peak[..., None])
-        rescale = jnp.exp(peak - new_peak)
-        total = total * rescale + weights.sum(-1)
-        out = out * rescale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", weights, v.astype(jnp.float32))
-        return new_peak, total, out
+            allowed = causal_and(allowed, positions(me), positions(me))
+        return _absorb(state, grouped_q, k, v, allowed, scale)
+
+    def own_block_below_diagonal(state, k, v, source):
+        # every query against the front chunk's keys, the back chunk's queries against its own keys: the front
+        # chunk's queries come before every key of the back chunk
+        front, back = positions(me)[:half], positions(me)[half:]
+        allowed = causal_and(key_mask(source, which=slice(0, 1)), positions(me), front)
+        state = _absorb(state, grouped_q, k[:, :half], v[:, :half], allowed, scale)
+        allowed = causal_and(key_mask(source, which=slice(1, 2), from_row=half), back, back)
+        rows = _absorb(_rows_from(state, half), grouped_q[:, half:], k[:, half:], v[:, half:], allowed, scale)
+        return _with_rows_from(state, rows, half)
+
+    def whole_block(state, k, v, source):
+        return _absorb(state, grouped_q, k, v, key_mask(source), scale)
+
+    def skipped(state, k, v, source):  # every key of the block comes after every query
+        return state
+
+    def front_keys(state, k, v, source):  # balanced, source < me: every query comes after the front chunk's keys
+        return _absorb(state, grouped_q, k[:, :half], v[:, :half], key_mask(source, which=slice(0, 1)), scale)
+
+    def back_queries(state, k, v, source):  # balanced, source > me: only the back chunk's queries come after both
+        rows = _rows_from(state, half)
+        rows = _absorb(rows, grouped_q[:, half:], k, v, key_mask(source, from_row=half), scale)
+        return _with_rows_from(state, rows, half)
+
+    @functools.partial(jax.checkpoint, static_argnums=(4,))
+    def visit(state, k, v, source, first: bool):
+        if not balanced:
+            if first or not is_causal:
+                return (own_block if first else whole_block)(state, k, v, source)
+            return jax.lax.cond(source < me, whole_block, skipped, state, k, v, source)
+        if first and is_causal:
+            return own_block_below_diagonal(state, k, v, source)
+        if first:
+            return jax.lax.cond(below_diagonal, own_block_below_diagonal, own_block, state, k, v, source)
+        if is_causal:
+            return jax.lax.cond(source < me, front_keys, back_queries, state, k, v, source)
+        index = jnp.where(below_diagonal, jnp.where(source < me, 0, 1), 2)
+        return jax.lax.switch(index, (front_keys, back_queries, whole_block), state, k, v, source)
+
+    if balanced and not is_causal:
+        # a mask holding the causal pattern (as Hugging Face passes it) lets this device skip as causal attention does
+        above = jnp.arange(mask.shape[-1])[None, :] > positions(me)[:, None]
+        below_diagonal = ~jnp.any(mask & above)
 
     state = (
-        jnp.full((batch, kv_heads, groups, block), lowest, jnp.float32),
+        jnp.full((batch, kv_heads, groups, block), _LOWEST, jnp.float32),
         jnp.zeros((batch, kv_heads, groups, block), jnp.float32),
         jnp.zeros((batch, kv_heads, groups, block, dim), jnp.float32),
     )
     state = jax.lax.pcast(state, (axis_name,), to="varying")  # the loop's carry differs per device, as it will
     ring = [(i, (i + 1) % count) for i in range(count)]
-
-    def step(carry, i):
-        state, k, v = carry
-        state = visit(state, k, v, (me - i) % count)
-        k, v = jax.lax.ppermute((k, v), axis_name, ring)  # the next block arrives while nothing depends on it
-        return (state, k, v), None
-
-    # unrolled: XLA can then start each block's transfer under the previous block's arithmetic
-    (state, k, v), _ = jax.lax.scan(step, (state, k, v), jnp.arange(count - 1), unroll=True)
-    _, total, out = visit(state, k, v, (me + 1) % count)
+    # unrolled: XLA can start each block's transfer under the previous block's arithmetic
+    for step in range(count):
+        if step:
+            k, v = jax.lax.ppermute((k, v), axis_name, ring)
+        state = visit(state, k, v, (me - step) % count, step == 0)
+    _, total, out = state
     out = out / total[..., None]
     return jnp.moveaxis(out, 3, 1).reshape(batch, block, heads, dim).astype(q.dtype)
 
 
-def ring_attention(q, k, v, mask, *, mesh, axis_name: str, is_causal: bool, scale: float):
+def ring_attention(q, k, v, mask, *, mesh, axis_name: str, is_causal: bool, scale: float, balanced: bool | None = None):
     """Attention of q [B, S, H, D] on k, v [B, S, Hkv, D] with the sequence split over the mesh axis ``axis_name``
-    (the other axes left to XLA's partitioner). ``mask``: None or bool [B|1, H|1, S|1, S]."""
+    (the other axes left to XLA's partitioner). ``mask``: None or bool [B|1, H|1, S|1, S]. ``balanced``: causal
+    attention in the load-balanced order (None: unless ``JMP_CONTEXT_PARALLEL_ATTENTION=ring_natural``), and
+    attention under a mask with query rows, which may hold the causal pattern."""
+    count = mesh.shape[axis_name]
+    balanced = _form() != "ring_natural" if balanced is None else balanced
+    maybe_causal = is_causal or (mask is not None and mask.shape[2] > 1)
+    balanced = balanced and maybe_causal and q.shape[1] % (2 * count) == 0
     sequence = PartitionSpec(None, axis_name)
     specs = [sequence, sequence, sequence]
     arguments = [q, k, v]
@@ -126,7 +278,13 @@ def ring_attention(q, k, v, mask, *, mesh, axis_name: str, is_causal: bool, scal
         arguments.append(mask)
 
     def local(q, k, v, mask=None):
-        return ring_attention_block(q, k, v, mask, axis_name=axis_name, is_causal=is_causal, scale=scale)
+        if not balanced:
+            return ring_attention_block(q, k, v, mask, axis_name=axis_name, is_causal=is_causal, scale=scale)
+        q, k, v = (to_balanced(t, axis_name) for t in (q, k, v))
+        if mask is not None and mask.shape[2] > 1:
+            mask = to_balanced(mask, axis_name, axis=2)
+        out = ring_attention_block(q, k, v, mask, axis_name=axis_name, is_causal=is_causal, scale=scale, balanced=True)
+        return from_balanced(out, axis_name)
 
     run = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=sequence, axis_names={axis_name})
     return run(*arguments)
