@@ -165,11 +165,7 @@ def _rows_from(state, start: int):
 
 def _with_rows_from(state, part, start: int):
     peak, total, out = state
-    return (
-        jnp.concatenate([peak[..., :start], part[0]], -1),
-        jnp.concatenate([total[..., :start], part[1]], -1),
-        jnp.concatenate([out[..., :start, :], part[2]], -2),
-    )
+    return peak.at[..., start:].set(part[0]), total.at[..., start:].set(part[1]), out.at[..., start:, :].set(part[2])
 
 
 def ring_attention_block(q, k, v, mask, *, axis_name: str, is_causal: bool, scale: float, balanced: bool = False):
@@ -226,7 +222,14 @@ def ring_attention_block(q, k, v, mask, *, axis_name: str, is_causal: bool, scal
         return _with_rows_from(state, rows, half)
 
     def whole_block(state, k, v, source):
-        return _absorb(state, grouped_q, k, v, key_mask(source), scale)
+        if not balanced:
+            return _absorb(state, grouped_q, k, v, key_mask(source), scale)
+        # chunk by chunk: scores the size of the other branches' (XLA keeps every branch's buffers)
+        for chunk in (0, 1):
+            keys = slice(chunk * half, (chunk + 1) * half)
+            allowed = key_mask(source, which=slice(chunk, chunk + 1))
+            state = _absorb(state, grouped_q, k[:, keys], v[:, keys], allowed, scale)
+        return state
 
     def skipped(state, k, v, source):  # every key of the block comes after every query
         return state
@@ -248,7 +251,7 @@ def ring_attention_block(q, k, v, mask, *, axis_name: str, is_causal: bool, scal
         if first and is_causal:
             return own_block_below_diagonal(state, k, v, source)
         if first:
-            return jax.lax.cond(below_diagonal, own_block_below_diagonal, own_block, state, k, v, source)
+            return jax.lax.cond(below_diagonal, own_block_below_diagonal, whole_block, state, k, v, source)
         if is_causal:
             return jax.lax.cond(source < me, front_keys, back_queries, state, k, v, source)
         index = jnp.where(below_diagonal, jnp.where(source < me, 0, 1), 2)
