@@ -61,7 +61,7 @@ _LOWEST = float(jnp.finfo(jnp.float32).min)
 @contextlib.contextmanager
 def sequences_split_over(mesh: jax.sharding.Mesh, axis_name: str) -> Iterator[None]:
     """Torch code traced meanwhile has its sequences split over ``mesh``'s ``axis_name`` (context parallelism)."""
-    token = _SPLIT.set((mesh, axis_name, {}))  # the dict: masks already in the balanced order, by id
+    token = _SPLIT.set((mesh, axis_name))
     try:
         yield
     finally:
@@ -80,7 +80,7 @@ def ring_split() -> tuple[jax.sharding.Mesh, str] | None:
     split = _SPLIT.get()
     if split is None:
         return None
-    return None if _form() == "all_gather" else split[:2]
+    return None if _form() == "all_gather" else split
 
 
 # --- the load-balanced order ----------------------------------------------------------------------------------------
@@ -114,21 +114,6 @@ def from_balanced(x, axis_name: str, axis: int = 1):
         jnp.where(even, back, front), axis_name, [(balanced_home(2 * i + 1, count), i) for i in range(count)]
     )
     return jnp.concatenate([even_chunk, odd_chunk], axis=axis)
-
-
-def _mask_in_balanced_order(mask, mesh, axis_name: str):
-    """``mask`` [B|1, H|1, S, S] with its query rows in the balanced order (split over ``axis_name``). Every layer
-    of a model is given the same mask: while a step is traced, it is reordered once (moving it is as costly as
-    the ring's keys and values)."""
-    split = _SPLIT.get()
-    cache = split[2] if split is not None else {}
-    if id(mask) in cache and cache[id(mask)][0] is mask:
-        return cache[id(mask)][1]
-    rows = PartitionSpec(None, None, axis_name)
-    reorder = functools.partial(to_balanced, axis_name=axis_name, axis=2)
-    reordered = jax.shard_map(reorder, mesh=mesh, in_specs=rows, out_specs=rows, axis_names={axis_name})(mask)
-    cache[id(mask)] = (mask, reordered)  # the mask kept alive: its id is not reused meanwhile
-    return reordered
 
 
 def computed_scores(me: int, source: int, count: int, block: int, *, balanced: bool) -> int:
@@ -291,8 +276,6 @@ def ring_attention(q, k, v, mask, *, mesh, axis_name: str, is_causal: bool, scal
     sequence = PartitionSpec(None, axis_name)
     specs = [sequence, sequence, sequence]
     arguments = [q, k, v]
-    if balanced and mask is not None and mask.shape[2] > 1:
-        mask = _mask_in_balanced_order(mask, mesh, axis_name)
     if mask is not None:
         specs.append(PartitionSpec(None, None, axis_name if mask.shape[2] > 1 else None))
         arguments.append(mask)
@@ -301,6 +284,8 @@ def ring_attention(q, k, v, mask, *, mesh, axis_name: str, is_causal: bool, scal
         if not balanced:
             return ring_attention_block(q, k, v, mask, axis_name=axis_name, is_causal=is_causal, scale=scale)
         q, k, v = (to_balanced(t, axis_name) for t in (q, k, v))
+        if mask is not None and mask.shape[2] > 1:  # every layer's is the same: XLA moves it once (CSE)
+            mask = to_balanced(mask, axis_name, axis=2)
         out = ring_attention_block(q, k, v, mask, axis_name=axis_name, is_causal=is_causal, scale=scale, balanced=True)
         return from_balanced(out, axis_name)
 
