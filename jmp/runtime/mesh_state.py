@@ -30,7 +30,14 @@ from jax.sharding import AxisType, Mesh
 
 from jmp.errors import ConfigError, JmpError
 from jmp.runtime import compilation_cache as compilation
-from jmp.runtime import config_no_effect, process_groups, rank_zero_logging, sagemaker_config
+from jmp.runtime import (
+    config_no_effect,
+    process_groups,
+    programs_in_flight,
+    rank_zero_logging,
+    sagemaker_config,
+    step_boundary,
+)
 from jmp.runtime.config import ALIASES, Config, parse
 
 AXES = ("pp", "dp", "fsdp", "ep", "tp")
@@ -103,6 +110,8 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
         shape = {**{a: shape[a] for a in AXES[:-1]}, CONTEXT_AXIS: parsed.context_parallel_degree, "tp": shape["tp"]}
     _config, _mesh = parsed, _build_mesh(shape, devices, parsed.placement_strategy)
     process_groups.start(_mesh, GROUP_AXES)
+    queues_on_threads = devices[0].platform == "cpu" and count > 1  # XLA:CPU deadlocks on a long queue
+    programs_in_flight.bound(programs_in_flight.cpu_limit() if queues_on_threads else 0)
     if jax.process_count() > 1:
         _exit_on_uncaught()
 
@@ -142,6 +151,9 @@ def _build_mesh(shape: dict[str, int], devices: list, placement: str) -> Mesh:
     axes = tuple(shape)
     grid = np.transpose(laid_out.devices, [order.index(a) for a in axes])
     return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+step_boundary.after_each_step(programs_in_flight.admit_update)
 
 
 def _check_context_parallel_in_one_process(degree: int) -> None:

@@ -1,0 +1,85 @@
+"""A bound on how many training steps' programs run ahead of the host on XLA:CPU, where too many deadlock.
+
+JAX dispatches a program and returns before it runs, so a loop that reads no result (a script that logs the
+loss every hundred steps) queues programs without bound. XLA:CPU runs a program over several devices as one
+task per device on a fixed thread pool, gang-scheduled one collective program after another; with a few dozen
+such programs queued (measured with jax 0.10.2 on 8 CPU devices: one process deadlocks past about 50 queued
+all-reduces, two processes past about 30, whether the programs' meshes order the devices alike or not), the
+tasks of one program wait in its rendezvous for threads the others hold ("Expected 8 threads to join the
+rendezvous, but not all of them arrived") and every process stops for good. ``benchmarks/programs_in_flight.py``
+reproduces it. GPUs and TPUs queue programs on streams and are left as they are.
+
+jmp bounds the queue at the step boundary: after each optimizer update (``jmp.runtime.step_boundary``) it keeps
+one small gradient of that step (an output of the step's program that no later program consumes by donation)
+and waits for the one kept ``limit`` steps before, so at most ``limit`` steps (a step program and an update
+each) are ever queued ahead of the host: the host still prepares the next steps while the devices compute.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+STEPS_AHEAD_ON_CPU = 2  # a step program and an update each: at most ~6 collective programs queued
+STEPS_AHEAD_VARIABLE = "JMP_CPU_STEPS_IN_FLIGHT"  # another bound for CPU meshes; 0 turns it off
+
+_kept: collections.deque = collections.deque()
+_limit = 0  # 0: no bound (one CPU device, or devices that queue programs on streams)
+
+
+def bound(limit: int) -> None:
+    """Let at most ``limit`` steps run ahead of the host (0: no bound). ``smp.init`` sets it from the mesh."""
+    global _limit
+    if limit < 0:
+        raise ValueError(f"the number of steps in flight must be 0 (no bound) or more, got {limit}")
+    _limit = limit
+    _kept.clear()
+
+
+def cpu_limit(environment: Mapping[str, str] = os.environ) -> int:
+    """The bound for a mesh of several CPU devices: ``JMP_CPU_STEPS_IN_FLIGHT``, else ``STEPS_AHEAD_ON_CPU``."""
+    text = environment.get(STEPS_AHEAD_VARIABLE, str(STEPS_AHEAD_ON_CPU))
+    if not text.isdigit():
+        raise ValueError(
+            f"{STEPS_AHEAD_VARIABLE}={text!r}: give the number of training steps that may be queued ahead of the "
+            f"host on a CPU mesh (a whole number; 0 for no bound, which can deadlock XLA:CPU)"
+        )
+    return int(text)
+
+
+def limit() -> int:
+    return _limit
+
+
+def kept() -> int:
+    """How many steps' results are kept to wait for (at most ``limit()``)."""
+    return len(_kept)
+
+
+def admit(result: Any) -> None:
+    """``result`` (an array a step's program produced) was just dispatched: wait until only ``limit()`` steps,
+    this one included, may still be running. A kept array deleted since (donated to a later program) stands for
+    nothing any more; the next newer one is waited for instead."""
+    if not _limit:
+        return
+    _kept.append(result)
+    while len(_kept) > _limit:
+        oldest = _kept.popleft()
+        while oldest.is_deleted() and _kept:
+            oldest = _kept.popleft()
+        if not oldest.is_deleted():
+            oldest.block_until_ready()
+
+
+def admit_update(optimizer: Any) -> None:
+    """The step-boundary callback: admit the smallest gradient the update just read (the step program's)."""
+    if not _limit:
+        return
+    grads, _ = optimizer.model.training_state.kept_grads_as_computed()
+    leaves = [leaf for leaf in jax.tree.leaves(grads) if isinstance(leaf, jax.Array)]
+    if leaves:
+        admit(min(leaves, key=lambda leaf: leaf.size))
