@@ -96,3 +96,11 @@ def test_smp_init_bounds_a_cpu_mesh_and_each_optimizer_step_keeps_one_gradient(r
         assert programs_in_flight.kept() <= 2
     assert programs_in_flight.kept() == 2
     assert float(losses[2].reduce_mean()) < float(losses[0].reduce_mean())  # the steps trained
+
+
+def test_jmp_cpu_steps_in_flight_sets_the_bound_of_cpu_meshes():
+    assert programs_in_flight.cpu_limit({}) == programs_in_flight.STEPS_AHEAD_ON_CPU
+    assert programs_in_flight.cpu_limit({"JMP_CPU_STEPS_IN_FLIGHT": "0"}) == 0
+    assert programs_in_flight.cpu_limit({"JMP_CPU_STEPS_IN_FLIGHT": "5"}) == 5
+    with pytest.raises(ValueError, match="JMP_CPU_STEPS_IN_FLIGHT='two': give the number of training steps"):
+        programs_in_flight.cpu_limit({"JMP_CPU_STEPS_IN_FLIGHT": "two"})
