@@ -143,23 +143,16 @@ def _absorb(state, grouped_q, k, v, allowed, scale: float):
     return new_peak, total, out
 
 
-def _rows_from(state, start: int):
-    peak, total, out = state
-    return peak[..., start:], total[..., start:], out[..., start:, :]
-
-
-def _with_rows_from(state, part, start: int):
-    peak, total, out = state
-    return peak.at[..., start:].set(part[0]), total.at[..., start:].set(part[1]), out.at[..., start:, :].set(part[2])
+def _rows(x, start, size: int, axis: int):
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
 def ring_attention_block(q, k, v, mask, *, axis_name: str, is_causal: bool, scale: float, balanced: bool = False):
     """One device's share, inside ``shard_map`` over ``axis_name``: q [B, Sq, H, D] and k, v [B, Sk, Hkv, D] are
     this device's blocks; ``mask`` (bool or None) is [B|1, H|1, Sq|1, Sk * n], its key dimension whole.
     ``balanced``: the blocks (and the mask's query rows) are in the balanced order (``to_balanced``); without
-    ``is_causal``, the blocks above the diagonal are skipped where the mask allows nothing above it on this device
-    (checked as the program runs), else computed in full. Returns this device's output block [B, Sq, H, D], in the
-    order of ``q``."""
+    ``is_causal``, the scores above the diagonal are skipped where the mask allows none on this device (checked as
+    the program runs), else computed too. Returns this device's output block [B, Sq, H, D], in the order of ``q``."""
     count = jax.lax.axis_size(axis_name)
     me = jax.lax.axis_index(axis_name)
     batch, block, heads, dim = q.shape
@@ -170,82 +163,80 @@ def ring_attention_block(q, k, v, mask, *, axis_name: str, is_causal: bool, scal
     if mask is not None:
         mask = mask.reshape(mask.shape[0], *((kv_heads, groups) if mask.shape[1] == heads else (1, 1)), *mask.shape[2:])
 
-    def chunks(device):
-        return (device, 2 * count - 1 - device) if balanced else (device,)
+    # --- natural order: block against block
 
-    def positions(device):
-        width = half if balanced else block
-        return jnp.concatenate([chunk * width + jnp.arange(width) for chunk in chunks(device)])
-
-    def key_mask(source, *, which=slice(None), from_row=0):
-        """The mask's columns of the block ``source`` (of its chunks ``which``), its rows from ``from_row``."""
-        if mask is None:
-            return None
-        rows = mask[..., from_row:, :] if mask.shape[-2] > 1 else mask
-        width = half if balanced else block
-        starts = chunks(source)[which]
-        return jnp.concatenate([jax.lax.dynamic_slice_in_dim(rows, s * width, width, axis=-1) for s in starts], -1)
-
-    def causal_and(allowed, query_positions, key_positions):
-        causal = query_positions[:, None] >= key_positions[None, :]
-        return causal if allowed is None else allowed & causal
-
-    def own_block(state, k, v, source):
-        allowed = key_mask(source)
-        if is_causal:
-            allowed = causal_and(allowed, positions(me), positions(me))
+    def natural_block(state, k, v, source, *, own=False):
+        allowed = None if mask is None else _rows(mask, source * block, block, -1)
+        if own and is_causal:
+            causal = jnp.tril(jnp.ones((block, block), bool))
+            allowed = causal if allowed is None else allowed & causal
         return _absorb(state, grouped_q, k, v, allowed, scale)
-
-    def own_block_below_diagonal(state, k, v, source):
-        # every query against the front chunk's keys, the back chunk's queries against its own keys: the front
-        # chunk's queries come before every key of the back chunk
-        front, back = positions(me)[:half], positions(me)[half:]
-        allowed = causal_and(key_mask(source, which=slice(0, 1)), positions(me), front)
-        state = _absorb(state, grouped_q, k[:, :half], v[:, :half], allowed, scale)
-        allowed = causal_and(key_mask(source, which=slice(1, 2), from_row=half), back, back)
-        rows = _absorb(_rows_from(state, half), grouped_q[:, half:], k[:, half:], v[:, half:], allowed, scale)
-        return _with_rows_from(state, rows, half)
-
-    def whole_block(state, k, v, source):
-        if not balanced:
-            return _absorb(state, grouped_q, k, v, key_mask(source), scale)
-        # chunk by chunk: scores the size of the other branches' (XLA keeps every branch's buffers)
-        for chunk in (0, 1):
-            keys = slice(chunk * half, (chunk + 1) * half)
-            allowed = key_mask(source, which=slice(chunk, chunk + 1))
-            state = _absorb(state, grouped_q, k[:, keys], v[:, keys], allowed, scale)
-        return state
 
     def skipped(state, k, v, source):  # every key of the block comes after every query
         return state
 
-    def front_keys(state, k, v, source):  # balanced, source < me: every query comes after the front chunk's keys
-        return _absorb(state, grouped_q, k[:, :half], v[:, :half], key_mask(source, which=slice(0, 1)), scale)
+    # --- balanced order: chunk against chunk (0 the front chunk, 1 the back one; traced or not)
 
-    def back_queries(state, k, v, source):  # balanced, source > me: only the back chunk's queries come after both
-        rows = _rows_from(state, half)
-        rows = _absorb(rows, grouped_q[:, half:], k, v, key_mask(source, from_row=half), scale)
-        return _with_rows_from(state, rows, half)
+    def chunk_pair(state, query_chunk, key_chunk, k, v, source, *, causal=False):
+        """The queries of this device's chunk ``query_chunk`` against the keys of ``source``'s ``key_chunk``."""
+        rows = query_chunk * half
+        peak, total, out = state
+        part = (_rows(peak, rows, half, -1), _rows(total, rows, half, -1), _rows(out, rows, half, -2))
+        keys = key_chunk * half
+        allowed = None
+        if mask is not None:
+            allowed = _rows(mask, rows, half, -2) if mask.shape[-2] > 1 else mask
+            column = jnp.where(key_chunk == 0, source, 2 * count - 1 - source) * half
+            allowed = _rows(allowed, column, half, -1)
+        if causal:  # a chunk against itself
+            triangle = jnp.tril(jnp.ones((half, half), bool))
+            allowed = triangle if allowed is None else allowed & triangle
+        part = _absorb(
+            part, _rows(grouped_q, rows, half, 1), _rows(k, keys, half, 1), _rows(v, keys, half, 1), allowed, scale
+        )
+        return (
+            jax.lax.dynamic_update_slice_in_dim(peak, part[0], rows, -1),
+            jax.lax.dynamic_update_slice_in_dim(total, part[1], rows, -1),
+            jax.lax.dynamic_update_slice_in_dim(out, part[2], rows, -2),
+        )
+
+    def above_the_diagonal(state, k, v, source, pairs):
+        """Pairs above the diagonal, which a mask without the causal pattern may still allow."""
+        if is_causal:
+            return state
+
+        def compute(state, k, v, source):
+            for query_chunk, key_chunk in pairs:
+                state = chunk_pair(state, query_chunk, key_chunk, k, v, source)
+            return state
+
+        return jax.lax.cond(below_diagonal, skipped, compute, state, k, v, source)
+
+    def balanced_block(state, k, v, source, *, own=False):
+        # the back chunk's queries come after the front chunk's keys of every block, their own block's included
+        state = chunk_pair(state, 1, 0, k, v, source)
+        if own:  # and each chunk against itself, causally; the front queries come before the back keys
+            state = chunk_pair(state, 0, 0, k, v, source, causal=is_causal)
+            state = chunk_pair(state, 1, 1, k, v, source, causal=is_causal)
+            return above_the_diagonal(state, k, v, source, [(0, 1)])
+        # a block from earlier in the sequence: the front queries come after its front keys too (its back keys
+        # come after both query chunks); from later: the back queries come after its back keys too
+        same = jnp.where(source < me, 0, 1)
+        state = chunk_pair(state, same, same, k, v, source)
+        return above_the_diagonal(state, k, v, source, [(0, 1), (1 - same, 1 - same)])
 
     @functools.partial(jax.checkpoint, static_argnums=(4,))
-    def visit(state, k, v, source, first: bool):
-        if not balanced:
-            if first or not is_causal:
-                return (own_block if first else whole_block)(state, k, v, source)
-            return jax.lax.cond(source < me, whole_block, skipped, state, k, v, source)
-        if first and is_causal:
-            return own_block_below_diagonal(state, k, v, source)
-        if first:
-            return jax.lax.cond(below_diagonal, own_block_below_diagonal, whole_block, state, k, v, source)
-        if is_causal:
-            return jax.lax.cond(source < me, front_keys, back_queries, state, k, v, source)
-        index = jnp.where(below_diagonal, jnp.where(source < me, 0, 1), 2)
-        return jax.lax.switch(index, (front_keys, back_queries, whole_block), state, k, v, source)
+    def visit(state, k, v, source, own: bool):
+        if balanced:
+            return balanced_block(state, k, v, source, own=own)
+        if own or not is_causal:
+            return natural_block(state, k, v, source, own=own)
+        return jax.lax.cond(source < me, natural_block, skipped, state, k, v, source)
 
     if balanced and not is_causal:
         # a mask holding the causal pattern (as Hugging Face passes it) lets this device skip as causal attention does
-        above = jnp.arange(mask.shape[-1])[None, :] > positions(me)[:, None]
-        below_diagonal = ~jnp.any(mask & above)
+        positions = jnp.concatenate([chunk * half + jnp.arange(half) for chunk in (me, 2 * count - 1 - me)])
+        below_diagonal = ~jnp.any(mask & (jnp.arange(mask.shape[-1])[None, :] > positions[:, None]))
 
     state = (
         jnp.full((batch, kv_heads, groups, block), _LOWEST, jnp.float32),
