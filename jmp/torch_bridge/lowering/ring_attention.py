@@ -15,8 +15,9 @@ attention (fewer key/value heads than query heads) scores each key/value head ag
 Causal attention is load-balanced ("zigzag", as Megatron and MaxText order it): the sequence is cut into
 ``2n`` chunks and device ``i`` works on chunks ``i`` and ``2n - 1 - i``, one from the front and one from the
 back. The model still sees its sequence in natural order, split contiguously by XLA's partitioner; the
-attention moves the halves of its queries, keys and values (and a mask's query rows) into that order on entry
-(two ``ppermute`` of half blocks each) and its output back on exit. Scores above the diagonal are then never
+attention moves the halves of its queries, keys and values into that order on entry (two ``ppermute`` of half
+blocks each) and its output back on exit; a mask's query rows are reordered before the ``shard_map`` (see
+``ring_attention``). Scores above the diagonal are then never
 computed: of its own block a device computes three quarters (its front chunk's queries come before its back
 chunk's keys), and of every visiting block exactly half (``lax.cond``): a block from earlier in the sequence
 meets all queries with its front chunk alone, one from later meets only the back chunk's queries. So every
@@ -48,6 +49,7 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jmp.errors import ConfigError
@@ -114,6 +116,13 @@ def from_balanced(x, axis_name: str, axis: int = 1):
         jnp.where(even, back, front), axis_name, [(balanced_home(2 * i + 1, count), i) for i in range(count)]
     )
     return jnp.concatenate([even_chunk, odd_chunk], axis=axis)
+
+
+def balanced_rows(length: int, count: int) -> np.ndarray:
+    """The sequence's positions in the balanced order over ``count`` devices: chunk i, then chunk 2n - 1 - i, ..."""
+    width = length // (2 * count)
+    chunks = [chunk for i in range(count) for chunk in (i, 2 * count - 1 - i)]
+    return np.concatenate([chunk * width + np.arange(width) for chunk in chunks])
 
 
 def computed_scores(me: int, source: int, count: int, block: int, *, balanced: bool) -> int:
@@ -267,6 +276,11 @@ def ring_attention(q, k, v, mask, *, mesh, axis_name: str, is_causal: bool, scal
     sequence = PartitionSpec(None, axis_name)
     specs = [sequence, sequence, sequence]
     arguments = [q, k, v]
+    if balanced and mask is not None and mask.shape[2] > 1:
+        # reordered by XLA's partitioner, not inside the shard_map: a mask computed in the step (Hugging Face's, from
+        # the positions and a [B, S] padding mask) is then computed in this order, nothing moved; a mask whose rows
+        # arrive split over the axis is gathered whole
+        mask = mask[:, :, balanced_rows(mask.shape[2], count)]
     if mask is not None:
         specs.append(PartitionSpec(None, None, axis_name if mask.shape[2] > 1 else None))
         arguments.append(mask)
@@ -275,8 +289,6 @@ def ring_attention(q, k, v, mask, *, mesh, axis_name: str, is_causal: bool, scal
         if not balanced:
             return ring_attention_block(q, k, v, mask, axis_name=axis_name, is_causal=is_causal, scale=scale)
         q, k, v = (to_balanced(t, axis_name) for t in (q, k, v))
-        if mask is not None and mask.shape[2] > 1:  # every layer's is the same: XLA moves it once (CSE)
-            mask = to_balanced(mask, axis_name, axis=2)
         out = ring_attention_block(q, k, v, mask, axis_name=axis_name, is_causal=is_causal, scale=scale, balanced=True)
         return from_balanced(out, axis_name)
 
