@@ -17,20 +17,21 @@ Causal attention is load-balanced ("zigzag", as Megatron and MaxText order it): 
 back. The model still sees its sequence in natural order, split contiguously by XLA's partitioner; the
 attention moves the halves of its queries, keys and values into that order on entry (two ``ppermute`` of half
 blocks each) and its output back on exit; a mask's query rows are reordered before the ``shard_map`` (see
-``ring_attention``). Scores above the diagonal are then never
-computed: of its own block a device computes three quarters (its front chunk's queries come before its back
-chunk's keys), and of every visiting block exactly half (``lax.cond``): a block from earlier in the sequence
-meets all queries with its front chunk alone, one from later meets only the back chunk's queries. So every
-device does the same work at every ring step. In natural order (``JMP_CONTEXT_PARALLEL_ATTENTION=ring_natural``)
-blocks wholly above the diagonal are skipped too, but device ``i`` computes ``i + 1`` blocks, and each ring step
-waits for the device holding the last one.
+``ring_attention``). Scores above the diagonal are then never computed, chunk against chunk: the back chunk's
+queries against the front chunk of every block; each chunk against itself in the own block (causally), the
+front queries against an earlier block's front keys, the back queries against a later block's back keys (the
+pair picked by a dynamic slice, no branch). So a device computes three quarters of its own block and half of
+every visiting one: every device does the same work at every ring step. In natural order
+(``JMP_CONTEXT_PARALLEL_ATTENTION=ring_natural``) blocks wholly above the diagonal are skipped too
+(``lax.cond``), but device ``i`` computes ``i + 1`` blocks, and each ring step waits for the device holding the
+last one.
 
 Hugging Face passes the causal pattern as a boolean mask (with its padding) and ``is_causal=False``: a mask with
 query rows takes the balanced order too, and each device checks, as the program runs, whether its rows allow
-any score above the diagonal; where none, it skips as causal attention does, else it computes every block in
-full (a bidirectional mask: then the reordering is paid for nothing). Non-causal attention under a mask of the
-keys alone, or none, and attention whose blocks have an odd length, keep the natural order, every block
-computed.
+any score above the diagonal; where none, it skips as causal attention does, else (``lax.cond``) it computes the
+pairs above the diagonal too (a bidirectional mask: then the reordering is paid for nothing). Non-causal
+attention under a mask of the keys alone, or none, and attention whose blocks have an odd length, keep the
+natural order, every block computed.
 
 ``F.scaled_dot_product_attention`` takes this path while a step runs with its sequences split over a mesh axis
 (``sequences_split_over``, set by the compiled step under context parallelism) unless
