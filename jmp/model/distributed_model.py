@@ -323,7 +323,10 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         """While a step function is traced with ``module`` (the converted model at that trace's level)."""
         trace = Trace(self, module, loss_scale)
         token = _TRACE.set(trace)
-        scanned = stacks.StackedLayers(self.stacks) if self.stacks and self.pipeline is None else None
+        scanned = None
+        if self.stacks and self.pipeline is None:
+            shardings = {name: self.layout.sharding(name) for name in self.layout.names}
+            scanned = stacks.StackedLayers(self.stacks, shardings)
         try:
             with (
                 call_hooks(dict.fromkeys(scanned.paths, scanned) if scanned else {}),  # outermost: remat inside

@@ -70,8 +70,7 @@ def signature(layer: nn.Module) -> Hashable:
             and not name.startswith("_state_dict")
             and not name.startswith("_load_state_dict")
         )
-        hooks = bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
-        parts.append((path, type(module), module.training, tensors, attributes, hooks))
+        parts.append((path, type(module), module.training, tensors, attributes))
     return tuple(parts)
 
 

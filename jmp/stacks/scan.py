@@ -20,7 +20,7 @@ import contextvars
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import torch
 import torch.utils._pytree as torch_pytree
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import side_outputs
 from jmp.errors import JmpError
@@ -36,6 +37,7 @@ from jmp.stacks.detection import LayerStack
 from jmp.stacks.pending import PendingTensor
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.module import TorchModule, hooked_call, hooks_on
+from jmp.torch_bridge.state_dict import torch_name
 from jmp.torch_bridge.tensor import JaxTensor
 
 logger = logging.getLogger("jmp")
@@ -58,7 +60,8 @@ class _Call:
 class StackedLayers:
     """Call hook on the layers of ``stacks`` for one trace (``jmp.torch_bridge.call_hooks``)."""
 
-    def __init__(self, stacks: Sequence[LayerStack]):
+    def __init__(self, stacks: Sequence[LayerStack], shardings: Mapping[str, NamedSharding]):
+        self._shardings = shardings  # torch name -> the parameter's sharding
         self._stack_of = {path: stack for stack in stacks for path in stack.paths}
         self._open: dict[str, _Chain] = {}  # container -> the chain later layers may join
         self._last: dict[str, tuple[int, JaxTensor]] = {}  # container -> (index, output) of its last layer call
@@ -85,7 +88,7 @@ class StackedLayers:
             and self._follows(stack, index, args[0])
             and all(self._scannable_leaf(leaf) for leaf in other[0])
         ):
-            chain = _Chain(stack, index, hooks, args[0], other[1], contextvars.copy_context())
+            chain = _Chain(stack, index, hooks, args[0], other[1], contextvars.copy_context(), self._shardings)
             self._open[stack.container] = chain
             return self._pending(stack, index, chain.add(module, call, other[0]))
         out = call(*args, **kwargs)
@@ -157,7 +160,9 @@ class _Chain:
         first_input: JaxTensor,
         spec: Any,
         context: contextvars.Context,
+        shardings: Mapping[str, NamedSharding],
     ):
+        self.shardings = shardings
         self.stack, self.start, self.hooks = stack, start, hooks
         self.first_input = first_input
         self.spec = spec
@@ -224,7 +229,9 @@ class _Chain:
         structures = {jax.tree.structure((p, r)) for _, p, _, r in split}
         if len(structures) > 1:
             raise _NotScannable("their parameters or buffers are not alike")
-        params = jax.tree.map(lambda *xs: jnp.stack(xs), *[p for _, p, _, _ in split])
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, *xs: self._stacked(calls[0].module, path, xs), *[p for _, p, _, _ in split]
+        )
         rest = jax.tree.map(lambda *xs: jnp.stack(xs), *[r for _, _, _, r in split])
         rng_state = split[0][2]
         varying = [
@@ -282,7 +289,13 @@ class _Chain:
                 f"'{calls[0].module.torch_path}' and '{calls[-1].module.torch_path}' compute differently (e.g. with "
                 "their layer number)"
             )
-        (h, new_rng), (new_rest, sown) = jax.lax.scan(bodies[0], carry, xs)
+        body = bodies[0]
+        if self.hooks == ():
+            # without a checkpoint of its own, the body keeps its matmul outputs for the backward and recomputes
+            # the elementwise work between them, as XLA's fusions do for layers run one by one (a scan's
+            # backward would keep every intermediate value of every layer instead)
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
+        (h, new_rng), (new_rest, sown) = jax.lax.scan(body, carry, xs)
         side_outputs.sow_all(side_outputs.reduce_stacked(sown))
         new_rng = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_rng, rng_state)
         nnx.update((modules[0], rngs), new_rng)
@@ -290,6 +303,18 @@ class _Chain:
             layer_rest = jax.tree.map(lambda a, k=k: a[k], new_rest)
             nnx.update((module, rngs), layer_rest)
         return h
+
+    def _stacked(self, module: TorchModule, path: tuple, layers: tuple[jax.Array, ...]) -> jax.Array:
+        """One parameter of every layer stacked on a new leading axis, split as each layer's is (so that its
+        gradient, the scan's transpose, is split so too)."""
+        keys = tuple(k for k in path if isinstance(k, jax.tree_util.DictKey))[1:]  # after the (layer, rngs) index
+        sharding = self.shardings.get(f"{module.torch_path}.{torch_name(keys)}")
+        stacked = jnp.stack(layers)
+        if sharding is None:
+            return stacked
+        return jax.lax.with_sharding_constraint(
+            stacked, NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+        )
 
 
 def _hook_of(copy: TorchModule) -> Any:

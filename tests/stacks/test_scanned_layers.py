@@ -1,0 +1,184 @@
+"""Layer stacks run as one scan (jmp.stacks): the same loss, gradients and buffers as PyTorch, one compiled body
+whatever the depth, and layers that differ run one by one."""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import jax.extend.core as jex
+import pytest
+import torch
+
+import jmp as smp
+from tests.front_end.helpers import named_grads
+from tests.helpers import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _gpt2(layers: int, **config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, n_positions=32, **config)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+IDS = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(1))
+
+
+@smp.step
+def lm_step(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    model.backward(loss)
+    return loss
+
+
+def _torch_loss_and_grads(module: torch.nn.Module) -> tuple[float, dict[str, torch.Tensor]]:
+    loss = module(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    return float(loss), {name: p.grad for name, p in module.named_parameters()}
+
+
+def _jmp_loss_and_grads(module: torch.nn.Module, config: dict) -> tuple[smp.DistributedModel, float, dict]:
+    smp.init({"scan_layers": True, **config})
+    model = smp.DistributedModel(module)
+    loss = float(lm_step(model, IDS).reduce_mean())
+    return model, loss, named_grads(model.grads)
+
+
+def _equations(jaxpr):
+    stack = [jaxpr.jaxpr if isinstance(jaxpr, jex.ClosedJaxpr) else jaxpr]
+    while stack:
+        for eqn in stack.pop().eqns:
+            yield eqn
+            stack.extend(j.jaxpr if isinstance(j, jex.ClosedJaxpr) else j for j in jex.jaxprs_in_params(eqn.params))
+
+
+def _primitives(model: smp.DistributedModel) -> collections.Counter:
+    return collections.Counter(eqn.primitive.name for eqn in _equations(lm_step.trace(model, IDS).jaxpr))
+
+
+@pytest.mark.parametrize(
+    ("build", "config"),
+    [
+        (_llama, {}),
+        (_llama, {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}),
+        (lambda layers: _gpt2(layers, **NO_DROPOUT), {"microbatches": 2}),
+    ],
+    ids=["llama", "llama-fsdp2xtp2", "gpt2-2-microbatches"],
+)
+def test_a_scanned_stack_trains_as_pytorch(build, config):
+    expected_loss, expected = _torch_loss_and_grads(build(4))
+    model, loss, grads = _jmp_loss_and_grads(build(4), config)
+    assert _primitives(model)["scan"] >= 1
+    assert_close(loss, expected_loss, 1e-5)
+    assert grads.keys() == expected.keys()
+    largest = max(float(g.abs().max()) for g in expected.values())
+    for name, grad in expected.items():
+        assert_close(grads[name], grad, 1e-4, floor=1e-4 * largest)
+    assert list(model.state_dict()) == list(build(4).state_dict())  # names as torch has them, one per layer
+
+
+def test_the_program_holds_one_layer_body_whatever_the_depth():
+    counts = []
+    for layers in (3, 6):
+        smp.init({"scan_layers": True})
+        counts.append(_primitives(smp.DistributedModel(_llama(layers)))["dot_general"])  # traced, not compiled
+    assert counts[0] == counts[1]  # the first layer as it is, the others one scanned body
+
+
+def test_dropout_draws_what_the_layers_run_one_by_one_draw():
+    _, unscanned_loss, unscanned = _jmp_loss_and_grads(_gpt2(3).train(), {"scan_layers": False})
+    model, loss, grads = _jmp_loss_and_grads(_gpt2(3).train(), {})
+    assert _primitives(model)["scan"] >= 1
+    assert_close(loss, unscanned_loss, 1e-6)
+    for name, grad in unscanned.items():
+        assert_close(grads[name], grad, 1e-5, floor=1e-6)
+
+
+def test_layers_configured_apart_are_not_scanned():
+    # GPT-2's scale_attn_by_inverse_layer_idx gives each layer's attention its own scaling attribute
+    expected_loss, expected = _torch_loss_and_grads(_gpt2(3, scale_attn_by_inverse_layer_idx=True, **NO_DROPOUT))
+    model, loss, grads = _jmp_loss_and_grads(_gpt2(3, scale_attn_by_inverse_layer_idx=True, **NO_DROPOUT), {})
+    assert model.stacks == [] and _primitives(model)["scan"] == 0
+    assert_close(loss, expected_loss, 1e-5)
+    for name, grad in expected.items():
+        assert_close(grads[name], grad, 1e-4, floor=1e-6)
+
+
+class _Numbered(torch.nn.Module):
+    """A layer whose forward computes with its number: alike in every attribute but the number."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x)) / (self.layer_idx + 1)
+
+
+def test_layers_that_compute_with_their_number_run_one_by_one(caplog):
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[_Numbered(i) for i in range(4)])
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    expected = layers(x).square().mean()
+    smp.init({"scan_layers": True})
+    model = smp.DistributedModel(layers)
+    with caplog.at_level(logging.INFO, logger="jmp"):
+        loss = _forward_step(model, x)
+    assert "'' (its layers run one by one" in caplog.text or "run one by one" in caplog.text
+    assert_close(float(loss.reduce_mean()), float(expected), 1e-6)
+
+
+@smp.step
+def _forward_step(model, x):
+    loss = model(x).square().mean()
+    model.backward(loss)
+    return loss
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.norm(self.linear(x)))
+
+
+def test_buffers_of_scanned_layers_update_as_in_pytorch():
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[_Block() for _ in range(4)])
+    reference = torch.nn.Sequential(*[_Block() for _ in range(4)])
+    reference.load_state_dict(blocks.state_dict())
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    reference(x).square().mean().backward()
+
+    smp.init({"scan_layers": True})
+    model = smp.DistributedModel(blocks)
+    _forward_step(model, x)
+    assert sum(eqn.primitive.name == "scan" for eqn in _equations(_forward_step.trace(model, x).jaxpr)) >= 1
+    state = model.state_dict()
+    for name, value in reference.state_dict().items():  # running means and variances, batches tracked
+        assert_close(state[name], value, 1e-5, floor=1e-7)
+    grads = named_grads(model.grads)
+    largest = max(float(p.grad.abs().max()) for p in reference.parameters())
+    for name, p in reference.named_parameters():  # (a bias before batch norm has a gradient of rounding noise)
+        assert_close(grads[name], p.grad, 1e-4, floor=1e-3 * largest)
