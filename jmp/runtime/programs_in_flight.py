@@ -2,12 +2,12 @@
 
 JAX dispatches a program and returns before it runs, so a loop that reads no result (a script that logs the
 loss every hundred steps) queues programs without bound. XLA:CPU runs a program over several devices as one
-task per device on a fixed thread pool, gang-scheduled one collective program after another; with a few dozen
-such programs queued (measured with jax 0.10.2 on 8 CPU devices: one process deadlocks past about 50 queued
-all-reduces, two processes past about 30, whether the programs' meshes order the devices alike or not), the
-tasks of one program wait in its rendezvous for threads the others hold ("Expected 8 threads to join the
-rendezvous, but not all of them arrived") and every process stops for good. ``benchmarks/programs_in_flight.py``
-reproduces it. GPUs and TPUs queue programs on streams and are left as they are.
+task per device on a fixed thread pool, gang-scheduling one collective program after another. With a few dozen
+such programs queued, some program's tasks wait in its rendezvous for tasks that never start ("Expected 8
+threads to join the rendezvous, but not all of them arrived on time") and every process stops for good:
+measured with jax 0.10.2 on 8 CPU devices, one process deadlocked with 60 queued all-reduces (50 completed), two
+processes with 40 (25 completed), whether the programs' meshes order the devices alike or not.
+``benchmarks/programs_in_flight.py`` reproduces it. GPUs and TPUs queue programs on streams: no bound there.
 
 jmp bounds the queue at the step boundary: after each optimizer update (``jmp.runtime.step_boundary``) it keeps
 one small gradient of that step (an output of the step's program that no later program consumes by donation)
