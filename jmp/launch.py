@@ -50,6 +50,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -165,20 +166,44 @@ def _parser() -> argparse.ArgumentParser:
 
 def free_port_pair(host: str = "", attempts: int = 50) -> int:
     """A port P with P and P + 1 free (torch's MASTER_PORT and jmp's JAX coordinator), found by binding
-    (on every interface by default: JAX's coordinator listens on all of them)."""
+    (on every interface by default: JAX's coordinator listens on all of them).
+
+    The processes bind them seconds later, after their imports. Meanwhile the kernel hands ports of its
+    ephemeral range to every outgoing connection (gloo's peers, in runs beside this one, open dozens), so a
+    port it gave this probe (a bind to port 0) could be taken by then: the run then failed to start. P is drawn
+    at random below that range instead, where only another server's explicit bind can take it."""
+    below = _below_ephemeral_ports()
+    draw = random.Random()
     for _ in range(attempts):
-        with socket.socket() as first:
-            first.bind((host, 0))
-            port = first.getsockname()[1]
-            if port >= 65535:
+        if below is None:
+            with socket.socket() as probe:
+                probe.bind((host, 0))
+                port = probe.getsockname()[1]
+        else:
+            port = draw.randrange(*below)
+        if port >= 65535:
+            continue
+        with socket.socket() as first, socket.socket() as second:
+            try:
+                first.bind((host, port))
+                second.bind((host, port + 1))
+            except OSError:
                 continue
-            with socket.socket() as second:
-                try:
-                    second.bind((host, port + 1))
-                except OSError:
-                    continue
         return port
     raise RuntimeError(f"jmp.launch: found no two consecutive free ports on {host} in {attempts} attempts")
+
+
+_FIRST_DRAWN_PORT = 20000  # above the ports servers are commonly configured on (8080, 5432, ...)
+
+
+def _below_ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int] | None:
+    """[start, stop) of the ports to draw from, below the kernel's ephemeral range (Linux: 20000-32766 by
+    default), None where that range is not known or leaves fewer than 1000 ports below it."""
+    try:
+        low = int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (_FIRST_DRAWN_PORT, low - 1) if low - 1 - _FIRST_DRAWN_PORT >= 1000 else None
 
 
 def child_environment(
