@@ -4,6 +4,8 @@ configuration, so that one compiled layer body can run all of them (``jmp.stacks
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 from collections.abc import Hashable
 from typing import Any
 
@@ -13,13 +15,15 @@ from torch import nn
 # attributes that number a layer (Hugging Face's ``layer_idx`` keys the key/value cache); a layer that computes
 # with its number is told apart when the scanned body is traced (``jmp.stacks.scan``), not here
 _LAYER_NUMBERS = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "layer_num", "block_idx", "idx"})
+MAX_PERIOD = 4  # kinds of layer in turn (Gemma-2's sliding and global attention: 2)
 _TORCH_STATE = frozenset({"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set"})
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerStack:
-    """The layers of one ``nn.ModuleList`` / ``nn.Sequential``, by torch path, with each layer's signature: consecutive
-    layers with equal signatures can be scanned as one."""
+    """The layers of one ``nn.ModuleList`` / ``nn.Sequential``, by torch path, with each layer's signature: runs of
+    layers repeating with a period (each layer's signature equal to that of the layer ``period`` before it) can be
+    scanned as one."""
 
     container: str
     paths: tuple[str, ...]
@@ -30,7 +34,7 @@ class LayerStack:
 
 
 def find_stacks(root: nn.Module) -> list[LayerStack]:
-    """The layer lists of ``root`` holding at least two consecutive layers with equal signatures (outermost lists
+    """The layer lists of ``root`` holding layers with equal signatures at most ``MAX_PERIOD`` apart (outermost lists
     only: a list inside a stacked layer is part of its body)."""
     stacks: list[LayerStack] = []
     for path, module in root.named_modules():
@@ -42,7 +46,7 @@ def find_stacks(root: nn.Module) -> list[LayerStack]:
         if len(children) < 2:
             continue
         signatures = tuple(signature(child) for _, child in children)
-        if any(a == b for a, b in zip(signatures, signatures[1:])):
+        if any(signatures[i] == signatures[i - p] for p in range(1, MAX_PERIOD + 1) for i in range(p, len(signatures))):
             paths = tuple(f"{path}.{name}" if path else name for name, _ in children)
             stacks.append(LayerStack(path, paths, signatures))
     return stacks
@@ -88,4 +92,13 @@ def _value_key(value: Any, within: dict[int, str]) -> Hashable:
             return (dict, id(value))
     if isinstance(value, (set, frozenset)):
         return (type(value), frozenset(_value_key(v, within) for v in value))
+    if isinstance(value, functools.partial):  # an activation bound to its arguments, made anew in each layer
+        return (
+            functools.partial,
+            _value_key(value.func, within),
+            _value_key(value.args, within),
+            _value_key(value.keywords, within),
+        )
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+        return ("function", value.__module__, value.__qualname__)
     return ("object", id(value))  # a shared config object is the same object in every layer

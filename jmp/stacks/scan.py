@@ -16,6 +16,7 @@ The reason is logged once per stack.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
 import logging
@@ -33,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jmp.compiled_step import side_outputs
 from jmp.errors import JmpError
 from jmp.remat import context as remat_context
-from jmp.stacks.detection import LayerStack
+from jmp.stacks.detection import MAX_PERIOD, LayerStack
 from jmp.stacks.pending import PendingTensor
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.module import TorchModule, hooked_call, hooks_on
@@ -64,7 +65,8 @@ class StackedLayers:
         self._shardings = shardings  # torch name -> the parameter's sharding
         self._stack_of = {path: stack for stack in stacks for path in stack.paths}
         self._open: dict[str, _Chain] = {}  # container -> the chain later layers may join
-        self._last: dict[str, tuple[int, JaxTensor]] = {}  # container -> (index, output) of its last layer call
+        # container -> layer index -> (input, output) of the layers run as they are since the last chain
+        self._ran: dict[str, dict[int, tuple[Any, JaxTensor]]] = collections.defaultdict(dict)
         self._empty_caches: set[int] = set()  # key/value caches that were empty when a stack's first layer ran
 
     @property
@@ -82,19 +84,16 @@ class StackedLayers:
             return self._pending(stack, index, chain.add(module, call, other[0]))
         if other is not None:
             self._empty_caches.update(id(leaf) for leaf in other[0] if _is_cache(leaf) and leaf.get_seq_length() == 0)
-        if (
-            other is not None
-            and hooks is not None
-            and self._follows(stack, index, args[0])
-            and all(self._scannable_leaf(leaf) for leaf in other[0])
-        ):
-            chain = _Chain(stack, index, hooks, args[0], other[1], contextvars.copy_context(), self._shardings)
+        period = self._period(stack, index, args[0]) if other is not None and hooks is not None else None
+        if period is not None and all(self._scannable_leaf(leaf) for leaf in other[0]):
+            context = contextvars.copy_context()
+            chain = _Chain(stack, index, period, args[0], context, self._shardings)
+            chain.joins(index, stack, hooks, args[0], *other)  # the first call sets its position's pattern
             self._open[stack.container] = chain
             return self._pending(stack, index, chain.add(module, call, other[0]))
         out = call(*args, **kwargs)
-        self._last.pop(stack.container, None)
         if args and isinstance(out, JaxTensor) and _same_type(out, args[0]):
-            self._last[stack.container] = (index, out)
+            self._ran[stack.container][index] = (args[0], out)
         return out
 
     def _scannable_leaf(self, leaf: Any) -> bool:
@@ -103,19 +102,25 @@ class StackedLayers:
         return isinstance(leaf, (JaxTensor, *_PLAIN)) or id(leaf) in self._empty_caches
 
     def _pending(self, stack: LayerStack, index: int, output: PendingTensor) -> PendingTensor:
-        self._last[stack.container] = (index, output)
+        self._ran[stack.container].clear()  # a new chain starts only after layers that ran as they are
         return output
 
-    def _follows(self, stack: LayerStack, index: int, first: Any) -> bool:
-        """Whether layer ``index`` is called on the output of the layer before it and is its twin: then its output
-        has the input's shape and dtype, as that layer's had."""
-        last = self._last.get(stack.container)
-        return (
-            last is not None
-            and last[0] == index - 1
-            and last[1] is first
-            and stack.signatures[index] == stack.signatures[index - 1]
-        )
+    def _period(self, stack: LayerStack, index: int, first: Any) -> int | None:
+        """The period of a chain starting at layer ``index``: the smallest ``p`` such that layer ``index`` is the
+        twin of layer ``index - p`` and the ``p`` layers before it ran as they are, each on the previous one's
+        output, returning a tensor like its input (so the twins' outputs will be like their inputs too)."""
+        ran = self._ran[stack.container]
+        for period in range(1, MAX_PERIOD + 1):
+            before = range(index - period, index)
+            if index - period < 0 or stack.signatures[index] != stack.signatures[index - period]:
+                continue
+            if (
+                all(i in ran for i in before)
+                and ran[index - 1][1] is first
+                and all(ran[i][1] is ran[i + 1][0] for i in before[:-1])
+            ):
+                return period
+        return None
 
     def _hook_signature(self, path: str) -> Hashable | None:
         """The other call hooks on a layer, as a value equal for layers they treat alike; None: a hook treats this
@@ -150,38 +155,43 @@ def _aval(tensor: JaxTensor) -> Any:
 
 
 class _Chain:
-    """Consecutive calls of a stack's layers, each on the previous one's output, not run yet."""
+    """Consecutive calls of a stack's layers, each on the previous one's output, not run yet: ``period`` kinds of layer
+    in turn (1: all alike; 2: Gemma-2's sliding and global attention alternating)."""
 
     def __init__(
         self,
         stack: LayerStack,
         start: int,
-        hooks: Hashable,
+        period: int,
         first_input: JaxTensor,
-        spec: Any,
         context: contextvars.Context,
         shardings: Mapping[str, NamedSharding],
     ):
-        self.shardings = shardings
-        self.stack, self.start, self.hooks = stack, start, hooks
+        self.stack, self.start, self.period = stack, start, period
         self.first_input = first_input
-        self.spec = spec
-        self.calls: list[_Call] = []
         self.context = context
+        self.shardings = shardings
+        self.calls: list[_Call] = []
+        self.patterns: list[tuple[Hashable, Any]] = []  # per position in the period: (hook signature, argument spec)
         self.closed = False
         aval = _aval(first_input)
         self._like = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
     def joins(self, index: int, stack: LayerStack, hooks: Hashable, first: Any, leaves: list[Any], spec: Any) -> bool:
+        position = len(self.calls) % self.period
+        if self.closed or stack is not self.stack or index != self.start + len(self.calls):
+            return False
+        if first is not (self.calls[-1].output if self.calls else self.first_input):
+            return False
+        if len(self.patterns) == position:  # the chain's first period: this position's pattern
+            if stack.signatures[index] != stack.signatures[index - self.period]:
+                return False
+            self.patterns.append((hooks, spec))
+            return True
         return (
-            not self.closed
-            and stack is self.stack
-            and index == self.start + len(self.calls)
-            and stack.signatures[index] == stack.signatures[self.start]
-            and hooks == self.hooks
-            and first is self.calls[-1].output
-            and spec == self.spec
-            and all(_compatible(a, b) for a, b in zip(self.calls[0].leaves, leaves))
+            stack.signatures[index] == stack.signatures[self.start + position]
+            and (hooks, spec) == self.patterns[position]
+            and all(_compatible(a, b) for a, b in zip(self.calls[position].leaves, leaves))
         )
 
     def add(self, module: TorchModule, call: Callable[..., Any], leaves: list[Any]) -> PendingTensor:
@@ -198,18 +208,21 @@ class _Chain:
         return self.context.copy().run(self._run, count)
 
     def _run(self, count: int) -> jax.Array:
-        calls = self.calls[:count]
-        if count > 1:
+        scanned = (count // self.period) * self.period
+        current, done = self.first_input, 0
+        if scanned >= 2 * self.period:
             try:
-                return self._scanned(calls)
+                current, done = JaxTensor(self._scanned(self.calls[:scanned]), self.first_input.dtype), scanned
             except _NotScannable as reason:
                 _say_once(self.stack.container, f"its layers run one by one: {reason}")
-        return self._one_by_one(calls)
+        return self._one_by_one(current, done, count)
 
-    def _one_by_one(self, calls: list[_Call]) -> jax.Array:
-        current: JaxTensor = self.first_input
-        for item in calls:
-            args, kwargs = torch_pytree.tree_unflatten(item.leaves, self.spec)
+    def _one_by_one(self, current: JaxTensor, start: int, stop: int) -> jax.Array:
+        """Calls ``start`` to ``stop`` of the chain run as they are, from ``current``."""
+        for k in range(start, stop):
+            item = self.calls[k]
+            _, spec = self.patterns[k % self.period]
+            args, kwargs = torch_pytree.tree_unflatten(item.leaves, spec)
             out = item.call(current, *args, **kwargs)
             if not (isinstance(out, JaxTensor) and _same_type(out, current)):
                 raise JmpError(
@@ -223,98 +236,143 @@ class _Chain:
         return current.value
 
     def _scanned(self, calls: list[_Call]) -> jax.Array:
-        modules = [c.module for c in calls]
+        """The output of ``calls`` (whole periods) as one scan over the periods."""
         rngs = dispatch.current_rngs()
-        split = [nnx.split((m, rngs), nnx.Param, nnx.RngState, ...) for m in modules]
-        structures = {jax.tree.structure((p, r)) for _, p, _, r in split}
-        if len(structures) > 1:
-            raise _NotScannable("their parameters or buffers are not alike")
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, *xs: self._stacked(calls[0].module, path, xs), *[p for _, p, _, _ in split]
-        )
-        rest = jax.tree.map(lambda *xs: jnp.stack(xs), *[r for _, _, _, r in split])
-        rng_state = split[0][2]
-        varying = [
-            i
-            for i, leaf in enumerate(calls[0].leaves)
-            if isinstance(leaf, JaxTensor) and any(c.leaves[i] is not leaf for c in calls[1:])
-        ]
-        per_layer = [jnp.stack([c.leaves[i].value for c in calls]) for i in varying]
-        fixed = {
-            i: (leaf.value, leaf.dtype)
-            for i, leaf in enumerate(calls[0].leaves)
-            if isinstance(leaf, JaxTensor) and i not in varying
-        }
-        dtypes = {i: calls[0].leaves[i].dtype for i in varying}
-        template = [None if _is_cache(leaf) else leaf for leaf in calls[0].leaves]
+        positions = [_Position.of(calls[j :: self.period], rngs, self, j) for j in range(self.period)]
+        rng_state = positions[0].rng_state
         torch_dtype = self.first_input.dtype
 
-        def body_for(graphdef: nnx.GraphDef) -> Callable[..., Any]:
+        def body_for(period_index: int) -> Callable[..., Any]:
+            graphdefs = [p.graphdefs[period_index] for p in positions]
+
             def body(carry, xs):
                 h, rng = carry
-                layer_params, layer_rest, layer_args = xs
-                copy, inner_rngs = nnx.merge(graphdef, layer_params, rng, layer_rest, copy=True)
-                leaves = list(template)
-                wrapped = []
-                for i, (value, dtype) in fixed.items():
-                    leaves[i] = JaxTensor(value, dtype)
-                    wrapped.append(leaves[i])
-                for i, value in zip(varying, layer_args):
-                    leaves[i] = JaxTensor(value, dtypes[i])
-                    wrapped.append(leaves[i])
-                first = JaxTensor(h, torch_dtype)
-                args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
-                with (
-                    remat_context.copies([copy]),
-                    dispatch.session(inner_rngs),
-                    side_outputs.collecting() as sown,
-                ):
-                    out = hooked_call(copy, _hook_of(copy))(first, *args, **kwargs)
-                if not (isinstance(out, JaxTensor) and _same_type(out, first)):
-                    raise _NotScannable(f"a layer returns {_describe(out)}, not a tensor like its input")
-                if any(t.write_count > 0 for t in [first, *wrapped]):
-                    raise _NotScannable("a layer writes to its inputs in place")
-                _, _, new_rng, new_rest = nnx.split((copy, inner_rngs), nnx.Param, nnx.RngState, ...)
-                return (out.value, new_rng), (new_rest, dict(sown))
+                rests, sowns = [], []
+                for position, graphdef, (layer_params, layer_rest, layer_args) in zip(positions, graphdefs, xs):
+                    copy, inner_rngs = nnx.merge(graphdef, layer_params, rng, layer_rest, copy=True)
+                    wrapped, args, kwargs = position.arguments(layer_args)
+                    first = JaxTensor(h, torch_dtype)
+                    with (
+                        remat_context.copies([copy]),
+                        dispatch.session(inner_rngs),
+                        side_outputs.collecting() as sown,
+                    ):
+                        out = hooked_call(copy, _hook_of(copy))(first, *args, **kwargs)
+                    if not (isinstance(out, JaxTensor) and _same_type(out, first)):
+                        raise _NotScannable(f"a layer returns {_describe(out)}, not a tensor like its input")
+                    if any(t.write_count > 0 for t in [first, *wrapped]):
+                        raise _NotScannable("a layer writes to its inputs in place")
+                    _, _, rng, new_rest = nnx.split((copy, inner_rngs), nnx.Param, nnx.RngState, ...)
+                    h = out.value
+                    rests.append(new_rest)
+                    sowns.append(dict(sown))
+                return (h, rng), (rests, sowns)
 
             return body
 
-        xs = (params, rest, per_layer)
+        xs = [(p.params, p.rest, p.per_layer) for p in positions]
         carry = (self.first_input.value, rng_state)
-        first_layer = jax.tree.map(lambda a: a[0], xs)
-        bodies = [body_for(split[0][0]), body_for(split[-1][0])]
-        jaxprs = [str(jax.make_jaxpr(body)(carry, first_layer)) for body in bodies]
+        first_period = jax.tree.map(lambda a: a[0], xs)
+        bodies = [body_for(0), body_for(-1)]
+        jaxprs = [str(jax.make_jaxpr(body)(carry, first_period)) for body in bodies]
         if jaxprs[0] != jaxprs[1]:
             raise _NotScannable(
-                f"'{calls[0].module.torch_path}' and '{calls[-1].module.torch_path}' compute differently (e.g. with "
-                "their layer number)"
+                f"'{calls[0].module.torch_path}' and '{calls[-self.period].module.torch_path}' compute differently "
+                "(e.g. with their layer number)"
             )
         body = bodies[0]
-        if self.hooks == ():
+        if all(hooks == () for hooks, _ in self.patterns):
             # without a checkpoint of its own, the body keeps its matmul outputs for the backward and recomputes
             # the elementwise work between them, as XLA's fusions do for layers run one by one (a scan's
             # backward would keep every intermediate value of every layer instead)
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
-        (h, new_rng), (new_rest, sown) = jax.lax.scan(body, carry, xs)
-        side_outputs.sow_all(side_outputs.reduce_stacked(sown))
+        (h, new_rng), (new_rests, sowns) = jax.lax.scan(body, carry, xs)
+        for sown in sowns:
+            side_outputs.sow_all(side_outputs.reduce_stacked(sown))
         new_rng = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_rng, rng_state)
-        nnx.update((modules[0], rngs), new_rng)
-        for k, module in enumerate(modules):
-            layer_rest = jax.tree.map(lambda a, k=k: a[k], new_rest)
-            nnx.update((module, rngs), layer_rest)
+        nnx.update((calls[0].module, rngs), new_rng)
+        for position, new_rest in zip(positions, new_rests):
+            for k, module in enumerate(position.modules):
+                nnx.update((module, rngs), jax.tree.map(lambda a, k=k: a[k], new_rest))
         return h
 
-    def _stacked(self, module: TorchModule, path: tuple, layers: tuple[jax.Array, ...]) -> jax.Array:
-        """One parameter of every layer stacked on a new leading axis, split as each layer's is (so that its
-        gradient, the scan's transpose, is split so too)."""
-        keys = tuple(k for k in path if isinstance(k, jax.tree_util.DictKey))[1:]  # after the (layer, rngs) index
-        sharding = self.shardings.get(f"{module.torch_path}.{torch_name(keys)}")
-        stacked = jnp.stack(layers)
-        if sharding is None:
-            return stacked
-        return jax.lax.with_sharding_constraint(
-            stacked, NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+
+@dataclasses.dataclass
+class _Position:
+    """The calls at one position of a chain's period (every one of its layers' calls when the period is 1): their
+    layers' state stacked on a leading axis, and their other arguments."""
+
+    modules: list[TorchModule]
+    graphdefs: list[nnx.GraphDef]
+    params: Any
+    rest: Any
+    rng_state: Any
+    per_layer: list[jax.Array]  # the arguments that differ from call to call, stacked
+    varying: list[int]
+    fixed: dict[int, tuple[jax.Array, torch.dtype]]  # the tensor arguments every call shares
+    dtypes: dict[int, torch.dtype]
+    template: list[Any]
+    spec: Any
+
+    @classmethod
+    def of(cls, calls: list[_Call], rngs: Any, chain: _Chain, position: int) -> _Position:
+        modules = [c.module for c in calls]
+        split = [nnx.split((m, rngs), nnx.Param, nnx.RngState, ...) for m in modules]
+        if len({jax.tree.structure((p, r)) for _, p, _, r in split}) > 1:
+            raise _NotScannable("their parameters or buffers are not alike")
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, *xs: _stacked(chain.shardings, modules[0], path, xs), *[p for _, p, _, _ in split]
         )
+        rest = jax.tree.map(lambda *xs: jnp.stack(xs), *[r for _, _, _, r in split])
+        first = calls[0].leaves
+        varying = [
+            i
+            for i, leaf in enumerate(first)
+            if isinstance(leaf, JaxTensor) and any(c.leaves[i] is not leaf for c in calls[1:])
+        ]
+        return cls(
+            modules=modules,
+            graphdefs=[graphdef for graphdef, _, _, _ in split],
+            params=params,
+            rest=rest,
+            rng_state=split[0][2],
+            per_layer=[jnp.stack([c.leaves[i].value for c in calls]) for i in varying],
+            varying=varying,
+            fixed={
+                i: (leaf.value, leaf.dtype)
+                for i, leaf in enumerate(first)
+                if isinstance(leaf, JaxTensor) and i not in varying
+            },
+            dtypes={i: first[i].dtype for i in varying},
+            template=[None if _is_cache(leaf) else leaf for leaf in first],
+            spec=chain.patterns[position][1],
+        )
+
+    def arguments(self, layer_args: list[jax.Array]) -> tuple[list[JaxTensor], tuple, dict]:
+        """One call's other arguments inside the scan's body: fresh tensors (an in-place write shows on them)."""
+        leaves = list(self.template)
+        wrapped = []
+        for i, (value, dtype) in self.fixed.items():
+            leaves[i] = JaxTensor(value, dtype)
+            wrapped.append(leaves[i])
+        for i, value in zip(self.varying, layer_args):
+            leaves[i] = JaxTensor(value, self.dtypes[i])
+            wrapped.append(leaves[i])
+        args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
+        return wrapped, args, kwargs
+
+
+def _stacked(
+    shardings: Mapping[str, NamedSharding], module: TorchModule, path: tuple, layers: tuple[jax.Array, ...]
+) -> jax.Array:
+    """One parameter of every layer stacked on a new leading axis, split as each layer's is (so that its gradient,
+    the scan's transpose, is split so too)."""
+    keys = tuple(k for k in path if isinstance(k, jax.tree_util.DictKey))[1:]  # after the (layer, rngs) index
+    sharding = shardings.get(f"{module.torch_path}.{torch_name(keys)}")
+    stacked = jnp.stack(layers)
+    if sharding is None:
+        return stacked
+    return jax.lax.with_sharding_constraint(stacked, NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec)))
 
 
 def _hook_of(copy: TorchModule) -> Any:

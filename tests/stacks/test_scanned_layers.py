@@ -31,6 +31,23 @@ def _llama(layers: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def _gemma2(layers: int) -> torch.nn.Module:
+    """Gemma-2: sliding-window and global attention layers in turn (a period of 2)."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        max_position_embeddings=32,
+        sliding_window=8,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def _gpt2(layers: int, **config) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, n_positions=32, **config)
@@ -74,24 +91,25 @@ def _primitives(model: smp.DistributedModel) -> collections.Counter:
 
 
 @pytest.mark.parametrize(
-    ("build", "config"),
+    ("build", "layers", "config"),
     [
-        (_llama, {}),
-        (_llama, {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}),
-        (lambda layers: _gpt2(layers, **NO_DROPOUT), {"microbatches": 2}),
+        (_llama, 4, {}),
+        (_llama, 4, {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}),
+        (lambda layers: _gpt2(layers, **NO_DROPOUT), 4, {"microbatches": 2}),
+        (_gemma2, 6, {}),  # the first two layers as they are, then two periods of two layers scanned
     ],
-    ids=["llama", "llama-fsdp2xtp2", "gpt2-2-microbatches"],
+    ids=["llama", "llama-fsdp2xtp2", "gpt2-2-microbatches", "gemma2-alternating"],
 )
-def test_a_scanned_stack_trains_as_pytorch(build, config):
-    expected_loss, expected = _torch_loss_and_grads(build(4))
-    model, loss, grads = _jmp_loss_and_grads(build(4), config)
+def test_a_scanned_stack_trains_as_pytorch(build, layers, config):
+    expected_loss, expected = _torch_loss_and_grads(build(layers))
+    model, loss, grads = _jmp_loss_and_grads(build(layers), config)
     assert _primitives(model)["scan"] >= 1
     assert_close(loss, expected_loss, 1e-5)
     assert grads.keys() == expected.keys()
     largest = max(float(g.abs().max()) for g in expected.values())
     for name, grad in expected.items():
         assert_close(grads[name], grad, 1e-4, floor=1e-4 * largest)
-    assert list(model.state_dict()) == list(build(4).state_dict())  # names as torch has them, one per layer
+    assert list(model.state_dict()) == list(build(layers).state_dict())  # names as torch has them, one per layer
 
 
 def test_the_program_holds_one_layer_body_whatever_the_depth():
