@@ -65,8 +65,8 @@ class StackedLayers:
         self._shardings = shardings  # torch name -> the parameter's sharding
         self._stack_of = {path: stack for stack in stacks for path in stack.paths}
         self._open: dict[str, _Chain] = {}  # container -> the chain later layers may join
-        # container -> layer index -> (input, output) of the layers run as they are since the last chain
-        self._ran: dict[str, dict[int, tuple[Any, JaxTensor]]] = collections.defaultdict(dict)
+        # container -> layer index -> (input, output, output shape) of the layers run as they are since the last chain
+        self._ran: dict[str, dict[int, tuple[Any, JaxTensor, Any]]] = collections.defaultdict(dict)
         self._empty_caches: set[int] = set()  # key/value caches that were empty when a stack's first layer ran
 
     @property
@@ -87,13 +87,18 @@ class StackedLayers:
         period = self._period(stack, index, args[0]) if other is not None and hooks is not None else None
         if period is not None and all(self._scannable_leaf(leaf) for leaf in other[0]):
             context = contextvars.copy_context()
-            chain = _Chain(stack, index, period, args[0], context, self._shardings)
+            ran = self._ran[stack.container]
+            shapes = [ran[i][2] for i in range(index - period, index)]
+            chain = _Chain(stack, index, period, args[0], context, self._shardings, shapes)
             chain.joins(index, stack, hooks, args[0], *other)  # the first call sets its position's pattern
             self._open[stack.container] = chain
             return self._pending(stack, index, chain.add(module, call, other[0]))
         out = call(*args, **kwargs)
-        if args and isinstance(out, JaxTensor) and _same_type(out, args[0]):
-            self._ran[stack.container][index] = (args[0], out)
+        shape = _output_shape(out, args[0], other[0]) if other is not None else None
+        if shape is not None:
+            self._ran[stack.container][index] = (args[0], _hidden(out), shape)
+        else:
+            self._ran[stack.container].pop(index, None)
         return out
 
     def _scannable_leaf(self, leaf: Any) -> bool:
@@ -101,14 +106,14 @@ class StackedLayers:
         that nothing reads (a step returns it as None), and the scanned layers attend as without one."""
         return isinstance(leaf, (JaxTensor, *_PLAIN)) or id(leaf) in self._empty_caches
 
-    def _pending(self, stack: LayerStack, index: int, output: PendingTensor) -> PendingTensor:
+    def _pending(self, stack: LayerStack, index: int, output: Any) -> Any:
         self._ran[stack.container].clear()  # a new chain starts only after layers that ran as they are
         return output
 
     def _period(self, stack: LayerStack, index: int, first: Any) -> int | None:
         """The period of a chain starting at layer ``index``: the smallest ``p`` such that layer ``index`` is the
         twin of layer ``index - p`` and the ``p`` layers before it ran as they are, each on the previous one's
-        output, returning a tensor like its input (so the twins' outputs will be like their inputs too)."""
+        output, returning a tensor like its input (alone or first in a tuple): so will their twins."""
         ran = self._ran[stack.container]
         for period in range(1, MAX_PERIOD + 1):
             before = range(index - period, index)
@@ -166,8 +171,10 @@ class _Chain:
         first_input: JaxTensor,
         context: contextvars.Context,
         shardings: Mapping[str, NamedSharding],
+        shapes: list[Any],
     ):
         self.stack, self.start, self.period = stack, start, period
+        self.shapes = shapes  # per position: what the layer returns (``_output_shape``)
         self.first_input = first_input
         self.context = context
         self.shardings = shardings
@@ -194,11 +201,12 @@ class _Chain:
             and all(_compatible(a, b) for a, b in zip(self.calls[position].leaves, leaves))
         )
 
-    def add(self, module: TorchModule, call: Callable[..., Any], leaves: list[Any]) -> PendingTensor:
+    def add(self, module: TorchModule, call: Callable[..., Any], leaves: list[Any]) -> Any:
+        """The call's output: a pending tensor, in the structure its layer's twin returned."""
         count = len(self.calls) + 1
         output = PendingTensor(self._like, self.first_input.dtype, lambda: self._value_after(count))
         self.calls.append(_Call(module, call, leaves, output))
-        return output
+        return _shaped(self.shapes[(count - 1) % self.period], output, leaves)
 
     # --- running the chain --------------------------------------------------------------------------------------
 
@@ -224,13 +232,14 @@ class _Chain:
             _, spec = self.patterns[k % self.period]
             args, kwargs = torch_pytree.tree_unflatten(item.leaves, spec)
             out = item.call(current, *args, **kwargs)
-            if not (isinstance(out, JaxTensor) and _same_type(out, current)):
+            if _output_shape(out, current, item.leaves) != self.shapes[k % self.period]:
                 raise JmpError(
                     f"layer '{item.module.torch_path}' returned {_describe(out)} where the layers of "
                     f"'{self.stack.container}' before it returned a tensor like their input "
                     f"({tuple(current.shape)}, {current.dtype}); turn scanning off with the config key "
                     "scan_layers=False"
                 )
+            out = _hidden(out)
             item.output.resolve(out.value)
             current = out
         return current.value
@@ -248,9 +257,10 @@ class _Chain:
             def body(carry, xs):
                 h, rng = carry
                 rests, sowns = [], []
-                for position, graphdef, (layer_params, layer_rest, layer_args) in zip(positions, graphdefs, xs):
+                for j, (position, graphdef) in enumerate(zip(positions, graphdefs)):
+                    layer_params, layer_rest, layer_args = xs[j]
                     copy, inner_rngs = nnx.merge(graphdef, layer_params, rng, layer_rest, copy=True)
-                    wrapped, args, kwargs = position.arguments(layer_args)
+                    wrapped, leaves, args, kwargs = position.arguments(layer_args)
                     first = JaxTensor(h, torch_dtype)
                     with (
                         remat_context.copies([copy]),
@@ -258,8 +268,9 @@ class _Chain:
                         side_outputs.collecting() as sown,
                     ):
                         out = hooked_call(copy, _hook_of(copy))(first, *args, **kwargs)
-                    if not (isinstance(out, JaxTensor) and _same_type(out, first)):
-                        raise _NotScannable(f"a layer returns {_describe(out)}, not a tensor like its input")
+                    if _output_shape(out, first, leaves) != self.shapes[j]:
+                        raise _NotScannable(f"a layer returns {_describe(out)}, not what the layer before it returned")
+                    out = _hidden(out)
                     if any(t.write_count > 0 for t in [first, *wrapped]):
                         raise _NotScannable("a layer writes to its inputs in place")
                     _, _, rng, new_rest = nnx.split((copy, inner_rngs), nnx.Param, nnx.RngState, ...)
@@ -348,7 +359,7 @@ class _Position:
             spec=chain.patterns[position][1],
         )
 
-    def arguments(self, layer_args: list[jax.Array]) -> tuple[list[JaxTensor], tuple, dict]:
+    def arguments(self, layer_args: list[jax.Array]) -> tuple[list[JaxTensor], list[Any], tuple, dict]:
         """One call's other arguments inside the scan's body: fresh tensors (an in-place write shows on them)."""
         leaves = list(self.template)
         wrapped = []
@@ -359,7 +370,7 @@ class _Position:
             leaves[i] = JaxTensor(value, self.dtypes[i])
             wrapped.append(leaves[i])
         args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
-        return wrapped, args, kwargs
+        return wrapped, leaves, args, kwargs
 
 
 def _stacked(
@@ -373,6 +384,41 @@ def _stacked(
     if sharding is None:
         return stacked
     return jax.lax.with_sharding_constraint(stacked, NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec)))
+
+
+def _output_shape(out: Any, first: Any, leaves: list[Any]) -> Any:
+    """What a layer called on ``first`` returned, if a stacked layer may return it: a tensor like ``first``, or a
+    tuple of one such and, after it, Nones and arguments passed back as they came (T5's shared position biases):
+    ``None`` (a tensor) or the tuple's type and, per element, "hidden", None or the argument's position. Else None.
+    """
+    if isinstance(out, JaxTensor):
+        return "tensor" if _same_type(out, first) else None
+    if not (isinstance(out, tuple) and out and isinstance(out[0], JaxTensor) and _same_type(out[0], first)):
+        return None
+    elements: list[Any] = ["hidden"]
+    for element in out[1:]:
+        if element is None:
+            elements.append(None)
+            continue
+        position = next((i for i, leaf in enumerate(leaves) if leaf is element), None)
+        if position is None:
+            return None
+        elements.append(position)
+    return (type(out), tuple(elements))
+
+
+def _hidden(out: Any) -> JaxTensor:
+    """The tensor the next layer takes from a layer's output (``_output_shape``)."""
+    return out if isinstance(out, JaxTensor) else out[0]
+
+
+def _shaped(shape: Any, hidden: JaxTensor, leaves: list[Any]) -> Any:
+    """A layer's output in ``shape`` (``_output_shape``) around ``hidden``, passed-back arguments from ``leaves``."""
+    if shape == "tensor":
+        return hidden
+    kind, elements = shape
+    values = [hidden if e == "hidden" else None if e is None else leaves[e] for e in elements]
+    return kind(values) if kind is tuple else kind(*values)
 
 
 def _hook_of(copy: TorchModule) -> Any:

@@ -48,6 +48,23 @@ def _gemma2(layers: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def _t5(layers: int) -> torch.nn.Module:
+    """T5: each block returns (hidden states, the position biases the first block computed and passes on)."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        d_model=32,
+        d_ff=64,
+        num_layers=layers,
+        num_heads=4,
+        d_kv=8,
+        vocab_size=64,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return transformers.AutoModelForSeq2SeqLM.from_config(config)
+
+
 def _gpt2(layers: int, **config) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, n_positions=32, **config)
@@ -97,8 +114,9 @@ def _primitives(model: smp.DistributedModel) -> collections.Counter:
         (_llama, 4, {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}),
         (lambda layers: _gpt2(layers, **NO_DROPOUT), 4, {"microbatches": 2}),
         (_gemma2, 6, {}),  # the first two layers as they are, then two periods of two layers scanned
+        (_t5, 4, {}),  # blocks 2 and 3 of the encoder and of the decoder scanned (block 0 has the bias table)
     ],
-    ids=["llama", "llama-fsdp2xtp2", "gpt2-2-microbatches", "gemma2-alternating"],
+    ids=["llama", "llama-fsdp2xtp2", "gpt2-2-microbatches", "gemma2-alternating", "t5-tuples"],
 )
 def test_a_scanned_stack_trains_as_pytorch(build, layers, config):
     expected_loss, expected = _torch_loss_and_grads(build(layers))
