@@ -2,7 +2,7 @@
 step time per device against the sequence length and the degree.
 
     python -m benchmarks.context_parallel [--lengths 1024 2048 4096] [--degrees 1 2 4] [--timed-up-to 2048]
-        [--out benchmarks/results/context_parallel.json]
+        [--timed-steps 9] [--work-length 1024] [--skip-correctness] [--out benchmarks/results/context_parallel.json]
 
 Correctness: the model x layout pairs the suite leaves out (``tests/sharding/test_context_parallel.py`` runs
 Llama at cp 2 x fsdp 2 x tp 2): GPT-2 and Llama (grouped-query attention) at cp 2 and cp 4 on 8 emulated
@@ -24,9 +24,24 @@ values once forward, and as much of their gradients backward (bytes of the per-d
 parameters' gradients over cp (each device's tokens give part of every gradient) is in ``collective_bytes``
 but not in the printed line.
 
-Step time: the median of 5 steps (after 2 untimed) for lengths up to ``--timed-up-to``. The emulated devices share
-this machine's cores, so a cp run's devices do not compute in parallel as GPUs would: the time says what the
-partitioned program costs in total, not the speed-up of a cluster.
+The forms of attention over the split sequence are three: the ring in the load-balanced order (``ring``, the
+default), the ring in natural order (``ring_natural``) and ``all_gather``. Hugging Face's Llama passes the causal
+pattern as a mask with ``is_causal=False``: the balanced ring finds it below the diagonal as the program runs and
+skips the blocks above it; in natural order such a mask has every block computed.
+
+Work per device (``--work-length`` tokens, one head of causal attention at each degree): the query x key scores
+each device computes at each ring step, in the balanced and the natural order, from the plan
+``ring_attention.computed_scores``; the totals per device are counted as the program runs (a callback in every
+block visit) and must equal the plan's; with the causal pattern as a mask (as Hugging Face passes it) they are
+counted too: the balanced order computes the same, the natural order every block in full. A ring step
+lasts as long as its busiest device: ``critical_path_scores`` is the sum over steps of the most any device
+computes, and its ratio balanced / natural is what the balanced order saves on devices that compute in parallel.
+
+Step time: the median of ``--timed-steps`` steps (after 2 untimed), the three forms of one length and degree
+interleaved (round by round, in alternating order), for lengths up to ``--timed-up-to``; ratios to the natural
+ring's. The emulated devices share this machine's cores, so a cp run's devices do not compute in parallel as GPUs
+would: the time says what the partitioned program costs in total (fewer scores computed, more bytes moved), not
+the speed-up of a cluster, which the critical path above measures.
 """
 
 from __future__ import annotations
@@ -35,15 +50,27 @@ import argparse
 import itertools
 import os
 import re
-import statistics
-import time
+from unittest import mock
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.sharding import AxisType
 
 import jmp as smp
-from benchmarks.harness import causal_lm, emulate_devices, hlo_shapes, llama_config, machine, shape_bytes, write_results
+from benchmarks.harness import (
+    causal_lm,
+    emulate_devices,
+    hlo_shapes,
+    llama_config,
+    machine,
+    medians,
+    shape_bytes,
+    time_interleaved,
+    write_results,
+)
+from jmp.torch_bridge.lowering import ring_attention
 from jmp.torch_bridge.lowering.ring_attention import ENVIRONMENT_VARIABLE, FORMS
 
 LAYOUTS = {
@@ -145,7 +172,9 @@ def ring_ideal_bytes(length: int, degree: int) -> int:
     return int(spec["num_hidden_layers"] * 2 * kv * (degree - 1) / degree)
 
 
-def measure(length: int, degree: int, timed: bool, form: str) -> dict:
+def build(length: int, degree: int, form: str) -> tuple[dict, object, dict]:
+    """The step of ``MEMORY_MODEL`` on one row of ``length`` tokens at cp = ``degree``, compiled under ``form``:
+    its memory and collectives, the model and the batch."""
     os.environ[ENVIRONMENT_VARIABLE] = form
     smp.init({"context_parallel_degree": degree} if degree > 1 else {}, devices=jax.devices()[:degree])
     model = smp.DistributedModel(causal_lm(MEMORY_MODEL))
@@ -159,15 +188,79 @@ def measure(length: int, degree: int, timed: bool, form: str) -> dict:
         "collective_bytes": collective_bytes(compiled.as_text()),
         "ring_ideal_bytes": ring_ideal_bytes(length, degree),
     }
-    if timed:
-        seconds = []
-        for i in range(7):
-            start = time.perf_counter()
-            jax.block_until_ready(lm_step(model, **batch).outputs)
-            if i >= 2:
-                seconds.append(time.perf_counter() - start)
-        row["step_seconds"] = statistics.median(seconds)
-    return row
+    return row, model, batch
+
+
+def time_forms(degree: int, built: dict[str, tuple], steps: int) -> dict[str, float]:
+    """Median step seconds of each form's step, the forms interleaved round by round."""
+
+    def prepare(form):
+        def init():
+            os.environ[ENVIRONMENT_VARIABLE] = form
+            smp.init({"context_parallel_degree": degree} if degree > 1 else {}, devices=jax.devices()[:degree])
+
+        return init
+
+    runs = {form: (lambda m=model, b=batch: lm_step(m, **b).outputs) for form, (_, model, batch) in built.items()}
+    return medians(time_interleaved(runs, steps=steps, warmup=2, prepare={form: prepare(form) for form in built}))
+
+
+# --- work per device --------------------------------------------------------------------------------------------
+
+
+def counted_scores(length: int, degree: int, *, balanced: bool, causal_as_mask: bool) -> list[int]:
+    """Scores each device computes in one causal attention over ``length`` tokens at cp = ``degree`` (one batch row,
+    one head), counted as the program runs: a callback in every block visit."""
+    mesh = jax.make_mesh((degree,), ("cp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:degree])
+    counted = [0] * degree
+    absorb = ring_attention._absorb
+
+    def counting_absorb(state, grouped_q, k, v, allowed, scale):
+        scores = grouped_q.shape[1] * k.shape[1]
+
+        def add(me):
+            counted[int(me)] += scores
+
+        jax.debug.callback(add, jax.lax.axis_index("cp"))
+        return absorb(state, grouped_q, k, v, allowed, scale)
+
+    q = k = v = jnp.ones((1, length, 1, 8), jnp.float32)
+    mask = jnp.tril(jnp.ones((length, length), bool))[None, None] if causal_as_mask else None
+
+    def attention(q, k, v):
+        return ring_attention.ring_attention(
+            q, k, v, mask, mesh=mesh, axis_name="cp", is_causal=not causal_as_mask, scale=1.0, balanced=balanced
+        )
+
+    with mock.patch.object(ring_attention, "_absorb", counting_absorb):
+        jax.block_until_ready(jax.jit(attention)(q, k, v))
+    return counted
+
+
+def work_per_device(length: int, degree: int) -> dict:
+    block = length // degree
+    result: dict = {}
+    for order, balanced in (("balanced", True), ("natural", False)):
+        steps = [
+            [
+                ring_attention.computed_scores(me, (me - s) % degree, degree, block, balanced=balanced)
+                for me in range(degree)
+            ]
+            for s in range(degree)
+        ]
+        totals = [sum(step[me] for step in steps) for me in range(degree)]
+        counted = counted_scores(length, degree, balanced=balanced, causal_as_mask=False)
+        assert counted == totals, f"{order}: the program computed {counted} scores per device, the plan {totals}"
+        result[order] = {
+            "scores_per_step_per_device": steps,
+            "scores_per_device": counted,
+            "critical_path_scores": sum(max(step) for step in steps),
+            "causal_as_mask_scores_per_device": counted_scores(length, degree, balanced=balanced, causal_as_mask=True),
+        }
+    result["critical_path_ratio_balanced_to_natural"] = (
+        result["balanced"]["critical_path_scores"] / result["natural"]["critical_path_scores"]
+    )
+    return result
 
 
 def main() -> None:
@@ -175,11 +268,13 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--timed-up-to", type=int, default=2048)
+    parser.add_argument("--timed-steps", type=int, default=9)
+    parser.add_argument("--work-length", type=int, default=1024)
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/context_parallel.json")
     args = parser.parse_args()
     emulate_devices(8)
-    result: dict = {"machine": machine(), "model": MEMORY_MODEL, "correctness": {}, "memory": {}}
+    result: dict = {"machine": machine(), "model": MEMORY_MODEL, "correctness": {}, "work": {}, "memory": {}}
     if not args.skip_correctness:
         for (name, layout), form in itertools.product(CHECKED, FORMS):
             os.environ[ENVIRONMENT_VARIABLE] = form
@@ -189,21 +284,41 @@ def main() -> None:
                 f"gradients rel <= {check['largest_gradient_relative_difference']:.1e} ({check['at']})",
                 flush=True,
             )
+    for degree in (d for d in args.degrees if d > 1):
+        work = result["work"][f"cp{degree}"] = work_per_device(args.work_length, degree)
+        for order in ("balanced", "natural"):
+            print(
+                f"work cp{degree} {order:8s}: scores per device {work[order]['scores_per_device']}, per ring step "
+                f"{work[order]['scores_per_step_per_device']}, critical path {work[order]['critical_path_scores']}",
+                flush=True,
+            )
+        print(
+            f"work cp{degree}: critical path balanced / natural {work['critical_path_ratio_balanced_to_natural']:.3f}"
+        )
     for length in args.lengths:
         rows = result["memory"][str(length)] = {}
         for degree in args.degrees:
-            for form in FORMS if degree > 1 else ("none",):
+            forms = FORMS if degree > 1 else ("none",)
+            built = {form: build(length, degree, form) for form in forms}
+            if length <= args.timed_up_to:
+                for form, seconds in time_forms(degree, built, args.timed_steps).items():
+                    built[form][0]["step_seconds"] = seconds
+            for form in forms:
                 name = f"cp{degree}" + (f"-{form}" if degree > 1 else "")
-                rows[name] = row = measure(length, degree, length <= args.timed_up_to, form)
+                rows[name] = row = built[form][0]
                 row["temp_ratio_to_cp1"] = row["temp_bytes"] / rows["cp1"]["temp_bytes"] if "cp1" in rows else None
+                natural = built["ring_natural"][0].get("step_seconds") if degree > 1 else None
+                if natural and "step_seconds" in row:
+                    row["step_ratio_to_ring_natural"] = row["step_seconds"] / natural
                 moved = row["collective_bytes"].get("collective-permute", 0) + row["collective_bytes"].get(
                     "all-gather", 0
                 )
                 seconds = row.get("step_seconds", float("nan"))
                 print(
-                    f"length {length:6d} {name:15s}: temp {row['temp_bytes'] / 2**20:8.1f} MiB"
+                    f"length {length:6d} {name:17s}: temp {row['temp_bytes'] / 2**20:8.1f} MiB"
                     f" (x{row['temp_ratio_to_cp1'] or 1:.2f} of cp1), permute + all-gather {moved / 2**20:7.2f} MiB"
-                    f" (ring ideal {row['ring_ideal_bytes'] / 2**20:.2f}), step {seconds:.3f} s",
+                    f" (ring ideal {row['ring_ideal_bytes'] / 2**20:.2f}), step {seconds:.3f} s"
+                    f" (x{row.get('step_ratio_to_ring_natural', float('nan')):.2f} of ring_natural)",
                     flush=True,
                 )
     write_results(args.out, result)
