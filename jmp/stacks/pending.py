@@ -30,12 +30,8 @@ class PendingTensor(JaxTensor):
         super().__init__(like, torch_dtype)
 
     @property
-    def pending(self) -> bool:
-        return self._compute is not None
-
-    @property
     def aval(self) -> jax.ShapeDtypeStruct | jax.Array:
-        """Its shape and dtype (its value, once computed)."""
+        """Its shape and dtype, without computing it (its value, once computed)."""
         return self._value
 
     @property

@@ -2,11 +2,14 @@
 depth.
 
 ``StackedLayers`` is the call hook on every layer of the model's stacks (``jmp.stacks.detection``) for one trace.
-The first layer of a stack runs as it is. A later layer called on the previous layer's output, with the same other
-arguments, is not run: its call joins a ``_Chain`` and returns a ``PendingTensor``. The next layer called on that
-pending tensor joins the chain too. When anything reads a pending tensor, the chain's layers run as one scan over
-their parameters stacked on a leading layer axis; their buffers and random stream come out updated as if each had
-run.
+The first layers of a stack run as they are, one period of them (one layer, or one of each kind of layer in turn:
+Gemma-2's sliding and global attention make a period of 2). A later layer that is the twin of the one a period
+before it, called on the previous layer's output with arguments like its twin's, is not run: its call joins a
+``_Chain`` and returns a ``PendingTensor`` (inside the tuple its twin returned, for layers that pass arguments back,
+as T5's blocks do). The next layer called on that pending tensor joins the chain too. When anything reads a
+pending tensor, the chain's whole periods run as one scan over their parameters stacked on a leading layer axis
+(the arguments that differ from call to call, such as each kind's mask, scanned over too); their buffers and
+random stream come out updated as if each layer had run.
 
 A chain runs its layers one by one instead (same results, one compiled body per layer) when the scan cannot
 stand for them: the layers differ in what they compute (the first and last layers' traced bodies differ, e.g. a
@@ -78,21 +81,21 @@ class StackedLayers:
         index = stack.index(module.torch_path)
         hooks = self._hook_signature(module.torch_path)
         other = torch_pytree.tree_flatten((args[1:], kwargs)) if args else None
-        chain = self._open.pop(stack.container, None)
-        if chain is not None and other is not None and chain.joins(index, stack, hooks, args[0], *other):
-            self._open[stack.container] = chain
-            return self._pending(stack, index, chain.add(module, call, other[0]))
         if other is not None:
             self._empty_caches.update(id(leaf) for leaf in other[0] if _is_cache(leaf) and leaf.get_seq_length() == 0)
-        period = self._period(stack, index, args[0]) if other is not None and hooks is not None else None
-        if period is not None and all(self._scannable_leaf(leaf) for leaf in other[0]):
-            context = contextvars.copy_context()
+        scannable = other is not None and hooks is not None and all(self._scannable_leaf(leaf) for leaf in other[0])
+        chain = self._open.pop(stack.container, None)
+        if scannable and chain is not None and chain.joins(index, stack, hooks, args[0], *other):
+            self._open[stack.container] = chain
+            return self._joined(stack, chain.add(module, call, other[0]))
+        period = self._period(stack, index, args[0]) if scannable else None
+        if period is not None:
             ran = self._ran[stack.container]
             shapes = [ran[i][2] for i in range(index - period, index)]
-            chain = _Chain(stack, index, period, args[0], context, self._shardings, shapes)
+            chain = _Chain(stack, index, period, args[0], contextvars.copy_context(), self._shardings, shapes)
             chain.joins(index, stack, hooks, args[0], *other)  # the first call sets its position's pattern
             self._open[stack.container] = chain
-            return self._pending(stack, index, chain.add(module, call, other[0]))
+            return self._joined(stack, chain.add(module, call, other[0]))
         out = call(*args, **kwargs)
         shape = _output_shape(out, args[0], other[0]) if other is not None else None
         if shape is not None:
@@ -106,8 +109,8 @@ class StackedLayers:
         that nothing reads (a step returns it as None), and the scanned layers attend as without one."""
         return isinstance(leaf, (JaxTensor, *_PLAIN)) or id(leaf) in self._empty_caches
 
-    def _pending(self, stack: LayerStack, index: int, output: Any) -> Any:
-        self._ran[stack.container].clear()  # a new chain starts only after layers that ran as they are
+    def _joined(self, stack: LayerStack, output: Any) -> Any:
+        self._ran[stack.container].clear()  # a new chain starts only after a period of layers ran as they are
         return output
 
     def _period(self, stack: LayerStack, index: int, first: Any) -> int | None:
@@ -211,21 +214,29 @@ class _Chain:
     # --- running the chain --------------------------------------------------------------------------------------
 
     def _value_after(self, count: int) -> jax.Array:
-        """The output of the chain's first ``count`` layers (the whole chain's: every output is computed)."""
-        self.closed = True  # layers called after a read start a chain of their own
-        return self.context.copy().run(self._run, count)
+        """The output of the chain's call ``count``: the first read runs the whole chain once, computing every
+        call's output (layers called after it start a chain of their own)."""
+        if not self.closed:
+            self.closed = True
+            self.context.copy().run(self._run)
+        return self.calls[count - 1].output.aval
 
-    def _run(self, count: int) -> jax.Array:
+    def _run(self) -> None:
+        count = len(self.calls)
         scanned = (count // self.period) * self.period
         current, done = self.first_input, 0
         if scanned >= 2 * self.period:
             try:
-                current, done = JaxTensor(self._scanned(self.calls[:scanned]), self.first_input.dtype), scanned
+                outputs = self._scanned(self.calls[:scanned])
             except _NotScannable as reason:
                 _say_once(self.stack.container, f"its layers run one by one: {reason}")
-        return self._one_by_one(current, done, count)
+            else:
+                for k in range(scanned):
+                    self.calls[k].output.resolve(outputs[k % self.period][k // self.period])
+                current, done = self.calls[scanned - 1].output, scanned
+        self._one_by_one(current, done, count)
 
-    def _one_by_one(self, current: JaxTensor, start: int, stop: int) -> jax.Array:
+    def _one_by_one(self, current: JaxTensor, start: int, stop: int) -> None:
         """Calls ``start`` to ``stop`` of the chain run as they are, from ``current``."""
         for k in range(start, stop):
             item = self.calls[k]
@@ -242,10 +253,10 @@ class _Chain:
             out = _hidden(out)
             item.output.resolve(out.value)
             current = out
-        return current.value
 
-    def _scanned(self, calls: list[_Call]) -> jax.Array:
-        """The output of ``calls`` (whole periods) as one scan over the periods."""
+    def _scanned(self, calls: list[_Call]) -> list[jax.Array]:
+        """The outputs of ``calls`` (whole periods) run as one scan over the periods: per position in the period,
+        its calls' outputs stacked (those nothing reads are left out of the program by JAX)."""
         rngs = dispatch.current_rngs()
         positions = [_Position.of(calls[j :: self.period], rngs, self, j) for j in range(self.period)]
         rng_state = positions[0].rng_state
@@ -256,7 +267,7 @@ class _Chain:
 
             def body(carry, xs):
                 h, rng = carry
-                rests, sowns = [], []
+                rests, sowns, outputs = [], [], []
                 for j, (position, graphdef) in enumerate(zip(positions, graphdefs)):
                     layer_params, layer_rest, layer_args = xs[j]
                     copy, inner_rngs = nnx.merge(graphdef, layer_params, rng, layer_rest, copy=True)
@@ -277,7 +288,8 @@ class _Chain:
                     h = out.value
                     rests.append(new_rest)
                     sowns.append(dict(sown))
-                return (h, rng), (rests, sowns)
+                    outputs.append(h)
+                return (h, rng), (rests, sowns, outputs)
 
             return body
 
@@ -297,7 +309,7 @@ class _Chain:
             # the elementwise work between them, as XLA's fusions do for layers run one by one (a scan's
             # backward would keep every intermediate value of every layer instead)
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
-        (h, new_rng), (new_rests, sowns) = jax.lax.scan(body, carry, xs)
+        (_, new_rng), (new_rests, sowns, outputs) = jax.lax.scan(body, carry, xs)
         for sown in sowns:
             side_outputs.sow_all(side_outputs.reduce_stacked(sown))
         new_rng = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_rng, rng_state)
@@ -305,7 +317,7 @@ class _Chain:
         for position, new_rest in zip(positions, new_rests):
             for k, module in enumerate(position.modules):
                 nnx.update((module, rngs), jax.tree.map(lambda a, k=k: a[k], new_rest))
-        return h
+        return outputs
 
 
 @dataclasses.dataclass

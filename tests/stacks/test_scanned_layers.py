@@ -218,3 +218,20 @@ def test_buffers_of_scanned_layers_update_as_in_pytorch():
     largest = max(float(p.grad.abs().max()) for p in reference.parameters())
     for name, p in reference.named_parameters():  # (a bias before batch norm has a gradient of rounding noise)
         assert_close(grads[name], p.grad, 1e-4, floor=1e-3 * largest)
+
+
+def test_hidden_states_between_scanned_layers_are_pytorchs():
+    # layers 1-4 of 5 scanned: hidden_states[3] is the output of the scan's second layer
+    expected = _llama(5)(input_ids=IDS, output_hidden_states=True).hidden_states
+    smp.init({"scan_layers": True})
+    model = smp.DistributedModel(_llama(5))
+
+    @smp.step
+    def hidden_states(model, ids):
+        out = model(input_ids=ids, output_hidden_states=True)
+        return out.hidden_states[3], out.hidden_states[5]
+
+    middle, last = hidden_states(model, IDS)
+    assert sum(eqn.primitive.name == "scan" for eqn in _equations(hidden_states.trace(model, IDS).jaxpr)) == 1
+    assert_close(middle.concat(), expected[3], 1e-5, floor=1e-6)
+    assert_close(last.concat(), expected[5], 1e-5, floor=1e-6)
