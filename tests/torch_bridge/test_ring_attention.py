@@ -1,10 +1,9 @@
 """Ring attention over a sequence split in 4 (a dp 2 x cp 4 mesh of the 8 emulated devices) against the whole
 sequence's ``jax.nn.dot_product_attention``: outputs and the gradients of queries, keys and values (relative 1e-5),
-non-causal with a boolean padding mask (of the keys alone: the natural order; with query rows: the balanced order,
-every block computed since the mask allows scores above the diagonal), and grouped-query attention (4
-query heads on 2 key/value heads). Causal attention (the load-balanced order) is checked against PyTorch in
-test_ring_attention_balanced.py; a mask holding the causal pattern itself (as Hugging Face passes with padding)
-through Llama in tests/sharding/test_context_parallel.py."""
+non-causal with a boolean padding mask of the keys (the natural order, every block computed), and grouped-query
+attention (4 query heads on 2 key/value heads). Causal attention (the load-balanced order) and masks with query
+rows are checked against PyTorch in test_ring_attention_balanced.py; a mask holding the causal pattern itself (as
+Hugging Face passes it) through Llama in tests/sharding/test_context_parallel.py."""
 
 from __future__ import annotations
 
@@ -20,10 +19,7 @@ from jmp.torch_bridge.lowering import ring_attention as ring
 BATCH, LENGTH, HEADS, KV_HEADS, DIM = 2, 16, 4, 2, 8
 SCALE = DIM**-0.5
 _PADDED = jnp.arange(LENGTH)[None, :] < jnp.array([LENGTH, 7])[:, None]  # the second row's last 9 are padding
-MASKS = {  # non-causal: in natural order, and with query rows in the balanced order, every block computed
-    "padding-mask-keys": (_PADDED[:, None, None, :], False),
-    "padding-mask-rows": (jnp.broadcast_to(_PADDED[:, None, None, :], (BATCH, 1, LENGTH, LENGTH)), False),
-}
+MASKS = {"padding-mask-keys": (_PADDED[:, None, None, :], False)}  # non-causal, natural order: every block
 
 
 def _whole(q, k, v, mask, is_causal):
