@@ -43,6 +43,7 @@ from jmp.model.distributed_model import DistributedModel, current_trace
 from jmp.pipeline import engine
 from jmp.runtime import compilation_cache as compilation
 from jmp.runtime import mesh_state as state
+from jmp.runtime import programs_in_flight
 
 __all__ = ["StepFunction", "StepOutput", "is_tracing", "step"]
 
@@ -91,6 +92,8 @@ class StepFunction:
                 engine.check_compiled(call.program.lower(*call.arguments).compile())
                 call.traced.checked = True
             outputs, rest, grads, sown = call.program(*call.arguments)
+        if not call.traced.has_backward and outputs:  # a forward-only loop (evaluation) has no update to wait at
+            programs_in_flight.admit(min(outputs, key=lambda output: output.size))
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, sown)
         returned = results(call.traced.output_leaves, outputs, call.shards, call.share)
         call.model.run_post_step_hooks()

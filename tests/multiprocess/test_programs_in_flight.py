@@ -104,3 +104,19 @@ def test_jmp_cpu_steps_in_flight_sets_the_bound_of_cpu_meshes():
     assert programs_in_flight.cpu_limit({"JMP_CPU_STEPS_IN_FLIGHT": "5"}) == 5
     with pytest.raises(ValueError, match="JMP_CPU_STEPS_IN_FLIGHT='two': give the number of training steps"):
         programs_in_flight.cpu_limit({"JMP_CPU_STEPS_IN_FLIGHT": "two"})
+
+
+def test_forward_only_steps_keep_one_output_each(restore_bound):
+    # an evaluation loop reads nothing and steps no optimizer: its programs are bounded by their outputs
+    smp.init({})
+    model = smp.DistributedModel(torch.nn.Linear(4, 2))
+
+    @smp.step
+    def evaluate(model, x):
+        return model(x).square().mean()
+
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        evaluate(model, x)
+        assert programs_in_flight.kept() <= 2
+    assert programs_in_flight.kept() == 2
