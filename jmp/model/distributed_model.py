@@ -324,7 +324,7 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         trace = Trace(self, module, loss_scale)
         token = _TRACE.set(trace)
         scanned = None
-        if self.stacks and self.pipeline is None:
+        if self.stacks:
             shardings = {name: self.layout.sharding(name) for name in self.layout.names}
             scanned = stacks.StackedLayers(self.stacks, shardings)
         try:
