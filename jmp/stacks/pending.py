@@ -16,17 +16,21 @@ from jmp.torch_bridge.tensor import JaxTensor
 
 
 class PendingTensor(JaxTensor):
-    """A JaxTensor whose value ``compute()`` gives at its first read; shape and dtype are known before."""
+    """A JaxTensor whose value ``compute(tensor)`` gives at its first read; shape and dtype are known before."""
 
-    _compute: Callable[[], jax.Array] | None
+    _compute: Callable[[PendingTensor], jax.Array] | None
 
     @staticmethod
-    def __new__(cls, like: jax.ShapeDtypeStruct, torch_dtype: torch.dtype, compute: Callable[[], jax.Array]):
+    def __new__(
+        cls, like: jax.ShapeDtypeStruct, torch_dtype: torch.dtype, compute: Callable[[PendingTensor], jax.Array]
+    ):
         tensor = JaxTensor.__new__(cls, like, torch_dtype)
         tensor._compute = compute
         return tensor
 
-    def __init__(self, like: jax.ShapeDtypeStruct, torch_dtype: torch.dtype, compute: Callable[[], jax.Array]):
+    def __init__(
+        self, like: jax.ShapeDtypeStruct, torch_dtype: torch.dtype, compute: Callable[[PendingTensor], jax.Array]
+    ):
         super().__init__(like, torch_dtype)
 
     @property
@@ -39,7 +43,7 @@ class PendingTensor(JaxTensor):
         compute = self._compute
         if compute is not None:
             self._compute = None
-            self._value = compute()
+            self._value = compute(self)
         return super().value
 
     def resolve(self, value: jax.Array) -> None:

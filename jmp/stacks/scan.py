@@ -59,6 +59,7 @@ class _Call:
     call: Callable[..., Any]
     leaves: list[Any]  # the call's other arguments (all but the first), flattened
     output: PendingTensor
+    extras: dict[int, PendingTensor]  # element of the returned tuple -> a further tensor the layer returns
 
 
 class StackedLayers:
@@ -205,21 +206,26 @@ class _Chain:
         )
 
     def add(self, module: TorchModule, call: Callable[..., Any], leaves: list[Any]) -> Any:
-        """The call's output: a pending tensor, in the structure its layer's twin returned."""
-        count = len(self.calls) + 1
-        output = PendingTensor(self._like, self.first_input.dtype, lambda: self._value_after(count))
-        self.calls.append(_Call(module, call, leaves, output))
-        return _shaped(self.shapes[(count - 1) % self.period], output, leaves)
+        """The call's output: pending tensors, in the structure its layer's twin returned."""
+        shape = self.shapes[len(self.calls) % self.period]
+        output = PendingTensor(self._like, self.first_input.dtype, self._value_of)
+        extras = {
+            j: PendingTensor(jax.ShapeDtypeStruct(e[1], e[3]), e[2], self._value_of)
+            for j, e in enumerate(_elements(shape))
+            if isinstance(e, tuple)
+        }
+        self.calls.append(_Call(module, call, leaves, output, extras))
+        return _shaped(shape, output, extras, leaves)
 
     # --- running the chain --------------------------------------------------------------------------------------
 
-    def _value_after(self, count: int) -> jax.Array:
-        """The output of the chain's call ``count``: the first read runs the whole chain once, computing every
-        call's output (layers called after it start a chain of their own)."""
+    def _value_of(self, tensor: PendingTensor) -> jax.Array:
+        """The value of one of the chain's outputs: the first read runs the whole chain once, computing every
+        call's outputs (layers called after it start a chain of their own)."""
         if not self.closed:
             self.closed = True
             self.context.copy().run(self._run)
-        return self.calls[count - 1].output.aval
+        return tensor.aval
 
     def _run(self) -> None:
         count = len(self.calls)
@@ -232,7 +238,11 @@ class _Chain:
                 _say_once(self.stack.container, f"its layers run one by one: {reason}")
             else:
                 for k in range(scanned):
-                    self.calls[k].output.resolve(outputs[k % self.period][k // self.period])
+                    position, layer = k % self.period, k // self.period
+                    hidden, produced = outputs[position]
+                    self.calls[k].output.resolve(hidden[layer])
+                    for j, extra in self.calls[k].extras.items():
+                        extra.resolve(produced[j][layer])
                 current, done = self.calls[scanned - 1].output, scanned
         self._one_by_one(current, done, count)
 
@@ -250,13 +260,16 @@ class _Chain:
                     f"({tuple(current.shape)}, {current.dtype}); turn scanning off with the config key "
                     "scan_layers=False"
                 )
+            for j, extra in item.extras.items():
+                extra.resolve(out[j].value)
             out = _hidden(out)
             item.output.resolve(out.value)
             current = out
 
-    def _scanned(self, calls: list[_Call]) -> list[jax.Array]:
+    def _scanned(self, calls: list[_Call]) -> list[tuple[jax.Array, dict[int, jax.Array]]]:
         """The outputs of ``calls`` (whole periods) run as one scan over the periods: per position in the period,
-        its calls' outputs stacked (those nothing reads are left out of the program by JAX)."""
+        its calls' outputs stacked (the next layer's input, and the further tensors by tuple element), those
+        nothing reads left out of the program by JAX."""
         rngs = dispatch.current_rngs()
         positions = [_Position.of(calls[j :: self.period], rngs, self, j) for j in range(self.period)]
         rng_state = positions[0].rng_state
@@ -281,6 +294,9 @@ class _Chain:
                         out = hooked_call(copy, _hook_of(copy))(first, *args, **kwargs)
                     if _output_shape(out, first, leaves) != self.shapes[j]:
                         raise _NotScannable(f"a layer returns {_describe(out)}, not what the layer before it returned")
+                    produced = {
+                        e: out[e].value for e, kind in enumerate(_elements(self.shapes[j])) if isinstance(kind, tuple)
+                    }
                     out = _hidden(out)
                     if any(t.write_count > 0 for t in [first, *wrapped]):
                         raise _NotScannable("a layer writes to its inputs in place")
@@ -288,7 +304,7 @@ class _Chain:
                     h = out.value
                     rests.append(new_rest)
                     sowns.append(dict(sown))
-                    outputs.append(h)
+                    outputs.append((h, produced))
                 return (h, rng), (rests, sowns, outputs)
 
             return body
@@ -399,24 +415,30 @@ def _stacked(
 
 
 def _output_shape(out: Any, first: Any, leaves: list[Any]) -> Any:
-    """What a layer called on ``first`` returned, if a stacked layer may return it: a tensor like ``first``, or a
-    tuple of one such and, after it, Nones and arguments passed back as they came (T5's shared position biases):
-    ``None`` (a tensor) or the tuple's type and, per element, "hidden", None or the argument's position. Else None.
-    """
+    """What a layer called on ``first`` returned, if a stacked layer may return it, else None: "tensor" (a tensor
+    like ``first``), or a tuple of one such and, after it, Nones, arguments passed back as they came (T5's shared
+    position biases) or further tensors (attention weights): the tuple's type and, per element, "hidden", None,
+    the argument's position or ("tensor", shape, torch dtype, JAX dtype)."""
     if isinstance(out, JaxTensor):
         return "tensor" if _same_type(out, first) else None
     if not (isinstance(out, tuple) and out and isinstance(out[0], JaxTensor) and _same_type(out[0], first)):
         return None
     elements: list[Any] = ["hidden"]
     for element in out[1:]:
+        position = next((i for i, leaf in enumerate(leaves) if leaf is element), None)
         if element is None:
             elements.append(None)
-            continue
-        position = next((i for i, leaf in enumerate(leaves) if leaf is element), None)
-        if position is None:
+        elif position is not None:
+            elements.append(position)
+        elif isinstance(element, JaxTensor):
+            elements.append(("tensor", tuple(element.shape), element.dtype, _aval(element).dtype))
+        else:
             return None
-        elements.append(position)
     return (type(out), tuple(elements))
+
+
+def _elements(shape: Any) -> tuple[Any, ...]:
+    return () if shape == "tensor" else shape[1]
 
 
 def _hidden(out: Any) -> JaxTensor:
@@ -424,12 +446,16 @@ def _hidden(out: Any) -> JaxTensor:
     return out if isinstance(out, JaxTensor) else out[0]
 
 
-def _shaped(shape: Any, hidden: JaxTensor, leaves: list[Any]) -> Any:
-    """A layer's output in ``shape`` (``_output_shape``) around ``hidden``, passed-back arguments from ``leaves``."""
+def _shaped(shape: Any, hidden: JaxTensor, extras: dict[int, PendingTensor], leaves: list[Any]) -> Any:
+    """A layer's output in ``shape`` (``_output_shape``): ``hidden``, the further tensors ``extras``, passed-back
+    arguments from ``leaves``."""
     if shape == "tensor":
         return hidden
     kind, elements = shape
-    values = [hidden if e == "hidden" else None if e is None else leaves[e] for e in elements]
+    values = [
+        hidden if e == "hidden" else extras[j] if isinstance(e, tuple) else None if e is None else leaves[e]
+        for j, e in enumerate(elements)
+    ]
     return kind(values) if kind is tuple else kind(*values)
 
 

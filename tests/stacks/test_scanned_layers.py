@@ -220,18 +220,37 @@ def test_buffers_of_scanned_layers_update_as_in_pytorch():
         assert_close(grads[name], p.grad, 1e-4, floor=1e-3 * largest)
 
 
-def test_hidden_states_between_scanned_layers_are_pytorchs():
-    # layers 1-4 of 5 scanned: hidden_states[3] is the output of the scan's second layer
-    expected = _llama(5)(input_ids=IDS, output_hidden_states=True).hidden_states
+def _gptj(layers: int) -> torch.nn.Module:
+    """GPT-J: each block returns (hidden states, attention weights)."""
+    torch.manual_seed(0)
+    config = transformers.GPTJConfig(
+        n_embd=32,
+        n_layer=layers,
+        n_head=4,
+        rotary_dim=4,
+        vocab_size=64,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_hidden_states_and_attention_weights_of_scanned_layers_are_pytorchs():
+    # layers 1-4 of 5 scanned: hidden_states[3] is the output of the scan's second layer, attentions[3] the weights
+    # its third layer returns beside its output
+    expected = _gptj(5)(input_ids=IDS, output_hidden_states=True, output_attentions=True)
     smp.init({"scan_layers": True})
-    model = smp.DistributedModel(_llama(5))
+    model = smp.DistributedModel(_gptj(5))
 
     @smp.step
-    def hidden_states(model, ids):
-        out = model(input_ids=ids, output_hidden_states=True)
-        return out.hidden_states[3], out.hidden_states[5]
+    def forward(model, ids):
+        out = model(input_ids=ids, output_hidden_states=True, output_attentions=True)
+        return out.hidden_states[3], out.hidden_states[5], out.attentions[3]
 
-    middle, last = hidden_states(model, IDS)
-    assert sum(eqn.primitive.name == "scan" for eqn in _equations(hidden_states.trace(model, IDS).jaxpr)) == 1
-    assert_close(middle.concat(), expected[3], 1e-5, floor=1e-6)
-    assert_close(last.concat(), expected[5], 1e-5, floor=1e-6)
+    middle, last, weights = forward(model, IDS)
+    assert sum(eqn.primitive.name == "scan" for eqn in _equations(forward.trace(model, IDS).jaxpr)) == 1
+    assert_close(middle.concat(), expected.hidden_states[3], 1e-5, floor=1e-6)
+    assert_close(last.concat(), expected.hidden_states[5], 1e-5, floor=1e-6)
+    assert_close(weights.concat(), expected.attentions[3], 1e-5, floor=1e-6)
