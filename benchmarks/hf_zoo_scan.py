@@ -72,15 +72,17 @@ def _period(model: Any) -> int:
     return next((p for p in range(1, len(signatures)) if signatures[-1] == signatures[-1 - p]), 1)
 
 
-def _torch_model(model_type: str, shrink_level: int, by_attributes: bool) -> tuple[Any, dict, float, dict, int]:
-    """PyTorch's model, inputs, loss and gradients with enough layers to scan, and its layer period."""
+def _torch_model(
+    model_type: str, shrink_level: int, by_attributes: bool, layers: int = 0
+) -> tuple[Any, dict, float, dict, int]:
+    """PyTorch's model, inputs, loss and gradients with enough layers to scan (or ``layers``), and its period."""
     from benchmarks.hf_zoo_models import _torch_run, architectures
 
     class_name = architectures(FAMILY)[model_type]
-    with _layer_count(MIN_LAYERS):
+    with _layer_count(layers or MIN_LAYERS):
         model, inputs, loss, expected = _torch_run(FAMILY, model_type, class_name, shrink_level, by_attributes)
     period = _period(model)
-    if period > 1:
+    if period > 1 and not layers:
         with _layer_count(max(MIN_LAYERS, PERIODS_SCANNED * period)):
             model, inputs, loss, expected = _torch_run(FAMILY, model_type, class_name, shrink_level, by_attributes)
     return model, inputs, float(loss), expected, period
@@ -169,7 +171,7 @@ def _compare(loss: float, expected_loss: float, actual: dict, expected: dict) ->
     return {"status": "pass", **figures}
 
 
-def check(model_type: str, shrink_level: int, by_attributes: bool) -> dict:
+def check(model_type: str, shrink_level: int, by_attributes: bool, layers: int = 0) -> dict:
     """One architecture: PyTorch's step and jmp's with ``scan_layers`` on, compared; the stacks and scans."""
     from benchmarks.hf_zoo_models import SHRINK_LEVELS
 
@@ -179,7 +181,7 @@ def check(model_type: str, shrink_level: int, by_attributes: bool) -> dict:
     first_error = None
     for level, by in attempts:  # the zoo's shrink level first; PyTorch may fail on it with more layers
         try:
-            model, inputs, expected_loss, expected, period = _torch_model(model_type, level, by)
+            model, inputs, expected_loss, expected, period = _torch_model(model_type, level, by, layers)
             break
         except Exception as error:  # noqa: BLE001 - PyTorch fails on every shrunk config: excluded
             first_error = first_error or error
@@ -223,10 +225,11 @@ def _not_scanned_reason(stacks: list[dict], lines: list[str]) -> str:
 # --- the sweep ----------------------------------------------------------------------------------------------------
 
 
-def run_one(model_type: str, timeout_s: int) -> dict:
-    """``check`` in a fresh process with one XLA device; its JSON row, or a timeout / crash row."""
+def run_one(model_type: str, timeout_s: int, layers: int = 0) -> dict:
+    """``check`` in a fresh process with one XLA device (``layers`` layers, 0: as many as it takes to scan); its
+    JSON row, or a timeout / crash row."""
     zoo = json.loads(ZOO_RESULTS.read_text())["architectures"][f"{FAMILY}/{model_type}"]
-    spec = f"{model_type}/{zoo.get('shrink_level') or 0}/{int(bool(zoo.get('shrunk_by_attributes')))}"
+    spec = f"{model_type}/{zoo.get('shrink_level') or 0}/{int(bool(zoo.get('shrunk_by_attributes')))}/{layers}"
     command = [sys.executable, "-m", "benchmarks.hf_zoo_scan", "--worker", spec]
     env = {
         **os.environ,
@@ -256,21 +259,26 @@ def run_one(model_type: str, timeout_s: int) -> dict:
 
 
 def summarise(rows: dict[str, dict]) -> dict:
-    """Passed, scanned, not scanned by reason, failed by category."""
+    """Passed, scanned, not scanned by reason, failed by category; excluded: PyTorch fails with these layers."""
     failed: dict[str, list[str]] = collections.defaultdict(list)
     not_scanned: dict[str, list[str]] = collections.defaultdict(list)
+    excluded = {}
     for name, row in sorted(rows.items()):
-        if row["status"] != "pass":
+        if row["status"] == "torch_fails":
+            excluded[name] = row["error"][:200]
+        elif row["status"] != "pass":
             failed[row["category"]].append(name)
         if "scanned" in row and not row["scanned"]:
             not_scanned[row["not_scanned_reason"]].append(name)
     return {
         "swept": len(rows),
+        "torch_runs": len(rows) - len(excluded),
         "passed": sum(r["status"] == "pass" for r in rows.values()),
         "scanned": sum(bool(r.get("scanned")) for r in rows.values()),
         "scanned_and_passed": sum(bool(r.get("scanned")) and r["status"] == "pass" for r in rows.values()),
         "not_scanned_by_reason": {reason: names for reason, names in sorted(not_scanned.items())},
         "failed_by_category": {category: names for category, names in sorted(failed.items())},
+        "excluded_torch_fails": excluded,
     }
 
 
@@ -285,7 +293,8 @@ def _save(results: dict) -> None:
 
 
 def print_report(summary: dict) -> None:
-    print(f"swept {summary['swept']}: passed {summary['passed']}, scanned {summary['scanned']}")
+    print(f"swept {summary['swept']}, PyTorch runs {summary['torch_runs']}: passed {summary['passed']}, ", end="")
+    print(f"scanned {summary['scanned']}, excluded (PyTorch fails) {len(summary['excluded_torch_fails'])}")
     for reason, names in summary["not_scanned_by_reason"].items():
         print(f"not scanned ({len(names)}), {reason}: {', '.join(names)}")
     for category, names in summary["failed_by_category"].items():
@@ -297,13 +306,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", help="comma-separated causal-LM model types")
     parser.add_argument("--limit", type=int, help="at most this many architectures this run")
     parser.add_argument("--timeout", type=int, default=TIMEOUT_S, help="seconds per architecture")
+    parser.add_argument("--layers", type=int, default=0, help="layers per model (4, or 3 periods of layer kinds)")
     parser.add_argument("--rerun", action="store_true", help="run architectures already in the results again")
     parser.add_argument("--report", action="store_true", help="print the summary of the saved results and stop")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        model_type, level, by_attributes = args.worker.split("/")
-        print(json.dumps(check(model_type, int(level), bool(int(by_attributes)))), flush=True)
+        model_type, level, by_attributes, layers = [*args.worker.split("/"), "0"][:4]
+        print(json.dumps(check(model_type, int(level), bool(int(by_attributes)), int(layers))), flush=True)
         return
     results = _load()
     if args.report:
@@ -313,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.rerun:
         names = [n for n in names if n not in results["architectures"]]
     for name in names[: args.limit] if args.limit else names:
-        row = run_one(name, args.timeout)
+        row = run_one(name, args.timeout, args.layers)
         results["architectures"][name] = row
         _save(results)
         scanned = row.get("scan_equations", "-")
