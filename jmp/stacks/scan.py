@@ -194,6 +194,8 @@ class _Chain:
             return False
         if first is not (self.calls[-1].output if self.calls else self.first_input):
             return False
+        if any(leaf is extra for leaf in leaves for call in self.calls for extra in call.extras.values()):
+            return False  # a further output of this chain taken as an argument: a second carry, not scanned
         if len(self.patterns) == position:  # the chain's first period: this position's pattern
             if stack.signatures[index] != stack.signatures[index - self.period]:
                 return False
