@@ -58,7 +58,7 @@ def assert_same_grads(actual: dict, expected: dict, rtol: float = 1e-6) -> None:
         assert_close(actual[name], grad, rtol, floor=1e-3 * largest)
 
 
-def _equations(jaxpr):
+def equations(jaxpr):
     """Every equation of ``jaxpr`` and of the jaxprs nested in it (scan bodies, jit calls, checkpoints)."""
     stack = [jaxpr.jaxpr if isinstance(jaxpr, jex.ClosedJaxpr) else jaxpr]
     while stack:
@@ -69,14 +69,14 @@ def _equations(jaxpr):
 
 def primitives(step, *args) -> collections.Counter:
     """How often each primitive occurs in the program ``step(*args)`` runs."""
-    return collections.Counter(eqn.primitive.name for eqn in _equations(step.trace(*args).jaxpr))
+    return collections.Counter(eqn.primitive.name for eqn in equations(step.trace(*args).jaxpr))
 
 
 def saved_shapes(step, *args) -> collections.Counter:
     """Shapes of the values the backward pass's recomputations start from (inputs and what the policy keeps)."""
     return collections.Counter(
         tuple(v.aval.shape)
-        for eqn in _equations(step.trace(*args).jaxpr)
+        for eqn in equations(step.trace(*args).jaxpr)
         if eqn.primitive.name == "remat2"
         for v in eqn.invars
     )
@@ -91,5 +91,5 @@ def host_transfers(step, *args) -> int:
     """How many values the step program moves to host memory (``device_put`` to the host memory space)."""
     return sum(
         eqn.primitive.name == "device_put" and any("Host" in str(d) for d in eqn.params.get("devices", ()))
-        for eqn in _equations(step.trace(*args).jaxpr)
+        for eqn in equations(step.trace(*args).jaxpr)
     )

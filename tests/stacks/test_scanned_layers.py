@@ -6,13 +6,13 @@ from __future__ import annotations
 import collections
 import logging
 
-import jax.extend.core as jex
 import pytest
 import torch
 
 import jmp as smp
 from tests.front_end.helpers import named_grads
 from tests.helpers import assert_close
+from tests.remat.helpers import equations
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,28 +95,19 @@ def _jmp_loss_and_grads(module: torch.nn.Module, config: dict) -> tuple[smp.Dist
     return model, loss, named_grads(model.grads)
 
 
-def _equations(jaxpr):
-    stack = [jaxpr.jaxpr if isinstance(jaxpr, jex.ClosedJaxpr) else jaxpr]
-    while stack:
-        for eqn in stack.pop().eqns:
-            yield eqn
-            stack.extend(j.jaxpr if isinstance(j, jex.ClosedJaxpr) else j for j in jex.jaxprs_in_params(eqn.params))
-
-
 def _primitives(model: smp.DistributedModel) -> collections.Counter:
-    return collections.Counter(eqn.primitive.name for eqn in _equations(lm_step.trace(model, IDS).jaxpr))
+    return collections.Counter(eqn.primitive.name for eqn in equations(lm_step.trace(model, IDS).jaxpr))
 
 
 @pytest.mark.parametrize(
     ("build", "layers", "config"),
     [
-        (_llama, 4, {}),
         (_llama, 4, {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}),
         (lambda layers: _gpt2(layers, **NO_DROPOUT), 4, {"microbatches": 2}),
         (_gemma2, 6, {}),  # the first two layers as they are, then two periods of two layers scanned
         (_t5, 4, {}),  # blocks 2 and 3 of the encoder and of the decoder scanned (block 0 has the bias table)
     ],
-    ids=["llama", "llama-fsdp2xtp2", "gpt2-2-microbatches", "gemma2-alternating", "t5-tuples"],
+    ids=["llama-fsdp2xtp2", "gpt2-2-microbatches", "gemma2-alternating", "t5-tuples"],
 )
 def test_a_scanned_stack_trains_as_pytorch(build, layers, config):
     expected_loss, expected = _torch_loss_and_grads(build(layers))
@@ -210,7 +201,7 @@ def test_buffers_of_scanned_layers_update_as_in_pytorch():
     smp.init({"scan_layers": True})
     model = smp.DistributedModel(blocks)
     _forward_step(model, x)
-    assert sum(eqn.primitive.name == "scan" for eqn in _equations(_forward_step.trace(model, x).jaxpr)) >= 1
+    assert sum(eqn.primitive.name == "scan" for eqn in equations(_forward_step.trace(model, x).jaxpr)) >= 1
     state = model.state_dict()
     for name, value in reference.state_dict().items():  # running means and variances, batches tracked
         assert_close(state[name], value, 1e-5, floor=1e-7)
@@ -250,7 +241,7 @@ def test_hidden_states_and_attention_weights_of_scanned_layers_are_pytorchs():
         return out.hidden_states[3], out.hidden_states[5], out.attentions[3]
 
     middle, last, weights = forward(model, IDS)
-    assert sum(eqn.primitive.name == "scan" for eqn in _equations(forward.trace(model, IDS).jaxpr)) == 1
+    assert sum(eqn.primitive.name == "scan" for eqn in equations(forward.trace(model, IDS).jaxpr)) == 1
     assert_close(middle.concat(), expected.hidden_states[3], 1e-5, floor=1e-6)
     assert_close(last.concat(), expected.hidden_states[5], 1e-5, floor=1e-6)
     assert_close(weights.concat(), expected.attentions[3], 1e-5, floor=1e-6)
