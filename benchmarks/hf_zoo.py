@@ -40,8 +40,13 @@ def run_one(key: str, timeout_s: int) -> dict:
     family, model_type = key.split("/", 1)
     command = [sys.executable, "-m", "benchmarks.hf_zoo", "--worker", key]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"}
+    return run_worker(command, env, {"family": family, "model_type": model_type}, timeout_s)
+
+
+def run_worker(command: list[str], env: dict, row: dict, timeout_s: int, tail_lines: int = 3) -> dict:
+    """A worker process's JSON result (its last line starting with "{") with its seconds, or ``row`` as a timeout
+    or crash (the output's last ``tail_lines`` lines)."""
     started = time.perf_counter()
-    row = {"family": family, "model_type": model_type}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
@@ -50,7 +55,7 @@ def run_one(key: str, timeout_s: int) -> dict:
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return {**json.loads(line), "seconds": seconds}
-    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    tail = (done.stderr or done.stdout).strip().splitlines()[-tail_lines:]
     return {
         **row,
         "status": "crash",

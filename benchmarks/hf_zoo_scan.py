@@ -23,12 +23,12 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from benchmarks import hf_zoo
 
 ZOO_RESULTS = Path(__file__).parent / "results" / "hf_zoo.json"
 RESULTS = Path(__file__).parent / "results" / "hf_zoo_scan.json"
@@ -238,24 +238,7 @@ def run_one(model_type: str, timeout_s: int, layers: int = 0) -> dict:
         "TRANSFORMERS_VERBOSITY": "error",
         "PYTHONWARNINGS": "ignore",
     }
-    started = time.perf_counter()
-    row = {"model_type": model_type}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return {**row, "status": "timeout", "category": "timeout", "error": f"over {timeout_s} s", "seconds": timeout_s}
-    seconds = round(time.perf_counter() - started, 1)
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("{"):
-            return {**json.loads(line), "seconds": seconds}
-    tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-    return {
-        **row,
-        "status": "crash",
-        "category": "crash",
-        "error": f"exit {done.returncode}: {tail}",
-        "seconds": seconds,
-    }
+    return hf_zoo.run_worker(command, env, {"model_type": model_type}, timeout_s, tail_lines=5)
 
 
 def summarise(rows: dict[str, dict]) -> dict:
