@@ -1,6 +1,6 @@
 """A plain PyTorch loop on a wrapped model, run by each process of a launched job on its own rows.
 
-``PYTHONPATH=. python -m jmp.launch -n 2 --cpu-devices 4 tests/multiprocess/eager_loop_script.py OUT_DIR``: no step
+``PYTHONPATH=. python -m jmp.launch -n 2 --cpu-devices 1 tests/multiprocess/eager_loop_script.py OUT_DIR``: no step
 function, the optimizer left as torch's; each process prints one JSON line with its ranks and the losses it read,
 and process 0 saves the trained ``state_dict()`` to OUT_DIR/state_dict.pt (``tests/multiprocess/test_eager_loop.py``
 compares both with PyTorch).

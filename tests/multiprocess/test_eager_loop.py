@@ -42,7 +42,7 @@ def _pytorch(processes: int) -> tuple[list[list[float]], dict]:
 
 def test_two_processes_running_the_eager_loop_on_their_rows_train_as_ddp(tmp_path):
     command = [
-        sys.executable, "-m", "jmp.launch", "-n", str(PROCESSES), "--cpu-devices", "4",
+        sys.executable, "-m", "jmp.launch", "-n", str(PROCESSES), "--cpu-devices", "1",
         "tests/multiprocess/eager_loop_script.py", str(tmp_path),
     ]  # fmt: skip
     env = os.environ | {"PYTHONPATH": str(ROOT), "JMP_HEARTBEAT_TIMEOUT": "30"}

@@ -43,9 +43,9 @@ def _reports(result: subprocess.CompletedProcess, processes: int = 2) -> dict[in
     return {r["rank"]: r for r in reports}
 
 
-def _launch(*args: str, **env: str) -> subprocess.CompletedProcess:
-    """``python -m jmp.launch -n 2 --cpu-devices 4 ...``"""
-    command = [sys.executable, "-m", "jmp.launch", "-n", "2", "--cpu-devices", "4", *args]
+def _launch(*args: str, devices: int = 4, **env: str) -> subprocess.CompletedProcess:
+    """``python -m jmp.launch -n 2 --cpu-devices DEVICES ...``"""
+    command = [sys.executable, "-m", "jmp.launch", "-n", "2", "--cpu-devices", str(devices), *args]
     return subprocess.run(command, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=300)
 
 
@@ -128,7 +128,9 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor, rank: int, size: int) -> floa
 
 def test_the_seed_mnist_script_with_two_processes_equals_one(monkeypatch):
     config = {"microbatches": 2, "ddp": True}
-    reports = _reports(_launch("tests/multiprocess/mnist_seed.py", SM_HP_MP_PARAMETERS=json.dumps(config)))
+    # one device per process: data parallel over processes as with four (which makes each step 4x slower on CPU)
+    mnist = _launch("tests/multiprocess/mnist_seed.py", devices=1, SM_HP_MP_PARAMETERS=json.dumps(config))
+    reports = _reports(mnist)
     # one process, the same global batches: each step joins the two processes' batches of that step
     smp.init(config)
     images, labels = mnist_seed.dataset().tensors
