@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import torch
 import torch.utils._pytree as torch_pytree
 from flax import nnx
+from jax.extend import core
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import side_outputs
@@ -314,14 +315,15 @@ class _Chain:
         xs = [(p.params, p.rest, p.per_layer) for p in positions]
         carry = (self.first_input.value, rng_state)
         first_period = jax.tree.map(lambda a: a[0], xs)
-        bodies = [body_for(0), body_for(-1)]
-        jaxprs = [str(jax.make_jaxpr(body)(carry, first_period)) for body in bodies]
-        if jaxprs[0] != jaxprs[1]:
+        (first, shape), (last, _) = (
+            jax.make_jaxpr(body_for(i), return_shape=True)(carry, first_period) for i in (0, -1)
+        )
+        if str(first) != str(last):
             raise _NotScannable(
                 f"'{calls[0].module.torch_path}' and '{calls[-self.period].module.torch_path}' compute differently "
                 "(e.g. with their layer number)"
             )
-        body = bodies[0]
+        body = _from_jaxpr(first, jax.tree.structure(shape))  # the first period's trace, not a third one
         if all(hooks == () for hooks, _ in self.patterns):
             # without a checkpoint of its own, the body keeps its matmul outputs for the backward and recomputes
             # the elementwise work between them, as XLA's fusions do for layers run one by one (a scan's
@@ -401,6 +403,15 @@ class _Position:
             wrapped.append(leaves[i])
         args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
         return wrapped, leaves, args, kwargs
+
+
+def _from_jaxpr(closed: Any, out_tree: Any) -> Callable[..., Any]:
+    """The scan body ``closed`` was traced from, as a function of the same pytrees."""
+
+    def body(carry, xs):
+        return jax.tree.unflatten(out_tree, core.jaxpr_as_fun(closed)(*jax.tree.leaves((carry, xs))))
+
+    return body
 
 
 def _stacked(
