@@ -19,4 +19,5 @@ from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their regis
     random,
     reductions,
     shape,
+    sliding_blocks,
 )
