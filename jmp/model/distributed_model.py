@@ -333,6 +333,8 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
                 remat.tracing(self.torch_module, module, self._gathered()),  # activation checkpointing
             ):
                 yield trace
+            if scanned:
+                scanned.report()
         finally:
             _TRACE.reset(token)
 

@@ -73,6 +73,8 @@ class StackedLayers:
         # container -> layer index -> (input, output, output shape) of the layers run as they are since the last chain
         self._ran: dict[str, dict[int, tuple[Any, JaxTensor, Any]]] = collections.defaultdict(dict)
         self._empty_caches: set[int] = set()  # key/value caches that were empty when a stack's first layer ran
+        self._called: dict[str, int] = collections.Counter()  # container -> layer calls in this trace
+        self._chains: dict[str, list[_Chain]] = collections.defaultdict(list)
 
     @property
     def paths(self) -> list[str]:
@@ -81,6 +83,7 @@ class StackedLayers:
     def __call__(self, module: TorchModule, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         stack = self._stack_of[module.torch_path]
         index = stack.index(module.torch_path)
+        self._called[stack.container] += 1
         hooks = self._hook_signature(module.torch_path)
         other = torch_pytree.tree_flatten((args[1:], kwargs)) if args else None
         if other is not None:
@@ -97,6 +100,7 @@ class StackedLayers:
             chain = _Chain(stack, index, period, args[0], contextvars.copy_context(), self._shardings, shapes)
             chain.joins(index, stack, hooks, args[0], *other)  # the first call sets its position's pattern
             self._open[stack.container] = chain
+            self._chains[stack.container].append(chain)
             return self._joined(stack, chain.add(module, call, other[0]))
         out = call(*args, **kwargs)
         shape = _output_shape(out, args[0], other[0]) if other is not None else None
@@ -105,6 +109,22 @@ class StackedLayers:
         else:
             self._ran[stack.container].pop(index, None)
         return out
+
+    def report(self) -> None:
+        """Say once per stack how its layers ran in this trace: how many as one scan, or that none did."""
+        for container, called in self._called.items():
+            chains = self._chains[container]
+            scanned = sum(chain.scanned for chain in chains)
+            if scanned:
+                scans = sum(1 for chain in chains if chain.scanned)
+                how = "one scan" if scans == 1 else f"{scans} scans"
+                _say_once(container, f"{scanned} of its {called} layers run as {how}, the others as they are")
+            elif not any(chain.reason for chain in chains):  # a reason was said when it was found
+                _say_once(
+                    container,
+                    f"its {called} layers run one by one: none was called on the previous layer's output with "
+                    "arguments like those of its twin before it",
+                )
 
     def _scannable_leaf(self, leaf: Any) -> bool:
         """A tensor, a plain value, or a key/value cache that was empty before the stack ran: training builds one
@@ -186,6 +206,8 @@ class _Chain:
         self.calls: list[_Call] = []
         self.patterns: list[tuple[Hashable, Any]] = []  # per position in the period: (hook signature, argument spec)
         self.closed = False
+        self.scanned = 0  # layers run as the scan, once it ran
+        self.reason = ""  # why the layers ran one by one instead, once they did
         aval = _aval(first_input)
         self._like = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
@@ -238,8 +260,10 @@ class _Chain:
             try:
                 outputs = self._scanned(self.calls[:scanned])
             except _NotScannable as reason:
+                self.reason = str(reason)
                 _say_once(self.stack.container, f"its layers run one by one: {reason}")
             else:
+                self.scanned = scanned
                 for k in range(scanned):
                     position, layer = k % self.period, k // self.period
                     hidden, produced = outputs[position]

@@ -48,6 +48,23 @@ def _gemma2(layers: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def _mixtral(layers: int) -> torch.nn.Module:
+    """Mixtral: mixture-of-experts layers (the experts split over ep inside the scan)."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def _t5(layers: int) -> torch.nn.Module:
     """T5: each block returns (hidden states, the position biases the first block computed and passes on)."""
     torch.manual_seed(0)
@@ -102,12 +119,13 @@ def _primitives(model: smp.DistributedModel) -> collections.Counter:
 @pytest.mark.parametrize(
     ("build", "layers", "config"),
     [
-        (_llama, 4, {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}),
         (lambda layers: _gpt2(layers, **NO_DROPOUT), 4, {"microbatches": 2}),
         (_gemma2, 6, {}),  # the first two layers as they are, then two periods of two layers scanned
+        # Llama's attention with experts: experts split over ep, every matrix over fsdp and tp, inside the scan
+        (_mixtral, 3, {"expert_parallel_degree": 2, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}),
         (_t5, 4, {}),  # blocks 2 and 3 of the encoder and of the decoder scanned (block 0 has the bias table)
     ],
-    ids=["llama-fsdp2xtp2", "gpt2-2-microbatches", "gemma2-alternating", "t5-tuples"],
+    ids=["gpt2-2-microbatches", "gemma2-alternating", "mixtral-ep2xfsdp2xtp2", "t5-tuples"],
 )
 def test_a_scanned_stack_trains_as_pytorch(build, layers, config):
     expected_loss, expected = _torch_loss_and_grads(build(layers))
@@ -178,6 +196,40 @@ def _forward_step(model, x):
     loss = model(x).square().mean()
     model.backward(loss)
     return loss
+
+
+class _Scaled(torch.nn.Module):
+    """Two stacks of alike layers: ``alike`` called in a chain, ``apart`` each with its own scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.alike = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4))
+        self.apart = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.alike:
+            x = layer(x)
+        for scale, layer in enumerate(self.apart):
+            x = torch.tanh(layer(x) * (scale + 1))  # each layer takes what the one before it returned, scaled
+        return x
+
+
+def test_each_stack_says_once_how_its_layers_ran(caplog):
+    torch.manual_seed(0)
+    module = _Scaled()
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    expected = module(x).square().mean()
+    smp.init({"scan_layers": True, "microbatches": 2})  # two microbatches: traced more than once, said once
+    model = smp.DistributedModel(module)
+    with caplog.at_level(logging.INFO, logger="jmp"):
+        loss = _forward_step(model, x)
+    notices = [r.getMessage() for r in caplog.records if r.getMessage().startswith("layer stack")]
+    assert notices == [
+        "layer stack 'alike': 3 of its 4 layers run as one scan, the others as they are",
+        "layer stack 'apart': its 3 layers run one by one: none was called on the previous layer's output with "
+        "arguments like those of its twin before it",
+    ]
+    assert_close(float(loss.reduce_mean()), float(expected), 1e-6)
 
 
 class _Block(torch.nn.Module):
