@@ -10,6 +10,7 @@ from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their regis
     convolution,
     elementwise,
     factories,
+    fft,
     indexing,
     initialisers,
     linalg,
