@@ -157,10 +157,15 @@ def _max_pool_first_forward(x, window):
 
 def _max_pool_first_backward(window, residuals, grad):
     indices, shape = residuals
-    rows = shape[0] * shape[1]
-    flat = jnp.zeros((rows, int(np.prod(shape[2:]))), grad.dtype)
-    flat = flat.at[jnp.arange(rows)[:, None], indices.reshape(rows, -1)].add(grad.reshape(rows, -1))
-    return (flat.reshape(shape),)
+    spatial = int(np.prod(shape[2:]))
+
+    def one_plane(positions, values):  # one (sample, channel) plane: each window's gradient to its maximum
+        return jnp.zeros((spatial,), grad.dtype).at[positions].add(values)
+
+    # vmapped over samples and channels, the scatter has them as batch dimensions: XLA's partitioner keeps it
+    # on each device's own rows (a scatter indexed by row numbers instead gathered every row to every device)
+    planes = jax.vmap(jax.vmap(one_plane))(indices.reshape(*shape[:2], -1), grad.reshape(*shape[:2], -1))
+    return (planes.reshape(shape),)
 
 
 _max_pool_first.defvjp(_max_pool_first_forward, _max_pool_first_backward)
