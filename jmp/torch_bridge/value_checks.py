@@ -1,8 +1,9 @@
 """Python value checks on traced tensors: ``if labels.max() >= vocab_size: raise ValueError(...)``.
 
-Under ``jit`` such a condition has no value while the program is traced. A branch whose body only raises is
-a check on the data, not control flow: the trace goes on as if the check passed, and the compiled program
-tests the condition as it runs, raising when the data is bad (``jax.debug.callback``), as PyTorch does.
+Under ``jit`` such a condition has no value while the program is traced. A branch whose body only raises, or
+an ``assert`` (``assert lengths.max().item() <= slen``, XLM's), is a check on the data, not control flow: the
+trace goes on as if the check passed, and the compiled program tests the condition as it runs, raising when
+the data is bad (``jax.debug.callback``), as PyTorch does.
 Any other Python branch on a traced value stays a ``TracedControlFlowError``.
 """
 
@@ -21,28 +22,35 @@ class FailedValueCheck(ValueError):
     """A model's own check on its inputs (``if <condition>: raise``) failed on a step's data."""
 
 
-def raising_branch(frame: types.FrameType | None) -> ast.If | None:
-    """The ``if`` statement the frame is testing, when its body only raises; else None."""
+def raising_branch(frame: types.FrameType | None) -> ast.If | ast.Assert | None:
+    """The ``if`` statement the frame is testing, when its body only raises, or the ``assert`` statement it
+    is testing; else None."""
     if frame is None:
         return None
     tree = _parsed(frame.f_code.co_filename)
     line = frame.f_lineno
     for node in ast.walk(tree) if tree is not None else ():
-        if isinstance(node, ast.If) and node.test.lineno <= line <= (node.test.end_lineno or line):
+        if isinstance(node, (ast.If, ast.Assert)) and node.test.lineno <= line <= (node.test.end_lineno or line):
+            if isinstance(node, ast.Assert):
+                return node
             return node if all(isinstance(s, ast.Raise) for s in node.body) else None
     return None
 
 
-def check_at_run_time(condition: jax.Array, frame: types.FrameType, branch: ast.If) -> bool:
-    """Register the runtime check of ``condition`` (raising when true) and return False, the branch not taken."""
+def check_at_run_time(condition: jax.Array, frame: types.FrameType, branch: ast.If | ast.Assert) -> bool:
+    """Register the runtime check of ``condition`` and return the value that lets the trace go on: an ``if``
+    raises when the condition holds (False returned: the branch not taken), an ``assert`` when it does not
+    (True returned)."""
     source = linecache.getline(frame.f_code.co_filename, branch.lineno).strip()
     where = f"{frame.f_code.co_filename}:{branch.lineno}"
-    jax.debug.callback(functools.partial(_raise_if_true, f"{source} (at {where})"), condition)
-    return False
+    passes = isinstance(branch, ast.Assert)
+    jax.debug.callback(functools.partial(_raise_when_failed, passes, f"{source} (at {where})"), condition)
+    return passes
 
 
-def _raise_if_true(check: str, condition: np.ndarray) -> None:
-    if np.any(condition):
+def _raise_when_failed(is_assert: bool, check: str, condition: np.ndarray) -> None:
+    failed = not np.all(condition) if is_assert else np.any(condition)
+    if failed:
         raise FailedValueCheck(f"the model's check on its inputs failed on this step's data: {check}")
 
 

@@ -45,3 +45,39 @@ class Branch(nn.Module):
 def test_a_branch_that_does_not_only_raise_is_still_an_error():
     with pytest.raises(TracedControlFlowError):
         jax.jit(jmp.torch_bridge.convert(Branch()))(jnp.ones(3))
+
+
+class LengthAssertion(nn.Module):
+    """XLM's check on its inputs: an ``assert`` on ``.item()`` of a traced value."""
+
+    def __init__(self, longest=4):
+        super().__init__()
+        self.longest = longest
+        self.embed = nn.Embedding(5, 3)
+
+    def forward(self, ids, lengths):
+        assert lengths.max().item() <= self.longest
+        scale = lengths.float().mean().item() + 1  # arithmetic on item() goes on under jit
+        return self.embed(ids).sum() * scale
+
+
+def test_an_assert_on_item_is_checked_on_the_data_as_in_torch():
+    module = LengthAssertion()
+    ids = torch.tensor([1, 2])
+    with pytest.raises(AssertionError):
+        module(ids, torch.tensor([2, 9]))
+    run = jax.jit(jmp.torch_bridge.convert(module))
+    expected = float(module(ids, torch.tensor([2, 3])))
+    assert float(run(jnp.asarray([1, 2]), jnp.asarray([2, 3]))) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(Exception, match=r"assert lengths.max\(\).item\(\) <= self.longest"):
+        jax.block_until_ready(run(jnp.asarray([1, 2]), jnp.asarray([2, 9])))
+
+
+class ItemAsCount(nn.Module):
+    def forward(self, x):
+        return x[: int(x.sum().item())]
+
+
+def test_item_used_as_a_number_under_jit_is_a_traced_control_flow_error():
+    with pytest.raises(TracedControlFlowError, match="traced"):
+        jax.jit(jmp.torch_bridge.convert(ItemAsCount()))(jnp.ones(3))

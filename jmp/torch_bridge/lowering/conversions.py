@@ -102,8 +102,12 @@ def imag(input):
 
 @register_lowering(T.item)
 def item(input):
+    """A Python number; under ``jit`` the traced 0-d value itself, so arithmetic and comparisons on it go on
+    (``assert x.max().item() <= n`` becomes a value check) and only a use that needs the number fails."""
     if input.size != 1:
         raise ValueError(f"item() needs a tensor with one element, not {input.size}")
+    if isinstance(input, jax.core.Tracer):
+        return input.reshape(())
     return np.asarray(input).reshape(()).item()
 
 
