@@ -52,11 +52,23 @@ def getitem(input, index):
 @register_lowering(inplace=(T.__setitem__,))
 def setitem(input, index, value):
     index = _index(index)
-    if isinstance(index, jax.Array) and index.dtype == jnp.bool_ and jnp.ndim(value) == 0:
-        # x[mask] = scalar: a select, which stays traceable (unlike gathering masked elements)
-        mask = index.reshape(index.shape + (1,) * (input.ndim - index.ndim))
-        return jnp.where(mask, cast(value, input.dtype), input)
+    if isinstance(index, jax.Array) and index.dtype == jnp.bool_:
+        return _masked_assign(input, index, jnp.asarray(cast(value, input.dtype)))
     return input.at[index].set(cast(value, input.dtype))
+
+
+def _masked_assign(input, mask, value):
+    """``x[mask] = value`` as a select, which stays traceable (unlike gathering the masked elements): ``value``
+    is one element of ``x[mask]`` (shape ``x.shape[mask.ndim:]``, broadcast), or one row per true entry of
+    the mask in order (the k-th true entry takes row k, as torch assigns them)."""
+    element = input.shape[mask.ndim :]
+    if value.ndim <= len(element):
+        rows = jnp.broadcast_to(value, input.shape)
+    else:
+        value = jnp.broadcast_to(value, value.shape[:1] + element)
+        order = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, value.shape[0] - 1)
+        rows = value[order].reshape(input.shape)
+    return jnp.where(mask.reshape(mask.shape + (1,) * len(element)), rows, input)
 
 
 def _along(dim_index, ax, ndim):
