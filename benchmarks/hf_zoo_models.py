@@ -53,8 +53,20 @@ _LAYER_NAMES = (
     "num_encoder_layers",
     "num_decoder_layers",
     "num_hidden_groups",
+    "num_self_attends_per_block",
 )
-_WIDTH_NAMES = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "embedding_size", "word_embed_proj_dim")
+_WIDTH_NAMES = (
+    "hidden_size",
+    "d_model",
+    "n_embd",
+    "dim",
+    "embed_dim",
+    "emb_dim",
+    "embedding_size",
+    "word_embed_proj_dim",
+    "entity_emb_size",
+    "d_latents",
+)
 _FFN_NAMES = (
     "intermediate_size",
     "d_ff",
@@ -79,7 +91,7 @@ _HEAD_NAMES = (
 _TOKEN_ID_NAMES = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
 
 
-def _shrunk_value(name: str, value: Any) -> Any:
+def _shrunk_value(name: str, value: Any, image: int = IMAGE) -> Any:
     """The small value for one config attribute, or ``value`` itself when no rule names it."""
     if isinstance(value, bool):
         return value
@@ -102,7 +114,7 @@ def _shrunk_value(name: str, value: Any) -> Any:
             return min(value, 32)
         if name in ("n_group", "topk_group"):
             return 1
-        if name.startswith("vocab_size"):  # vocab_size_per_layer_input too (Gemma 3n / 4)
+        if "vocab_size" in name:  # vocab_size_per_layer_input (Gemma 3n / 4), entity_vocab_size (LUKE) too
             return min(value, VOCAB)
         if name in _TOKEN_ID_NAMES:
             return value if value < VOCAB else {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
@@ -111,7 +123,7 @@ def _shrunk_value(name: str, value: Any) -> Any:
         if name in ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "num_selected_experts"):
             return min(value, 2)
         if name == "image_size":
-            return IMAGE
+            return image
         if name == "num_labels":
             return 2
     if isinstance(value, float) and ("dropout" in name or "drop_" in name or name.endswith("drop")):
@@ -123,6 +135,8 @@ def _shrunk_value(name: str, value: Any) -> Any:
             return [16 * (i + 1) for i in range(len(value))]
         if name in ("num_heads", "num_attention_heads"):
             return [1] * len(value)
+        if name == "axial_pos_embds_dim":  # Reformer: the factors sum to the (shrunk) width
+            return [WIDTH // 4, WIDTH - WIDTH // 4]
     return value
 
 
@@ -148,17 +162,17 @@ def _kept_at(level: int, name: str, value: Any) -> bool:
     return name in counts or isinstance(value, float)
 
 
-def shrink_overrides(config_dict: dict, level: int = 0) -> dict:
+def shrink_overrides(config_dict: dict, level: int = 0, image: int = IMAGE) -> dict:
     """The keys of a config's ``to_dict()`` that the rules of ``level`` change, with their small values;
     sub-configs (nested dicts with a ``model_type``) recursively."""
     overrides = {}
     for name, value in config_dict.items():
         if isinstance(value, dict) and "model_type" in value:
-            nested = shrink_overrides(value, level)
+            nested = shrink_overrides(value, level, image)
             if nested:
                 overrides[name] = {"model_type": value["model_type"], **nested}
             continue
-        small = _shrunk_value(name, value)
+        small = _shrunk_value(name, value, image)
         if small != value and _kept_at(level, name, value):
             overrides[name] = small
     return overrides
@@ -168,16 +182,22 @@ SHRINK_LEVELS = 3
 LARGEST = 30_000_000  # parameters: a model this large at shrink level 2 is left out (CPU time and memory)
 
 
-def shrink(config_class: type, level: int = 0, by_attributes: bool = False) -> transformers.PretrainedConfig:
+def shrink(
+    config_class: type, level: int = 0, by_attributes: bool = False, image: int = IMAGE
+) -> transformers.PretrainedConfig:
     """``config_class``'s default config made tiny. By default its constructor sees only the changed keys, so
     what it derives from them (``layer_types`` from the layer count, ...) stays consistent; ``by_attributes``
     sets them on the default config instead (sub-configs keep what their parent gave them), cutting lists
     as long as the old layer count to the new one."""
     default = config_class()
-    overrides = shrink_overrides(default.to_dict(), level)
+    overrides = shrink_overrides(default.to_dict(), level, image)
     config = _set_attributes(default, overrides) if by_attributes else config_class(**overrides)
+    if "vocab_size" in config.to_dict() and config.vocab_size is None:
+        config.vocab_size = VOCAB  # a default config that leaves the vocabulary to the checkpoint (ESM)
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0  # sequence classification finds the last token through it
+    if config.is_encoder_decoder and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = config.pad_token_id  # T5's convention; the labels' shift needs one
     return config
 
 
@@ -196,8 +216,10 @@ def _set_attributes(config: Any, overrides: dict) -> Any:
 
 
 def architectures(family: str) -> dict[str, str]:
-    """model_type -> model class name, for one family's auto mapping."""
-    return dict(getattr(modeling_auto, FAMILIES[family]))
+    """model_type -> model class name, for one family's auto mapping (its first class where it names several:
+    DeiT's plain classifier before the one with a distillation head)."""
+    mapping = getattr(modeling_auto, FAMILIES[family])
+    return {k: v[0] if isinstance(v, (tuple, list)) else v for k, v in mapping.items()}
 
 
 def _inputs(family: str, model: torch.nn.Module, config: Any) -> dict[str, torch.Tensor]:
@@ -209,8 +231,8 @@ def _inputs(family: str, model: torch.nn.Module, config: Any) -> dict[str, torch
     if name == "pixel_values":
         channels = getattr(config, "num_channels", 3)
         size = getattr(config, "image_size", IMAGE)
-        size = size if isinstance(size, int) else IMAGE
-        inputs = {name: torch.randn(BATCH, channels, size, size, generator=generator)}
+        height, width = (size, size) if isinstance(size, int) else tuple(size)[:2] if size else (IMAGE, IMAGE)
+        inputs = {name: torch.randn(BATCH, channels, height, width, generator=generator)}
     elif name == "input_values":
         inputs = {name: torch.randn(BATCH, AUDIO_SAMPLES, generator=generator)}
     elif name == "input_features":
@@ -257,10 +279,13 @@ def check(family: str, model_type: str) -> dict:
     class_name = architectures(family)[model_type]
     result: dict[str, Any] = {"family": family, "model_type": model_type, "class": class_name}
     first_error = None
-    attempts = [(level, by_attributes) for level in range(SHRINK_LEVELS) for by_attributes in (False, True)]
-    for level, by_attributes in attempts:  # the first shrunk config PyTorch runs
+    # a larger image where the default config has one: deep CNNs downsample a small one to nothing
+    images = (IMAGE, 2 * IMAGE) if _has_image(configuration_auto.CONFIG_MAPPING[model_type]().to_dict()) else (IMAGE,)
+    levels = [(lv, by_attributes) for lv in range(SHRINK_LEVELS) for by_attributes in (False, True)]
+    attempts = [(level, by_attributes, image) for image in images for level, by_attributes in levels]
+    for level, by_attributes, image in attempts:  # the first shrunk config PyTorch runs
         try:
-            model, inputs, loss, expected = _torch_run(family, model_type, class_name, level, by_attributes)
+            model, inputs, loss, expected = _torch_run(family, model_type, class_name, level, by_attributes, image)
             break
         except Exception as error:  # noqa: BLE001 - any PyTorch failure excludes the architecture
             first_error = first_error or error
@@ -270,13 +295,20 @@ def check(family: str, model_type: str) -> dict:
         return {**result, "status": "torch_fails", "error_type": type(first_error).__name__, "error": error}
     result["shrink_level"] = level
     result["shrunk_by_attributes"] = by_attributes
+    if image != IMAGE:
+        result["image_size"] = image
     result["parameters"] = sum(p.numel() for p in model.parameters())
     return {**result, **_compare_with_jmp(model, inputs, loss.item(), expected)}
 
 
-def _torch_run(family: str, model_type: str, class_name: str, level: int, by_attributes: bool) -> tuple:
+def _has_image(config_dict: dict) -> bool:
+    """Whether a config or one of its sub-configs has an ``image_size``."""
+    return "image_size" in config_dict or any(isinstance(v, dict) and _has_image(v) for v in config_dict.values())
+
+
+def _torch_run(family: str, model_type: str, class_name: str, level: int, by_attributes: bool, image: int) -> tuple:
     """(model, inputs, loss, gradients by name) of PyTorch's forward and backward at one shrink level."""
-    config = shrink(configuration_auto.CONFIG_MAPPING[model_type], level, by_attributes)
+    config = shrink(configuration_auto.CONFIG_MAPPING[model_type], level, by_attributes, image)
     torch.manual_seed(0)
     model = getattr(transformers, class_name)(config).eval()
     with torch.no_grad():  # zero-initialised routers score every expert alike: top-k would break ties
@@ -322,7 +354,9 @@ def _compare_with_jmp(model: torch.nn.Module, inputs: dict, expected_loss: float
     except Exception as error:  # noqa: BLE001
         return _failure("jax", error)
     missing = sorted(set(expected) - set(actual))
-    largest = max(float(np.max(np.abs(g))) for g in expected.values())
+    largest = max(
+        (float(np.max(np.abs(g))) for g in expected.values() if g.size), default=0.0
+    )  # MobileBERT has empty ones
     loss_error = abs(float(loss) - expected_loss) / max(abs(expected_loss), 1e-12)
     grad_errors = {n: _relative_error(actual[n], g, 0.1 * largest) for n, g in expected.items() if n in actual}
     worst = max(grad_errors, key=grad_errors.get) if grad_errors else None
