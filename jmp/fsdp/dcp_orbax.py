@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import state_dict_saver as torch_saver
 from jmp.errors import CheckpointError, StateDictError
 from jmp.runtime import comm
 from jmp.saving import directory, user_content
-from jmp.saving.orbax_import import orbax_checkpoint, root_logging_kept
+from jmp.saving.orbax_import import async_writer, orbax_checkpoint, root_logging_kept
 from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
 
 logger = logging.getLogger("jmp")
@@ -219,7 +219,7 @@ def _start(state_dict: Mapping, target: Path, planner: Any, process_group: Any) 
         target.parent.mkdir(parents=True, exist_ok=True)
     ocp = orbax_checkpoint()
     with root_logging_kept():
-        checkpointer = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+        checkpointer = async_writer(VALUES, META)
         checkpointer.save(
             written.absolute(),
             args=ocp.args.Composite(**{VALUES: ocp.args.PyTreeSave(values), META: ocp.args.JsonSave(meta)}),

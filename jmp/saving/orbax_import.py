@@ -34,3 +34,17 @@ def orbax_checkpoint() -> ModuleType:
     with root_logging_kept():
         import orbax.checkpoint as ocp
     return ocp
+
+
+def async_writer(arrays_item: str, json_item: str) -> object:
+    """An Orbax ``AsyncCheckpointer`` of a composite of ``arrays_item`` (arrays, stored uncompressed) and
+    ``json_item`` (a JSON object).
+
+    Orbax compresses with zstd by default: on float weights that saves under a tenth of the bytes (355 against 384
+    MiB for 400 MB of Gaussian weights) for 3-7x the CPU time of the write (measured 0.6-1.5 s against 0.22 s),
+    which an asynchronous save takes from the training step's own cores. Compressed checkpoints still restore.
+    """
+    ocp = orbax_checkpoint()
+    handlers = {arrays_item: ocp.PyTreeCheckpointHandler(use_compression=False), json_item: ocp.JsonCheckpointHandler()}
+    handler = ocp.CompositeCheckpointHandler(**handlers)
+    return ocp.AsyncCheckpointer(handler)

@@ -31,7 +31,7 @@ from jmp.errors import CheckpointError, UnreadableCheckpointError
 from jmp.runtime import comm
 from jmp.saving import directory
 from jmp.saving import user_content as user_content_file
-from jmp.saving.orbax_import import orbax_checkpoint, root_logging_kept
+from jmp.saving.orbax_import import async_writer, orbax_checkpoint, root_logging_kept
 
 logger = logging.getLogger("jmp")
 
@@ -86,7 +86,7 @@ def save(
     if primary:
         root.mkdir(parents=True, exist_ok=True)
     with root_logging_kept():
-        checkpointer = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+        checkpointer = async_writer("state", "meta")
         checkpointer.save(
             written.absolute(),
             args=ocp.args.Composite(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 
 import jmp as smp
+from jmp.saving import partial as partial_checkpoints
+from jmp.saving.orbax_import import orbax_checkpoint
 from tests.saving.run import FSDP_TP, Run
 
 pytest.importorskip("transformers")
@@ -79,3 +81,26 @@ def test_newest_or_named_tag(tmp_path):
     assert run.step == 4
     run.resume(tmp_path, tag="step2")
     assert run.step == 2
+
+
+def test_a_checkpoint_compressed_as_jmp_wrote_them_before_resumes_bitwise(tmp_path, monkeypatch):
+    """jmp writes arrays uncompressed (jmp.saving.orbax_import.async_writer); Orbax's default zstd, which
+    checkpoints written before used, still restores."""
+    run = Run({}, dropout=0.0, kind="mlp")
+    run.train(2)
+
+    def compressing(arrays_item, json_item):  # as jmp wrote checkpoints before: Orbax's default zstd
+        ocp = orbax_checkpoint()
+        handler = ocp.CompositeCheckpointHandler(
+            **{arrays_item: ocp.PyTreeCheckpointHandler(), json_item: ocp.JsonCheckpointHandler()}
+        )
+        return ocp.AsyncCheckpointer(handler)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(partial_checkpoints, "async_writer", compressing)
+        run.save(tmp_path / "zstd")
+        smp.saving.wait_for_saves()
+    uninterrupted = run.train(4)
+    resumed = Run({}, dropout=0.0, kind="mlp")
+    resumed.resume(tmp_path / "zstd")
+    assert resumed.step == 2 and resumed.train(4) == uninterrupted
