@@ -19,11 +19,11 @@ class UnfoldThenFold(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.proj = nn.Conv2d(2, 3, 1)
-        self.column_weight = nn.Parameter(torch.randn(3 * 6, 1))
+        self.scale = nn.Parameter(torch.randn(2, 1, 1))
+        self.column_weight = nn.Parameter(torch.randn(2 * 6, 1))
 
     def forward(self, x):
-        h = self.proj(x)
+        h = x * self.scale
         columns = F.unfold(h, **BLOCKS) * self.column_weight
         return F.fold(columns, output_size=h.shape[-2:], **BLOCKS) + columns.mean()
 
