@@ -1,8 +1,9 @@
 """A sample of the Hugging Face zoo sweep (``benchmarks/hf_zoo.py``), always on: architectures no other test
 names, each built from its shrunk default config, with jmp's loss and every gradient under ``jit`` equal to
 PyTorch's. Each one exercises a construct the sweep found: Mamba takes torch's ``associative_scan`` (the
-bridge reports compiling), DeepSeek-V3 attends with values narrower
-than its queries and routes over experts."""
+bridge reports compiling), DeepSeek-V3 attends with values narrower than its queries and routes over experts,
+FNet mixes tokens with ``torch.fft.fftn``, XLM checks its inputs with ``assert lengths.max().item() <= slen``
+(a value check on the step's data under ``jit``)."""
 
 import pytest
 
@@ -10,7 +11,7 @@ pytest.importorskip("transformers")
 
 from benchmarks.hf_zoo_models import RTOL, check  # noqa: E402
 
-SAMPLE = ["causal_lm/deepseek_v3", "causal_lm/mamba"]
+SAMPLE = ["causal_lm/deepseek_v3", "causal_lm/mamba", "masked_lm/fnet", "masked_lm/xlm"]
 
 
 @pytest.mark.parametrize("key", SAMPLE)
