@@ -76,15 +76,16 @@ def _torch_model(
     model_type: str, shrink_level: int, by_attributes: bool, layers: int = 0
 ) -> tuple[Any, dict, float, dict, int]:
     """PyTorch's model, inputs, loss and gradients with enough layers to scan (or ``layers``), and its period."""
-    from benchmarks.hf_zoo_models import _torch_run, architectures
+    from benchmarks.hf_zoo_models import IMAGE, _torch_run, architectures
 
     class_name = architectures(FAMILY)[model_type]
+    arguments = (FAMILY, model_type, class_name, shrink_level, by_attributes, IMAGE)
     with _layer_count(layers or MIN_LAYERS):
-        model, inputs, loss, expected = _torch_run(FAMILY, model_type, class_name, shrink_level, by_attributes)
+        model, inputs, loss, expected = _torch_run(*arguments)
     period = _period(model)
     if period > 1 and not layers:
         with _layer_count(max(MIN_LAYERS, PERIODS_SCANNED * period)):
-            model, inputs, loss, expected = _torch_run(FAMILY, model_type, class_name, shrink_level, by_attributes)
+            model, inputs, loss, expected = _torch_run(*arguments)
     return model, inputs, float(loss), expected, period
 
 

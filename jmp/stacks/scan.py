@@ -453,12 +453,12 @@ def _stacked(
 
 def _output_shape(out: Any, first: Any, leaves: list[Any]) -> Any:
     """What a layer called on ``first`` returned, if a stacked layer may return it, else None: "tensor" (a tensor
-    like ``first``), or a tuple of one such and, after it, Nones, arguments passed back as they came (T5's shared
-    position biases) or further tensors (attention weights): the tuple's type and, per element, "hidden", None,
-    the argument's position or ("tensor", shape, torch dtype, JAX dtype)."""
+    like ``first``), or a tuple (or a list: GPT-1's blocks) of one such and, after it, Nones, arguments passed back
+    as they came (T5's shared position biases) or further tensors (attention weights): the tuple's type and, per
+    element, "hidden", None, the argument's position or ("tensor", shape, torch dtype, JAX dtype)."""
     if isinstance(out, JaxTensor):
         return "tensor" if _same_type(out, first) else None
-    if not (isinstance(out, tuple) and out and isinstance(out[0], JaxTensor) and _same_type(out[0], first)):
+    if not (isinstance(out, (tuple, list)) and out and isinstance(out[0], JaxTensor) and _same_type(out[0], first)):
         return None
     elements: list[Any] = ["hidden"]
     for element in out[1:]:
@@ -493,7 +493,7 @@ def _shaped(shape: Any, hidden: JaxTensor, extras: dict[int, PendingTensor], lea
         hidden if e == "hidden" else extras[j] if isinstance(e, tuple) else None if e is None else leaves[e]
         for j, e in enumerate(elements)
     ]
-    return kind(values) if kind is tuple else kind(*values)
+    return kind(values) if kind in (tuple, list) else kind(*values)
 
 
 def _hook_of(copy: TorchModule) -> Any:

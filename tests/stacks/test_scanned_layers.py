@@ -232,6 +232,43 @@ def test_each_stack_says_once_how_its_layers_ran(caplog):
     assert_close(float(loss.reduce_mean()), float(expected), 1e-6)
 
 
+class _Listed(torch.nn.Module):
+    """A block returning a list of its output (GPT-1's blocks return [hidden, *attention outputs])."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return [torch.tanh(self.linear(x))]
+
+
+class _ListedStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Listed() for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)[0]
+        return x
+
+
+def test_layers_returning_a_list_scan():
+    torch.manual_seed(0)
+    module = _ListedStack()
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    module(x).square().mean().backward()
+    expected = {name: p.grad for name, p in module.named_parameters()}
+    smp.init({"scan_layers": True})
+    model = smp.DistributedModel(module)
+    _forward_step(model, x)
+    assert sum(eqn.primitive.name == "scan" for eqn in equations(_forward_step.trace(model, x).jaxpr)) >= 1
+    grads = named_grads(model.grads)
+    for name, grad in expected.items():
+        assert_close(grads[name], grad, 1e-5, floor=1e-7)
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
