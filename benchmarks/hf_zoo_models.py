@@ -128,6 +128,8 @@ def _shrunk_value(name: str, value: Any, image: int = IMAGE) -> Any:
             return 2
     if isinstance(value, float) and ("dropout" in name or "drop_" in name or name.endswith("drop")):
         return 0.0
+    if isinstance(value, float) and name in ("width_coefficient", "depth_coefficient", "width_multiplier"):
+        return min(value, 1.0)  # EfficientNet-style compound scaling: the base network
     if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         if name in ("depths", "num_layers_per_stage", "block_repeats"):
             return [1] * len(value)
