@@ -230,7 +230,7 @@ def _inputs(family: str, model: torch.nn.Module, config: Any) -> dict[str, torch
     ids = torch.randint(3, vocab, (BATCH, SEQUENCE), generator=generator)
     labels_count = getattr(config, "num_labels", 2)
     name = model.main_input_name
-    if name == "pixel_values":
+    if name == "pixel_values" or family == "image_classification":  # Perceiver names its input "inputs"
         channels = getattr(config, "num_channels", 3)
         size = getattr(config, "image_size", IMAGE)
         height, width = (size, size) if isinstance(size, int) else tuple(size)[:2] if size else (IMAGE, IMAGE)
