@@ -120,11 +120,13 @@ class StackedLayers:
                 how = "one scan" if scans == 1 else f"{scans} scans"
                 _say_once(container, f"{scanned} of its {called} layers run as {how}, the others as they are")
             elif not any(chain.reason for chain in chains):  # a reason was said when it was found
-                _say_once(
-                    container,
-                    f"its {called} layers run one by one: none was called on the previous layer's output with "
-                    "arguments like those of its twin before it",
-                )
+                if chains:
+                    why = "each layer's output was read before the next layer was called on it"
+                elif called < 3:
+                    why = "a scan takes the layers after the first, two or more"
+                else:
+                    why = "none was called on the previous layer's output with arguments like its twin's before it"
+                _say_once(container, f"its {called} layers run one by one: {why}")
 
     def _scannable_leaf(self, leaf: Any) -> bool:
         """A tensor, a plain value, or a key/value cache that was empty before the stack ran: training builds one

@@ -227,7 +227,7 @@ def test_each_stack_says_once_how_its_layers_ran(caplog):
     assert notices == [
         "layer stack 'alike': 3 of its 4 layers run as one scan, the others as they are",
         "layer stack 'apart': its 3 layers run one by one: none was called on the previous layer's output with "
-        "arguments like those of its twin before it",
+        "arguments like its twin's before it",
     ]
     assert_close(float(loss.reduce_mean()), float(expected), 1e-6)
 
