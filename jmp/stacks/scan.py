@@ -120,10 +120,10 @@ class StackedLayers:
                 how = "one scan" if scans == 1 else f"{scans} scans"
                 _say_once(container, f"{scanned} of its {called} layers run as {how}, the others as they are")
             elif not any(chain.reason for chain in chains):  # a reason was said when it was found
-                if chains:
-                    why = "each layer's output was read before the next layer was called on it"
-                elif called < 3:
+                if called < 3:
                     why = "a scan takes the layers after the first, two or more"
+                elif chains:
+                    why = "each layer's output was read before the next layer was called on it"
                 else:
                     why = "none was called on the previous layer's output with arguments like its twin's before it"
                 _say_once(container, f"its {called} layers run one by one: {why}")
