@@ -86,9 +86,9 @@ def test_embedding_padding_row_gets_no_gradient():
     assert np.any(np.asarray(grads["weight"][...][3]) != 0)
 
 
-@pytest.mark.parametrize("batch_first", [False, True])
-def test_multihead_attention_matches_torch(batch_first):
-    module = nn.MultiheadAttention(8, 2, batch_first=batch_first, add_bias_kv=True).eval()
+@pytest.mark.parametrize("batch_first, add_bias_kv", [(False, True), (True, False)])
+def test_multihead_attention_matches_torch(batch_first, add_bias_kv):
+    module = nn.MultiheadAttention(8, 2, batch_first=batch_first, add_bias_kv=add_bias_kv).eval()
     shape = (2, 5, 8) if batch_first else (5, 2, 8)
     query, key = torch.randn(*shape), torch.randn(*shape)
     padding = torch.tensor([[False] * 4 + [True], [False] * 5])

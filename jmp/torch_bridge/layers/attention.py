@@ -38,6 +38,8 @@ class MultiheadAttention(ArrayModule):
         self.batch_first = torch_module.batch_first
         self.add_zero_attn = torch_module.add_zero_attn
         self.same_embed_dim = torch_module._qkv_same_embed_dim
+        if torch_module.bias_k is None:  # plain attributes in torch, not registered parameters: not copied
+            self.bias_k = self.bias_v = None
         self.rngs = converter.rngs
 
     def _projections(self):
