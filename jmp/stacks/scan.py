@@ -75,6 +75,7 @@ class StackedLayers:
         self._empty_caches: set[int] = set()  # key/value caches that were empty when a stack's first layer ran
         self._called: dict[str, int] = collections.Counter()  # container -> layer calls in this trace
         self._chains: dict[str, list[_Chain]] = collections.defaultdict(list)
+        self._refused: dict[str, str] = {}  # container -> the type of an argument that kept a layer out of a scan
 
     @property
     def paths(self) -> list[str]:
@@ -88,7 +89,10 @@ class StackedLayers:
         other = torch_pytree.tree_flatten((args[1:], kwargs)) if args else None
         if other is not None:
             self._empty_caches.update(id(leaf) for leaf in other[0] if _is_cache(leaf) and leaf.get_seq_length() == 0)
-        scannable = other is not None and hooks is not None and all(self._scannable_leaf(leaf) for leaf in other[0])
+        refused = next((leaf for leaf in other[0] if not self._scannable_leaf(leaf)), None) if other else None
+        if refused is not None:
+            self._refused.setdefault(stack.container, type(refused).__name__)
+        scannable = other is not None and hooks is not None and refused is None
         chain = self._open.pop(stack.container, None)
         if scannable and chain is not None and chain.joins(index, stack, hooks, args[0], *other):
             self._open[stack.container] = chain
@@ -124,6 +128,8 @@ class StackedLayers:
                     why = "a scan takes the layers after the first, two or more"
                 elif chains:
                     why = "each layer's output was read before the next layer was called on it"
+                elif container in self._refused:
+                    why = f"a layer takes a {self._refused[container]}, which the scan does not carry"
                 else:
                     why = "none was called on the previous layer's output with arguments like its twin's before it"
                 _say_once(container, f"its {called} layers run one by one: {why}")

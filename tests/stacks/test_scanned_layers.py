@@ -198,19 +198,33 @@ def _forward_step(model, x):
     return loss
 
 
+class _Memo:
+    """State layers share through an argument (Gemma-4's KV-sharing dict): not a tensor, a scan cannot carry it."""
+
+
+class _Remembering(torch.nn.Linear):
+    def forward(self, x, memo):
+        return torch.tanh(super().forward(x))
+
+
 class _Scaled(torch.nn.Module):
-    """Two stacks of alike layers: ``alike`` called in a chain, ``apart`` each with its own scale."""
+    """Three stacks of alike layers: ``alike`` called in a chain, ``apart`` each with its own scale, ``shared``
+    each with an object that is not a tensor."""
 
     def __init__(self):
         super().__init__()
         self.alike = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4))
         self.apart = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.shared = torch.nn.ModuleList(_Remembering(8, 8) for _ in range(3))
 
     def forward(self, x):
         for layer in self.alike:
             x = layer(x)
         for scale, layer in enumerate(self.apart):
             x = torch.tanh(layer(x) * (scale + 1))  # each layer takes what the one before it returned, scaled
+        memo = _Memo()
+        for layer in self.shared:
+            x = layer(x, memo)
         return x
 
 
@@ -228,6 +242,7 @@ def test_each_stack_says_once_how_its_layers_ran(caplog):
         "layer stack 'alike': 3 of its 4 layers run as one scan, the others as they are",
         "layer stack 'apart': its 3 layers run one by one: none was called on the previous layer's output with "
         "arguments like its twin's before it",
+        "layer stack 'shared': its 3 layers run one by one: a layer takes a _Memo, which the scan does not carry",
     ]
     assert_close(float(loss.reduce_mean()), float(expected), 1e-6)
 
