@@ -19,6 +19,7 @@ from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their regis
     normalization,
     random,
     reductions,
+    selections,
     shape,
     sliding_blocks,
 )

@@ -215,12 +215,6 @@ def take_along_dim(input, indices, dim=None):
     return jnp.take_along_axis(x, i, axis=ax)
 
 
-@register_lowering(torch.masked_select, T.masked_select)
-def masked_select(input, mask):
-    x, m = jnp.broadcast_arrays(input, mask)
-    return x[m]  # data-dependent size: concrete values only
-
-
 @register_lowering(torch.masked_scatter, T.masked_scatter, inplace=(T.masked_scatter_,))
 def masked_scatter(input, mask, source):
     input, mask = jnp.broadcast_arrays(input, mask)

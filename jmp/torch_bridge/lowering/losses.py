@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 from jmp.torch_bridge.lowering.arguments import reduction as reduction_mode
 from jmp.torch_bridge.lowering.reductions import accumulation_dtype
+from jmp.torch_bridge.lowering.selections import selected_or_array
 from jmp.torch_bridge.registry import register_lowering
+from jmp.torch_bridge.tensor import unwrap, unwrap_tree
 
 
 def _reduce(loss, reduction):
@@ -236,7 +238,13 @@ def cosine_embedding_loss(input1, input2, target, margin=0.0, size_average=None,
 _CTC_LOG_EPSILON = -1e5  # optax's stand-in for log(0); an alignment-free sequence costs at least -this / 2
 
 
-@register_lowering(F.ctc_loss, torch.ctc_loss)
+@register_lowering(F.ctc_loss, torch.ctc_loss, raw=True)
+def ctc_loss_of_tensors(log_probs, targets, *args, **kwargs):
+    """``ctc_loss`` on the bridge's tensors: concatenated ``targets`` may be ``masked_select``'s padded
+    selection under ``jit`` (the rows are cut by ``target_lengths``, so the padding is never read)."""
+    return ctc_loss(unwrap(log_probs), selected_or_array(targets), *unwrap_tree(args), **unwrap_tree(kwargs))
+
+
 def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
     """Connectionist temporal classification (``optax.ctc_loss``) on torch's layouts: ``log_probs`` (T, N, C)
     or (T, C); ``targets`` padded (N, S) or concatenated (sum of ``target_lengths``), the latter gathered into
