@@ -17,52 +17,33 @@ from tests.remat.helpers import equations
 transformers = pytest.importorskip("transformers")
 
 
-def _llama(layers: int) -> torch.nn.Module:
+SIZES = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    max_position_embeddings=32,
+)
+
+
+def _decoder(config_class: type, layers: int, **extra) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=32,
-    )
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return transformers.AutoModelForCausalLM.from_config(config_class(**SIZES, num_hidden_layers=layers, **extra))
+
+
+def _llama(layers: int) -> torch.nn.Module:
+    return _decoder(transformers.LlamaConfig, layers)
 
 
 def _gemma2(layers: int) -> torch.nn.Module:
     """Gemma-2: sliding-window and global attention layers in turn (a period of 2)."""
-    torch.manual_seed(0)
-    config = transformers.Gemma2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=64,
-        max_position_embeddings=32,
-        sliding_window=8,
-    )
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return _decoder(transformers.Gemma2Config, layers, head_dim=8, sliding_window=8)
 
 
 def _mixtral(layers: int) -> torch.nn.Module:
     """Mixtral: mixture-of-experts layers (the experts split over ep inside the scan)."""
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=32,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return _decoder(transformers.MixtralConfig, layers, num_local_experts=4, num_experts_per_tok=2)
 
 
 def _t5(layers: int) -> torch.nn.Module:
