@@ -1,31 +1,17 @@
-"""nn.MultiheadAttention, following ``F.multi_head_attention_forward``.
-
-Torch's masks here mean the opposite of SDPA's: a True entry in ``attn_mask``
-or ``key_padding_mask`` is *excluded* from attention.
-"""
+"""nn.MultiheadAttention: its parameters through ``F.multi_head_attention_forward``'s formula
+(``lowering/multi_head_attention.py``), with dropout from the layer's own random stream."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from torch import nn
 
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering import nn_functional
-from jmp.torch_bridge.lowering.nn_functional import linear
+from jmp.torch_bridge.lowering.multi_head_attention import attend
 from jmp.torch_bridge.module import ArrayModule
-
-
-def _additive(mask, dtype):
-    """A float mask to add to attention scores (bool True -> -inf)."""
-    if mask is None:
-        return None
-    if mask.dtype == jnp.bool_:
-        return jnp.where(mask, -jnp.inf, 0.0).astype(dtype)
-    return mask.astype(dtype)
 
 
 @register_layer(nn.MultiheadAttention)
@@ -69,46 +55,33 @@ class MultiheadAttention(ArrayModule):
             query, key, value = (jnp.swapaxes(t, 0, 1) for t in (query, key, value))
         if is_causal and attn_mask is None:
             raise ValueError("MultiheadAttention with is_causal=True needs attn_mask (as in torch)")
-        length, batch, _ = query.shape
-        heads, head_dim = self.num_heads, self.embed_dim // self.num_heads
-        (w_q, w_k, w_v), (b_q, b_k, b_v) = self._projections()
-        q, k, v = linear(query, w_q, b_q), linear(key, w_k, b_k), linear(value, w_v, b_v)
-        dtype = q.dtype
-        mask = _additive(attn_mask, dtype)
-        padding = _additive(key_padding_mask, dtype)
-        if self.bias_k is not None:
-            k = jnp.concatenate([k, jnp.broadcast_to(self.bias_k[...], (1, batch, self.embed_dim))])
-            v = jnp.concatenate([v, jnp.broadcast_to(self.bias_v[...], (1, batch, self.embed_dim))])
-            mask = None if mask is None else jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, 1)])
-            padding = None if padding is None else jnp.pad(padding, [(0, 0), (0, 1)])
-        q, k, v = (t.reshape(t.shape[0], batch * heads, head_dim).swapaxes(0, 1) for t in (q, k, v))
-        if self.add_zero_attn:
-            k = jnp.concatenate([k, jnp.zeros((batch * heads, 1, head_dim), dtype)], axis=1)
-            v = jnp.concatenate([v, jnp.zeros((batch * heads, 1, head_dim), dtype)], axis=1)
-            mask = None if mask is None else jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, 1)])
-            padding = None if padding is None else jnp.pad(padding, [(0, 0), (0, 1)])
-        source = k.shape[1]
-        scores = jnp.matmul(q * math.sqrt(1.0 / head_dim), jnp.swapaxes(k, 1, 2))  # (N*H, L, S)
-        if mask is not None:
-            scores = scores + (mask[None] if mask.ndim == 2 else mask)
-        if padding is not None:
-            scores = scores + jnp.repeat(padding[:, None, :], heads, axis=0)
-        weights = jax.nn.softmax(scores, axis=-1)
-        if not self.deterministic and self.dropout_rate > 0.0:
+        if self.dropout_rate > 0.0 and not self.deterministic:
             keep = 1.0 - self.dropout_rate
-            drop = nn_functional.dropout_mask(weights.shape, keep, self.rngs.dropout())
-            attended = jnp.where(drop, weights / keep, 0.0)
+
+            def dropout(weights):
+                drop = nn_functional.dropout_mask(weights.shape, keep, self.rngs.dropout())
+                return jnp.where(drop, weights / keep, 0.0)
         else:
-            attended = weights
-        out = jnp.matmul(attended, v).swapaxes(0, 1).reshape(length * batch, self.embed_dim)
-        out = self.out_proj(out).reshape(length, batch, self.embed_dim)
+            dropout = None
+        out, weights = attend(
+            query,
+            key,
+            value,
+            self.num_heads,
+            self._projections(),
+            self.out_proj,
+            bias_kv=None if self.bias_k is None else (self.bias_k[...], self.bias_v[...]),
+            add_zero_attn=self.add_zero_attn,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            dropout=dropout,
+        )
         if unbatched:
             out = out[:, 0]
         elif self.batch_first:
             out = jnp.swapaxes(out, 0, 1)
         if not need_weights:
             return out, None
-        weights = attended.reshape(batch, heads, length, source)  # torch returns them after dropout
-        if average_attn_weights:
+        if average_attn_weights:  # torch returns them after dropout
             weights = jnp.mean(weights, axis=1)
         return out, (weights[0] if unbatched else weights)

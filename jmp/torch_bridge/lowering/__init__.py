@@ -15,6 +15,7 @@ from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their regis
     initialisers,
     linalg,
     losses,
+    multi_head_attention,
     nn_functional,
     normalization,
     random,
