@@ -291,6 +291,16 @@ log_softmax = register_lowering(F.log_softmax, torch.log_softmax, T.log_softmax,
 softmin = register_lowering(F.softmin)(_softmax_like(jax.nn.softmax, sign=-1))
 
 
+@register_lowering(torch._softmax_backward_data)
+def softmax_backward_data(grad_output, output, dim, input_dtype):
+    """Softmax's vector-Jacobian product from its output, as ATen computes it (DeBERTa-style masked softmax
+    Functions call it in their ``backward``): ``output * (grad - sum(grad * output, dim))``."""
+    wide = accumulation_dtype(output.dtype)
+    g, y = grad_output.astype(wide), output.astype(wide)
+    ax = axis(dim, y.ndim)
+    return (y * (g - jnp.sum(g * y, axis=ax, keepdims=True))).astype(to_jax_dtype(input_dtype))
+
+
 def _implicit_dim(dim, ndim):
     if dim is None:  # torch's legacy implicit choice
         dim = 0 if ndim in (0, 1, 3) else 1
