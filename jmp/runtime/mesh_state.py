@@ -111,9 +111,11 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
         "tp": parsed.tensor_parallel_degree,
     }
     if parsed.context_parallel_degree > 1:
-        _check_context_parallel_in_one_process(parsed.context_parallel_degree)
         shape = {**{a: shape[a] for a in AXES[:-1]}, CONTEXT_AXIS: parsed.context_parallel_degree, "tp": shape["tp"]}
-    _config, _mesh = parsed, _build_mesh(shape, devices, parsed.placement_strategy)
+    mesh = _build_mesh(shape, devices, parsed.placement_strategy)
+    if parsed.context_parallel_degree > 1:
+        _check_sequences_within_processes(mesh, parsed.context_parallel_degree)
+    _config, _mesh = parsed, mesh
     process_groups.start(_mesh, GROUP_AXES)
     queues_on_threads = devices[0].platform == "cpu" and count > 1  # XLA:CPU deadlocks on a long queue
     programs_in_flight.bound(programs_in_flight.cpu_limit() if queues_on_threads else 0)
@@ -161,12 +163,18 @@ def _build_mesh(shape: dict[str, int], devices: list, placement: str) -> Mesh:
 step_boundary.after_each_step(programs_in_flight.admit_update)
 
 
-def _check_context_parallel_in_one_process(degree: int) -> None:
-    if jax.process_count() > 1:
+def _check_sequences_within_processes(mesh: Mesh, degree: int) -> None:
+    """Each process passes whole sequences for its rows: the devices a sequence is split over ("cp") must be
+    devices of one process."""
+    cp = mesh.axis_names.index(CONTEXT_AXIS)
+    groups = np.moveaxis(mesh.devices, cp, -1).reshape(-1, degree)
+    if any(len({device.process_index for device in group}) > 1 for group in groups):
         raise ConfigError(
-            f"'context_parallel_degree' is {degree} in a run of {jax.process_count()} processes: jmp splits the "
-            "sequence over devices one process drives (the process passes whole sequences); run one process "
-            "over all devices (python script.py, not jmp.launch -n N), or set context_parallel_degree to 1"
+            f"'context_parallel_degree' is {degree}, but the devices a sequence is split over belong to several "
+            f"of the {jax.process_count()} processes ({jax.local_device_count()} devices each): each process "
+            "passes whole sequences, split over its own devices. Keep context_parallel_degree x "
+            "tensor_parallel_degree at most the devices per process with placement_strategy 'cluster', or run "
+            "fewer processes"
         )
 
 

@@ -30,6 +30,8 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 FSDP_TP = {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2}
 PP_ACROSS_PROCESSES = {"pipeline_parallel_degree": 2, "microbatches": 2, "placement_strategy": "PDT"}
+# each process's sequences split over two of its own devices (context parallelism), the model over fsdp and tp
+CP_FSDP_TP = {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}
 
 
 def _env(**extra: str) -> dict:
@@ -73,8 +75,8 @@ def _torchrun_style(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     ("layout", "launcher"),
-    [(FSDP_TP, _launch), (PP_ACROSS_PROCESSES, _torchrun_style)],
-    ids=["fsdp4xtp2-jmp.launch", "pp2-across-processes-torchrun-env"],
+    [(FSDP_TP, _launch), (PP_ACROSS_PROCESSES, _torchrun_style), (CP_FSDP_TP, _launch)],
+    ids=["fsdp4xtp2-jmp.launch", "pp2-across-processes-torchrun-env", "cp2xfsdp2xtp2-jmp.launch"],
 )
 def test_two_processes_train_gpt2_like_one(tmp_path, layout, launcher):
     reports = _reports(launcher("tests/multiprocess/train_gpt2.py", json.dumps(layout), str(tmp_path)))
@@ -89,10 +91,10 @@ def test_two_processes_train_gpt2_like_one(tmp_path, layout, launcher):
         assert report["logits_shape"] == list(mine.shape)
         assert report["logits_sum"] == pytest.approx(float(mine.sum()), rel=1e-4)
     # the data is split over the processes; pipeline stages across processes: both feed the whole batch
-    assert reports[0]["dp"][1] == (2 if layout is FSDP_TP else 1)
+    assert reports[0]["dp"][1] == (1 if layout is PP_ACROSS_PROCESSES else 2)
     for report in reports.values():  # local_state_dict()s hold pieces (fsdp4 x tp2: at most half of the model)
         assert "smp.save_checkpoint" in report["local_load_refused"]
-        if layout is FSDP_TP:
+        if layout is not PP_ACROSS_PROCESSES:
             assert report["local_numel"] <= report["numel"] // 2
             assert report["local_moment_numel"] <= report["local_numel"]
         else:

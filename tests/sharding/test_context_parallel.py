@@ -9,6 +9,8 @@ with the ring and with the all-gather form; the suite's time allows one model he
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jmp as smp
 from jmp.compiled_step.microbatches import batch_spec
 from jmp.errors import ConfigError
+from jmp.runtime import mesh_state
 from tests.front_end.helpers import named_grads
 from tests.sharding.models import VOCAB, causal_lm, token_batches
 
@@ -93,3 +96,13 @@ def test_degree_one_leaves_the_mesh_without_cp_and_pipelines_refuse_cp():
         smp.init({"context_parallel_degree": 2, "pipeline_parallel_degree": 2})
     with pytest.raises(ConfigError, match="context_parallel_degree \\(3\\) = 3 does not divide the 8 devices"):
         smp.init({"context_parallel_degree": 3})
+
+
+def test_a_sequence_split_over_devices_of_two_processes_is_refused():
+    # cp 2 x tp 2 over 2 processes of 2 devices: with "tp" then "cp" fastest, each cp pair spans both processes
+    device = types.SimpleNamespace
+    grid = np.array([[device(process_index=p) for p in (0, 1)] for _ in range(2)])  # [tp, cp]
+    mesh = types.SimpleNamespace(axis_names=("tp", "cp"), devices=grid)
+    with pytest.raises(ConfigError, match="belong to several of the"):
+        mesh_state._check_sequences_within_processes(mesh, 2)
+    mesh_state._check_sequences_within_processes(types.SimpleNamespace(axis_names=("cp", "tp"), devices=grid), 2)
