@@ -238,7 +238,8 @@ def _inputs(family: str, model: torch.nn.Module, config: Any) -> dict[str, torch
     elif name == "input_values":
         inputs = {name: torch.randn(BATCH, AUDIO_SAMPLES, generator=generator)}
     elif name == "input_features":
-        bins = getattr(config, "num_mel_bins", None) or getattr(config, "feature_size", 80)
+        names = ("feature_projection_input_dim", "num_mel_bins", "feature_size")  # Wav2Vec2-BERT stacks 2 frames
+        bins = next((getattr(config, n) for n in names if getattr(config, n, None)), 80)
         inputs = {name: torch.randn(BATCH, 64, bins, generator=generator)}
     else:
         inputs = {name: ids}
