@@ -65,6 +65,13 @@ def run_worker(command: list[str], env: dict, row: dict, timeout_s: int, tail_li
     }
 
 
+def _missing_op(error: str) -> str:
+    """The op an ``UnsupportedOpError`` names: "torch op X has no ..." or "ATen op X was called ..."."""
+    if error.startswith("ATen op "):
+        return error.split()[2]
+    return error.split(" has no")[0].removeprefix("torch op ")
+
+
 def summarise(rows: dict[str, dict]) -> dict:
     """Pass rate over what PyTorch runs, per family and in all; failures by category; exclusions."""
     by_family: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -83,7 +90,7 @@ def summarise(rows: dict[str, dict]) -> dict:
         else:
             categories[row["category"]].append(key)
             if row["category"] == "op":
-                missing_ops[row["error"].split(" has no")[0].removeprefix("torch op ")] += 1
+                missing_ops[_missing_op(row["error"])] += 1
     families = {}
     for family, counts in sorted(by_family.items()):
         runs = counts["torch_runs"]
