@@ -15,9 +15,10 @@ from jmp.torch_bridge.dtypes import to_jax_dtype
 
 
 def tensor_to_array(tensor: torch.Tensor) -> jax.Array:
-    """A JAX array holding a copy of a (real, CPU-readable) torch tensor."""
+    """A JAX array holding a copy of a CPU-readable torch tensor."""
     with torch._C.DisableTorchFunction():  # a plain copy, never a lowered op
-        tensor = tensor.detach().cpu()
+        # the lazy conjugate / negative bits (torch.fft.ifft's results, x.conj()) materialised: numpy() refuses them
+        tensor = tensor.detach().cpu().resolve_conj().resolve_neg()
     if tensor.dtype == torch.bfloat16:
         host = tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     else:
