@@ -228,6 +228,9 @@ def _inputs(family: str, model: torch.nn.Module, config: Any) -> dict[str, torch
     generator = torch.Generator().manual_seed(1)
     vocab = min(getattr(config, "vocab_size", None) or VOCAB, VOCAB)
     ids = torch.randint(3, vocab, (BATCH, SEQUENCE), generator=generator)
+    eos = getattr(config, "eos_token_id", None)
+    if family == "sequence_classification" and isinstance(eos, int) and eos < vocab:
+        ids[:, -1] = eos  # BART-style classifiers pool at each example's last end-of-sequence token
     labels_count = getattr(config, "num_labels", 2)
     name = model.main_input_name
     if name == "pixel_values" or family == "image_classification":  # Perceiver names its input "inputs"
