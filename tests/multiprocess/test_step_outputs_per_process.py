@@ -54,13 +54,12 @@ def _held_out(stdout: str) -> list[tuple[float, float]]:
 
 
 def test_the_main_job_under_the_launcher_reports_an_accuracy_over_both_processes_digits():
-    # 2 epochs of 11 steps of 2 x 64, data parallel over the processes, one device each (four per process make
-    # each step 4x slower on this CPU; pipelines across processes: test_training.py, test_pipeline_inputs.py)
-    command = [*LAUNCH[:-1], "1", "-m", "jmp.examples.mnist", "--epochs", "2", "--partitions", "1"]
+    # 11 steps of 2 x 64, data parallel over the processes, one device each (four per process make each step 4x
+    # slower on this CPU; pipelines across processes: test_training.py, test_pipeline_inputs.py)
+    command = [*LAUNCH[:-1], "1", "-m", "jmp.examples.mnist", "--epochs", "1", "--partitions", "1"]
     held_out = _held_out(_run(command).stdout)
-    assert len(held_out) == 2  # the job's report after each epoch, printed by rank 0, summed over both processes
-    (_, accuracy) = held_out[-1]
-    # counting every process's correct digits over one process's digits gave 157.95% here. Two epochs (22 steps
-    # of Adadelta at lr 4.0, with dropout) land from 50% to 90% with the dropout masks drawn (59.4% measured, 24.2%
-    # after the first epoch; with 4 devices per process 56.6% and 84.8%), far above chance (10%)
-    assert 30 < accuracy <= 100, accuracy
+    assert len(held_out) == 1  # the job's report, printed by rank 0, of the figures summed over both processes
+    (_, accuracy) = held_out[0]
+    # counting every process's correct digits over one process's digits gave 157.95% here. One epoch of Adadelta
+    # at lr 4.0 with dropout lands at 24.2% (the same seeds every run; 59.4% after a second epoch), above chance
+    assert 15 < accuracy <= 100, accuracy
