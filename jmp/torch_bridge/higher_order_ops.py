@@ -1,10 +1,12 @@
-"""Torch's higher-order ops (``torch.cond``, ``while_loop``, ``scan``, ``associative_scan``, ``map``) as
-calls the dispatcher sees.
+"""Torch's higher-order ops (``torch.cond``, ``while_loop``, ``scan``, ``associative_scan``, ``map``, and
+``torch.vmap`` / ``torch.func.vmap``) as calls the dispatcher sees.
 
 They are Python functions below the torch-function protocol: on the bridge's tensors they would run their
 eager fallbacks, which call ATen ops directly (``aten.slice`` inside ``associative_scan``). While a session
 runs, each is replaced at every import path torch offers it under by a router that sends calls made inside
-the session to the dispatcher under the original function (lowered in ``lowering/control_flow.py``).
+the session to the dispatcher under the original function (lowered in ``lowering/control_flow.py``). The
+function ``vmap(func, ...)`` returns calls ``vmap_impl(func, in_dims, out_dims, randomness, chunk_size, *args)``
+when it runs, the point where the tensors arrive: that is the one routed (lowered in ``lowering/vmap.py``).
 Hugging Face picks these paths only when ``torch.compiler.is_compiling()`` says True, which the bridge
 reports while tracing (Mamba's ``use_associative_scan``).
 """
@@ -17,13 +19,15 @@ from typing import Any
 
 import torch
 
-# (module that defines it, name); the package torch._higher_order_ops re-exports each under the same name
+# (module whose global the router replaces, name); the package torch._higher_order_ops re-exports the control
+# flow ops under the same names; torch.vmap's wrapper looks vmap_impl up in torch._functorch.apis
 _DEFINED_IN = (
     ("torch._higher_order_ops.cond", "cond"),
     ("torch._higher_order_ops.while_loop", "while_loop"),
     ("torch._higher_order_ops.scan", "scan"),
     ("torch._higher_order_ops.associative_scan", "associative_scan"),
     ("torch._higher_order_ops.map", "map"),
+    ("torch._functorch.apis", "vmap_impl"),
 )
 
 

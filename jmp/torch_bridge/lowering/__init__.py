@@ -23,4 +23,5 @@ from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their regis
     selections,
     shape,
     sliding_blocks,
+    vmap,
 )

@@ -264,3 +264,17 @@ def searchsorted(sorted_sequence, input, *, out_int32=False, right=False, side=N
 def bucketize(input, boundaries, *, out_int32=False, right=False):
     out = jnp.searchsorted(boundaries, input, side="right" if right else "left")
     return out.astype(jnp.int32 if out_int32 else _INT)
+
+
+@register_lowering(torch.ops.aten.index, torch.ops.aten.index.Tensor)
+def aten_index(input, indices):
+    """ATen's advanced indexing (``x[i, j]`` with index tensors; None keeps a dimension whole), which
+    ``torch.ops.aten.index`` reaches directly: Hugging Face's vmapped masks and flex attention's score
+    functions index through torch's ``ModIndex``."""
+    return input[tuple(slice(None) if index is None else index for index in indices)]
+
+
+@register_lowering("flex_lib::zeros_and_scatter")
+def zeros_and_scatter(shape, indices, values):
+    """``ModIndex``'s backward: the gradient of ``aten.index``, ``values`` summed into zeros at ``indices``."""
+    return jnp.zeros(tuple(shape), values.dtype).at[tuple(indices)].add(values)

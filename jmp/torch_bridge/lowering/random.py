@@ -8,6 +8,10 @@ part of the model's state.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 import torch
@@ -20,6 +24,18 @@ from jmp.torch_bridge.registry import register_lowering
 
 T = torch.Tensor
 
+_DRAWS_REFUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_draws_refused", default=False)
+
+
+@contextlib.contextmanager
+def draws_refused() -> Iterator[None]:
+    """Random ops raise meanwhile: inside ``torch.vmap(..., randomness="error")``, torch's default."""
+    token = _DRAWS_REFUSED.set(True)
+    try:
+        yield
+    finally:
+        _DRAWS_REFUSED.reset(token)
+
 
 def next_key(stream: str = "default") -> jax.Array:
     rngs = dispatch.current_rngs()
@@ -27,6 +43,11 @@ def next_key(stream: str = "default") -> jax.Array:
         raise JmpError(
             "a random op ran outside a converted module, so there is no random stream to draw from. "
             "Call it from a module converted with jmp.torch_bridge.convert(module, rngs=nnx.Rngs(seed))."
+        )
+    if _DRAWS_REFUSED.get():
+        raise JmpError(  # torch's words
+            "vmap: called random operation while in randomness error mode. Please either use the 'same' or "
+            f"'different' randomness flags on vmap or perform the randomness operation out of vmap{dispatch.where()}"
         )
     return dispatch.salted(getattr(rngs, stream)())
 
