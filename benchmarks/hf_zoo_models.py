@@ -336,6 +336,29 @@ def _torch_run(family: str, model_type: str, class_name: str, level: int, by_att
     return model, inputs, loss, expected
 
 
+def _step_uncompiled(model: torch.nn.Module, inputs: dict) -> tuple[float, dict[str, np.ndarray]]:
+    """Loss and gradients by name from ``@smp.step`` on the whole model: the step a user writes, which runs op
+    by op when its forward needs concrete values (``jmp.compiled_step.uncompiled``)."""
+    import jax
+
+    import jmp as smp
+
+    smp.init({})
+    distributed = smp.DistributedModel(model)
+    distributed.eval()
+
+    @smp.step
+    def loss_and_backward(model, inputs):
+        loss = model(**inputs).loss
+        model.backward(loss)
+        return loss
+
+    loss = loss_and_backward(distributed, inputs).reduce_mean()
+    flat = jax.tree_util.tree_flatten_with_path(distributed.grads)[0]
+    names = [".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)) for path, _ in flat]
+    return float(loss), {name: np.asarray(leaf) for name, (_, leaf) in zip(names, flat)}
+
+
 def _compare_with_jmp(model: torch.nn.Module, inputs: dict, expected_loss: float, expected: dict) -> dict:
     import jax.numpy as jnp
     from flax import nnx
@@ -352,11 +375,18 @@ def _compare_with_jmp(model: torch.nn.Module, inputs: dict, expected_loss: float
     def loss_of(module):
         return module(**arrays).loss
 
+    path = "jit"
     try:
         graphdef, _, rest = nnx.split(converted, nnx.Param, ...)
         loss, grads = nnx.jit(nnx.value_and_grad(loss_of))(converted)
         named = dict(jmp.torch_bridge.named_variables(nnx.merge(graphdef, grads, rest)))
         actual = {name: np.asarray(named[name][...]) for name in expected if name in named}
+    except jmp.TracedControlFlowError:  # data-dependent shapes: what a user's step does, run op by op
+        path = "op by op"
+        try:
+            loss, actual = _step_uncompiled(model, inputs)
+        except Exception as error:  # noqa: BLE001
+            return _failure("jax", error)
     except Exception as error:  # noqa: BLE001
         return _failure("jax", error)
     missing = sorted(set(expected) - set(actual))
@@ -373,6 +403,7 @@ def _compare_with_jmp(model: torch.nn.Module, inputs: dict, expected_loss: float
         "max_grad_rel_error": grad_errors[worst] if worst else None,
         "worst_gradient": worst,
         "gradients": len(expected),
+        "path": path,
     }
     if missing or loss_error > RTOL or (worst and grad_errors[worst] > RTOL):
         reason = f"no JAX gradient for {missing[:3]}" if missing else "loss or a gradient differs from PyTorch's"

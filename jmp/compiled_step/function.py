@@ -33,11 +33,11 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import microbatches as batching
-from jmp.compiled_step import pipeline_inputs, process_shares
+from jmp.compiled_step import pipeline_inputs, process_shares, uncompiled
 from jmp.compiled_step import program as step_program
 from jmp.compiled_step.outputs import ProcessShare, StepOutput, as_tensor_shape, results
 from jmp.compiled_step.signature import StepSignature, place_arguments
-from jmp.errors import StepError
+from jmp.errors import StepError, TracedControlFlowError
 from jmp.model import live_models as model_registry
 from jmp.model.distributed_model import DistributedModel, current_trace
 from jmp.pipeline import engine
@@ -165,12 +165,15 @@ class StepFunction:
         if model.pipeline is not None and not model.pipeline.ready:
             self._partition(model, signature, [*placed.arrays, model.loss_scale])
         model.run_post_partition_hooks()
-        program, traced = model.programs.get(
-            (self, signature), lambda: step_program.compile_step(self.fn, model, signature)
-        )
-        if traced.output_spec is None:  # first call: trace before reading the scale (tracing may bind a GradScaler)
+        key = (self, signature)
+        program, traced = model.programs.get(key, lambda: step_program.compile_step(self.fn, model, signature))
+        if traced.output_spec is None and not isinstance(program, uncompiled.UncompiledProgram):
+            # first call: trace before reading the scale (tracing may bind a GradScaler)
             training = model.training_state
-            program.trace(training.params, training.rest, [*placed.arrays, model.loss_scale])  # jax.jit keeps the trace
+            try:
+                program.trace(training.params, training.rest, [*placed.arrays, model.loss_scale])  # jax.jit keeps it
+            except TracedControlFlowError as error:  # data-dependent shapes: the step runs op by op
+                program, traced = model.programs.replace(key, uncompiled.fall_back(self.fn, model, signature, error))
         share = None
         if jax.process_count() > 1:
             share = ProcessShare(feeding, processes, NamedSharding(mesh, PartitionSpec()))

@@ -28,7 +28,7 @@ from jmp.pipeline.engine import StepInputs
 from jmp.precision import fp8_state
 from jmp.remat import xla as remat_xla
 from jmp.runtime import mesh_state
-from jmp.torch_bridge import autocast, call_hooks, dispatch
+from jmp.torch_bridge import autocast, call_hooks, concrete_run, dispatch
 from jmp.torch_bridge.lowering import ring_attention
 from jmp.torch_bridge.tensor import unwrap
 
@@ -151,6 +151,8 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
         return [o[None] for o in outputs], rest, grads, side_outputs.reported(sown)
 
     mb_stack = [p if axis is not None else None for p, axis in zip(pieces, split)]
+    if concrete_run.active():  # op by op: the loop in Python (a scan would trace the forward)
+        return _unrolled(signature, traced, model, with_grads, step_forward, params, rest, mb_stack, arrays_of)
     shapes = jax.eval_shape(step_forward, params, rest, arrays_of([p[0] if p is not None else None for p in mb_stack]))
     no_side_outputs = side_outputs.identity(shapes[1][2])
     if traced.has_backward:  # learnt from the shape evaluation above
@@ -171,6 +173,23 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
 
     (rest, sown), stacked = jax.lax.scan(eval_body, (rest, no_side_outputs), mb_stack)
     return stacked, rest, None, side_outputs.reported(sown)
+
+
+def _unrolled(signature, traced, model, with_grads, step_forward, params, rest, mb_stack, arrays_of):
+    """``run``'s microbatch loop, one microbatch after another on concrete values (``concrete_run``)."""
+    total, sown, stacked = None, None, []
+    for index in range(signature.microbatches):
+        mb = arrays_of([p[index] if p is not None else None for p in mb_stack])
+        if index == 0 or traced.has_backward:
+            outputs, rest, grads, mb_sown = with_grads(rest, mb)
+            total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+        else:  # an evaluation step: learnt from the first microbatch
+            _, (outputs, rest, mb_sown) = step_forward(params, rest, mb)
+        sown = mb_sown if sown is None else side_outputs.combine_all(sown, mb_sown)
+        stacked.append(outputs)
+    outputs = [jnp.stack(per_microbatch) for per_microbatch in zip(*stacked)]
+    grads = _as_kept(model, _averaged(total, signature, signature.microbatches)) if traced.has_backward else None
+    return outputs, rest, grads, side_outputs.reported(sown)
 
 
 def _run_pipeline(fn, model: DistributedModel, signature: StepSignature, traced: Traced, rows, rest, pieces):

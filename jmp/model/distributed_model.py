@@ -40,7 +40,16 @@ from jmp.remat import api as remat
 from jmp.runtime import compilation_cache as compilation
 from jmp.runtime import mesh_state as state
 from jmp.sharding import experts
-from jmp.torch_bridge import JaxTensor, TorchModule, call_hooks, convert, named_variables, to_state_dict, torch_name
+from jmp.torch_bridge import (
+    JaxTensor,
+    TorchModule,
+    call_hooks,
+    concrete_run,
+    convert,
+    named_variables,
+    to_state_dict,
+    torch_name,
+)
 from jmp.torch_bridge.interop import array_to_tensor, local_piece, tensor_to_array
 from jmp.torch_bridge.layers.linear import Linear
 
@@ -324,7 +333,7 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         trace = Trace(self, module, loss_scale)
         token = _TRACE.set(trace)
         scanned = None
-        if self.stacks:
+        if self.stacks and not concrete_run.active():  # a step run op by op runs its layers one by one
             shardings = {name: self.layout.sharding(name) for name in self.layout.names}
             scanned = stacks.StackedLayers(self.stacks, shardings)
         try:

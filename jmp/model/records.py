@@ -175,6 +175,10 @@ class ProgramCache:
             self._programs[key] = build()
         return self._programs[key]
 
+    def replace(self, key: Hashable, program: Any) -> Any:
+        self._programs[key] = program
+        return program
+
     def clear(self) -> None:
         self._programs.clear()
 

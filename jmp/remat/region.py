@@ -25,7 +25,7 @@ from jmp.model import marks as module_marks
 from jmp.remat import context
 from jmp.remat.policies import GATHERED, Resolved, without_weights
 from jmp.remat.policy_syntax import INPUT
-from jmp.torch_bridge import dispatch
+from jmp.torch_bridge import concrete_run, dispatch
 from jmp.torch_bridge.module import (
     CallHook,
     TorchModule,
@@ -79,7 +79,7 @@ def run(
     tuple) and the same other arguments. ``inside[k]`` is the hook ``units[k]`` is called from (its
     nested hooks still apply) or None (all hooks on its path apply).
     """
-    if _spans_stages([u.torch_path for u in units]):
+    if concrete_run.active() or _spans_stages([u.torch_path for u in units]):  # op by op: nothing to trace apart
         return _run_plain(units, inside, args, kwargs, chain)
     rngs = dispatch.current_rngs()
     graph = (tuple(units), rngs)

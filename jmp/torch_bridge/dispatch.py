@@ -45,6 +45,13 @@ _SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("jmp_bridge_scope
 _BATCH_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("jmp_bridge_batch_axis", default=None)
 
 _T = torch.Tensor
+# what JAX raises when Python asks a traced array for a value (a bool, an int, a host copy, a data-dependent shape)
+_NEEDS_CONCRETE_VALUES = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.NonConcreteBooleanIndexError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
 # Calls that only read metadata the wrapper already carries; torch answers them itself.
 _PASSTHROUGH_NAMES = (
     "dim",
@@ -216,7 +223,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return _apply(entry, func, args, kwargs)
     except JmpError:
         raise
-    except (jax.errors.ConcretizationTypeError, jax.errors.NonConcreteBooleanIndexError) as error:
+    except _NEEDS_CONCRETE_VALUES as error:
         if func is torch.Tensor.__bool__:  # ``if <traced condition>: raise``: checked as the program runs
             frame = user_frame()
             branch = value_checks.raising_branch(frame)

@@ -23,5 +23,6 @@ from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their regis
     selections,
     shape,
     sliding_blocks,
+    unique,
     vmap,
 )

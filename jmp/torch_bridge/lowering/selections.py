@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import torch
 
 from jmp.errors import TracedControlFlowError
+from jmp.torch_bridge import concrete_run
 from jmp.torch_bridge.registry import register_lowering
 from jmp.torch_bridge.tensor import JaxTensor, unwrap
 
@@ -40,7 +41,7 @@ class PaddedSelection(JaxTensor):
 @register_lowering(torch.masked_select, T.masked_select, raw=True)
 def masked_select(input, mask):
     x, m = jnp.broadcast_arrays(unwrap(input), unwrap(mask))
-    if not isinstance(m, jax.core.Tracer):
+    if not isinstance(m, jax.core.Tracer) or concrete_run.active():  # a size known from concrete values
         return x[m]
     flat = m.reshape(-1)
     order = jnp.argsort(~flat, stable=True)  # the true entries first, each group in its original order

@@ -1,0 +1,102 @@
+"""A step whose forward needs concrete values (data-dependent shapes and branches) runs op by op and trains as
+PyTorch does: the fallback of ``jmp.compiled_step.uncompiled``."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import jmp as smp
+from jmp.compiled_step import uncompiled
+from jmp.errors import StepError, TracedControlFlowError
+
+
+class LabelledRowsClassifier(nn.Module):
+    """What BART-style and DeBERTa classifiers do around their heads: a check that every row has as many end
+    tokens (``unique_consecutive``), the labelled rows kept with ``nonzero``, a Python list of the kept rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x, labels):
+        ends = (x == 0).sum(-1)
+        if torch.unique_consecutive(ends).numel() > 1:
+            raise ValueError("All examples must have the same number of end tokens.")
+        logits = self.head(torch.tanh(self.hidden(x)))
+        index = (labels >= 0).nonzero()
+        self.kept_rows = index.view(-1).tolist()
+        kept = torch.gather(logits, 0, index.expand(index.size(0), logits.size(1)))
+        return F.cross_entropy(kept, torch.gather(labels, 0, index.view(-1))), logits
+
+
+@smp.step
+def train_step(model, x, labels):
+    loss, logits = model(x, labels)
+    model.backward(loss)
+    return loss, logits
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for index in range(count):
+        x = torch.randn(16, 8, generator=generator)
+        x[:, -1] = 0.0
+        labels = torch.randint(0, 3, (16,), generator=generator)
+        labels[index::3] = -100  # unlabelled rows, a different number in each microbatch
+        out.append((x, labels))
+    return out
+
+
+def test_a_step_with_data_dependent_shapes_trains_as_pytorch_over_microbatches(caplog):
+    """Two microbatches x 8 data-parallel devices, three AdamW steps: every loss, the logits and the weights equal
+    PyTorch's computing the same microbatches and averaging their gradients; one notice names the call."""
+    module = LabelledRowsClassifier()
+    reference = LabelledRowsClassifier()
+    reference.load_state_dict(module.state_dict())
+    smp.init({"microbatches": 2})
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05))
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    with caplog.at_level(logging.WARNING, logger="jmp"):
+        for x, labels in _batches(3):
+            optimizer.zero_grad()
+            loss, logits = train_step(model, x, labels)
+            optimizer.step()
+            reference_optimizer.zero_grad()
+            # each microbatch takes one row of each of the 8 data shards: the even rows, then the odd ones
+            expected = [reference(x[half::2], labels[half::2]) for half in (0, 1)]
+            (sum(loss for loss, _ in expected) / 2).backward()
+            reference_optimizer.step()
+            np.testing.assert_allclose(
+                [float(v) for v in loss.outputs], [float(e.detach()) for e, _ in expected], rtol=1e-5
+            )
+            np.testing.assert_allclose(logits.outputs[1].numpy(), expected[1][1].detach().numpy(), rtol=1e-5, atol=1e-6)
+    for name, value in reference.state_dict().items():
+        np.testing.assert_allclose(model.state_dict()[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
+    notices = [r.getMessage() for r in caplog.records if "op by op" in r.getMessage()]
+    assert len(notices) == 1 and "unique_consecutive" in notices[0] and "test_uncompiled_fallback.py" in notices[0]
+    with pytest.raises(StepError, match="runs op by op"):
+        train_step.lower(model, *_batches(1)[0])
+
+
+def test_the_models_own_checks_still_raise_on_bad_data():
+    smp.init()
+    model = smp.DistributedModel(LabelledRowsClassifier())
+    x, labels = _batches(1)[0]
+    x[3, -1] = 1.0  # one row without its end token
+    with pytest.raises(ValueError, match="same number of end tokens"):
+        train_step(model, x, labels)
+
+
+def test_with_the_fallback_off_the_tracing_error_is_raised(monkeypatch):
+    monkeypatch.setenv(uncompiled.ENVIRONMENT, "0")
+    smp.init()
+    model = smp.DistributedModel(LabelledRowsClassifier())
+    with pytest.raises(TracedControlFlowError, match="unique_consecutive"):
+        train_step(model, *_batches(1)[0])
