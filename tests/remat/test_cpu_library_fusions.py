@@ -1,0 +1,64 @@
+"""The step program's XLA:CPU options: convolutions on XLA's own (Eigen) path, dots still through YNNPACK,
+and the step's gradients torch's."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import torch
+import torch.nn.functional as F
+
+import jmp as smp
+from tests.front_end.helpers import named_grads
+from tests.helpers import assert_close
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 4, 3)
+        self.conv2 = torch.nn.Conv2d(4, 8, 3)
+        self.fc = torch.nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        return F.log_softmax(self.fc(torch.flatten(x, 1)), dim=1)
+
+
+@smp.step
+def _train_step(model, images, labels):
+    loss = F.nll_loss(model(images), labels)
+    model.backward(loss)
+    return loss
+
+
+def _library_computations(hlo: str) -> dict[str, str]:
+    """The bodies of the computations XLA:CPU hands to YNNPACK, by name."""
+    called = set(re.findall(r'calls=%?([\w.\-]+), .*"kind":"__ynn_fusion"', hlo))
+    bodies = re.findall(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.MULTILINE | re.DOTALL)
+    return {name: body for name, body in bodies if name in called}
+
+
+def test_cpu_step_keeps_convolutions_off_ynnpack_and_matches_torch():
+    torch.manual_seed(0)
+    net = _ConvNet()
+    images = torch.randn(
+        64, 1, 12, 12, generator=torch.Generator().manual_seed(1)
+    )  # YNNPACK takes convolutions this big
+    labels = torch.arange(64) % 10
+    F.nll_loss(net(images), labels).backward()
+    smp.init({"microbatches": 1}, devices=jax.devices()[:1])
+    model = smp.DistributedModel(_ConvNet())
+    model.load_state_dict(net.state_dict())
+
+    hlo = _train_step.lower(model, images, labels).compile().as_text()
+    library = _library_computations(hlo)
+    assert len(re.findall(r" convolution\(", hlo)) >= 5  # two forward, two filter gradients, one input gradient
+    assert not [name for name, body in library.items() if " convolution(" in body], library
+    assert any(" dot(" in body for body in library.values()), "the linear layer's dots left YNNPACK too"
+
+    _train_step(model, images, labels)
+    grads = named_grads(model.grads)
+    for name, p in net.named_parameters():
+        assert_close(grads[name], p.grad, 1e-5, floor=1e-6)
