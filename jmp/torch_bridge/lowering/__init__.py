@@ -23,6 +23,7 @@ from jmp.torch_bridge.lowering import (  # noqa: F401  (imported for their regis
     selections,
     shape,
     sliding_blocks,
+    strided,
     unique,
     vmap,
 )

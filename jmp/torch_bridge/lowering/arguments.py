@@ -16,6 +16,13 @@ def sizes(args: Sequence[Any]) -> tuple[int, ...]:
     return tuple(_as_int(a) for a in args)
 
 
+def size_arguments(args: Sequence[Any], keywords: dict) -> tuple[int, ...]:
+    """``sizes`` of a factory's ``*size``, or of torch's ``size=`` keyword (which Python leaves in ``keywords``)."""
+    if not args and "size" in keywords:
+        args = (keywords.pop("size"),)
+    return sizes(args)
+
+
 def _as_int(value: Any) -> int:
     if isinstance(value, (jax.Array, np.ndarray)):
         return int(value)  # a traced size raises ConcretizationTypeError -> a clear jmp error

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from jmp.torch_bridge.dtypes import default_float, to_jax_dtype
-from jmp.torch_bridge.lowering.arguments import sizes
+from jmp.torch_bridge.lowering.arguments import size_arguments, sizes
 from jmp.torch_bridge.registry import register_lowering
 
 T = torch.Tensor
@@ -70,12 +70,12 @@ def logspace(start, end, steps, base=10.0, *, dtype=None, **placement):
 @register_lowering(torch.zeros, torch.empty)
 def zeros(*size, dtype=None, **placement):
     placement.pop("names", None)
-    return jnp.zeros(sizes(size), _dtype(dtype, default_float()))
+    return jnp.zeros(size_arguments(size, placement), _dtype(dtype, default_float()))
 
 
 @register_lowering(torch.ones)
 def ones(*size, dtype=None, **placement):
-    return jnp.ones(sizes(size), _dtype(dtype, default_float()))
+    return jnp.ones(size_arguments(size, placement), _dtype(dtype, default_float()))
 
 
 @register_lowering(torch.full)
@@ -105,12 +105,12 @@ def full_like(input, fill_value, *, dtype=None, **placement):
 
 @register_lowering(T.new_zeros, T.new_empty)
 def new_zeros(input, *size, dtype=None, **placement):
-    return jnp.zeros(sizes(size), _dtype(dtype, input.dtype))
+    return jnp.zeros(size_arguments(size, placement), _dtype(dtype, input.dtype))
 
 
 @register_lowering(T.new_ones)
 def new_ones(input, *size, dtype=None, **placement):
-    return jnp.ones(sizes(size), _dtype(dtype, input.dtype))
+    return jnp.ones(size_arguments(size, placement), _dtype(dtype, input.dtype))
 
 
 @register_lowering(T.new_full)

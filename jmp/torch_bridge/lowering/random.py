@@ -19,7 +19,7 @@ import torch
 from jmp.errors import JmpError
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.dtypes import default_float, to_jax_dtype
-from jmp.torch_bridge.lowering.arguments import sizes
+from jmp.torch_bridge.lowering.arguments import size_arguments, sizes
 from jmp.torch_bridge.registry import register_lowering
 
 T = torch.Tensor
@@ -58,12 +58,12 @@ def _float(dtype):
 
 @register_lowering(torch.rand)
 def rand(*size, generator=None, dtype=None, **placement):
-    return jax.random.uniform(next_key(), sizes(size), _float(dtype))
+    return jax.random.uniform(next_key(), size_arguments(size, placement), _float(dtype))
 
 
 @register_lowering(torch.randn)
 def randn(*size, generator=None, dtype=None, **placement):
-    return jax.random.normal(next_key(), sizes(size), _float(dtype))
+    return jax.random.normal(next_key(), size_arguments(size, placement), _float(dtype))
 
 
 @register_lowering(torch.rand_like)
