@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -121,6 +123,7 @@ def run(limit_samples: int = 3) -> dict[str, OpReport]:
     from torch.testing._internal.common_methods_invocations import op_db
 
     reports: dict[str, OpReport] = {}
+    cases: list[_Case] = []
     for op in op_db:
         variants = _variants(op)
         dtype = _dtype(op)
@@ -133,11 +136,19 @@ def run(limit_samples: int = 3) -> dict[str, OpReport]:
             samples = _first(op.sample_inputs_func(op, "cpu", dtype, False), limit_samples)
         for index, sample in enumerate(samples):
             for fn in variants if index == 0 else variants[:1]:
-                outcome = _run_sample(op, fn, sample)
-                if outcome is None:
-                    report.passed += 1
+                case = _Case(op, fn, sample, report)
+                if case.runs_in_torch():
+                    cases.append(case)
                 else:
-                    report.failed.append(outcome)
+                    report.passed += 1  # torch rejects this sample on CPU; nothing to compare
+    for start in range(0, len(cases), _CASES_PER_PROGRAM):
+        _run_compiled(cases[start : start + _CASES_PER_PROGRAM])
+    for case in cases:
+        outcome = case.outcome()
+        if outcome is None:
+            case.report.passed += 1
+        else:
+            case.report.failed.append(outcome)
     return reports
 
 
@@ -150,56 +161,113 @@ def _first(samples, count):
     return out
 
 
-def _run_sample(op, fn, sample) -> str | None:
-    args = (sample.input, *sample.args)
-    kwargs = dict(sample.kwargs)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            expected = fn(*torch_pytree.tree_map(_clone, args), **kwargs)
-    except Exception:
-        return None  # torch rejects this sample on CPU; nothing to compare
-    try:
-        actual = _compiled(fn, args, kwargs)
-    except Exception:  # noqa: BLE001  (needs concrete values, or returns Python values: run it eagerly)
-        jax_args = torch_pytree.tree_map(_to_jax, args)
-        jax_kwargs = torch_pytree.tree_map(_to_jax, kwargs)
+@dataclasses.dataclass
+class _Case:
+    """One op variant on one sample: torch's result, then jmp's (compiled, else eager)."""
+
+    op: Any
+    fn: Callable
+    sample: Any
+    report: OpReport
+    expected: Any = None
+    actual: Any = None
+    error: str | None = None  # what jmp's lowering raised when run eagerly
+
+    @property
+    def args(self) -> tuple:
+        return (self.sample.input, *self.sample.args)
+
+    def runs_in_torch(self) -> bool:
         try:
-            with dispatch.session(nnx.Rngs(0)):
-                actual = fn(*jax_args, **jax_kwargs)
-        except Exception as error:  # noqa: BLE001  (reported, not raised)
-            return f"{dispatch.op_name(fn)}: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    if op.name in _RANDOM:
-        return None
-    try:
-        problem = _compare(expected, actual)
-    except Exception as error:  # noqa: BLE001
-        problem = f"comparison failed: {type(error).__name__}: {error}"
-    return None if problem is None else f"{dispatch.op_name(fn)}: {problem}"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.expected = self.fn(*torch_pytree.tree_map(_clone, self.args), **self.sample.kwargs)
+        except Exception:
+            return False
+        return True
 
+    def tensor_leaves(self) -> tuple[list, list[int], Any]:
+        leaves, spec = torch_pytree.tree_flatten((self.args, dict(self.sample.kwargs)))
+        return leaves, [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)], spec
 
-# One small program per sample: compiling it unoptimised takes a fraction of the time XLA's full pipeline
-# takes, and the numbers are the same up to the comparison's tolerance.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def _compiled(fn, args, kwargs):
-    """The op on the sample inside ``jax.jit`` (as jmp runs ops), its outputs as arrays."""
-    leaves, spec = torch_pytree.tree_flatten((args, kwargs))
-    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    dtypes = [leaves[i].dtype for i in tensors]
-
-    def program(arrays):
+    def traced(self, arrays: list) -> Any:
+        """The op on the sample with its tensors replaced by ``arrays`` (inside ``jax.jit``), its outputs as arrays."""
+        leaves, tensors, spec = self.tensor_leaves()
         current = list(leaves)
-        for i, array, dtype in zip(tensors, arrays, dtypes):
-            current[i] = JaxTensor(array, dtype)
+        for i, array in zip(tensors, arrays):
+            current[i] = JaxTensor(array, leaves[i].dtype)
         jax_args, jax_kwargs = torch_pytree.tree_unflatten(current, spec)
         with dispatch.session(nnx.Rngs(0)):
-            out = fn(*jax_args, **jax_kwargs)
-        return torch_pytree.tree_map(lambda v: unwrap(v) if isinstance(v, JaxTensor) else v, out)
+            out = self.fn(*jax_args, **jax_kwargs)
+        out = torch_pytree.tree_map(lambda v: unwrap(v) if isinstance(v, JaxTensor) else v, out)
+        if not all(isinstance(leaf, _JAX_VALUES) for leaf in jax.tree.leaves(out)):
+            raise TypeError(f"{dispatch.op_name(self.fn)} returns values jax.jit does not return")
+        return out
 
-    compiled = jax.jit(program, compiler_options=_FAST_COMPILE)
-    return compiled([tensor_to_array(leaves[i]) for i in tensors])
+    def run_eagerly(self) -> None:
+        """The op outside jit: it needs concrete values, or returns Python values."""
+        jax_args = torch_pytree.tree_map(_to_jax, self.args)
+        jax_kwargs = torch_pytree.tree_map(_to_jax, dict(self.sample.kwargs))
+        try:
+            with dispatch.session(nnx.Rngs(0)):
+                self.actual = self.fn(*jax_args, **jax_kwargs)
+        except Exception as error:  # noqa: BLE001  (reported, not raised)
+            self.error = f"{dispatch.op_name(self.fn)}: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+
+    def outcome(self) -> str | None:
+        if self.error is not None:
+            return self.error
+        if self.op.name in _RANDOM:
+            return None
+        try:
+            problem = _compare(self.expected, self.actual)
+        except Exception as error:  # noqa: BLE001
+            problem = f"comparison failed: {type(error).__name__}: {error}"
+        return None if problem is None else f"{dispatch.op_name(self.fn)}: {problem}"
+
+
+# The samples run inside jax.jit, as jmp runs ops: a few hundred side by side in one program, each on its own
+# inputs, since XLA:CPU's fixed cost per program (~40 ms) is most of what a program of one op costs. An op that
+# cannot be traced runs eagerly, as it would alone. Unoptimised compilation: the numbers are the same up to the
+# comparison's tolerance.
+_CASES_PER_PROGRAM = 200
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+_JAX_VALUES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)  # what a jitted function may return
+
+
+def _run_compiled(cases: list[_Case]) -> None:
+    """Each case's ``actual`` from one program computing them all, or eagerly where the op could not be traced.
+    A program that fails as a whole (XLA refused it) runs again, one case per program."""
+    traced = [False] * len(cases)
+
+    def program(arrays_per_case):
+        outputs = []
+        for index, (case, arrays) in enumerate(zip(cases, arrays_per_case)):
+            try:
+                outputs.append(case.traced(arrays))
+                traced[index] = True
+            except Exception:  # noqa: BLE001  (runs eagerly below)
+                outputs.append(None)
+        return outputs
+
+    arrays = []
+    for case in cases:
+        leaves, tensors, _ = case.tensor_leaves()
+        arrays.append([tensor_to_array(leaves[i]) for i in tensors])
+    try:
+        outputs = jax.jit(program, compiler_options=_FAST_COMPILE)(arrays)
+    except Exception:  # noqa: BLE001
+        if len(cases) == 1:
+            cases[0].run_eagerly()
+        else:
+            for case in cases:
+                _run_compiled([case])
+        return
+    for case, out, ran in zip(cases, outputs, traced):
+        if ran:
+            case.actual = out
+        else:
+            case.run_eagerly()
 
 
 def _clone(value):

@@ -21,7 +21,8 @@ KNOWN_DIFFERENCES = {
 @pytest.fixture(scope="module")
 def reports():
     pytest.importorskip("expecttest")  # needed by torch.testing._internal
-    # ~1300 tiny programs: the persistent cache's per-compile key and lookup cost more than they compile in
+    # a few programs of 200 samples each and ~100 tiny ones (ops run eagerly): the persistent cache's key and lookup
+    # cost more than they save
     cached = jax.config.jax_enable_compilation_cache
     compilation.configure_cache(False)
     try:
