@@ -28,7 +28,7 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 
 from jmp.errors import ConversionError
-from jmp.torch_bridge import dispatch
+from jmp.torch_bridge import compiling_fallback, dispatch
 from jmp.torch_bridge.tensor import JaxTensor, unwrap, unwrap_tree, wrap_tree
 
 # A call hook wraps one module's calls during a trace: hook(module, call, *args, **kwargs) -> output,
@@ -192,11 +192,14 @@ class GenericModule(TorchModule):
         self._instance_forward = torch_module.__dict__.get("forward")
 
     def _torch_forward(self, *args: Any, **kwargs: Any) -> Any:
+        return compiling_fallback.run(self._torch_path, self._run_forward, self.rngs, args, kwargs)
+
+    def _run_forward(self, written: set[int], *args: Any, **kwargs: Any) -> Any:
         torch_module = self._torch_module
         with (
             dispatch.scope(self._torch_path, type(torch_module).__name__),
             dispatch.session(self.rngs),
-            bound_state(self),
+            bound_state(self, written),
         ):
             if self._instance_forward is not None:
                 return self._instance_forward(*args, **kwargs)
