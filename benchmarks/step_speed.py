@@ -4,11 +4,19 @@
 
 Two models, each trained side by side in one process (medians of interleaved steps after warm-up):
 
-- the seed's GroupedNet (batch 64 of 1x28x28, Adadelta lr 4.0): PyTorch eager; jmp on 1 device with 1 and 4
-  microbatches; 8 devices data parallel with 1 and 4 microbatches; the main job's 2 pipeline stages x 4
-  data parallel with 4 microbatches;
-- the GPT-2 of ``bridge_overhead`` (4 layers, d_model 256, batch 8 x 128, AdamW): PyTorch eager; jmp on 1
-  device with 1 and 4 microbatches; 8 devices data parallel.
+- the seed's GroupedNet (batch 64 of 1x28x28, Adadelta lr 4.0): PyTorch eager; torch.compile; jmp on 1 device
+  with 1 and 4 microbatches; 8 devices data parallel with 1 and 4 microbatches; the main job's 2 pipeline
+  stages x 4 data parallel with 4 microbatches;
+- the GPT-2 of ``bridge_overhead`` (4 layers, d_model 256, batch 8 x 128, AdamW): PyTorch eager;
+  torch.compile; jmp on 1 device with 1 and 4 microbatches; 8 devices data parallel.
+
+Both also run jmp on 1 device compiled as before issue 37's CPU changes (``jmp_1dev_mb1_before``), so that
+``after_over_before`` compares the two in one run. The machine's load average is recorded: on a shared 2-core
+machine PyTorch's OpenMP threads slow down far more than XLA's under other processes' load.
+
+torch.compile is inductor in its default mode on the forward with the loss (AOTAutograd compiles the backward)
+and on ``optimizer.step`` (PyTorch's recipe for a compiled optimizer); its first two iterations (the compiles)
+are timed apart from the steps, as jmp's first step is.
 
 Then the main job (``python -m jmp.examples.mnist``, 3 epochs) runs twice in a subprocess with an empty
 compilation cache directory: the first run compiles, the second loads every program from the cache. Its
@@ -18,6 +26,7 @@ wall time, the three epochs' time and the compile seconds it logs are recorded f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -46,7 +55,9 @@ from benchmarks.harness import (
     write_results,
 )
 from jmp.examples.models import GroupedNet
+from jmp.remat import xla as remat_xla
 from jmp.runtime import compilation_cache as compilation
+from jmp.torch_bridge.lowering import convolution
 
 IMAGES = 64
 GPT2 = dict(vocab=2048, positions=128, d_model=256, layers=4, heads=4)
@@ -63,6 +74,8 @@ GROUPED_NET_RUNS = {
         None,
     ),
 }
+# jmp on 1 device as it compiled before issue 37's CPU changes, measured beside the rest (``previous_settings``)
+BEFORE_RUNS = {"jmp_1dev_mb1_before": ({"microbatches": 1}, 1)}
 GPT2_RUNS = {
     "jmp_1dev_mb1": ({"microbatches": 1}, 1),
     "jmp_1dev_mb4": ({"microbatches": 4}, 1),
@@ -80,6 +93,20 @@ def grouped_net_step(model, data, target):
 def grouped_net_data() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return torch.randn(IMAGES, 1, 28, 28, generator=generator), torch.randint(0, 10, (IMAGES,), generator=generator)
+
+
+@contextlib.contextmanager
+def previous_settings():
+    """Programs traced and compiled inside compile as before issue 37's CPU changes: XLA:CPU's default library
+    fusions (YNNPACK convolutions included) and max pooling by the general path (variadic reduce_window,
+    scatter gradient)."""
+    options, tile = remat_xla.compiler_options, convolution._MAX_TILE
+    remat_xla.compiler_options = lambda platform: dict(remat_xla._KEEP_BARRIERS) if platform == "cpu" else None
+    convolution._MAX_TILE = 0
+    try:
+        yield
+    finally:
+        remat_xla.compiler_options, convolution._MAX_TILE = options, tile
 
 
 def init(config: dict, devices: int | None) -> None:
@@ -117,21 +144,51 @@ def torch_run(make_model, make_optimizer, loss_of):
     return iteration, float(iteration())
 
 
+def torch_compiled_run(make_model, make_optimizer, loss_of):
+    """PyTorch's iteration under torch.compile: (callable, first loss, seconds of the first two iterations)."""
+    model = make_model()
+    optimizer = make_optimizer(model.parameters())
+    compiled_loss = torch.compile(loss_of)
+    compiled_update = torch.compile(optimizer.step)
+
+    def iteration():
+        optimizer.zero_grad(set_to_none=True)
+        loss = compiled_loss(model)
+        loss.backward()
+        compiled_update()
+        return loss.detach()
+
+    start = time.perf_counter()
+    first = float(iteration())
+    iteration()  # the optimizer's state exists from the second step on: its update compiles again
+    return iteration, first, time.perf_counter() - start
+
+
 def measure(name, make_model, make_optimizer, torch_loss, jmp_step, runs_spec, steps):
     """Median seconds per iteration of PyTorch eager and each jmp configuration, interleaved."""
     runs, first = {}, {}
     runs["torch_eager"], first["torch_eager"] = torch_run(make_model, make_optimizer, torch_loss)
+    runs["torch_compile"], first["torch_compile"], compile_warmup = torch_compiled_run(
+        make_model, make_optimizer, torch_loss
+    )
+    print(f"{name} torch_compile: first two steps {compile_warmup:.1f} s", flush=True)
+    first_step = {}
+    runs_spec = {**runs_spec, **BEFORE_RUNS}
     for run, (config, devices) in runs_spec.items():
         start = time.perf_counter()
-        runs[run], first[run] = jmp_run(make_model, make_optimizer, config, devices, jmp_step)
-        print(f"{name} {run}: first step {time.perf_counter() - start:.1f} s", flush=True)
+        with previous_settings() if run in BEFORE_RUNS else contextlib.nullcontext():  # the first step compiles
+            runs[run], first[run] = jmp_run(make_model, make_optimizer, config, devices, jmp_step)
+        first_step[run] = time.perf_counter() - start
+        print(f"{name} {run}: first step {first_step[run]:.1f} s", flush=True)
     prepare = {run: functools.partial(init, *runs_spec[run]) for run in runs_spec}
     median = medians(time_interleaved(runs, steps, warmup=3, prepare=prepare))
     print(f"{name}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in median.items()), flush=True)
     return {
         "first_loss": first,
+        "warmup_seconds": {"torch_compile_first_two_steps": compile_warmup, **first_step},
         "median_step_ms": {k: v * 1e3 for k, v in median.items()},
         "over_torch_eager": {k: v / median["torch_eager"] for k, v in median.items() if k != "torch_eager"},
+        "over_torch_compile": {k: v / median["torch_compile"] for k, v in median.items() if k != "torch_compile"},
     }
 
 
@@ -156,6 +213,7 @@ def grouped_net(steps: int) -> dict:
         "1dev": ms["jmp_1dev_mb4"] / ms["jmp_1dev_mb1"],
         "dp8": ms["jmp_dp8_mb4"] / ms["jmp_dp8_mb1"],
     }
+    result["after_over_before"] = ms["jmp_1dev_mb1"] / ms["jmp_1dev_mb1_before"]
     return result
 
 
@@ -172,6 +230,7 @@ def gpt2(steps: int) -> dict:
     )
     ms = result["median_step_ms"]
     result["microbatched_over_one"] = {"1dev": ms["jmp_1dev_mb4"] / ms["jmp_1dev_mb1"]}
+    result["after_over_before"] = ms["jmp_1dev_mb1"] / ms["jmp_1dev_mb1_before"]
     return result
 
 
@@ -213,9 +272,10 @@ def main() -> None:
     os.environ.setdefault(compilation.ENVIRONMENT, "off")  # first steps here compile; the main job's runs say
     transformers.logging.set_verbosity_error()
     emulate_devices()
-    result = {"machine": machine(), "torch_threads": torch.get_num_threads()}
+    result = {"machine": machine(), "torch_threads": torch.get_num_threads(), "load_average_at_start": os.getloadavg()}
     result["grouped_net"] = grouped_net(args.steps)
     result["gpt2"] = gpt2(args.steps)
+    result["load_average_after_step_timings"] = os.getloadavg()  # the machine is shared: what else ran
     if not args.skip_main_job:
         result["main_job"] = main_job_runs()
     write_results(args.out, result)
