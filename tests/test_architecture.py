@@ -117,6 +117,8 @@ EXTERNAL_PRIVATES = {
     "_grouped_mm": "torch._grouped_mm, the op F.grouped_mm calls (lowered under both names)",
     "_weight_norm": "torch._weight_norm, the op weight_norm's parametrization calls (lowered)",
     "_softmax_backward_data": "torch._softmax_backward_data, called in masked-softmax Functions' backward (lowered)",
+    "_is_all_true": "torch._is_all_true / _is_any_true, called by torch.distributions' argument checks (lowered)",
+    "_is_any_true": "torch._is_any_true (above)",
     "_parameters": "torch.nn.Module's parameter table (read and written by the bridge)",
     "_buffers": "torch.nn.Module's buffer table",
     "_modules": "torch.nn.Module's child table",

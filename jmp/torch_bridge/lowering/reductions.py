@@ -174,6 +174,18 @@ def any(input, dim=None, keepdim=False):
     return jnp.any(input, axis=dims(dim, input.ndim), keepdims=keepdim)
 
 
+# torch's private spellings of all() / any() on a boolean tensor: torch.distributions' argument validation
+# (``if not torch._is_all_true(valid): raise``) calls them
+@register_lowering(torch._is_all_true)
+def is_all_true(input):
+    return jnp.all(input)
+
+
+@register_lowering(torch._is_any_true)
+def is_any_true(input):
+    return jnp.any(input)
+
+
 @register_lowering(torch.count_nonzero, T.count_nonzero)
 def count_nonzero(input, dim=None):
     return jnp.count_nonzero(input, axis=dims(dim, input.ndim)).astype(_INT)
