@@ -66,6 +66,7 @@ _WIDTH_NAMES = (
     "word_embed_proj_dim",
     "entity_emb_size",
     "d_latents",
+    "hidden_size_global",  # BLT's local encoder / decoder: the global transformer's width
 )
 _FFN_NAMES = (
     "intermediate_size",
@@ -114,7 +115,8 @@ def _shrunk_value(name: str, value: Any, image: int = IMAGE) -> Any:
             return min(value, 32)
         if name in ("n_group", "topk_group"):
             return 1
-        if "vocab_size" in name:  # vocab_size_per_layer_input (Gemma 3n / 4), entity_vocab_size (LUKE) too
+        # vocab_size_per_layer_input (Gemma 3n / 4), entity_vocab_size (LUKE), encoder_hash_byte_group_vocab (BLT)
+        if "vocab_size" in name or name.endswith("_vocab"):
             return min(value, VOCAB)
         if name in _TOKEN_ID_NAMES:
             return value if value < VOCAB else {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
