@@ -17,8 +17,9 @@ transformers = pytest.importorskip("transformers")
 
 
 def _sgd_step(converted, loss):
-    """One plain SGD step in JAX, so the exported values differ from the original ones."""
-    grads = nnx.grad(loss)(converted)
+    """One plain SGD step in JAX, so the exported values differ from the original ones (the gradient compiled: op
+    by op, its ~200 small programs took most of a test's time)."""
+    grads = nnx.jit(nnx.grad(loss))(converted)
     params = nnx.state(converted, nnx.Param)
     nnx.update(converted, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
 
