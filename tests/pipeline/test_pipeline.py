@@ -181,14 +181,14 @@ def test_dropout_in_checkpointed_layers_is_the_same_kept_or_recomputed():
 def _temp_bytes(schedule: str, microbatches: int, recompute: bool = False) -> int:
     smp.init(
         {
-            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_degree": 2,
             "microbatches": microbatches,
             "pipeline": schedule,
             "pipeline_recompute": recompute,
         }
     )
-    model = smp.DistributedModel(causal_lm("gpt2", hidden=64, layers=4))
-    ids = token_batches(1, batch=4 * microbatches, length=32)[0]  # 2 rows per microbatch per data shard
+    model = smp.DistributedModel(causal_lm("gpt2", hidden=64, layers=2))
+    ids = token_batches(1, batch=8 * microbatches, length=32)[0]  # 2 rows per microbatch per data shard (dp4)
     return lm_step.lower(model, ids).compile().memory_analysis().temp_size_in_bytes  # lowering cuts the stages
 
 
