@@ -12,8 +12,13 @@ import jmp
 
 
 class Entropy(nn.Module):
+    # validate_args explicitly: torch's default is switched off for the whole process once torch._dynamo starts
+    # (another test in the same worker may have compiled something)
     def forward(self, logits, probs):
-        return torch.distributions.Categorical(logits=logits).entropy(), torch.distributions.Categorical(probs=probs)
+        return (
+            torch.distributions.Categorical(logits=logits, validate_args=True).entropy(),
+            torch.distributions.Categorical(probs=probs, validate_args=True),
+        )
 
 
 def test_a_distribution_built_in_a_forward_checks_its_arguments_as_torch_does():
