@@ -100,3 +100,27 @@ def test_with_the_fallback_off_the_tracing_error_is_raised(monkeypatch):
     model = smp.DistributedModel(LabelledRowsClassifier())
     with pytest.raises(TracedControlFlowError, match="unique_consecutive"):
         train_step(model, *_batches(1)[0])
+
+
+def test_a_plain_pytorch_loop_over_such_a_model_trains_as_pytorch():
+    """No step function: ``loss.backward()`` and a torch optimizer on the model's parameters (the eager loop)."""
+    module = LabelledRowsClassifier()
+    reference = LabelledRowsClassifier()
+    reference.load_state_dict(module.state_dict())
+    smp.init()
+    model = smp.DistributedModel(module)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    for x, labels in _batches(2):
+        optimizer.zero_grad()
+        loss, logits = model(x, labels)
+        loss.backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        expected, _ = reference(x, labels)
+        expected.backward()
+        reference_optimizer.step()
+        assert tuple(logits.shape) == (16, 3)
+        np.testing.assert_allclose(float(loss), float(expected.detach()), rtol=1e-5)
+    for name, value in reference.state_dict().items():
+        np.testing.assert_allclose(model.state_dict()[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
