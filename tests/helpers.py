@@ -77,3 +77,25 @@ def jitted_stateful_call(converted: nnx.Module):
         return module(*args), nnx.state(module)
 
     return call, state
+
+
+class PooledNet(torch.nn.Module):
+    """The seed's GroupedNet in small: convolutions, ReLU, max pooling, a linear head (12x12 images -> 10 classes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 4, 3)
+        self.conv2 = torch.nn.Conv2d(4, 8, 3)
+        self.fc = torch.nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.max_pool2d(torch.relu(self.conv2(torch.relu(self.conv1(x)))), 2)
+        return torch.log_softmax(self.fc(torch.flatten(x, 1)), dim=1)
+
+
+@jmp.step
+def classifier_step(model, images, labels):
+    """One training step of a classifier returning log-probabilities (``nll_loss``)."""
+    loss = torch.nn.functional.nll_loss(model(images), labels)
+    model.backward(loss)
+    return loss

@@ -11,26 +11,7 @@ import torch.nn.functional as F
 
 import jmp as smp
 from tests.front_end.helpers import named_grads
-from tests.helpers import assert_close
-
-
-class _ConvNet(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(1, 4, 3)
-        self.conv2 = torch.nn.Conv2d(4, 8, 3)
-        self.fc = torch.nn.Linear(8 * 4 * 4, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
-        return F.log_softmax(self.fc(torch.flatten(x, 1)), dim=1)
-
-
-@smp.step
-def _train_step(model, images, labels):
-    loss = F.nll_loss(model(images), labels)
-    model.backward(loss)
-    return loss
+from tests.helpers import PooledNet, assert_close, classifier_step
 
 
 def _library_computations(hlo: str) -> dict[str, str]:
@@ -42,23 +23,23 @@ def _library_computations(hlo: str) -> dict[str, str]:
 
 def test_cpu_step_keeps_convolutions_off_ynnpack_and_matches_torch():
     torch.manual_seed(0)
-    net = _ConvNet()
+    net = PooledNet()
     images = torch.randn(
         64, 1, 12, 12, generator=torch.Generator().manual_seed(1)
     )  # YNNPACK takes convolutions this big
     labels = torch.arange(64) % 10
     F.nll_loss(net(images), labels).backward()
     smp.init({"microbatches": 1}, devices=jax.devices()[:1])
-    model = smp.DistributedModel(_ConvNet())
+    model = smp.DistributedModel(PooledNet())
     model.load_state_dict(net.state_dict())
 
-    hlo = _train_step.lower(model, images, labels).compile().as_text()
+    hlo = classifier_step.lower(model, images, labels).compile().as_text()
     library = _library_computations(hlo)
     assert len(re.findall(r" convolution\(", hlo)) >= 5  # two forward, two filter gradients, one input gradient
     assert not [name for name, body in library.items() if " convolution(" in body], library
     assert any(" dot(" in body for body in library.values()), "the linear layer's dots left YNNPACK too"
 
-    _train_step(model, images, labels)
+    classifier_step(model, images, labels)
     grads = named_grads(model.grads)
     for name, p in net.named_parameters():
         assert_close(grads[name], p.grad, 1e-5, floor=1e-6)

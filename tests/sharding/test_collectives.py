@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import jmp as smp
 from tests.front_end.helpers import named_grads
-from tests.helpers import assert_close
+from tests.helpers import PooledNet, assert_close, classifier_step
 from tests.sharding.models import causal_lm, lm_step, token_batches
 
 pytest.importorskip("transformers")
@@ -44,41 +44,20 @@ def test_expert_parallel_sends_tokens_all_to_all():
     assert counts["all-to-all"] >= 2 * 4
 
 
-class _PooledNet(torch.nn.Module):
-    """The seed's GroupedNet in small: convolutions, ReLU, max pooling, a linear head."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(1, 4, 3)
-        self.conv2 = torch.nn.Conv2d(4, 8, 3)
-        self.fc = torch.nn.Linear(8 * 4 * 4, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
-        return F.log_softmax(self.fc(torch.flatten(x, 1)), dim=1)
-
-
-@smp.step
-def _classifier_step(model, images, labels):
-    loss = F.nll_loss(model(images), labels)
-    model.backward(loss)
-    return loss
-
-
 def test_data_parallel_pooling_reduces_gradients_and_moves_no_activations():
     torch.manual_seed(0)
-    net = _PooledNet()
+    net = PooledNet()
     images = torch.randn(16, 1, 12, 12, generator=torch.Generator().manual_seed(1)).round()  # ties in the windows
     labels = torch.arange(16) % 10
     F.nll_loss(net(images), labels).backward()
     smp.init({"microbatches": 2})  # data parallel over the 8 devices
-    model = smp.DistributedModel(_PooledNet())
+    model = smp.DistributedModel(PooledNet())
     model.load_state_dict(net.state_dict())
-    hlo = _classifier_step.lower(model, images, labels).compile().as_text()
+    hlo = classifier_step.lower(model, images, labels).compile().as_text()
     counts = {kind: len(re.findall(rf" {kind}(?:-start)?\(", hlo)) for kind in KINDS}
     # the pooling gradient's scatter stays on each device's rows (indexed by row, it gathered every row everywhere)
     assert counts["all-gather"] == 0 and counts["all-reduce"] >= 1, counts
-    _classifier_step(model, images, labels)
+    classifier_step(model, images, labels)
     grads = named_grads(model.grads)
     for name, p in net.named_parameters():  # each window's gradient to its first maximum, as torch's
         assert_close(grads[name], p.grad, 1e-5, floor=1e-6)
