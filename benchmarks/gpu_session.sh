@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# One prepared session on a GPU machine, about 8 minutes at most, every step bounded by `timeout`:
+# One prepared session on a GPU machine, about 9 minutes at most, every step bounded by `timeout`, in order of worth:
 #   1. the machine and versions                        -> $OUT/env.txt
-#   2. the tests that run only on a GPU                -> $OUT/gpu_tests.log
-#   3. GPT-2 training steps: torch eager, torch.compile, jmp (benchmarks/gpu_speed.py)
-#                                                      -> $OUT/gpu_speed.log, $OUT/gpu_speed.json
-#   4. the fused AdamW kernels against optax and torch (benchmarks/optimizer_kernels.py), if time is left
+#   2. a 1.2B Llama (Llama 3.2 1B's shapes): torch.compile, jmp bf16, jmp fp8 (benchmarks/gpu_speed.py)
+#                                                      -> $OUT/llama.log, $OUT/gpu_speed_llama.json
+#   3. the fused AdamW kernels against optax and torch (benchmarks/optimizer_kernels.py)
 #                                                      -> $OUT/optimizer_kernels.log, $OUT/optimizer_kernels.json
+#   4. GPT-2 124M: torch.compile, jmp                  -> $OUT/gpt2.log, $OUT/gpu_speed.json
+#   5. the tests that run only on a GPU                -> $OUT/gpu_tests.log
+# The jmp sides of 2 and 4 update with XLA's fused AdamW (fused_optimizer: False): the Pallas kernels' compile
+# takes a minute per model on a GPU, so they are measured once, in 3, against the same update done by XLA.
 # Each step's exit status and seconds -> $OUT/session.log. No arguments; environment variables:
 #   bash benchmarks/gpu_session.sh          (OUT defaults to /tmp/gpu_out)
-#   GPU_SESSION_ONLY=speed                  steps 1 and 3 only (the machine, GPT-2 steps; step 3 may take all
-#                                           the time left rather than 250 s)
-#   GPU_SPEED_ARGS="..."                    step 3's arguments instead of "--steps 30 --compile-timeout 120",
-#                                           e.g. "--steps 20 --torch-compile off --jmp-attention auto,xla"
-#   GPU_SESSION_SECONDS=480                 the whole session's seconds
+#   GPU_SESSION_ONLY=speed                  steps 1 and 4 only (the machine, GPT-2 steps; step 4 may take all
+#                                           the time left)
+#   GPU_SPEED_ARGS="..."                    step 4's arguments instead of "--steps 20 --torch-eager off
+#                                           --jmp-configs bf16+optax --compile-timeout 120", e.g. "--tiny" on a CPU
+#   GPU_LLAMA_ARGS="..."                    step 2's size arguments instead of Llama 3.2 1B's
+#   GPU_SESSION_SECONDS=540                 the whole session's seconds
 set -uo pipefail
 
 OUT="${OUT:-/tmp/gpu_out}"
@@ -32,7 +36,7 @@ case "$ONLY" in
     *) echo "GPU_SESSION_ONLY=$ONLY: expected speed (or unset: every step)" >&2; exit 2 ;;
 esac
 
-TOTAL=${GPU_SESSION_SECONDS:-480}  # seconds for the whole session; each step gets its share, at most what is left
+TOTAL=${GPU_SESSION_SECONDS:-540}  # seconds for the whole session; each step gets its share, at most what is left
 SESSION_LOG="$OUT/session.log"
 : >"$SESSION_LOG"
 
@@ -83,41 +87,50 @@ EOF
 export -f environment
 step environment 60 "$OUT/env.txt" bash -c environment
 
-# --- 2. the tests that skip unless jax.default_backend() == "gpu" -------------------------------------------------
-# The two GPU-only tests, the test that lowers the fused update for CUDA, and offloading's numbers (host memory
-# is a real memory space on a GPU). Not the rest of these files: they lay models out over 4 to 8 devices,
-# which the CPU suite emulates and one GPU does not have.
-TESTS=(
-    "tests/kernels/test_fused_optimizers.py::test_on_a_gpu_the_compiled_kernels_compute_what_the_optax_chain_computes"
-    "tests/kernels/test_fused_optimizers.py::test_the_gpu_program_has_one_kernel_per_param_group_and_dtype"
-    "tests/remat/test_offload.py::test_on_a_gpu_offloading_lowers_device_temporaries"
-    "tests/remat/test_offload.py::test_offloading_moves_each_checkpointed_layers_input_to_the_host_and_keeps_gradients"
-)
-PER_TEST=()
-python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 120)
+# step 2 and 4's jmp sides keep their compiled programs in an empty cache: a first step is a real compile, and
+# --compiled-hlo then loads the step program instead of compiling it again
+export JMP_COMPILATION_CACHE="${JMP_COMPILATION_CACHE:-$(mktemp -d /tmp/jmp-xla-cache-XXXX)}"
+
+# --- 2. a 1.2B Llama: MFU against torch.compile, and fp8 against bf16 -------------------------------------------
+read -r -a LLAMA_SIZE <<<"${GPU_LLAMA_ARGS:---layers 16 --d-model 2048 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256 --seq 2048 --batch 4}"
 if [[ -z $ONLY ]]; then
-    step gpu_tests 150 "$OUT/gpu_tests.log" \
-        python3 -m pytest -q -rA -n 0 -p no:cacheprovider ${PER_TEST[@]+"${PER_TEST[@]}"} "${TESTS[@]}"
+    step llama 260 "$OUT/llama.log" \
+        python3 -m benchmarks.gpu_speed --model llama "${LLAMA_SIZE[@]}" --steps 15 --torch-eager off \
+        --compile-timeout 150 --jmp-configs bf16+optax,fp8+optax --compiled-hlo --out "$OUT/gpu_speed_llama.json"
 else
-    note "gpu_tests: skipped (GPU_SESSION_ONLY=$ONLY)"
+    note "llama: skipped (GPU_SESSION_ONLY=$ONLY)"
 fi
 
-# --- 3. GPT-2 training steps on the GPU ---------------------------------------------------------------------------
-# GPU_SPEED_ARGS="--tiny" checks this script on a CPU
-read -r -a SPEED_ARGS <<<"${GPU_SPEED_ARGS:---steps 30 --compile-timeout 120}"
-SPEED_SECONDS=250
-[[ -n $ONLY ]] && SPEED_SECONDS=$TOTAL  # the only long step: whatever the session has left
-step gpu_speed "$SPEED_SECONDS" "$OUT/gpu_speed.log" \
-    python3 -m benchmarks.gpu_speed "${SPEED_ARGS[@]}" --out "$OUT/gpu_speed.json"
-
-# --- 4. the fused optimizer kernels, if time is left --------------------------------------------------------------
+# --- 3. the fused optimizer kernels ---------------------------------------------------------------------------------
 PEAK_GBPS=3350  # H100 SXM HBM3
 nvidia-smi -L 2>/dev/null | grep -q H200 && PEAK_GBPS=4800  # H200 HBM3e
 if [[ -z $ONLY ]]; then
-    step optimizer_kernels 120 "$OUT/optimizer_kernels.log" \
-        python3 -m benchmarks.optimizer_kernels --steps 20 --peak-gbps "$PEAK_GBPS" --out "$OUT/optimizer_kernels.json"
+    step optimizer_kernels 150 "$OUT/optimizer_kernels.log" \
+        python3 -m benchmarks.optimizer_kernels --steps 20 --kinds mixed --peak-gbps "$PEAK_GBPS" \
+        --out "$OUT/optimizer_kernels.json"
 else
     note "optimizer_kernels: skipped (GPU_SESSION_ONLY=$ONLY)"
+fi
+
+# --- 4. GPT-2 124M training steps -----------------------------------------------------------------------------------
+read -r -a SPEED_ARGS <<<"${GPU_SPEED_ARGS:---steps 20 --torch-eager off --jmp-configs bf16+optax --compile-timeout 120}"
+SPEED_SECONDS=130
+[[ -n $ONLY ]] && SPEED_SECONDS=$TOTAL  # the only long step: whatever the session has left
+step gpt2 "$SPEED_SECONDS" "$OUT/gpt2.log" \
+    python3 -m benchmarks.gpu_speed "${SPEED_ARGS[@]}" --out "$OUT/gpu_speed.json"
+
+# --- 5. the tests that skip unless jax.default_backend() == "gpu" -------------------------------------------------
+# The GPU-only tests of the fused kernels and offloading's numbers (host memory is a real memory space on a GPU).
+# Not the rest of these files: they lay models out over 4 to 8 devices, which the CPU suite emulates and one GPU
+# does not have.
+PER_TEST=()
+python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 90)
+if [[ -z $ONLY ]]; then
+    step gpu_tests 120 "$OUT/gpu_tests.log" \
+        python3 -m pytest -q -rA -n 0 -p no:cacheprovider ${PER_TEST[@]+"${PER_TEST[@]}"} -k "gpu or offloading_moves" \
+        tests/kernels/test_fused_optimizers.py tests/remat/test_offload.py
+else
+    note "gpu_tests: skipped (GPU_SESSION_ONLY=$ONLY)"
 fi
 
 note "done; files in $OUT:"

@@ -1,10 +1,17 @@
-"""GPT-2 training steps on one GPU: PyTorch eager, ``torch.compile`` and jmp, bf16 mixed precision, side by side.
+"""Causal-LM training steps on one GPU: PyTorch eager, ``torch.compile`` and jmp, bf16 mixed precision (and jmp
+in fp8), side by side.
 
-    python -m benchmarks.gpu_speed [--layers 12] [--d-model 768] [--heads 12] [--seq 1024] [--batch 8]
-        [--vocab 50257] [--steps 20] [--warmup 3] [--torch-compile auto|on|off] [--jmp-attention auto,xla]
-        [--tiny] [--out benchmarks/results/gpu_speed.json]
+    python -m benchmarks.gpu_speed [--model gpt2|llama] [--layers 12] [--d-model 768] [--heads 12]
+        [--kv-heads H] [--intermediate N] [--seq 1024] [--batch 8] [--vocab 50257] [--steps 20] [--warmup 3]
+        [--torch-eager on|off] [--torch-compile auto|on|off] [--jmp-attention auto,xla]
+        [--jmp-configs bf16,fp8,bf16+optax] [--compiled-hlo] [--tiny] [--out benchmarks/results/gpu_speed.json]
 
-One Hugging Face GPT-2 (``GPT2Config``, random weights, no dropout; default GPT-2 small, 124M parameters)
+    # a Llama of 1.2B parameters (Llama 3.2 1B's shapes):
+    python -m benchmarks.gpu_speed --model llama --layers 16 --d-model 2048 --heads 32 --kv-heads 8 \
+        --intermediate 8192 --vocab 128256 --seq 2048 --batch 4 --jmp-configs bf16,fp8
+
+One Hugging Face GPT-2 (``GPT2Config``, random weights, no dropout; default GPT-2 small, 124M parameters), or
+a Llama (``LlamaConfig``, ``--model llama``),
 trained with AdamW (lr 1e-4, weight decay 0.01) on one batch of random token ids, from the same initial
 weights on every side, one side after the other in one process on the same device:
 
@@ -17,7 +24,10 @@ weights on every side, one side after the other in one process on the same devic
   once per ``--jmp-attention`` setting (a comma list of ``auto``, ``xla``, ``cudnn``; default ``auto``), each
   a fresh model and optimizer traced under ``JMP_ATTENTION_IMPLEMENTATION`` set to it: sides ``jmp`` (auto:
   cuDNN flash attention where ``jmp.torch_bridge.lowering.attention`` chooses it), ``jmp_xla_attention``,
-  ``jmp_cudnn_attention``.
+  ``jmp_cudnn_attention``; and once per ``--jmp-configs`` entry (default ``bf16``), ``+``-joined words each
+  adding to the config: ``fp8`` (``fp8: True``, Transformer Engine's delayed-scaling recipe on the Linear
+  layers' matmuls), ``optax`` (``fused_optimizer: False``: XLA's update instead of the Pallas kernels),
+  ``scan`` (``scan_layers: True``); a side other than plain ``bf16`` is named ``jmp_<entry>`` (``+`` as ``_``).
 
 The torch sides run first and are freed (``torch.cuda.empty_cache``) before jmp starts, so the two
 allocators share the device (``XLA_PYTHON_CLIENT_PREALLOCATE=false``). A step is ``zero_grad``, forward,
@@ -33,7 +43,12 @@ so a later jmp side reports at least an earlier one's). For jmp the first step i
 and ``first_optimizer_step_s`` (the first ``optimizer.step()`` until the parameters are updated: the
 update's compile, the fused Pallas kernels on a GPU, and one run). Results are written after each side, so
 a run cut short keeps the sides it finished. ``step_custom_calls`` names the kernels jmp's step program
-calls by name (cuDNN's attention is ``__cudnn$fmha...``; XLA's own attention calls none).
+calls by name (cuDNN's attention is ``__cudnn$fmha...``; XLA's own attention calls none). Each jmp side's
+timed steps are also split: ``median_step_call_ms`` (the step program until its loss is on the host) and
+``median_optimizer_ms`` (``optimizer.step()`` until the parameters are updated). ``--compiled-hlo`` adds
+``compiled_hlo``: the custom calls of the step program as XLA compiled it for the device (cuBLAS's fp8 matmuls
+are ``__cublas$lt$matmul$f8``), and its dots and convolutions by operand types; this compiles the step again,
+so run with ``JMP_COMPILATION_CACHE`` set to a directory to have it loaded from the cache instead.
 """
 
 from __future__ import annotations
@@ -42,7 +57,9 @@ import os
 
 # before JAX starts its GPU backend: torch allocates on the same device, so JAX must not take 75% of it upfront
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-os.environ.setdefault("JMP_COMPILATION_CACHE", "off")  # the first step's time is a real compile on every run
+# the first step's time is a real compile on every run (an empty directory does as well, and lets --compiled-hlo
+# load the step program from it instead of compiling it twice)
+os.environ.setdefault("JMP_COMPILATION_CACHE", "off")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -62,7 +79,15 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import jmp as smp  # noqa: E402
-from benchmarks.harness import causal_lm, gpt2_config, lm_step, machine, token_ids, write_results  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    causal_lm,
+    gpt2_config,
+    llama_config,
+    lm_step,
+    machine,
+    token_ids,
+    write_results,
+)
 from jmp.torch_bridge.lowering.attention import ENVIRONMENT_VARIABLE as ATTENTION_VARIABLE  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -70,6 +95,8 @@ ATTENTION_SIDES = {"auto": "jmp", "xla": "jmp_xla_attention", "cudnn": "jmp_cudn
 # dense bf16 tensor-core peak of an H100 / H200 SXM (without sparsity); the H200 has the H100's compute
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}
 TINY = dict(layers=2, d_model=128, heads=4, seq=128, batch=4, vocab=1024, steps=5, warmup=2)
+# what each word of a --jmp-configs entry adds to smp.init's config
+CONFIG_WORDS = {"bf16": {}, "fp8": {"fp8": True}, "optax": {"fused_optimizer": False}, "scan": {"scan_layers": True}}
 
 
 # --- what a step computes -----------------------------------------------------------------------------------
@@ -210,16 +237,29 @@ def attention_implementation(setting: str):
             os.environ[ATTENTION_VARIABLE] = previous
 
 
-def jmp_side(base: torch.nn.Module, ids: torch.Tensor, args, attention: str = "auto") -> dict:
+def jmp_config(entry: str) -> dict:
+    """smp.init's config for a ``--jmp-configs`` entry ("bf16", "fp8+optax", ...)."""
+    config = {"microbatches": 1, "bf16": True}
+    for word in entry.split("+"):
+        config.update(CONFIG_WORDS[word])
+    return config
+
+
+def jmp_side_name(attention: str, entry: str) -> str:
+    name = ATTENTION_SIDES[attention]
+    return name if entry == "bf16" else f"{name}_{entry.replace('+', '_')}"
+
+
+def jmp_side(base: torch.nn.Module, ids: torch.Tensor, args, attention: str = "auto", entry: str = "bf16") -> dict:
     if torch.cuda.is_available() and jax.default_backend() != "gpu":  # a GPU-sized model on the CPU: hours
         raise RuntimeError(f"torch sees a GPU but JAX runs on {jax.default_backend()}: see env.txt")
     with attention_implementation(attention):
-        result = _jmp_side(base, ids, args, ATTENTION_SIDES[attention])
+        result = _jmp_side(base, ids, args, jmp_side_name(attention, entry), jmp_config(entry))
     result["attention"] = f"{ATTENTION_VARIABLE}={attention}"
     return result
 
 
-def _jmp_side(base: torch.nn.Module, ids: torch.Tensor, args, name: str) -> dict:
+def _jmp_side(base: torch.nn.Module, ids: torch.Tensor, args, name: str, config: dict) -> dict:
     messages = _Messages()
     log = logging.getLogger("jmp")
     level = log.level
@@ -227,7 +267,7 @@ def _jmp_side(base: torch.nn.Module, ids: torch.Tensor, args, name: str) -> dict
     log.setLevel(logging.INFO)
     try:
         start = time.perf_counter()
-        smp.init({"microbatches": 1, "bf16": True})
+        smp.init(config)
         model = smp.DistributedModel(copy.deepcopy(base))
         optimizer = smp.DistributedOptimizer(
             torch.optim.AdamW(model.module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -238,6 +278,7 @@ def _jmp_side(base: torch.nn.Module, ids: torch.Tensor, args, name: str) -> dict
             jax.block_until_ready(model.training_state.params)
 
         first: dict = {}
+        parts: dict[str, list[float]] = {"step_call": [], "optimizer": []}
 
         def iteration():
             start = time.perf_counter()
@@ -245,28 +286,68 @@ def _jmp_side(base: torch.nn.Module, ids: torch.Tensor, args, name: str) -> dict
             loss = lm_step(model, ids).reduce_mean()  # a torch tensor: the step has run
             called = time.perf_counter()
             optimizer.step()
+            sync()
+            done = time.perf_counter()
             if not first:  # the update's compile shows here, apart from the step program's
-                sync()
-                first.update(first_step_call_s=called - start, first_optimizer_step_s=time.perf_counter() - called)
+                first.update(first_step_call_s=called - start, first_optimizer_step_s=done - called)
                 print(f"  {name}: first step call {first['first_step_call_s']:.1f} s, first optimizer.step() "
                       f"{first['first_optimizer_step_s']:.1f} s", flush=True)  # fmt: skip
+            else:
+                parts["step_call"].append(called - start)
+                parts["optimizer"].append(done - called)
             return loss
 
         result = {"setup_s": setup, **run_side(name, iteration, sync, args.steps, args.warmup), **first}
+        timed = slice(args.warmup - 1, None)  # the parts of the timed steps (the first step is not in parts)
+        for part, seconds in parts.items():
+            if seconds[timed]:
+                result[f"median_{part}_ms"] = statistics.median(seconds[timed]) * 1e3
     finally:
         log.removeHandler(messages)
         log.setLevel(level)
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         result["peak_memory_bytes"] = stats["peak_bytes_in_use"]
+    result["config"] = config
     result["optimizer"] = f"smp.DistributedOptimizer(torch.optim.AdamW), fused: {getattr(optimizer, 'fused', None)}"
     result["compile_log"] = [line for line in messages.lines if re.match(r"(compiled|loaded) ", line)]
     try:  # which kernels the step program asks for by name (cuDNN attention would show here)
-        text = lm_step.lower(model, ids).as_text()
+        lowered = lm_step.lower(model, ids)
+        text = lowered.as_text()
         result["step_custom_calls"] = dict(collections.Counter(re.findall(r"custom_call @([\w$.]+)", text)))
+        result["step_dots"] = dot_operand_types(text)
+        if args.compiled_hlo:
+            start = time.perf_counter()
+            result["compiled_hlo"] = compiled_hlo_summary(lowered.compile().as_text())
+            result["compiled_hlo"]["seconds"] = time.perf_counter() - start
     except Exception as error:  # a diagnostic only
         result["step_custom_calls"] = f"not lowered: {error!r}"
     return result
+
+
+_LOWERED_DOT = re.compile(r"stablehlo\.dot_general[^\n]*?:\s*\(tensor<(?:\d+x)*(\w+)>, tensor<(?:\d+x)*(\w+)>\)")
+_HLO_DEFINITION = re.compile(r"%([\w.\-]+) = (\w+)\[")
+_HLO_DOT = re.compile(r"= (\w+)\[[^\n]*? (dot|convolution)\(%([\w.\-]+), %([\w.\-]+)\)")
+
+
+def dot_operand_types(lowered_text: str) -> dict[str, int]:
+    """The lowered program's ``dot_general``s counted by operand element types ("f8E4M3FN x f8E4M3FN": 15)."""
+    return dict(collections.Counter(f"{a} x {b}" for a, b in _LOWERED_DOT.findall(lowered_text)))
+
+
+def compiled_hlo_summary(text: str) -> dict:
+    """What the device runs: custom-call targets (cuBLAS / cuDNN / Triton kernels) and XLA's own dots and
+    convolutions by operand types, from the compiled HLO's text."""
+    dots: collections.Counter = collections.Counter()
+    for computation in text.split("\n\n"):  # operands are named within their computation
+        types = dict(_HLO_DEFINITION.findall(computation))
+        for out, kind, a, b in _HLO_DOT.findall(computation):
+            dots[f"{kind} {types.get(a, '?')} x {types.get(b, '?')} -> {out}"] += 1
+    return {
+        "custom_call_targets": dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))),
+        "dots": dict(dots),
+        "fp8_instructions": len(re.findall(r"\bf8e\w+\[", text)),
+    }
 
 
 # --- main ---------------------------------------------------------------------------------------------------------
@@ -274,14 +355,18 @@ def _jmp_side(base: torch.nn.Module, ids: torch.Tensor, args, name: str) -> dict
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (default: --heads)")
+    parser.add_argument("--intermediate", type=int, default=None, help="llama: MLP width (default: 4 * d-model)")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side, the first included")
+    parser.add_argument("--torch-eager", choices=("on", "off"), default="on")
     parser.add_argument("--torch-compile", choices=("auto", "on", "off"), default="auto", help="auto: on CUDA")
     parser.add_argument("--compile-timeout", type=int, default=150, help="seconds torch.compile's first step gets")
     parser.add_argument(
@@ -289,6 +374,12 @@ def parse_args():
         default="auto",
         help="comma list of JMP_ATTENTION_IMPLEMENTATION settings (auto, xla, cudnn), one jmp side each",
     )
+    parser.add_argument(
+        "--jmp-configs",
+        default="bf16",
+        help=f"comma list of config entries, words joined by + ({', '.join(CONFIG_WORDS)}), one jmp side each",
+    )
+    parser.add_argument("--compiled-hlo", action="store_true", help="summarise each jmp step as compiled (see above)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 peak (default: by name)")
     parser.add_argument("--tiny", action="store_true", help=f"a CPU-sized check, unless given otherwise: {TINY}")
     parser.add_argument("--out", default="benchmarks/results/gpu_speed.json")
@@ -302,7 +393,33 @@ def parse_args():
     unknown = sorted(set(args.jmp_attention) - set(ATTENTION_SIDES))
     if unknown or not args.jmp_attention:
         parser.error(f"--jmp-attention: {unknown or 'nothing'}; expected a comma list of {', '.join(ATTENTION_SIDES)}")
+    args.jmp_configs = [entry.strip() for entry in args.jmp_configs.split(",") if entry.strip()]
+    words = {word for entry in args.jmp_configs for word in entry.split("+")}
+    if words - set(CONFIG_WORDS) or not args.jmp_configs:
+        parser.error(f"--jmp-configs: {sorted(words - set(CONFIG_WORDS)) or 'nothing'}; words are {list(CONFIG_WORDS)}")
     return args
+
+
+def model_spec(args) -> dict:
+    if args.model == "gpt2":
+        return gpt2_config(
+            vocab=args.vocab, positions=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads
+        )
+    return llama_config(
+        vocab=args.vocab, positions=args.seq, hidden=args.d_model, intermediate=args.intermediate or 4 * args.d_model,
+        layers=args.layers, heads=args.heads, kv_heads=args.kv_heads or args.heads,
+    )  # fmt: skip
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters that take part in matmuls: all, less input embeddings that are only looked up (a tied
+    embedding is the output layer's weight too, so it counts once, as ``parameters()`` lists it once)."""
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    if output is None or output.weight is not embedding:
+        params -= embedding.numel()
+    return params
 
 
 def main() -> None:
@@ -312,13 +429,16 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     gpu = torch.cuda.get_device_name() if cuda else None
     peak = device_peak_flops(gpu, args.peak_tflops and args.peak_tflops * 1e12)
-    spec = gpt2_config(vocab=args.vocab, positions=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads)
+    spec = model_spec(args)
     base = causal_lm(spec)
     ids = token_ids(args.batch, args.seq, args.vocab)
-    params = sum(p.numel() for p in base.parameters())  # the tied embedding once
+    params = sum(p.numel() for p in base.parameters())  # a tied embedding once
+    # GPT-2's figures count every parameter (as the results before --model did; its position embeddings are 0.6%)
+    counted = params if args.model == "gpt2" else matmul_params(base)
     tokens = args.batch * args.seq
-    flops = flops_per_step(params, args.layers, args.d_model, args.seq, tokens)
-    print(f"GPT-2 {params / 1e6:.1f}M parameters, {tokens} tokens a step, {flops / 1e12:.2f} TFLOP a step", flush=True)
+    flops = flops_per_step(counted, args.layers, args.d_model, args.seq, tokens)
+    print(f"{spec['kind']} {params / 1e6:.1f}M parameters, {tokens} tokens a step, {flops / 1e12:.2f} TFLOP a step",
+          flush=True)  # fmt: skip
     print(f"torch on {gpu or 'cpu'}; jax on {jax.devices()[0].device_kind} ({jax.default_backend()})", flush=True)
 
     result = {
@@ -330,6 +450,7 @@ def main() -> None:
             "jax_device": jax.devices()[0].device_kind,
         },
         "config": dict(
+            model=spec,
             layers=args.layers,
             d_model=args.d_model,
             heads=args.heads,
@@ -342,22 +463,27 @@ def main() -> None:
             warmup=args.warmup,
             optimizer=f"AdamW lr {LR} weight_decay {WEIGHT_DECAY}",
             precision="bf16 autocast, float32 masters",
-            jmp_config={"microbatches": 1, "bf16": True},
+            jmp_configs={entry: jmp_config(entry) for entry in args.jmp_configs},
             flops_per_step=flops,
-            flops_formula="6 * params * tokens + 12 * layers * seq * d_model * tokens",
+            flops_formula="6 * params * tokens + 12 * layers * seq * d_model * tokens"
+            + ("" if args.model == "gpt2" else ", params less the input embedding"),
+            matmul_params=counted,
             peak_flops=peak,
             peak_flops_source="dense bf16, H100/H200 SXM" if peak and not args.peak_tflops else None,
         ),  # fmt: skip
         "sides": {},
     }
     compile_torch = args.torch_compile == "on" or (args.torch_compile == "auto" and cuda)
-    sides = [("torch_eager", lambda: torch_side(base, ids, args, compiled=False))]
+    sides = []
+    if args.torch_eager == "on":
+        sides.append(("torch_eager", lambda: torch_side(base, ids, args, compiled=False)))
     if compile_torch:
         sides.append(("torch_compile", lambda: torch_side(base, ids, args, compiled=True)))
     else:
         result["sides"]["torch_compile"] = {"skipped": "not on CUDA (--torch-compile on runs it)"}
     for setting in dict.fromkeys(args.jmp_attention):
-        sides.append((ATTENTION_SIDES[setting], functools.partial(jmp_side, base, ids, args, setting)))
+        for entry in dict.fromkeys(args.jmp_configs):
+            sides.append((jmp_side_name(setting, entry), functools.partial(jmp_side, base, ids, args, setting, entry)))
 
     for name, side in sides:
         print(f"{name} ({time.perf_counter() - start:.0f} s)", flush=True)
@@ -366,10 +492,11 @@ def main() -> None:
         except Exception as error:  # one side failing (torch.compile without a compiler, ...) keeps the others
             traceback.print_exc()
             row = {"error": f"{type(error).__name__}: {error}"[:2000]}
-        if "error" in row:  # the traceback's frames are gone now, and with them the side's tensors
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+        gc.collect()  # an error's traceback frames are gone now, and with them the side's tensors
+        if cuda:
+            torch.cuda.empty_cache()
+        # what JAX still holds once the side is over: an earlier jmp side's model must not crowd a later one
+        row["jax_live_bytes_after"] = sum(array.nbytes for array in jax.live_arrays())
         if "median_step_ms" in row:
             seconds = row["median_step_ms"] / 1e3
             row["tokens_per_s"] = tokens / seconds
@@ -382,25 +509,32 @@ def main() -> None:
         write_results(args.out, result)
 
     done = {name: row for name, row in result["sides"].items() if "losses" in row}
-    if "torch_eager" in done:
-        reference = done["torch_eager"]["losses"][0]
-        result["first_loss_rel_diff_vs_torch_eager"] = {
+    torch_sides = [name for name in ("torch_eager", "torch_compile") if name in done]
+    if torch_sides:
+        reference = done[torch_sides[0]]["losses"][0]
+        result[f"first_loss_rel_diff_vs_{torch_sides[0]}"] = {
             name: abs(row["losses"][0] - reference) / abs(reference) for name, row in done.items()
         }
     result["seconds"] = time.perf_counter() - start
     write_results(args.out, result)
-    print(f"\n{'side':<20}{'first s':>9}{'step ms':>9}{'tokens/s':>11}{'MFU':>7}{'peak GiB':>10}{'loss[0]':>9}")
+    print(f"\n{'side':<26}{'first s':>9}{'step ms':>9}{'fwd+bwd':>9}{'update':>8}{'tokens/s':>11}{'MFU':>7}"
+          f"{'peak GiB':>10}{'loss[0]':>9}")  # fmt: skip
     for name, row in result["sides"].items():
         if "median_step_ms" not in row:
-            print(f"{name:<20}{row.get('error') or row.get('skipped')}")
+            print(f"{name:<26}{row.get('error') or row.get('skipped')}")
             continue
         mfu = f"{row['mfu']:.1%}" if row.get("mfu") else "-"
         memory = f"{row['peak_memory_bytes'] / 2**30:.2f}" if "peak_memory_bytes" in row else "-"
+        parts = [f"{row[key]:>{width}.1f}" if key in row else f"{'-':>{width}}" for key, width in
+                 (("median_step_call_ms", 9), ("median_optimizer_ms", 8))]  # fmt: skip
         print(
-            f"{name:<20}{row['first_step_s']:>9.1f}{row['median_step_ms']:>9.1f}{row['tokens_per_s']:>11.0f}"
-            f"{mfu:>7}{memory:>10}{row['losses'][0]:>9.4f}"
+            f"{name:<26}{row['first_step_s']:>9.1f}{row['median_step_ms']:>9.1f}{''.join(parts)}"
+            f"{row['tokens_per_s']:>11.0f}{mfu:>7}{memory:>10}{row['losses'][0]:>9.4f}"
         )
-    print(f"first-loss relative difference from torch eager: {result.get('first_loss_rel_diff_vs_torch_eager')}")
+        if "compiled_hlo" in row:
+            print(f"{'':<26}compiled: {row['compiled_hlo']['custom_call_targets']}")
+    for key in [key for key in result if key.startswith("first_loss_rel_diff")]:
+        print(f"{key}: {result[key]}")
     print(f"wrote {args.out} ({result['seconds']:.0f} s)")
 
 

@@ -1,6 +1,7 @@
 """AdamW updates: the fused Pallas kernels (``jmp.kernels``) against the optax path and torch's fused AdamW.
 
-    python -m benchmarks.optimizer_kernels [--steps 20] [--out benchmarks/results/optimizer_kernels.json]
+    python -m benchmarks.optimizer_kernels [--steps 20] [--kinds fp32,mixed] [--tensors-per-launch N]
+        [--out benchmarks/results/optimizer_kernels.json]
 
 The parameters are a transformer's: 16 layers of 12 tensors (attention, MLP, norms, biases) plus embeddings,
 about 100M float32 parameters in ~200 tensors on a GPU (width 724), 3M on other backends (width 128). The
@@ -18,6 +19,10 @@ bf16 gradients), so ``bytes * params / seconds`` is the bandwidth an update achi
 - ``torch``: ``torch.optim.AdamW(fused=True)`` on the same shapes (float32 gradients), when torch sees a CUDA
   device.
 
+Each run's first call (tracing, compiling, one update) is timed apart: ``first_call_seconds``. The fused
+kernels' compile grows with the tensors in one launch (each tensor's body is a branch of the one Triton kernel);
+``--tensors-per-launch`` caps them below what the kernel's argument space allows, to measure that trade.
+
 On a CPU Pallas runs only in interpret mode, which checks the kernels' numbers but says nothing about their
 speed: the script then reports the largest difference from the optax path and the interpret-mode time,
 labelled as such.
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +42,14 @@ import optax
 import torch
 
 from benchmarks.harness import machine, time_interleaved, write_results
-from jmp.kernels import fused_adamw
+from jmp.kernels import fused_adamw, multi_tensor
 from jmp.optim import torch_rules as torch_optimizers
 from jmp.precision import loss_scaling
 
 LAYERS, VOCAB = 16, 32000
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 SCALE = 2.0**12  # the loss scale the gradients carry
+ADAM_OPERANDS = 7  # parameter, gradient, two moments in; parameter and two moments out
 
 
 def transformer_shapes(width: int, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -89,12 +96,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--peak-gbps", type=float, default=3350.0)
+    parser.add_argument("--kinds", default="fp32,mixed", help="comma list of gradient kinds: fp32, mixed")
+    parser.add_argument("--tensors-per-launch", type=int, default=None, help="fewer tensors per fused launch")
     parser.add_argument("--out", default="benchmarks/results/optimizer_kernels.json")
     args = parser.parse_args()
+    kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
+    if not kinds or set(kinds) - {"fp32", "mixed"}:
+        parser.error(f"--kinds {args.kinds!r}: a comma list of fp32, mixed")
+    if args.tensors_per_launch:  # the argument space multi_tensor.launches divides, sized for this many tensors
+        multi_tensor.ARGUMENT_BYTES = (args.tensors_per_launch * ADAM_OPERANDS + 1) * 8
     on_gpu = jax.default_backend() == "gpu"
     shapes = transformer_shapes(724 if on_gpu else 128, VOCAB if on_gpu else 4096)
     count = sum(int(np.prod(s)) for s in shapes.values())
     gradients = {"fp32": _tree(shapes, 1), "mixed": jax.tree.map(lambda g: g.astype(jnp.bfloat16), _tree(shapes, 1))}
+    gradients = {kind: gradients[kind] for kind in kinds}
     gradients = {kind: jax.tree.map(lambda g: g * SCALE, tree) for kind, tree in gradients.items()}
     factories = {"fused": functools.partial(fused_adamw, interpret=not on_gpu), "optax": torch_optimizers.adamw}
     runs = {}
@@ -120,8 +135,14 @@ def main() -> None:
             torch.cuda.synchronize()
 
         runs["torch-fp32"] = torch_run
-    samples = time_interleaved(runs, args.steps, warmup=2)
-    finals = {name: run() for name, run in runs.items() if not name.startswith("torch")}
+    first_calls = {}
+    for name, run in runs.items():  # tracing and compiling, apart from the timed updates
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        first_calls[name] = time.perf_counter() - start
+        print(f"{name}: first call {first_calls[name]:.1f} s", flush=True)
+    samples = time_interleaved(runs, args.steps, warmup=1)
+    finals = {name: run() for name, run in runs.items() if not name.startswith("torch")}  # one more update each
     differences = {
         kind: max(float(jnp.max(jnp.abs(finals[f"fused-{kind}"][k] - finals[f"optax-{kind}"][k]))) for k in shapes)
         for kind in gradients
@@ -131,6 +152,7 @@ def main() -> None:
         seconds = statistics.median(times)
         moved = (26 if name.endswith("mixed") else 28) * count
         results[name] = {"median_seconds": seconds, "gbps": moved / seconds / 1e9}
+        results[name]["first_call_seconds"] = first_calls[name]
         if on_gpu:
             results[name]["fraction_of_peak"] = results[name]["gbps"] / args.peak_gbps
     print(f"{count / 1e6:.1f}M float32 parameters in {len(shapes)} tensors on {jax.default_backend()}")
@@ -138,7 +160,10 @@ def main() -> None:
         print("Pallas runs in interpret mode here: the fused times below are not the kernels' speed")
     for name, row in results.items():
         peak = f", {row['fraction_of_peak']:.0%} of peak" if "fraction_of_peak" in row else ""
-        print(f"{name:>12}: {row['median_seconds'] * 1e3:8.2f} ms per update, {row['gbps']:7.1f} GB/s{peak}")
+        print(
+            f"{name:>12}: {row['median_seconds'] * 1e3:8.2f} ms per update, {row['gbps']:7.1f} GB/s{peak}, "
+            f"first call {row['first_call_seconds']:.1f} s"
+        )
     for kind, difference in differences.items():
         print(f"largest |fused - optax| ({kind}) after {args.steps + 3} updates: {difference:.3g}")
     write_results(
@@ -146,7 +171,14 @@ def main() -> None:
         {
             "what": __doc__.split("\n\n")[0],
             "machine": machine(),
-            "config": {"parameters": count, "tensors": len(shapes), "steps": args.steps, "loss_scale": SCALE, **HYPER},
+            "config": {
+                "parameters": count,
+                "tensors": len(shapes),
+                "tensors_per_launch": len(multi_tensor.launches(range(len(shapes)), ADAM_OPERANDS)[0]),
+                "steps": args.steps,
+                "loss_scale": SCALE,
+                **HYPER,
+            },
             "interpret_mode": not on_gpu,
             "max_abs_difference_fused_vs_optax": differences,
             "rows": results,
