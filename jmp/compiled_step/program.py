@@ -28,6 +28,7 @@ from jmp.pipeline.engine import StepInputs
 from jmp.precision import fp8_state
 from jmp.remat import xla as remat_xla
 from jmp.runtime import mesh_state
+from jmp.stacks import storage as stacks_storage
 from jmp.torch_bridge import autocast, call_hooks, concrete_run, dispatch
 from jmp.torch_bridge.lowering import ring_attention
 from jmp.torch_bridge.tensor import unwrap
@@ -116,7 +117,7 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
         ]
     if model.pipeline is not None:
         return _run_pipeline(fn, model, signature, traced, params, rest, pieces)
-    step_forward = forward(fn, model, signature, traced)
+    step_forward = _on_stored(forward(fn, model, signature, traced), model)
     shardings = model.store.shardings
     fp8_recipe = model.fp8_recipe
 
@@ -173,6 +174,17 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
 
     (rest, sown), stacked = jax.lax.scan(eval_body, (rest, no_side_outputs), mb_stack)
     return stacked, rest, None, side_outputs.reported(sown)
+
+
+def _on_stored(step_forward: Callable, model: DistributedModel) -> Callable:
+    """``step_forward`` on the parameters as stored (stacked layers: one array per stack weight, so that the
+    program's arguments and gradients do not grow with depth)."""
+
+    def on_stored(params, rest, mb_arrays):
+        with stacks_storage.tracing_views():
+            return step_forward(model.store.in_trace(params), rest, mb_arrays)
+
+    return on_stored
 
 
 def _unrolled(signature, traced, model, with_grads, step_forward, params, rest, mb_stack, arrays_of):

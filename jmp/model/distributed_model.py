@@ -29,7 +29,7 @@ from jmp.model import delayed_init, sdp_partitions, smp_paths
 from jmp.model import live_models as model_registry
 from jmp.model.module_surface import ModelOptions, ModuleSurface
 from jmp.model.param_grads import ParamGrads
-from jmp.model.parameter_store import ParameterStore, StageStore, TreeStore
+from jmp.model.parameter_store import ParameterStore, StackStore, StageStore, TreeStore
 from jmp.model.records import ParameterLayout, ProgramCache, TrainingState, copy_tree
 from jmp.model.seams import AttachedOptimizer, LossScaleSource
 from jmp.pipeline.stepping import Pipeline
@@ -195,6 +195,7 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         # repeated identical layers run as one scan (jmp.stacks); a pipeline cuts the layers into stages instead
         self.stacks = stacks.find_stacks(module) if config.scan_layers and self.pipeline is None else []
         self.store: ParameterStore = TreeStore(self.layout)  # a StageStore once a pipeline's stages are cut
+        self._stack_storage()
         sdp_partitions.attach(self)  # p.ds_tensor, as SMP's sharded data parallelism (DeepSpeed's) has it
         self._optimizers: list[weakref.ref[AttachedOptimizer]] = []
         self._latest_optimizer: AttachedOptimizer | None = None
@@ -408,6 +409,20 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
             )
         self._optimizers.append(weakref.ref(optimizer))
         self._latest_optimizer = optimizer  # kept alive with the model, as SMP's state keeps its optimizer
+
+    def _stack_storage(self) -> None:
+        """Under ``scan_layers``, keep each stack weight as one array of all its layers (``StackStore``): the step
+        program then takes one array per stack weight whatever the depth."""
+        layout = self.layout
+        groups = stacks.stacked_groups(self.stacks, layout.names, layout.shapes, layout.dtypes, layout.specs)
+        if not groups:
+            return
+        named = self.store.named(self.training_state.params)
+        self.store = StackStore(layout, groups)
+        if self.abstract:
+            self.training_state.params = with_shardings(jax.eval_shape(self.store.pack, named), self.store.shardings)
+        else:
+            self.training_state.params = self.store.pack(named)
 
     def partition_into_stages(self, jaxpr: Any, rest_count: int) -> None:
         """Cut the model into pipeline stages (first step call) and move each stage's parameters to it."""

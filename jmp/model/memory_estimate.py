@@ -220,11 +220,10 @@ def _master_share(model: DistributedModel) -> float:
 def _from_layout(model: DistributedModel, tx: DistributedOptimizer | None, layout: dict[str, int]) -> MemoryEstimate:
     params = per_device_bytes(model.training_state.params)
     masters = int(_master_share(model) * params)
-    names = model.layout.tree({name: name for name in model.layout.names})
-    grads = jax.tree.map(
-        lambda p, name: jax.ShapeDtypeStruct(p.shape, model.precision.grad_dtype([name]), sharding=p.sharding),
-        model.training_state.params,
-        names,
+    params_shape = model.training_state.params
+    grads = with_shardings(
+        jax.eval_shape(lambda p: model.store.cast_grads(p, model.precision.grad_dtype), params_shape),
+        jax.tree.map(lambda p: p.sharding, params_shape),
     )
     return MemoryEstimate(
         layout=layout,

@@ -3,6 +3,8 @@
 - ``TreeStore``: the parameter tree itself (an ``nnx.State`` by torch name), each leaf sharded by its spec.
 - ``StageStore``: a pipelined model's parameters packed into its stages' buffers (``jmp.pipeline.stage_buffers``),
   from its first step call, when the cut is decided.
+- ``StackStore``: under ``scan_layers``, each weight of a layer stack kept as one ``[layers, ...]`` array
+  (``jmp.stacks.storage``), the other parameters by name, from when the model is built.
 
 A model starts with a ``TreeStore`` and swaps it for a ``StageStore`` once, in ``partition_into_stages``.
 Gradients, optimizer fields and checkpoints read and write through ``model.store``, so nothing else asks
@@ -11,17 +13,21 @@ whether the model is pipelined or packed yet.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp import sharding
 from jmp.errors import OptimizerError
 from jmp.model.records import ParameterLayout, copy_tree
 from jmp.pipeline.stage_buffers import StageLayout
+from jmp.stacks import storage as stacks_storage
 
 
 class ParameterStore(Protocol):
@@ -42,6 +48,13 @@ class ParameterStore(Protocol):
     def as_tree(self, stored: Any) -> nnx.State:
         """Stored form (parameters, gradients) -> an ``nnx.State`` by torch name (the stored arrays themselves
         when they are kept that way)."""
+
+    def in_trace(self, stored: Any) -> nnx.State:
+        """Stored form -> the parameter tree, inside a step's trace (no copy: differentiable views of it)."""
+
+    @property
+    def packs_tensors(self) -> bool:
+        """Whether several parameters share a stored array (an optimizer's per-tensor norm would mix them)."""
 
     def snapshot(self, stored: Any) -> nnx.State:
         """Stored form -> an ``nnx.State`` by torch name, in new buffers (safe across a donating update)."""
@@ -92,6 +105,11 @@ class TreeStore:
 
     def as_tree(self, stored: Any) -> nnx.State:
         return stored
+
+    def in_trace(self, stored: Any) -> nnx.State:
+        return stored
+
+    packs_tensors = False
 
     def snapshot(self, stored: Any) -> nnx.State:
         return copy_tree(stored)
@@ -151,6 +169,11 @@ class StageStore:
     def as_tree(self, stored: Any) -> nnx.State:
         return self.layout.tree(self.stages.unpack(stored))
 
+    def in_trace(self, stored: Any) -> nnx.State:
+        return self.as_tree(stored)
+
+    packs_tensors = True
+
     def snapshot(self, stored: Any) -> nnx.State:
         return self.as_tree(stored)  # unpacking writes new buffers
 
@@ -207,3 +230,139 @@ class StageStore:
             stage for stage, devices in enumerate(by_stage) if any(d.process_index == process for d in devices.flat)
         }
         return {n for n, places in self.stages.places.items() if any(p.stage in local for p in places)}
+
+
+class StackStore:
+    """Under ``scan_layers``: each weight of a layer stack as one array ``[layers, ...]`` under a stacked key
+    (``jmp.stacks.storage``), split as one layer's weight is; every other parameter by its torch name."""
+
+    def __init__(self, layout: ParameterLayout, groups: Mapping[str, tuple[str, ...]]):
+        self.layout = layout
+        self.groups = dict(groups)  # stacked key -> its torch names, in layer order
+        key_of = {name: key for key, names in self.groups.items() for name in names}
+        self.keys = tuple(dict.fromkeys(key_of.get(name, name) for name in layout.names))
+        self.shapes = {key: self._stored_shape(key) for key in self.keys}
+        self.specs = {key: self._stored_spec(key) for key in self.keys}
+
+    def _stored_shape(self, key: str) -> tuple[int, ...]:
+        names = self.groups.get(key)
+        return (len(names), *self.layout.shapes[names[0]]) if names else tuple(self.layout.shapes[key])
+
+    def _stored_spec(self, key: str) -> PartitionSpec:
+        names = self.groups.get(key)
+        if not names:
+            return self.layout.specs[key]
+        spec = tuple(self.layout.specs[names[0]])
+        return PartitionSpec(None, *spec, *(None,) * (len(self.layout.shapes[names[0]]) - len(spec)))
+
+    @functools.cached_property
+    def shardings(self) -> dict[str, NamedSharding]:
+        return {key: NamedSharding(self.layout.mesh, self.specs[key]) for key in self.keys}
+
+    @property
+    def packs_tensors(self) -> bool:
+        return bool(self.groups)
+
+    def pack(self, named: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        return self._packer(dict(named))
+
+    def named(self, stored: Any) -> dict[str, jax.Array]:
+        return self.unpack_present(stored)
+
+    def as_tree(self, stored: Any) -> nnx.State:
+        return self.layout.tree(self.named(stored))
+
+    def in_trace(self, stored: Any) -> nnx.State:
+        named: dict[str, Any] = {}
+        for key, value in stored.items():
+            if key in self.groups:
+                named.update(zip(self.groups[key], stacks_storage.layer_views(value)))
+            else:
+                named[key] = value
+        return self.layout.tree(named)
+
+    def snapshot(self, stored: Any) -> nnx.State:
+        return self.as_tree(stored)  # unstacking writes new buffers
+
+    def labels(self, by_name: Mapping[str, str]) -> dict[str, str]:
+        split = [key for key, names in self.groups.items() if len({by_name[n] for n in names}) > 1]
+        if split:
+            raise OptimizerError(
+                f"the layers of '{split[0]}' (under scan_layers, stored as one array) are in different param groups "
+                "or some are frozen; put a layer stack's same weight of every layer in one param group, or set the "
+                "config key scan_layers=False"
+            )
+        return {key: by_name[self.groups[key][0] if key in self.groups else key] for key in self.keys}
+
+    def state_shardings(self, state_shape: Any) -> Any:
+        layout = self.layout
+        specs = sharding.optimizer_specs(self.specs, self.shapes, layout.mesh, layout.config.shard_optimizer_state)
+        return sharding.state_shardings(state_shape, specs, self.shapes, layout.mesh)
+
+    def field_named(self, field: Any) -> Any:
+        if not isinstance(field, dict):
+            return field
+        return nnx.State(self.unpack_present(field))
+
+    def field_from_named(self, named: Mapping[str, jax.Array], like: Any) -> Any:
+        keys = [k for k, v in like.items() if isinstance(v, jax.Array)]
+        needed = {n: named[n] for k in keys for n in self.groups.get(k, (k,))}
+        return {**like, **{k: v.astype(like[k].dtype) for k, v in self._packer(needed).items() if k in keys}}
+
+    def is_parameter_shaped(self, node: Any) -> bool:
+        return isinstance(node, nnx.State) or (isinstance(node, dict) and bool(node) and set(node) <= set(self.keys))
+
+    def cast_grads(self, grads: Any, dtype_for: Callable[[list[str]], Any]) -> Any:
+        return {key: g.astype(dtype_for(list(self.groups.get(key, (key,))))) for key, g in grads.items()}
+
+    def counted_once(self, stored: Any) -> Any:
+        return stored  # a tied parameter is never stacked (stacked_groups)
+
+    def leaf_mask(self, names: set[str]) -> tuple[bool, ...] | None:
+        if set(self.layout.names) <= names:
+            return None
+        mask = []
+        for key in self.keys:
+            held = set(self.groups.get(key, (key,))) & names
+            if held and len(held) < len(self.groups.get(key, (key,))):
+                raise OptimizerError(
+                    f"some layers of '{key}' (under scan_layers, stored as one array) cannot be picked out on "
+                    "their own; take every layer's weight, or set the config key scan_layers=False"
+                )
+            mask.append(bool(held))
+        return tuple(mask)
+
+    def held_names(self, process: int) -> set[str]:
+        layout = self.layout
+        return {n for n in layout.names if any(d.process_index == process for d in layout.sharding(n).device_set)}
+
+    def unpack_present(self, stored: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """Stored arrays (any of the keys) -> arrays by torch name, each placed by its parameter's own spec."""
+        keys = tuple(k for k, v in stored.items() if isinstance(v, jax.Array))
+        return self._unpacker(keys)({k: stored[k] for k in keys})
+
+    @functools.cache  # noqa: B019  (the store lives as long as its model; its programs should too)
+    def _unpacker(self, keys: tuple[str, ...]) -> Any:
+        names = [n for k in keys for n in self.groups.get(k, (k,))]
+
+        def unpack(stored):
+            out = {}
+            for key in keys:
+                if key in self.groups:
+                    out.update(zip(self.groups[key], (stored[key][i] for i in range(len(self.groups[key])))))
+                else:
+                    out[key] = stored[key]
+            return out
+
+        return jax.jit(unpack, out_shardings={n: self.layout.sharding(n) for n in names})
+
+    def _packer(self, named: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        keys = tuple(k for k in self.keys if all(n in named for n in self.groups.get(k, (k,))))
+        return self._pack_program(keys)(named)
+
+    @functools.cache  # noqa: B019
+    def _pack_program(self, keys: tuple[str, ...]) -> Any:
+        def pack(named):
+            return {k: jnp.stack([named[n] for n in self.groups[k]]) if k in self.groups else named[k] for k in keys}
+
+        return jax.jit(pack, out_shardings={k: self.shardings[k] for k in keys})

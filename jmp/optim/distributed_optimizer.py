@@ -149,6 +149,12 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
                 "optimizer updates each stage's parameters packed into a few buffers; use it without "
                 "pipeline_parallel_degree, or use Adam / AdamW (smp.optimizers.FusedAdam)"
             )
+        if model.store.packs_tensors and self.torch_optimizer is not None and self.rule.per_tensor:
+            raise OptimizerError(
+                f"{type(self.torch_optimizer).__name__} takes a norm per parameter tensor, and under scan_layers a "
+                "layer stack's weights are stored as one array per weight; set the config key scan_layers=False, "
+                "or use an optimizer whose update is elementwise (Adam / AdamW / SGD)"
+            )
         self._state_shardings = model.store.state_shardings(jax.eval_shape(self.tx.init, params))
         if model.abstract:  # shapes and shardings only (jmp.model.memory_estimate)
             self.opt_state = with_shardings(jax.eval_shape(self.tx.init, params), self._state_shardings)

@@ -9,7 +9,10 @@ before it, called on the previous layer's output with arguments like its twin's,
 as T5's blocks do). The next layer called on that pending tensor joins the chain too. When anything reads a
 pending tensor, the chain's whole periods run as one scan over their parameters stacked on a leading layer axis
 (the arguments that differ from call to call, such as each kind's mask, scanned over too); their buffers and
-random stream come out updated as if each layer had run.
+random stream come out updated as if each layer had run. The first period, which ran as it is to show what the
+layers return, joins the scan too when running it again is harmless (it wrote no state, drew no random numbers,
+sowed nothing): its own run is then left out of the program unless something else read its output, so the
+program holds the layer's body once, not twice.
 
 A chain runs its layers one by one instead (same results, one compiled body per layer) when the scan cannot
 stand for them: the layers differ in what they compute (the first and last layers' traced bodies differ, e.g. a
@@ -38,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jmp.compiled_step import side_outputs
 from jmp.errors import JmpError
 from jmp.remat import context as remat_context
+from jmp.stacks import storage
 from jmp.stacks.detection import MAX_PERIOD, LayerStack
 from jmp.stacks.pending import PendingTensor
 from jmp.torch_bridge import dispatch
@@ -59,8 +63,23 @@ class _Call:
     module: TorchModule
     call: Callable[..., Any]
     leaves: list[Any]  # the call's other arguments (all but the first), flattened
-    output: PendingTensor
+    output: PendingTensor | JaxTensor  # a JaxTensor for a layer that ran as it is before the chain (``_Ran``)
     extras: dict[int, PendingTensor]  # element of the returned tuple -> a further tensor the layer returns
+
+
+@dataclasses.dataclass
+class _Ran:
+    """A stack layer's call run as it is: what a chain starting after it needs to take it into its scan again."""
+
+    module: TorchModule
+    call: Callable[..., Any]
+    input: Any
+    output: JaxTensor  # what the next layer takes (``_hidden``)
+    shape: Any  # ``_output_shape``
+    hooks: Hashable
+    leaves: list[Any]
+    spec: Any
+    quiet: bool  # it wrote no module state, drew no random numbers and sowed nothing: running it again is harmless
 
 
 class StackedLayers:
@@ -70,8 +89,8 @@ class StackedLayers:
         self._shardings = shardings  # torch name -> the parameter's sharding
         self._stack_of = {path: stack for stack in stacks for path in stack.paths}
         self._open: dict[str, _Chain] = {}  # container -> the chain later layers may join
-        # container -> layer index -> (input, output, output shape) of the layers run as they are since the last chain
-        self._ran: dict[str, dict[int, tuple[Any, JaxTensor, Any]]] = collections.defaultdict(dict)
+        # container -> layer index -> the layers run as they are since the last chain
+        self._ran: dict[str, dict[int, _Ran]] = collections.defaultdict(dict)
         self._empty_caches: set[int] = set()  # key/value caches that were empty when a stack's first layer ran
         self._called: dict[str, int] = collections.Counter()  # container -> layer calls in this trace
         self._chains: dict[str, list[_Chain]] = collections.defaultdict(list)
@@ -99,20 +118,40 @@ class StackedLayers:
             return self._joined(stack, chain.add(module, call, other[0]))
         period = self._period(stack, index, args[0]) if scannable else None
         if period is not None:
-            ran = self._ran[stack.container]
-            shapes = [ran[i][2] for i in range(index - period, index)]
-            chain = _Chain(stack, index, period, args[0], contextvars.copy_context(), self._shardings, shapes)
-            chain.joins(index, stack, hooks, args[0], *other)  # the first call sets its position's pattern
+            chain = self._chain(stack, index, period, hooks, args[0], other)
             self._open[stack.container] = chain
             self._chains[stack.container].append(chain)
             return self._joined(stack, chain.add(module, call, other[0]))
-        out = call(*args, **kwargs)
+        before = _state_leaves(module)
+        with side_outputs.collecting() as sown:
+            out = call(*args, **kwargs)
+        if sown:
+            side_outputs.sow_all(sown)
         shape = _output_shape(out, args[0], other[0]) if other is not None else None
         if shape is not None:
-            self._ran[stack.container][index] = (args[0], _hidden(out), shape)
+            quiet = not sown and _same_leaves(before, _state_leaves(module))
+            ran = _Ran(module, call, args[0], _hidden(out), shape, hooks, *other, quiet)
+            self._ran[stack.container][index] = ran
         else:
             self._ran[stack.container].pop(index, None)
         return out
+
+    def _chain(self, stack: LayerStack, index: int, period: int, hooks: Hashable, first: Any, other: Any) -> _Chain:
+        """The chain layer ``index`` starts: from the period of layers before it, which ran as they are, when
+        running them again in the scan is harmless (the layers they ran as are then left out of the program
+        unless something else read their outputs, so the program holds the layer's body once, not twice); else
+        from layer ``index``."""
+        ran = [self._ran[stack.container][i] for i in range(index - period, index)]
+        shapes = [r.shape for r in ran]
+        context = contextvars.copy_context()
+        if all(r.quiet for r in ran):
+            chain = _Chain(stack, index - period, period, ran[0].input, context, self._shardings, shapes)
+            chain.take_ran(ran)
+            if chain.joins(index, stack, hooks, first, *other):
+                return chain
+        chain = _Chain(stack, index, period, first, context, self._shardings, shapes)
+        chain.joins(index, stack, hooks, first, *other)  # the first call sets its position's pattern
+        return chain
 
     def report(self) -> None:
         """Say once per stack how its layers ran in this trace: how many as one scan, or that none did."""
@@ -122,7 +161,10 @@ class StackedLayers:
             if scanned:
                 scans = sum(1 for chain in chains if chain.scanned)
                 how = "one scan" if scans == 1 else f"{scans} scans"
-                _say_once(container, f"{scanned} of its {called} layers run as {how}, the others as they are")
+                if scanned == called:
+                    _say_once(container, f"its {called} layers run as {how}")
+                else:
+                    _say_once(container, f"{scanned} of its {called} layers run as {how}, the others as they are")
             elif not any(chain.reason for chain in chains):  # a reason was said when it was found
                 if called < 3:
                     why = "a scan takes the layers after the first, two or more"
@@ -154,8 +196,8 @@ class StackedLayers:
                 continue
             if (
                 all(i in ran for i in before)
-                and ran[index - 1][1] is first
-                and all(ran[i][1] is ran[i + 1][0] for i in before[:-1])
+                and ran[index - 1].output is first
+                and all(ran[i].output is ran[i + 1].input for i in before[:-1])
             ):
                 return period
         return None
@@ -214,6 +256,7 @@ class _Chain:
         self.calls: list[_Call] = []
         self.patterns: list[tuple[Hashable, Any]] = []  # per position in the period: (hook signature, argument spec)
         self.closed = False
+        self.ran = 0  # the chain's first calls, run as they are before it (``take_ran``): run again only in a scan
         self.scanned = 0  # layers run as the scan, once it ran
         self.reason = ""  # why the layers ran one by one instead, once they did
         aval = _aval(first_input)
@@ -237,6 +280,13 @@ class _Chain:
             and (hooks, spec) == self.patterns[position]
             and all(_compatible(a, b) for a, b in zip(self.calls[position].leaves, leaves))
         )
+
+    def take_ran(self, ran: list[_Ran]) -> None:
+        """Start the chain with one period of layers that ran as they are (their outputs stay as computed)."""
+        for r in ran:
+            self.patterns.append((r.hooks, r.spec))
+            self.calls.append(_Call(r.module, r.call, r.leaves, r.output, {}))
+        self.ran = len(ran)
 
     def add(self, module: TorchModule, call: Callable[..., Any], leaves: list[Any]) -> Any:
         """The call's output: pending tensors, in the structure its layer's twin returned."""
@@ -263,7 +313,7 @@ class _Chain:
     def _run(self) -> None:
         count = len(self.calls)
         scanned = (count // self.period) * self.period
-        current, done = self.first_input, 0
+        current, done = (self.calls[self.ran - 1].output, self.ran) if self.ran else (self.first_input, 0)
         if scanned >= 2 * self.period:
             try:
                 outputs = self._scanned(self.calls[:scanned])
@@ -272,7 +322,7 @@ class _Chain:
                 _say_once(self.stack.container, f"its layers run one by one: {reason}")
             else:
                 self.scanned = scanned
-                for k in range(scanned):
+                for k in range(self.ran, scanned):
                     position, layer = k % self.period, k // self.period
                     hidden, produced = outputs[position]
                     self.calls[k].output.resolve(hidden[layer])
@@ -453,7 +503,8 @@ def _stacked(
     the scan's transpose, is split so too)."""
     keys = tuple(k for k in path if isinstance(k, jax.tree_util.DictKey))[1:]  # after the (layer, rngs) index
     sharding = shardings.get(f"{module.torch_path}.{torch_name(keys)}")
-    stacked = jnp.stack(layers)
+    stacked = storage.stacked_source(layers)  # stacked storage: the stored array's rows, not a new stack
+    stacked = jnp.stack(layers) if stacked is None else stacked
     if sharding is None:
         return stacked
     return jax.lax.with_sharding_constraint(stacked, NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec)))
@@ -517,6 +568,15 @@ def _compatible(first: Any, later: Any) -> bool:
     if not (isinstance(first, _PLAIN) and isinstance(later, _PLAIN)):
         return False
     return type(first) is type(later) and first == later
+
+
+def _state_leaves(module: TorchModule) -> list[Any]:
+    """The values of a layer's state other than its parameters (buffers, random stream)."""
+    return jax.tree.leaves(nnx.split((module, dispatch.current_rngs()), nnx.Param, ...)[2])
+
+
+def _same_leaves(before: list[Any], after: list[Any]) -> bool:
+    return len(before) == len(after) and all(a is b for a, b in zip(before, after))
 
 
 def _is_cache(value: Any) -> bool:

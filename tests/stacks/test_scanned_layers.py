@@ -125,7 +125,7 @@ def test_the_program_holds_one_layer_body_whatever_the_depth():
     for layers in (3, 6):
         smp.init({"scan_layers": True})
         counts.append(_primitives(smp.DistributedModel(_llama(layers)))["dot_general"])  # traced, not compiled
-    assert counts[0] == counts[1]  # the first layer as it is, the others one scanned body
+    assert counts[0] == counts[1]  # the first layer as traced (to learn what it returns), then one scanned body
 
 
 def test_dropout_draws_what_the_layers_run_one_by_one_draw():
@@ -220,7 +220,7 @@ def test_each_stack_says_once_how_its_layers_ran(caplog):
         loss = _forward_step(model, x)
     notices = [r.getMessage() for r in caplog.records if r.getMessage().startswith("layer stack")]
     assert notices == [
-        "layer stack 'alike': 3 of its 4 layers run as one scan, the others as they are",
+        "layer stack 'alike': its 4 layers run as one scan",
         "layer stack 'apart': its 3 layers run one by one: none was called on the previous layer's output with "
         "arguments like its twin's before it",
         "layer stack 'shared': its 3 layers run one by one: a layer takes a _Memo, which the scan does not carry",

@@ -1,0 +1,157 @@
+"""Stacked parameter storage (``scan_layers``): a layer stack's weights kept as one ``[layers, ...]`` array each
+(``jmp.model.parameter_store.StackStore``). Training matches PyTorch, every torch-facing view keeps torch's names and
+values, checkpoints move between stacked and per-layer storage, and the step program's arguments do not grow with
+depth."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import jmp as smp
+from jmp.model.parameter_store import StackStore, TreeStore
+from tests.helpers import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+SIZES = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    max_position_embeddings=32,
+)
+FSDP_TP = {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}
+BATCHES = torch.randint(0, 64, (3, 8, 16), generator=torch.Generator().manual_seed(2))
+LR, WEIGHT_DECAY = 1e-2, 0.1
+
+
+def _llama(layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SIZES, num_hidden_layers=layers))
+
+
+@smp.step
+def lm_step(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    model.backward(loss)
+    return loss
+
+
+def _wrapped(module: torch.nn.Module, scan_layers: bool) -> tuple[smp.DistributedModel, smp.DistributedOptimizer]:
+    smp.init({"scan_layers": scan_layers, **FSDP_TP})
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY))
+    return model, optimizer
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A 3-layer Llama trained 3 AdamW steps under fsdp2 x tp2 with stacked storage, and PyTorch's run of the same."""
+    module = _llama(3)
+    reference = copy.deepcopy(module)
+    model, optimizer = _wrapped(module, scan_layers=True)
+    losses = []
+    for ids in BATCHES:
+        optimizer.zero_grad()
+        losses.append(float(lm_step(model, ids).reduce_mean()))
+        optimizer.step()
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    torch_losses = []
+    for ids in BATCHES:
+        torch_optimizer.zero_grad()
+        loss = reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch_optimizer.step()
+        torch_losses.append(float(loss))
+    return model, optimizer, losses, reference, torch_losses
+
+
+def test_a_stack_is_stored_as_one_array_per_weight_split_as_its_layers(trained):
+    model = trained[0]
+    assert isinstance(model.store, StackStore)
+    stored = model.training_state.params
+    up = stored["model.layers.*.mlp.up_proj.weight"]
+    assert up.shape == (3, 64, 32)
+    assert tuple(up.sharding.spec)[0] is None  # the layer axis whole, the rest as one layer's weight is split
+    assert tuple(up.sharding.spec)[1:] == tuple(model.layout.specs["model.layers.0.mlp.up_proj.weight"])[:2]
+    assert "model.layers.0.mlp.up_proj.weight" not in stored
+    assert "model.embed_tokens.weight" in stored
+
+
+def test_llama_under_fsdp_and_tp_trains_three_adamw_steps_as_pytorch(trained):
+    model, _, losses, reference, torch_losses = trained
+    assert_close(np.array(losses), np.array(torch_losses), 1e-5)
+    expected = reference.state_dict()
+    state = model.state_dict()
+    assert list(state) == list(expected)  # torch's names, one per layer
+    for name, value in expected.items():  # within 1% of one step's size: Adam's normalised step turns float
+        # noise in a near-zero gradient into up to lr-sized differences, a misplaced layer into weight-sized ones
+        np.testing.assert_allclose(state[name].numpy(), value.numpy(), rtol=0, atol=1e-2 * LR, err_msg=name)
+    named = dict(model.named_parameters())
+    np.testing.assert_array_equal(
+        named["model.layers.2.self_attn.q_proj.weight"].detach().numpy(),
+        state["model.layers.2.self_attn.q_proj.weight"].numpy(),
+    )
+    torch_state = trained[1].state_dict()["state"]
+    assert len(torch_state) == len(list(reference.parameters()))  # torch's per-parameter optimizer state
+    expected_grads = dict(reference.named_parameters())
+    for name in ("model.layers.1.mlp.down_proj.weight", "model.norm.weight"):  # the last step's, stacked or not
+        assert_close(named[name].grad, expected_grads[name].grad, 1e-4, floor=1e-4)
+
+
+def test_memory_estimates_count_stacked_weights_as_per_layer_ones():
+    estimates = [
+        smp.estimate_memory(_llama(3), {"scan_layers": scan_layers, **FSDP_TP}) for scan_layers in (True, False)
+    ]
+    for field in ("parameters", "gradients", "optimizer_state"):
+        assert getattr(estimates[0], field) == getattr(estimates[1], field) > 0
+
+
+def test_an_optimizer_with_a_norm_per_tensor_is_refused_with_stacked_weights():
+    smp.init({"scan_layers": True})
+    model = smp.DistributedModel(_llama(3))
+    with pytest.raises(smp.errors.OptimizerError, match="scan_layers=False"):
+        smp.DistributedOptimizer(smp.optimizers.FusedLAMB(model.parameters(), lr=1e-3))
+
+
+def test_a_stacked_checkpoint_loads_into_per_layer_storage_and_back(trained, tmp_path):
+    model, optimizer = trained[0], trained[1]
+    smp.save_checkpoint(tmp_path / "stacked", "step3", model=model, optimizer=optimizer)
+    saved_params, saved_optimizer = model.state_dict(), optimizer.state_dict()["state"]
+
+    per_layer, per_layer_optimizer = _wrapped(_llama(3), scan_layers=False)
+    assert isinstance(per_layer.store, TreeStore)
+    smp.resume_from_checkpoint(tmp_path / "stacked", "step3")
+    _assert_same(per_layer.state_dict(), saved_params)
+    _assert_same(per_layer_optimizer.state_dict()["state"], saved_optimizer)
+
+    smp.save_checkpoint(tmp_path / "per_layer", "step3", model=per_layer, optimizer=per_layer_optimizer)
+    stacked, stacked_optimizer = _wrapped(_llama(3), scan_layers=True)
+    smp.resume_from_checkpoint(tmp_path / "per_layer", "step3")
+    _assert_same(stacked.state_dict(), saved_params)
+    _assert_same(stacked_optimizer.state_dict()["state"], saved_optimizer)
+
+
+def _assert_same(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            _assert_same(actual[key], value)
+        else:
+            assert torch.equal(actual[key], value), key
+
+
+def test_the_step_program_takes_as_many_arrays_at_6_layers_as_at_2():
+    counts = []
+    for layers in (2, 6):
+        smp.init({"scan_layers": True, **FSDP_TP})
+        text = lm_step.lower(smp.DistributedModel(_llama(layers)), BATCHES[0]).as_text()
+        main = next(line for line in text.splitlines() if "func.func public @main" in line)
+        counts.append(len(re.findall(r"%arg\d+:", main)))
+    assert counts[0] == counts[1]
