@@ -20,35 +20,36 @@ weights on every side, one side after the other in one process on the same devic
 - ``torch_compile``: the same with ``torch.compile(model)`` (on CUDA only, unless ``--torch-compile on``);
 - ``jmp``: ``smp.init({"microbatches": 1, "bf16": True})`` (float32 master parameters, the forward and
   backward under torch's autocast rules in bf16, gradients kept in bf16), ``smp.DistributedModel``,
-  ``smp.DistributedOptimizer(torch.optim.AdamW(...))`` (the fused Pallas update on a GPU), ``@smp.step``;
+  ``smp.DistributedOptimizer(torch.optim.AdamW(...))`` (XLA's fusion of the update), ``@smp.step``;
   once per ``--jmp-attention`` setting (a comma list of ``auto``, ``xla``, ``cudnn``; default ``auto``), each
   a fresh model and optimizer traced under ``JMP_ATTENTION_IMPLEMENTATION`` set to it: sides ``jmp`` (auto:
   cuDNN flash attention where ``jmp.torch_bridge.lowering.attention`` chooses it), ``jmp_xla_attention``,
   ``jmp_cudnn_attention``; and once per ``--jmp-configs`` entry (default ``bf16``), ``+``-joined words each
   adding to the config: ``fp8`` (``fp8: True``, Transformer Engine's delayed-scaling recipe on the Linear
-  layers' matmuls), ``optax`` (``fused_optimizer: False``: XLA's update instead of the Pallas kernels),
+  layers' matmuls), ``kernels`` (``fused_optimizer: True``: the Pallas kernels instead of XLA's fusion of the
+  update), ``optax`` (``fused_optimizer: False``, the default since the H100 measurements of 2026-11-26),
   ``scan`` (``scan_layers: True``); a side other than plain ``bf16`` is named ``jmp_<entry>`` (``+`` as ``_``).
 
-The torch sides run first and are freed (``torch.cuda.empty_cache``) before jmp starts, so the two
-allocators share the device (``XLA_PYTHON_CLIENT_PREALLOCATE=false``). A step is ``zero_grad``, forward,
-backward and the optimizer update, timed until the device is idle (``torch.cuda.synchronize``; for jmp the
-loss is read back and the updated parameters are blocked on). Per side: the seconds to set it up (copy to
-the device; for jmp ``smp.init``, conversion and sharding), the first step's seconds (with
-compilation; ``compile_s`` is that minus the median step), the median of ``--steps`` timed steps after
-``--warmup`` untimed ones, tokens per second, model FLOPs utilisation (``flops_per_step`` over the median,
-over ``peak_flops``), the loss of every step (the first ones agree to bf16 rounding), and the device's peak
-memory (torch: ``max_memory_allocated``; jmp: ``memory_stats()["peak_bytes_in_use"]``, the process's peak,
-so a later jmp side reports at least an earlier one's). For jmp the first step is also split:
-``first_step_call_s`` (the first ``lm_step`` call to its loss: tracing, the step program's compile, one run)
-and ``first_optimizer_step_s`` (the first ``optimizer.step()`` until the parameters are updated: the
-update's compile, the fused Pallas kernels on a GPU, and one run). Results are written after each side, so
-a run cut short keeps the sides it finished. ``step_custom_calls`` names the kernels jmp's step program
-calls by name (cuDNN's attention is ``__cudnn$fmha...``; XLA's own attention calls none). Each jmp side's
-timed steps are also split: ``median_step_call_ms`` (the step program until its loss is on the host) and
-``median_optimizer_ms`` (``optimizer.step()`` until the parameters are updated). ``--compiled-hlo`` adds
-``compiled_hlo``: the custom calls of the step program as XLA compiled it for the device (cuBLAS's fp8 matmuls
-are ``__cublas$lt$matmul$f8``), and its dots and convolutions by operand types; this compiles the step again,
-so run with ``JMP_COMPILATION_CACHE`` set to a directory to have it loaded from the cache instead.
+The torch sides run first and are freed (``torch.cuda.empty_cache``) before jmp starts, so the two allocators
+share the device (``XLA_PYTHON_CLIENT_PREALLOCATE=false``). A step is ``zero_grad``, forward, backward and the
+optimizer update, timed until the device is idle (``torch.cuda.synchronize``; for jmp the loss is read back and
+the updated parameters are blocked on). Per side: the seconds to set it up (copy to the device; for jmp
+``smp.init``, conversion and sharding), the first step's seconds (with compilation; ``compile_s`` is that minus
+the median step), the median of ``--steps`` timed steps after ``--warmup`` untimed ones, tokens per second,
+model FLOPs utilisation (``flops_per_step`` over the median, over ``peak_flops``), the loss of every step (the
+first ones agree to bf16 rounding), and the device's peak memory (torch: ``max_memory_allocated``; jmp:
+``memory_stats()["peak_bytes_in_use"]``, the process's peak, so a later jmp side reports at least an earlier
+one's). For jmp the first step is also split: ``first_step_call_s`` (the first ``lm_step`` call to its loss:
+tracing, the step program's compile, one run) and ``first_optimizer_step_s`` (the first ``optimizer.step()``
+until the parameters are updated: the update's compile, with ``kernels`` the Pallas kernels' Triton compile, and
+one run). Results are written after each side, so a run cut short keeps the sides it finished.
+``step_custom_calls`` names the kernels jmp's step program calls by name (cuDNN's attention is
+``__cudnn$fmha...``; XLA's own attention calls none). Each jmp side's timed steps are also split:
+``median_step_call_ms`` (the step program until its loss is on the host) and ``median_optimizer_ms``
+(``optimizer.step()`` until the parameters are updated). ``--compiled-hlo`` adds ``compiled_hlo``: the custom
+calls of the step program as XLA compiled it for the device (cuBLAS's fp8 matmuls are
+``__cublas$lt$matmul$f8``), and its dots and convolutions by operand types; this compiles the step again, so run
+with ``JMP_COMPILATION_CACHE`` set to a directory to have it loaded from the cache instead.
 """
 
 from __future__ import annotations
@@ -96,7 +97,13 @@ ATTENTION_SIDES = {"auto": "jmp", "xla": "jmp_xla_attention", "cudnn": "jmp_cudn
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}
 TINY = dict(layers=2, d_model=128, heads=4, seq=128, batch=4, vocab=1024, steps=5, warmup=2)
 # what each word of a --jmp-configs entry adds to smp.init's config
-CONFIG_WORDS = {"bf16": {}, "fp8": {"fp8": True}, "optax": {"fused_optimizer": False}, "scan": {"scan_layers": True}}
+CONFIG_WORDS = {
+    "bf16": {},
+    "fp8": {"fp8": True},
+    "kernels": {"fused_optimizer": True},
+    "optax": {"fused_optimizer": False},
+    "scan": {"scan_layers": True},
+}
 
 
 # --- what a step computes -----------------------------------------------------------------------------------

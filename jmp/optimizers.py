@@ -4,8 +4,8 @@ SMP's documentation tells users to drop ``apex.optimizers.FusedAdam`` / ``FusedL
 and take the library's own. These are ``torch.optim.Optimizer`` classes with apex's constructor arguments and
 update rules, so a script runs unchanged: ``step()`` updates eagerly in PyTorch when the model is a plain
 ``nn.Module``, and ``smp.DistributedOptimizer`` runs the same rule compiled (``jmp.optim.torch_rules``), Adam
-and LAMB in one Pallas kernel pass per parameter dtype where the kernels run (``jmp.kernels``: on a GPU by
-default, see the config key ``fused_optimizer``).
+and LAMB in one Pallas kernel pass per parameter dtype with the config key ``fused_optimizer: True``
+(``jmp.kernels``; by default XLA fuses the same update).
 
 - ``FusedAdam``: Adam; ``adam_w_mode=True`` (apex's default) decays the weights outside the moments, as
   ``torch.optim.AdamW``; False adds the decay to the gradient (L2), as ``torch.optim.Adam``.
