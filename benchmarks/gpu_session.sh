@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# One prepared session on a GPU machine, about 9 minutes at most, every step bounded by `timeout`, in order of worth:
-#   1. the machine and versions                        -> $OUT/env.txt
-#   2. a 1.2B Llama (Llama 3.2 1B's shapes): torch.compile, jmp bf16, jmp fp8 (benchmarks/gpu_speed.py)
-#                                                      -> $OUT/llama.log, $OUT/gpu_speed_llama.json
-#   3. the fused AdamW kernels against optax and torch (benchmarks/optimizer_kernels.py)
-#                                                      -> $OUT/optimizer_kernels.log, $OUT/optimizer_kernels.json
-#   4. GPT-2 124M: torch.compile, jmp                  -> $OUT/gpt2.log, $OUT/gpu_speed.json
-#   5. the tests that run only on a GPU                -> $OUT/gpu_tests.log
-# The jmp sides of 2 and 4 update with XLA's fused AdamW (fused_optimizer: False): the Pallas kernels' compile
-# takes a minute per model on a GPU, so they are measured once, in 3, against the same update done by XLA.
+# One prepared session on a GPU machine, about 9 minutes at most, every step bounded by `timeout`, in order of worth.
+# The session of 2026-11-26 (H100) measured a 1.5B Llama and GPT-2 124M against torch.compile and the optimizer
+# kernels (benchmarks/results/*_h100.json); its fp8 Llama did not compile within 210 s. This plan follows up:
+#   1. the machine and versions                        -> $OUT/steps.log (every step's output)
+#   2. the tests that run only on a GPU
+#   3. fp8 against bf16 on a 4-layer Llama of Llama 3.2 1B's widths, XLA's default flags, then (fp8 only) with
+#      GEMM autotuning off: is the fp8 compile time autotuning?   -> $OUT/gpu_speed_fp8_*.json
+#   4. GPT-2 124M's jmp step profiled: device time by program and kernel, the device's idle time per step
+#      (benchmarks/gpu_profile.py)                     -> $OUT/gpu_profile.json
+#   5. the 16-layer Llama, fp8 and bf16, with the XLA flags step 3 found to compile, in the time left
+#                                                      -> $OUT/gpu_speed_llama_fp8.json
 # Each step's exit status and seconds -> $OUT/session.log. No arguments; environment variables:
 #   bash benchmarks/gpu_session.sh          (OUT defaults to /tmp/gpu_out)
-#   GPU_SESSION_ONLY=speed                  steps 1 and 4 only (the machine, GPT-2 steps; step 4 may take all
-#                                           the time left)
-#   GPU_SPEED_ARGS="..."                    step 4's arguments instead of "--steps 20 --torch-eager off
-#                                           --jmp-configs bf16+optax --compile-timeout 120", e.g. "--tiny" on a CPU
-#   GPU_LLAMA_ARGS="..."                    step 2's size arguments instead of Llama 3.2 1B's
+#   GPU_LLAMA_ARGS="..."                    the Llama's size arguments instead of Llama 3.2 1B's (without
+#                                           --layers), e.g. small ones to check this script on a CPU
+#   GPU_GPT2_ARGS="..."                     step 4's size arguments instead of GPT-2 124M's defaults
 #   GPU_SESSION_SECONDS=540                 the whole session's seconds
 set -uo pipefail
 
@@ -29,12 +28,6 @@ export PYTHONDONTWRITEBYTECODE=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export TOKENIZERS_PARALLELISM=false
 unset JAX_PLATFORMS  # the GPU, not an inherited CPU-only setting
-
-ONLY="${GPU_SESSION_ONLY:-}"
-case "$ONLY" in
-    "" | speed) ;;
-    *) echo "GPU_SESSION_ONLY=$ONLY: expected speed (or unset: every step)" >&2; exit 2 ;;
-esac
 
 TOTAL=${GPU_SESSION_SECONDS:-540}  # seconds for the whole session; each step gets its share, at most what is left
 SESSION_LOG="$OUT/session.log"
@@ -85,52 +78,54 @@ except ImportError as error:
 EOF
 }
 export -f environment
-step environment 60 "$OUT/env.txt" bash -c environment
+step environment 60 "$OUT/steps.log" bash -c environment
 
-# step 2 and 4's jmp sides keep their compiled programs in an empty cache: a first step is a real compile, and
-# --compiled-hlo then loads the step program instead of compiling it again
+# the jmp sides keep their compiled programs in an empty cache: a first step is a real compile, and --compiled-hlo
+# then loads the step program instead of compiling it again
 export JMP_COMPILATION_CACHE="${JMP_COMPILATION_CACHE:-$(mktemp -d /tmp/jmp-xla-cache-XXXX)}"
 
-# --- 2. a 1.2B Llama: MFU against torch.compile, and fp8 against bf16 -------------------------------------------
-read -r -a LLAMA_SIZE <<<"${GPU_LLAMA_ARGS:---layers 16 --d-model 2048 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256 --seq 2048 --batch 4}"
-if [[ -z $ONLY ]]; then
-    step llama 260 "$OUT/llama.log" \
-        python3 -m benchmarks.gpu_speed --model llama "${LLAMA_SIZE[@]}" --steps 15 --torch-eager off \
-        --compile-timeout 150 --jmp-configs bf16+optax,fp8+optax --compiled-hlo --out "$OUT/gpu_speed_llama.json"
-else
-    note "llama: skipped (GPU_SESSION_ONLY=$ONLY)"
-fi
-
-# --- 3. the fused optimizer kernels ---------------------------------------------------------------------------------
-PEAK_GBPS=3350  # H100 SXM HBM3
-nvidia-smi -L 2>/dev/null | grep -q H200 && PEAK_GBPS=4800  # H200 HBM3e
-if [[ -z $ONLY ]]; then
-    step optimizer_kernels 150 "$OUT/optimizer_kernels.log" \
-        python3 -m benchmarks.optimizer_kernels --steps 20 --kinds mixed --peak-gbps "$PEAK_GBPS" \
-        --out "$OUT/optimizer_kernels.json"
-else
-    note "optimizer_kernels: skipped (GPU_SESSION_ONLY=$ONLY)"
-fi
-
-# --- 4. GPT-2 124M training steps -----------------------------------------------------------------------------------
-read -r -a SPEED_ARGS <<<"${GPU_SPEED_ARGS:---steps 20 --torch-eager off --jmp-configs bf16+optax --compile-timeout 120}"
-SPEED_SECONDS=130
-[[ -n $ONLY ]] && SPEED_SECONDS=$TOTAL  # the only long step: whatever the session has left
-step gpt2 "$SPEED_SECONDS" "$OUT/gpt2.log" \
-    python3 -m benchmarks.gpu_speed "${SPEED_ARGS[@]}" --out "$OUT/gpu_speed.json"
-
-# --- 5. the tests that skip unless jax.default_backend() == "gpu" -------------------------------------------------
+# --- 2. the tests that skip unless jax.default_backend() == "gpu" -------------------------------------------------
 # The GPU-only tests of the fused kernels and offloading's numbers (host memory is a real memory space on a GPU).
 # Not the rest of these files: they lay models out over 4 to 8 devices, which the CPU suite emulates and one GPU
 # does not have.
 PER_TEST=()
-python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 90)
-if [[ -z $ONLY ]]; then
-    step gpu_tests 120 "$OUT/gpu_tests.log" \
-        python3 -m pytest -q -rA -n 0 -p no:cacheprovider ${PER_TEST[@]+"${PER_TEST[@]}"} -k "gpu or offloading_moves" \
-        tests/kernels/test_fused_optimizers.py tests/remat/test_offload.py
+python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 60)
+step gpu_tests 100 "$OUT/steps.log" \
+    python3 -m pytest -q -rA -n 0 -p no:cacheprovider ${PER_TEST[@]+"${PER_TEST[@]}"} -k "gpu or offloading_moves" \
+    tests/kernels/test_fused_optimizers.py tests/remat/test_offload.py
+
+# --- 3. fp8's compile time: XLA's defaults, then GEMM autotuning off ------------------------------------------------
+read -r -a LLAMA_SIZE <<<"${GPU_LLAMA_ARGS:---d-model 2048 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256 --seq 2048 --batch 4}"
+LLAMA=(python3 -m benchmarks.gpu_speed --model llama "${LLAMA_SIZE[@]}" --torch-eager off --torch-compile off
+    --compiled-hlo)
+step fp8_default 120 "$OUT/steps.log" \
+    "${LLAMA[@]}" --layers 4 --steps 10 --jmp-configs fp8,bf16 --out "$OUT/gpu_speed_fp8_default.json"
+AUTOTUNE_OFF="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
+step fp8_autotune_off 90 "$OUT/steps.log" \
+    env XLA_FLAGS="$AUTOTUNE_OFF" "${LLAMA[@]}" --layers 4 --steps 10 --jmp-configs fp8 \
+    --out "$OUT/gpu_speed_fp8_autotune_off.json"
+
+# --- 4. GPT-2 124M's step profiled ------------------------------------------------------------------------------
+read -r -a GPT2_SIZE <<<"${GPU_GPT2_ARGS:-}"
+step profile 90 "$OUT/steps.log" \
+    python3 -m benchmarks.gpu_profile ${GPT2_SIZE[@]+"${GPT2_SIZE[@]}"} --steps 5 --out "$OUT/gpu_profile.json"
+
+# --- 5. the 16-layer Llama in fp8 and bf16, with the flags that compiled fp8 in step 3 ------------------------------
+compiled_fp8() {  # whether the json $1 holds an fp8 side that trained
+    python3 -c "import json, sys; sys.exit(0 if 'median_step_ms' in json.load(open('$1'))['sides'].get('jmp_fp8', {}) else 1)" 2>/dev/null
+}
+if compiled_fp8 "$OUT/gpu_speed_fp8_default.json"; then
+    FP8_FLAGS="${XLA_FLAGS:-}"
+elif compiled_fp8 "$OUT/gpu_speed_fp8_autotune_off.json"; then
+    FP8_FLAGS="$AUTOTUNE_OFF"
 else
-    note "gpu_tests: skipped (GPU_SESSION_ONLY=$ONLY)"
+    FP8_FLAGS=""
+    note "llama_fp8: skipped, fp8 compiled in neither configuration of step 3"
+fi
+if [[ -n $FP8_FLAGS ]] || compiled_fp8 "$OUT/gpu_speed_fp8_default.json"; then
+    step llama_fp8 400 "$OUT/steps.log" \
+        env XLA_FLAGS="$FP8_FLAGS" "${LLAMA[@]}" --layers 16 --steps 10 --jmp-configs fp8,bf16 \
+        --out "$OUT/gpu_speed_llama_fp8.json"
 fi
 
 note "done; files in $OUT:"
