@@ -4,8 +4,9 @@
 # kernels (benchmarks/results/*_h100.json); its fp8 Llama did not compile within 210 s. This plan follows up:
 #   1. the machine and versions                        -> $OUT/steps.log (every step's output)
 #   2. the tests that run only on a GPU
-#   3. fp8 against bf16 on a 4-layer Llama of Llama 3.2 1B's widths, XLA's default flags, then (fp8 only) with
-#      GEMM autotuning off: is the fp8 compile time autotuning?   -> $OUT/gpu_speed_fp8_*.json
+#   3. fp8 against bf16 on a 4-layer Llama of Llama 3.2 1B's widths with XLA's default flags; if fp8 does not
+#      compile in time, fp8 alone with GEMM autotuning off, then with Triton GEMMs off (is the compile time
+#      autotuning?)                                    -> $OUT/gpu_speed_fp8_*.json
 #   4. GPT-2 124M's jmp step profiled: device time by program and kernel, the device's idle time per step
 #      (benchmarks/gpu_profile.py)                     -> $OUT/gpu_profile.json
 #   5. the 16-layer Llama, fp8 and bf16, with the XLA flags step 3 found to compile, in the time left
@@ -94,16 +95,30 @@ step gpu_tests 100 "$OUT/steps.log" \
     python3 -m pytest -q -rA -n 0 -p no:cacheprovider ${PER_TEST[@]+"${PER_TEST[@]}"} -k "gpu or offloading_moves" \
     tests/kernels/test_fused_optimizers.py tests/remat/test_offload.py
 
-# --- 3. fp8's compile time: XLA's defaults, then GEMM autotuning off ------------------------------------------------
+# --- 3. fp8's compile time: XLA's defaults; if fp8 does not compile in time, GEMM autotuning off, Triton GEMMs off -----
 read -r -a LLAMA_SIZE <<<"${GPU_LLAMA_ARGS:---d-model 2048 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256 --seq 2048 --batch 4}"
 LLAMA=(python3 -m benchmarks.gpu_speed --model llama "${LLAMA_SIZE[@]}" --torch-eager off --torch-compile off
     --compiled-hlo)
+compiled_fp8() {  # whether the json $1 holds an fp8 side that trained
+    python3 -c "import json, sys; sys.exit(0 if 'median_step_ms' in json.load(open('$1'))['sides'].get('jmp_fp8', {}) else 1)" 2>/dev/null
+}
 step fp8_default 120 "$OUT/steps.log" \
     "${LLAMA[@]}" --layers 4 --steps 10 --jmp-configs fp8,bf16 --out "$OUT/gpu_speed_fp8_default.json"
-AUTOTUNE_OFF="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
-step fp8_autotune_off 90 "$OUT/steps.log" \
-    env XLA_FLAGS="$AUTOTUNE_OFF" "${LLAMA[@]}" --layers 4 --steps 10 --jmp-configs fp8 \
-    --out "$OUT/gpu_speed_fp8_autotune_off.json"
+FP8_FLAGS=none
+if compiled_fp8 "$OUT/gpu_speed_fp8_default.json"; then
+    FP8_FLAGS="${XLA_FLAGS:-}"
+else
+    for variant in autotune_off:--xla_gpu_autotune_level=0 triton_gemm_off:--xla_gpu_enable_triton_gemm=false; do
+        flags="${XLA_FLAGS:-} ${variant#*:}"
+        step "fp8_${variant%%:*}" 90 "$OUT/steps.log" \
+            env XLA_FLAGS="$flags" "${LLAMA[@]}" --layers 4 --steps 10 --jmp-configs fp8 \
+            --out "$OUT/gpu_speed_fp8_${variant%%:*}.json"
+        if compiled_fp8 "$OUT/gpu_speed_fp8_${variant%%:*}.json"; then
+            FP8_FLAGS="$flags"
+            break
+        fi
+    done
+fi
 
 # --- 4. GPT-2 124M's step profiled ------------------------------------------------------------------------------
 read -r -a GPT2_SIZE <<<"${GPU_GPT2_ARGS:-}"
@@ -111,18 +126,10 @@ step profile 90 "$OUT/steps.log" \
     python3 -m benchmarks.gpu_profile ${GPT2_SIZE[@]+"${GPT2_SIZE[@]}"} --steps 5 --out "$OUT/gpu_profile.json"
 
 # --- 5. the 16-layer Llama in fp8 and bf16, with the flags that compiled fp8 in step 3 ------------------------------
-compiled_fp8() {  # whether the json $1 holds an fp8 side that trained
-    python3 -c "import json, sys; sys.exit(0 if 'median_step_ms' in json.load(open('$1'))['sides'].get('jmp_fp8', {}) else 1)" 2>/dev/null
-}
-if compiled_fp8 "$OUT/gpu_speed_fp8_default.json"; then
-    FP8_FLAGS="${XLA_FLAGS:-}"
-elif compiled_fp8 "$OUT/gpu_speed_fp8_autotune_off.json"; then
-    FP8_FLAGS="$AUTOTUNE_OFF"
+if [[ $FP8_FLAGS == none ]]; then
+    note "llama_fp8: skipped, fp8 compiled in no configuration of step 3"
 else
-    FP8_FLAGS=""
-    note "llama_fp8: skipped, fp8 compiled in neither configuration of step 3"
-fi
-if [[ -n $FP8_FLAGS ]] || compiled_fp8 "$OUT/gpu_speed_fp8_default.json"; then
+    note "llama_fp8: XLA_FLAGS='$FP8_FLAGS'"
     step llama_fp8 400 "$OUT/steps.log" \
         env XLA_FLAGS="$FP8_FLAGS" "${LLAMA[@]}" --layers 16 --steps 10 --jmp-configs fp8,bf16 \
         --out "$OUT/gpu_speed_llama_fp8.json"
