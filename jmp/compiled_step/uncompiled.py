@@ -5,7 +5,8 @@ A forward with data-dependent shapes or branches (DeBERTa's classifier keeps the
 the experts some token was routed to) cannot be traced by ``jax.jit``: the sizes are not known until the data is.
 PyTorch trains such a model, so jmp does too: when tracing a step raises ``TracedControlFlowError``, that step
 runs the same computation (``program.run``: microbatches, gradients, shardings) outside ``jit``, on concrete values
-(``jmp.torch_bridge.concrete_run``), said once per step function. It is slower (every op dispatched on its own, no
+(``jmp.torch_bridge.concrete_run``), said once per step function. The module calls that trace still run compiled,
+each as one program (``jmp.compiled_step.segments``); the rest is slower (every op dispatched on its own, no
 fusion), and the notice names the call that needed the values, which is where a static formulation would make it
 compile. ``JMP_UNCOMPILED_FALLBACK=0`` raises the tracing error instead.
 
@@ -23,6 +24,7 @@ from typing import Any
 import jax
 
 from jmp.compiled_step import program as step_program
+from jmp.compiled_step import segments
 from jmp.compiled_step.signature import StepSignature
 from jmp.errors import StepError, TracedControlFlowError
 from jmp.model.distributed_model import DistributedModel
@@ -40,9 +42,11 @@ class UncompiledProgram:
     def __init__(self, fn, model: DistributedModel, signature: StepSignature, traced: step_program.Traced):
         self._run = functools.partial(step_program.run, fn, model, signature, traced)
         self._name = getattr(fn, "__name__", "step")
+        self._paths = [path for path, _ in model.torch_module.named_modules()]
+        self.segments = segments.Segments()  # the module calls that trace run compiled
 
     def __call__(self, params: Any, rest: Any, arrays: list) -> Any:
-        with concrete_run.running():
+        with concrete_run.running(), self.segments.installed(self._paths):
             return self._run(params, rest, arrays)
 
     def eval_shape(self, params: Any, rest: Any, arrays: list) -> Any:

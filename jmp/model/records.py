@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -184,6 +184,10 @@ class ProgramCache:
 
     def __len__(self) -> int:
         return len(self._programs)
+
+    def __iter__(self) -> Iterator[Any]:
+        """The programs held (as built: a step's program with its trace record)."""
+        return iter(list(self._programs.values()))
 
 
 def copy_tree(tree: Any) -> Any:

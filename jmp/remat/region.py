@@ -29,10 +29,10 @@ from jmp.torch_bridge import concrete_run, dispatch
 from jmp.torch_bridge.module import (
     CallHook,
     TorchModule,
-    bound_tensors,
+    binding_versions,
     call_hooks,
     hooked_call,
-    rebind,
+    refresh_bindings,
     walk,
     write_count,
 )
@@ -87,7 +87,7 @@ def run(
     flat, spec = torch_pytree.tree_flatten((args, kwargs))
     dynamic = [i for i, leaf in enumerate(flat) if isinstance(leaf, JaxTensor)]
     inputs = [flat[i] for i in dynamic]
-    versions = _binding_versions(units)
+    versions = binding_versions(units)
     traced: dict[str, Any] = {}
 
     def region(params: nnx.State, rest: nnx.State, arrays: list[jax.Array]):
@@ -139,7 +139,7 @@ def run(
     # is not read later (in a pipeline, a key cannot travel between stages; the stream's count does)
     new_rest = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_rest, rest)
     nnx.update(graph, new_rest)
-    _refresh_bindings(units, versions)
+    refresh_bindings(units, versions)
     for i, value in zip(traced["mutated"], mutated):
         inputs[i].set_value(value)  # an in-place change of an input shows outside, as in torch
     arrays = iter(zip(out_arrays, traced["dtypes"]))
@@ -249,19 +249,3 @@ def _check_names(units: Sequence[TorchModule], names: frozenset[str]) -> None:
             f"remat policy names {unknown} are not submodules of the checkpointed module {where}. Valid names "
             f"(torch paths relative to the checkpointed module, or '{INPUT}'): {', '.join(sorted(valid))}."
         )
-
-
-def _binding_versions(units: Sequence[TorchModule]) -> dict[int, int]:
-    return {id(tensor): write_count(tensor) for unit in units for _, tensor in bound_tensors(unit)}
-
-
-def _refresh_bindings(units: Sequence[TorchModule], before: dict[int, int]) -> None:
-    """Point tensors that an enclosing forward bound, and that the region updated, at the new outer values.
-
-    A generic module writes its buffer updates back into the tensors its parent bound; inside the
-    region those writes hold the region's values, which must not outlive it.
-    """
-    for unit in units:
-        for variable, tensor in bound_tensors(unit):
-            if write_count(tensor) != before.get(id(tensor), write_count(tensor)):
-                rebind(tensor, variable[...])

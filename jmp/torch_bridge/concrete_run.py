@@ -28,3 +28,13 @@ def running() -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Within the block, code is traced again (a compiled segment of an op-by-op step): ``active()`` is False."""
+    token = _ACTIVE.set(False)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -349,6 +349,24 @@ def bound_tensors(root: TorchModule) -> Iterator[tuple[nnx.Variable, JaxTensor]]
             tensor = slots.get(name)
             if isinstance(tensor, JaxTensor):
                 yield getattr(module, name), tensor
+
+
+def binding_versions(units: Sequence[TorchModule]) -> dict[int, int]:
+    """The write count of each tensor an enclosing forward bound to ``units``' state, by id."""
+    return {id(tensor): write_count(tensor) for unit in units for _, tensor in bound_tensors(unit)}
+
+
+def refresh_bindings(units: Sequence[TorchModule], before: dict[int, int]) -> None:
+    """Point tensors that an enclosing forward bound, and that a JAX transform of ``units`` updated, at the new
+    outer values.
+
+    A generic module writes its buffer updates back into the tensors its parent bound; inside the
+    transform those writes hold the transform's values, which must not outlive it.
+    """
+    for unit in units:
+        for variable, tensor in bound_tensors(unit):
+            if write_count(tensor) != before.get(id(tensor), write_count(tensor)):
+                rebind(tensor, variable[...])
 
 
 def write_count(tensor: JaxTensor) -> int:

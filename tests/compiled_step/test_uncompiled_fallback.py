@@ -124,3 +124,47 @@ def test_a_plain_pytorch_loop_over_such_a_model_trains_as_pytorch():
         np.testing.assert_allclose(float(loss), float(expected.detach()), rtol=1e-5)
     for name, value in reference.state_dict().items():
         np.testing.assert_allclose(model.state_dict()[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
+
+
+class NormedClassifier(LabelledRowsClassifier):
+    """The same with a BatchNorm between its layers: a compiled segment whose buffers change."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x, labels):
+        if torch.unique_consecutive((x == 0).sum(-1)).numel() > 1:
+            raise ValueError("All examples must have the same number of end tokens.")
+        logits = self.head(self.norm(torch.tanh(self.hidden(x))))
+        index = (labels >= 0).nonzero()
+        kept = torch.gather(logits, 0, index.expand(index.size(0), logits.size(1)))
+        return F.cross_entropy(kept, torch.gather(labels, 0, index.view(-1))), logits
+
+
+@pytest.mark.parametrize("segments", ["on", "off"])
+def test_the_modules_that_trace_run_as_compiled_segments(monkeypatch, segments):
+    """The root needs values and runs op by op; its layers trace and run as compiled segments (off: op by op too).
+    Either way two SGD steps over 2 microbatches equal PyTorch's: losses, weights and BatchNorm's running stats."""
+    monkeypatch.setenv("JMP_COMPILED_SEGMENTS", "1" if segments == "on" else "0")
+    module = NormedClassifier()
+    reference = NormedClassifier()
+    reference.load_state_dict(module.state_dict())
+    smp.init({"microbatches": 2})
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, labels in _batches(2):
+        optimizer.zero_grad()
+        loss, _ = train_step(model, x, labels)
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        expected = [reference(x[half::2], labels[half::2])[0] for half in (0, 1)]
+        (sum(expected) / 2).backward()
+        reference_optimizer.step()
+        np.testing.assert_allclose([float(v) for v in loss.outputs], [float(e.detach()) for e in expected], rtol=1e-5)
+    for name, value in reference.state_dict().items():
+        np.testing.assert_allclose(model.state_dict()[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
+    program = next(p for p, _ in model.programs if isinstance(p, uncompiled.UncompiledProgram))
+    assert program.segments.compiled_paths == ({"hidden", "norm", "head"} if segments == "on" else set())
+    assert set(program.segments.op_by_op) == ({""} if segments == "on" else set())
