@@ -1,22 +1,28 @@
 """Compile time and program size against depth, layer stacks scanned (``scan_layers``) and unrolled.
 
-    python -m benchmarks.compile_time [--depths 2 8 32 80] [--out benchmarks/results/compile_time.json]
+    python -m benchmarks.compile_time [--depths 2 8 32 80] [--repeats 3] [--out benchmarks/results/compile_time.json]
 
-A Hugging Face Llama (hidden 64, 4 heads, 2 key/value heads) under fsdp over 8 emulated devices, one AdamW-free
-training step (forward and backward) on a batch of 8 x 32 tokens. For each depth, scanned and unrolled: seconds to
-trace and lower the step, seconds for XLA to compile it, the StableHLO text's size, and the step's median time
-(scanned vs unrolled interleaved, after warm-up). The persistent compilation cache is off, so every program is
-compiled here.
+A Hugging Face Llama (hidden 64, 4 heads, 2 key/value heads) under fsdp over 8 emulated devices, one training step
+(forward and backward) on a batch of 8 x 32 tokens. For each depth, scanned and unrolled: seconds to trace and
+lower the step, seconds for XLA to compile it (each the least over ``--repeats`` rounds that compile every program
+once, JAX's in-memory caches cleared before each: one compile on this shared machine varies by 0.2-1 s, and a
+burst of load then falls on one round of all programs), the StableHLO text's size and the
+program's argument count, and the step's median time (scanned vs unrolled interleaved, after warm-up). Then the
+optimizer's update (AdamW, compiled apart from the step) at its first call, compile included, and after. The
+persistent compilation cache is off, so every program is compiled here.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
+from typing import Any
 
 os.environ["JMP_COMPILATION_CACHE"] = "off"
 
+import jax  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
@@ -42,7 +48,7 @@ def _config(scanned: bool) -> dict:
     return {"sharded_data_parallel_degree": 8, "scan_layers": scanned}
 
 
-def measure(layers: int, scanned: bool, ids: torch.Tensor) -> tuple[dict, smp.DistributedModel, object]:
+def build(layers: int, scanned: bool) -> tuple[smp.DistributedModel, Any]:
     smp.init(_config(scanned))
     model = smp.DistributedModel(llama(layers))
 
@@ -52,48 +58,92 @@ def measure(layers: int, scanned: bool, ids: torch.Tensor) -> tuple[dict, smp.Di
         model.backward(loss)
         return loss
 
+    return model, train_step
+
+
+def compile_once(model: smp.DistributedModel, step: Any, ids: torch.Tensor) -> tuple[float, float, str]:
+    """(seconds to trace and lower, seconds for XLA to compile, the StableHLO text), JAX's caches cleared first."""
+    jax.clear_caches()
     start = time.perf_counter()
-    lowered = train_step.lower(model, ids)
+    lowered = step.lower(model, ids)
     traced = time.perf_counter() - start
     start = time.perf_counter()
     lowered.compile()
-    compiled = time.perf_counter() - start
-    return (
-        {
-            "trace_and_lower_s": traced,
-            "xla_compile_s": compiled,
-            "compile_s": traced + compiled,
-            "hlo_chars": len(lowered.as_text()),
-        },
-        model,
-        train_step,
-    )
+    return traced, time.perf_counter() - start, lowered.as_text()
+
+
+def compile_figures(seconds: list[tuple[float, float]], text: str) -> dict:
+    """The least trace and compile seconds over the rounds, the program's size and argument count."""
+    traced, compiled = min(t for t, _ in seconds), min(c for _, c in seconds)
+    main_function = next(line for line in text.splitlines() if "func.func public @main" in line)
+    return {
+        "trace_and_lower_s": traced,
+        "xla_compile_s": compiled,
+        "compile_s": traced + compiled,
+        "compile_rounds_s": [t + c for t, c in seconds],
+        "hlo_chars": len(text),
+        "program_arguments": len(re.findall(r"%arg\d+:", main_function)),
+    }
+
+
+def update_seconds(model: smp.DistributedModel, step: Any, ids: torch.Tensor, calls: int = 4) -> dict:
+    """Building the AdamW optimizer (its state's init program compiled), the update's first call (its program
+    compiled) and the median of the next ones."""
+    start = time.perf_counter()
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    jax.block_until_ready(optimizer.opt_state)
+    built = time.perf_counter() - start
+    step(model, ids).reduce_mean()
+    seconds = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        optimizer.step()
+        jax.block_until_ready(model.training_state.params)
+        seconds.append(time.perf_counter() - start)
+    later = sorted(seconds[1:])
+    return {"optimizer_build_s": built, "update_first_call_s": seconds[0], "update_s": later[len(later) // 2]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 8, 32, 80])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="compiles per program; the least is kept")
     parser.add_argument("--out", default="benchmarks/results/compile_time.json")
     args = parser.parse_args()
     emulate_devices(8)
     transformers.logging.set_verbosity_error()
     ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    names = {False: "unrolled", True: "scanned"}
+    built = {(layers, scanned): build(layers, scanned) for layers in args.depths for scanned in names}
+    seconds: dict = {key: [] for key in built}
+    texts: dict = {}
+    for round_ in range(args.repeats):  # every program once per round: a burst of load falls on one round only
+        for key in list(built) if round_ % 2 == 0 else list(built)[::-1]:
+            smp.init(_config(key[1]))
+            traced, compiled, texts[key] = compile_once(*built[key], ids)
+            seconds[key].append((traced, compiled))
     rows = []
     for layers in args.depths:
         row: dict = {"layers": layers}
         runs, prepare = {}, {}
-        for scanned in (False, True):
-            name = "scanned" if scanned else "unrolled"
-            row[name], model, step = measure(layers, scanned, ids)
+        for scanned, name in names.items():
+            model, step = built[(layers, scanned)]
+            row[name] = compile_figures(seconds[(layers, scanned)], texts[(layers, scanned)])
             runs[name] = lambda model=model, step=step: step(model, ids).reduce_mean()
             prepare[name] = lambda scanned=scanned: smp.init(_config(scanned))
-            print(f"{layers:3d} layers {name:>8}: {row[name]}", flush=True)
         samples = time_interleaved(runs, args.steps, prepare=prepare)
-        for name, seconds in samples.items():
-            row[name]["step_s"] = sorted(seconds)[len(seconds) // 2]
+        for name, samples_of in samples.items():
+            row[name]["step_s"] = sorted(samples_of)[len(samples_of) // 2]
+        for scanned, name in names.items():
+            prepare[name]()
+            row[name] |= update_seconds(*built[(layers, scanned)], ids)
+            print(f"{layers:3d} layers {name:>8}: {row[name]}", flush=True)
         row["compile_ratio_scanned_to_unrolled"] = row["scanned"]["compile_s"] / row["unrolled"]["compile_s"]
         row["step_ratio_scanned_to_unrolled"] = row["scanned"]["step_s"] / row["unrolled"]["step_s"]
+        row["update_first_call_ratio_scanned_to_unrolled"] = (
+            row["scanned"]["update_first_call_s"] / row["unrolled"]["update_first_call_s"]
+        )
         rows.append(row)
     shallowest, deepest = rows[0], rows[-1]
     summary = {
@@ -102,6 +152,14 @@ def main() -> None:
         },
         f"hlo({deepest['layers']}) / hlo({shallowest['layers']})": {
             name: deepest[name]["hlo_chars"] / shallowest[name]["hlo_chars"] for name in ("scanned", "unrolled")
+        },
+        f"compile({deepest['layers']}) scanned / compile({shallowest['layers']}) unrolled": deepest["scanned"][
+            "compile_s"
+        ]
+        / shallowest["unrolled"]["compile_s"],
+        f"update first call({deepest['layers']}) / ({shallowest['layers']})": {
+            name: deepest[name]["update_first_call_s"] / shallowest[name]["update_first_call_s"]
+            for name in ("scanned", "unrolled")
         },
     }
     print(summary)

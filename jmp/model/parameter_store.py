@@ -337,24 +337,24 @@ class StackStore:
         return {n for n in layout.names if any(d.process_index == process for d in layout.sharding(n).device_set)}
 
     def unpack_present(self, stored: Mapping[str, Any]) -> dict[str, jax.Array]:
-        """Stored arrays (any of the keys) -> arrays by torch name, each placed by its parameter's own spec."""
-        keys = tuple(k for k, v in stored.items() if isinstance(v, jax.Array))
-        return self._unpacker(keys)({k: stored[k] for k in keys})
+        """Stored arrays (any of the keys) -> arrays by torch name in new buffers, each placed by its parameter's
+        own spec."""
+        keys = [k for k, v in stored.items() if isinstance(v, jax.Array)]
+        out = dict(copy_tree({k: stored[k] for k in keys if k not in self.groups}))
+        for key in keys:
+            if key in self.groups:
+                row = self._row_reader(key)
+                out.update((name, row(stored[key], i)) for i, name in enumerate(self.groups[key]))
+        return out
 
     @functools.cache  # noqa: B019  (the store lives as long as its model; its programs should too)
-    def _unpacker(self, keys: tuple[str, ...]) -> Any:
-        names = [n for k in keys for n in self.groups.get(k, (k,))]
-
-        def unpack(stored):
-            out = {}
-            for key in keys:
-                if key in self.groups:
-                    out.update(zip(self.groups[key], (stored[key][i] for i in range(len(self.groups[key])))))
-                else:
-                    out[key] = stored[key]
-            return out
-
-        return jax.jit(unpack, out_shardings={n: self.layout.sharding(n) for n in names})
+    def _row_reader(self, key: str) -> Any:
+        """One layer's row of a stacked array, the row's index an argument: one small program per stack weight
+        (a program slicing out every row would hold a kernel per layer, and compile for seconds at depth)."""
+        sharding = self.layout.sharding(self.groups[key][0])
+        return jax.jit(
+            lambda stacked, i: jax.lax.dynamic_index_in_dim(stacked, i, keepdims=False), out_shardings=sharding
+        )
 
     def _packer(self, named: dict[str, jax.Array]) -> dict[str, jax.Array]:
         keys = tuple(k for k in self.keys if all(n in named for n in self.groups.get(k, (k,))))
