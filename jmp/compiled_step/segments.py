@@ -10,7 +10,8 @@ op by op, with its children tried in turn. Under the step's gradient the compile
 one program too.
 
 A segment is keyed by the module, its arguments' structure and non-tensor values, and its tensors' dtypes (jit
-adds the shapes); a module that needed a value once runs op by op from then on. Arguments other than tensors,
+adds the shapes); a module that needed a value once runs op by op from then on, as does one called with more than
+``MAX_KEYS_PER_MODULE`` different keys. Arguments other than tensors,
 Python scalars, strings, dtypes and devices (a cache object, a torch tensor on the host) keep a call op by op.
 ``JMP_COMPILED_SEGMENTS=0`` runs every module op by op.
 """
@@ -57,6 +58,7 @@ _NEEDS_VALUES = (
 )
 _STATIC_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 _TENSOR = object()  # stands for a tensor among a segment's output leaves
+MAX_KEYS_PER_MODULE = 8  # a module called with ever new non-tensor values (a float per step) stops compiling
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_segment_tracing", default=False)
 
 
@@ -152,6 +154,8 @@ class Segments:
         key = (module.torch_path, graphdef, spec, tuple((type(v), v) for v in static), dtypes)
         segment = self.compiled.get(key)
         if segment is None:
+            if sum(path == module.torch_path for path, *_ in self.compiled) >= MAX_KEYS_PER_MODULE:
+                raise _NotCompilable(f"it was called with {MAX_KEYS_PER_MODULE} different non-tensor arguments")
             segment = _Segment(module, self.hook, graphdef, template, spec, dtypes)
         versions = binding_versions([module])
         out_arrays, mutated, new_rest, sown = segment.program(params, rest, [t.value for t in inputs])

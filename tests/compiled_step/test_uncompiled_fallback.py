@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jmp as smp
-from jmp.compiled_step import uncompiled
+from jmp.compiled_step import segments, uncompiled
 from jmp.errors import StepError, TracedControlFlowError
 
 
@@ -168,3 +168,48 @@ def test_the_modules_that_trace_run_as_compiled_segments(monkeypatch, segments):
     program = next(p for p, _ in model.programs if isinstance(p, uncompiled.UncompiledProgram))
     assert program.segments.compiled_paths == ({"hidden", "norm", "head"} if segments == "on" else set())
     assert set(program.segments.op_by_op) == ({""} if segments == "on" else set())
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, factor):
+        return self.linear(x) * factor
+
+
+class ScalingLoop(nn.Module):
+    """Calls its layer with a new Python float each time, after a data-dependent selection."""
+
+    def __init__(self):
+        super().__init__()
+        self.scaled = Scaled()
+
+    def forward(self, x):
+        x = x[(x[:, 0] > -10).nonzero().view(-1)]
+        for step in range(12):
+            x = torch.tanh(self.scaled(x, 1.0 + step / 10))
+        return x.square().mean()
+
+
+@smp.step
+def loss_step(model, x):
+    loss = model(x)
+    model.backward(loss)
+    return loss
+
+
+def test_a_module_called_with_ever_new_arguments_stops_compiling():
+    """Each new float keys a new segment; past MAX_KEYS_PER_MODULE the layer runs op by op, the loss unchanged."""
+    module = ScalingLoop()
+    reference = ScalingLoop()
+    reference.load_state_dict(module.state_dict())
+    smp.init()
+    model = smp.DistributedModel(module)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    loss = loss_step(model, x)
+    np.testing.assert_allclose(float(loss.reduce_mean()), float(reference(x).detach()), rtol=1e-5)
+    program = next(p for p, _ in model.programs if isinstance(p, uncompiled.UncompiledProgram))
+    assert sum(key[0] == "scaled" for key in program.segments.compiled) == segments.MAX_KEYS_PER_MODULE
+    assert "different non-tensor arguments" in program.segments.op_by_op["scaled"]
