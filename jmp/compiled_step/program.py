@@ -180,9 +180,11 @@ def _on_stored(step_forward: Callable, model: DistributedModel) -> Callable:
     """``step_forward`` on the parameters as stored (stacked layers: one array per stack weight, so that the
     program's arguments and gradients do not grow with depth)."""
 
+    compute_dtypes = model.precision.compute if model.precision.mixed else None
+
     def on_stored(params, rest, mb_arrays):
         with stacks_storage.tracing_views():
-            return step_forward(model.store.in_trace(params), rest, mb_arrays)
+            return step_forward(model.store.in_trace(params, compute_dtypes), rest, mb_arrays)
 
     return on_stored
 

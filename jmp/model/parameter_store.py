@@ -49,8 +49,10 @@ class ParameterStore(Protocol):
         """Stored form (parameters, gradients) -> an ``nnx.State`` by torch name (the stored arrays themselves
         when they are kept that way)."""
 
-    def in_trace(self, stored: Any) -> nnx.State:
-        """Stored form -> the parameter tree, inside a step's trace (no copy: differentiable views of it)."""
+    def in_trace(self, stored: Any, compute_dtypes: Mapping[str, Any] | None = None) -> nnx.State:
+        """Stored form -> the parameter tree, inside a step's trace (no copy: differentiable views of it).
+        ``compute_dtypes`` (by torch name, mixed precision): a store may cast its arrays to them first (the step
+        casts each parameter to its compute dtype anyway; one cast per stored array keeps the views its rows)."""
 
     @property
     def packs_tensors(self) -> bool:
@@ -106,7 +108,7 @@ class TreeStore:
     def as_tree(self, stored: Any) -> nnx.State:
         return stored
 
-    def in_trace(self, stored: Any) -> nnx.State:
+    def in_trace(self, stored: Any, compute_dtypes: Mapping[str, Any] | None = None) -> nnx.State:
         return stored
 
     packs_tensors = False
@@ -169,7 +171,7 @@ class StageStore:
     def as_tree(self, stored: Any) -> nnx.State:
         return self.layout.tree(self.stages.unpack(stored))
 
-    def in_trace(self, stored: Any) -> nnx.State:
+    def in_trace(self, stored: Any, compute_dtypes: Mapping[str, Any] | None = None) -> nnx.State:
         return self.as_tree(stored)
 
     packs_tensors = True
@@ -272,10 +274,12 @@ class StackStore:
     def as_tree(self, stored: Any) -> nnx.State:
         return self.layout.tree(self.named(stored))
 
-    def in_trace(self, stored: Any) -> nnx.State:
+    def in_trace(self, stored: Any, compute_dtypes: Mapping[str, Any] | None = None) -> nnx.State:
         named: dict[str, Any] = {}
         for key, value in stored.items():
             if key in self.groups:
+                if compute_dtypes is not None:  # cast whole, so that each layer's view is a row of one array
+                    value = value.astype(compute_dtypes[self.groups[key][0]])
                 named.update(zip(self.groups[key], stacks_storage.layer_views(value)))
             else:
                 named[key] = value
