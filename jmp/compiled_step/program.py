@@ -86,6 +86,14 @@ def forward(fn: Callable, model: DistributedModel, signature: StepSignature, tra
     return run_forward
 
 
+def _placed(grads: Any, shardings: Any) -> Any:
+    """``grads`` laid out as ``shardings``: a constraint in a traced program; on concrete values (a step run op by
+    op) a ``device_put``, which leaves arrays already placed so as they are (a constraint would copy each)."""
+    if concrete_run.active():
+        return jax.device_put(grads, shardings)
+    return jax.lax.with_sharding_constraint(grads, shardings)
+
+
 def _sequences_split(mesh) -> contextlib.AbstractContextManager:
     """Under context parallelism the inputs' sequences are split over "cp" (``microbatches.batch_spec``): attention
     can take the ring over it."""
@@ -129,7 +137,7 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
             return with_fp8_grads(rest, mb_arrays)
         (_, (outputs, rest, sown)), grads = jax.value_and_grad(step_forward, has_aux=True)(params, rest, mb_arrays)
         # gradients live where their parameters do (sharded data parallel: reduce-scattered)
-        return outputs, rest, jax.lax.with_sharding_constraint(grads, shardings), sown
+        return outputs, rest, _placed(grads, shardings), sown
 
     def with_fp8_grads(rest, mb_arrays):
         # the loss is differentiated with respect to the output gradients' fp8 scales too: their cotangents are
@@ -143,7 +151,7 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
         (_, (outputs, rest, sown)), (grads, amaxes) = grad_of(params, scales, others, mb_arrays)
         scales, others = fp8_state.split_gradient_scales(rest)
         rest = fp8_state.record_gradient_amaxes(fp8_recipe, scales, amaxes, others)
-        return outputs, rest, jax.lax.with_sharding_constraint(grads, shardings), sown
+        return outputs, rest, _placed(grads, shardings), sown
 
     if microbatches == 1:
         first = [p[0] if axis is not None else p for p, axis in zip(pieces, split)]
@@ -196,14 +204,21 @@ def _unrolled(signature, traced, model, with_grads, step_forward, params, rest, 
         mb = arrays_of([p[index] if p is not None else None for p in mb_stack])
         if index == 0 or traced.has_backward:
             outputs, rest, grads, mb_sown = with_grads(rest, mb)
-            total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+            total = grads if total is None else _summed(total, grads)
         else:  # an evaluation step: learnt from the first microbatch
             _, (outputs, rest, mb_sown) = step_forward(params, rest, mb)
         sown = mb_sown if sown is None else side_outputs.combine_all(sown, mb_sown)
         stacked.append(outputs)
     outputs = [jnp.stack(per_microbatch) for per_microbatch in zip(*stacked)]
-    grads = _as_kept(model, _averaged(total, signature, signature.microbatches)) if traced.has_backward else None
+    grads = None
+    if traced.has_backward:
+        grads = _as_kept(model, _averaged_at_once(total, signature, signature.microbatches))
     return outputs, rest, grads, side_outputs.reported(sown)
+
+
+# on concrete values one program each, not one dispatch per gradient
+_summed = jax.jit(lambda total, grads: jax.tree.map(jnp.add, total, grads))
+_averaged_at_once = jax.jit(lambda *args: _averaged(*args), static_argnums=(1, 2))
 
 
 def _run_pipeline(fn, model: DistributedModel, signature: StepSignature, traced: Traced, rows, rest, pieces):
