@@ -216,11 +216,6 @@ def _unrolled(signature, traced, model, with_grads, step_forward, params, rest, 
     return outputs, rest, grads, side_outputs.reported(sown)
 
 
-# on concrete values one program each, not one dispatch per gradient
-_summed = jax.jit(lambda total, grads: jax.tree.map(jnp.add, total, grads))
-_averaged_at_once = jax.jit(lambda *args: _averaged(*args), static_argnums=(1, 2))
-
-
 def _run_pipeline(fn, model: DistributedModel, signature: StepSignature, traced: Traced, rows, rest, pieces):
     """The step as a pipeline over ``pp`` (see jmp.pipeline): forward cut into stages, both passes scheduled."""
     pipeline, split, microbatches = model.pipeline, signature.split_axes, signature.microbatches
@@ -274,6 +269,11 @@ def _averaged(grads: Any, signature: StepSignature, microbatches: int) -> Any:
     average) and, with ``average_grads``, over microbatches."""
     count = signature.process_shares * (microbatches if signature.average_grads else 1)
     return grads if count == 1 else jax.tree.map(lambda g: g / count, grads)
+
+
+# on concrete values (``_unrolled``) one program each, not one dispatch per gradient
+_summed = jax.jit(lambda total, grads: jax.tree.map(jnp.add, total, grads))
+_averaged_at_once = jax.jit(_averaged, static_argnums=(1, 2))
 
 
 def _as_kept(model: DistributedModel, grads: Any) -> Any:
