@@ -13,18 +13,9 @@ import jmp as smp
 from tests.front_end.helpers import named_grads
 from tests.helpers import assert_close
 from tests.remat.helpers import equations
+from tests.stacks.helpers import SIZES
 
 transformers = pytest.importorskip("transformers")
-
-
-SIZES = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=64,
-    max_position_embeddings=32,
-)
 
 
 def _decoder(config_class: type, layers: int, **extra) -> torch.nn.Module:

@@ -15,17 +15,10 @@ import torch
 import jmp as smp
 from jmp.model.parameter_store import StackStore, TreeStore
 from tests.helpers import assert_close
+from tests.stacks.helpers import SIZES
 
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=64,
-    max_position_embeddings=32,
-)
 FSDP_TP = {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}
 BATCHES = torch.randint(0, 64, (3, 8, 16), generator=torch.Generator().manual_seed(2))
 LR, WEIGHT_DECAY = 1e-2, 0.1
