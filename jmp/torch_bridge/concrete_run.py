@@ -21,19 +21,19 @@ def active() -> bool:
     return _ACTIVE.get()
 
 
-@contextlib.contextmanager
-def running() -> Iterator[None]:
-    token = _ACTIVE.set(True)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+def running() -> contextlib.AbstractContextManager[None]:
+    """Within the block, the step runs op by op: ``active()`` is True."""
+    return _set(True)
 
 
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
+def paused() -> contextlib.AbstractContextManager[None]:
     """Within the block, code is traced again (a compiled segment of an op-by-op step): ``active()`` is False."""
-    token = _ACTIVE.set(False)
+    return _set(False)
+
+
+@contextlib.contextmanager
+def _set(value: bool) -> Iterator[None]:
+    token = _ACTIVE.set(value)
     try:
         yield
     finally:
