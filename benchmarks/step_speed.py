@@ -101,7 +101,9 @@ def previous_settings():
     fusions (YNNPACK convolutions included) and max pooling by the general path (variadic reduce_window,
     scatter gradient)."""
     options, tile = remat_xla.compiler_options, convolution._MAX_TILE
-    remat_xla.compiler_options = lambda platform: dict(remat_xla._KEEP_BARRIERS) if platform == "cpu" else None
+    remat_xla.compiler_options = lambda platform, fp8=False: (
+        dict(remat_xla._KEEP_BARRIERS) if platform == "cpu" else None
+    )
     convolution._MAX_TILE = 0
     try:
         yield

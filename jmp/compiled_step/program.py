@@ -260,7 +260,8 @@ def compile_step(fn: Callable, model: DistributedModel, signature: StepSignature
     """The program for ``signature`` (compiled at its first call) and the record its tracing fills in."""
     traced = Traced()
     step_program = functools.partial(run, fn, model, signature, traced)
-    options = remat_xla.compiler_options(model.layout.mesh.devices.flat[0].platform)
+    platform = model.layout.mesh.devices.flat[0].platform
+    options = remat_xla.compiler_options(platform, fp8=model.fp8_recipe is not None)
     return jax.jit(step_program, donate_argnums=(1,), compiler_options=options), traced
 
 

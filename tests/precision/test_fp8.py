@@ -37,6 +37,7 @@ from jmp.precision import fp8_state
 from jmp.precision.fp8_autocast import fp8_autocast
 from jmp.precision.fp8_matmul import fp8_linear, scaled_matmul
 from jmp.precision.fp8_scaling import DelayedScaling
+from jmp.remat import xla as remat_xla
 
 HISTORY = 4
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -254,6 +255,15 @@ def test_the_step_program_multiplies_fp8_values_as_a_gpu_fuses_them_into_fp8_gem
     formats = sorted(_fp8_operand_formats(text))
     # two forward, two weight-gradient, one input-gradient (the second Linear's)
     assert formats == [("f8E4M3FN", "f8E4M3FN")] * 2 + [("f8E5M2", "f8E4M3FN")] * 3
+
+
+def test_on_a_gpu_an_fp8_step_compiles_with_xla_triton_gemms_off_an_option_xla_knows():
+    """With Triton's GEMM fusion on, XLA:GPU never rewrites the fp8 pattern into fp8 GEMMs (``jmp.remat.xla``)."""
+    assert remat_xla.compiler_options("gpu", fp8=True) == {"xla_gpu_enable_triton_gemm": False}
+    assert remat_xla.compiler_options("gpu") is None  # bf16 steps keep XLA's defaults
+    options = remat_xla.compiler_options("gpu", fp8=True)
+    compiled = jax.jit(lambda x: x @ x, compiler_options=options).lower(jnp.ones((4, 4))).compile()
+    assert float(compiled(jnp.ones((4, 4)))[0, 0]) == 4.0  # XLA refuses an option it does not know by name
 
 
 def test_fp8_refuses_a_pipeline_and_unknown_formats():
