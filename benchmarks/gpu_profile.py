@@ -7,10 +7,10 @@ The model, data and step are ``benchmarks.gpu_speed``'s jmp side (one ``--jmp-co
 steps, then ``--steps`` steps under ``jax.profiler.trace``, each step ``zero_grad``, ``lm_step``, reading the loss,
 ``optimizer.step()`` and waiting for the parameters, as gpu_speed times them. From the trace (XLA's own
 profiler planes, read with ``jax.profiler.ProfileData``), per step: each compiled program's device time (the
-"XLA Modules" line: the step program, the update, jmp's small helpers), the kernels by device time (the "XLA
-Ops" line: fusions, cuBLAS / cuDNN calls, copies), the device's busy time against the step's wall time (what is
-left is the device waiting for the host), and the host's time per jmp call. On a CPU the same runs with XLA:CPU's
-planes (a check of this script, not a GPU figure).
+"XLA Modules" line, or on a GPU the kernels' ``hlo_module``: the step program, the update, jmp's small helpers),
+the HLO ops and kernels by device time (fusions, cuBLAS / cuDNN calls, copies), the device's busy time against the
+step's wall time (what is left is the device waiting for the host), and the host's time per jmp call. On a CPU
+the same runs with XLA:CPU's planes (a check of this script, not a GPU figure).
 """
 
 from __future__ import annotations
@@ -64,35 +64,66 @@ def profiled_steps(args) -> tuple[str, list[float]]:
     return glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)[0], walls
 
 
+def _merged_ns(intervals: list[tuple[float, float]]) -> float:
+    """The time covered by ``intervals`` (start, end), overlaps counted once: a device busy on several streams."""
+    covered, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    return covered
+
+
+def _device_summary(plane, steps: int) -> dict:
+    """One device plane's time per step. XLA:CPU's planes have "XLA Modules" and "XLA Ops" lines; a GPU's have one
+    line per CUDA stream ("Stream #14(Compute)"), whose events are kernels carrying ``hlo_module`` / ``hlo_op``
+    stats (the session of 2026-11-26 found only those on an H100)."""
+    modules, ops, kernels = collections.Counter(), collections.Counter(), collections.Counter()
+    intervals, lines = [], {}
+    for line in plane.lines:
+        total = 0.0
+        for event in line.events:
+            total += event.duration_ns
+            if line.name == "XLA Modules":
+                modules[event.name] += event.duration_ns
+            elif line.name == "XLA Ops" or line.name.startswith("Stream"):
+                kernels[event.name] += event.duration_ns
+                intervals.append((event.start_ns, event.start_ns + event.duration_ns))
+                if line.name.startswith("Stream"):
+                    stats = dict(event.stats)
+                    modules[str(stats.get("hlo_module", "(no hlo_module)"))] += event.duration_ns
+                    ops[str(stats.get("hlo_op", event.name))] += event.duration_ns
+        lines[line.name] = total / 1e6 / steps
+    if not ops:  # XLA:CPU: its ops are the kernels
+        ops = kernels
+    per_step = lambda counter, top=None: {k: v / 1e6 / steps for k, v in counter.most_common(top)}  # noqa: E731
+    return {
+        "busy_ms_per_step": _merged_ns(intervals) / 1e6 / steps,
+        "programs_ms_per_step": per_step(modules),
+        "ops_ms_per_step": per_step(ops, TOP),
+        "kernels_ms_per_step": per_step(kernels, TOP),
+        "kernels_total_ms_per_step": sum(kernels.values()) / 1e6 / steps,
+        "lines_ms_per_step": lines,
+    }
+
+
 def summarise(path: str, steps: int) -> dict:
     """Device and host time per step from the trace at ``path``, by line, program and kernel."""
     profile = ProfileData.from_file(path)
-    devices, host = {}, collections.Counter()
+    devices, host, host_lines = {}, collections.Counter(), {}
     for plane in profile.planes:
         if plane.name.startswith("/device:"):
-            lines = {}
+            devices[plane.name] = _device_summary(plane, steps)
+        elif plane.name.startswith("/host:"):
             for line in plane.lines:
-                by_name: collections.Counter = collections.Counter()
-                for event in line.events:
-                    by_name[event.name] += event.duration_ns
-                lines[line.name] = by_name
-            modules = lines.get("XLA Modules", collections.Counter())
-            ops = lines.get("XLA Ops", collections.Counter())
-            devices[plane.name] = {
-                "busy_ms_per_step": sum(modules.values()) / 1e6 / steps,
-                "programs_ms_per_step": {k: v / 1e6 / steps for k, v in modules.most_common()},
-                "kernels_ms_per_step": {k: v / 1e6 / steps for k, v in ops.most_common(TOP)},
-                "kernels_total_ms_per_step": sum(ops.values()) / 1e6 / steps,
-                "lines": sorted(lines),
-            }
-        elif plane.name == "/host:CPU":
-            for line in plane.lines:
+                host_lines[f"{plane.name} {line.name}"] = sum(e.duration_ns for e in line.events) / 1e6 / steps
                 if line.name == "python":  # the traced Python calls: jit dispatches and jmp's annotations
                     for event in line.events:
                         host[event.name] += event.duration_ns
     return {
         "devices": devices,
         "host_ms_per_step": {k: v / 1e6 / steps for k, v in host.most_common(TOP)},
+        "host_lines_ms_per_step": host_lines,
     }
 
 
@@ -122,6 +153,8 @@ def main() -> None:
         print(f"{name}: device busy {device['busy_ms_per_step']:.1f} ms a step")
         for program, ms in device["programs_ms_per_step"].items():
             print(f"  program {program[:70]:<70} {ms:8.2f} ms")
+        for op, ms in list(device["ops_ms_per_step"].items())[:15]:
+            print(f"  op      {op[:70]:<70} {ms:8.2f} ms")
         for kernel, ms in list(device["kernels_ms_per_step"].items())[:15]:
             print(f"  kernel  {kernel[:70]:<70} {ms:8.2f} ms")
     for call, ms in list(summary["host_ms_per_step"].items())[:10]:
