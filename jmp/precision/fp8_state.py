@@ -23,6 +23,7 @@ from flax import nnx
 
 from jmp.precision import fp8_scaling
 from jmp.precision.fp8_scaling import DelayedScaling
+from jmp.torch_bridge.variable_writes import write
 
 
 class Scale(nnx.Variable):
@@ -56,7 +57,9 @@ class Fp8Meta(nnx.Module):
         dtype = self.recipe.forward_dtype
         for name, new_amax in (("input", input_amax), ("weight", weight_amax)):
             scale, history = getattr(self, f"{name}_scale"), getattr(self, f"{name}_amax_history")
-            scale[...], history[...] = fp8_scaling.updated(self.recipe, dtype, scale[...], history[...], new_amax)
+            next_scale, next_history = fp8_scaling.updated(self.recipe, dtype, scale[...], history[...], new_amax)
+            write(scale, next_scale)
+            write(history, next_history)
 
 
 def attach(module: nnx.Module, recipe: DelayedScaling, is_linear: Any) -> int:

@@ -30,6 +30,7 @@ from flax import nnx
 from jmp.errors import ConversionError
 from jmp.torch_bridge import compiling_fallback, dispatch
 from jmp.torch_bridge.tensor import JaxTensor, unwrap, unwrap_tree, wrap_tree
+from jmp.torch_bridge.variable_writes import write
 
 # A call hook wraps one module's calls during a trace: hook(module, call, *args, **kwargs) -> output,
 # where ``call`` runs the module (and any inner hooks). Parallelism and rematerialisation use them.
@@ -307,7 +308,7 @@ def bound_state(root: TorchModule, written: set[int] | None = None) -> Iterator[
             variable = getattr(module, name)
             previous = slots[name]
             if isinstance(previous, JaxTensor) and previous.write_count > 0:
-                variable[...] = unwrap(previous)  # an enclosing forward updated it before calling us
+                write(variable, unwrap(previous))  # an enclosing forward updated it before calling us
             tensor = JaxTensor(variable[...], variable.get_metadata("torch_dtype", None))
             slots[name] = tensor
             bindings.append((slots, name, previous, tensor, variable))
@@ -319,7 +320,7 @@ def bound_state(root: TorchModule, written: set[int] | None = None) -> Iterator[
             current = slots[name]
             changed = current is not tensor or tensor.write_count > 0
             if changed and isinstance(current, torch.Tensor):
-                variable[...] = unwrap(current)
+                write(variable, unwrap(current))
                 if written is not None:
                     written.add(id(variable))
             slots[name] = previous

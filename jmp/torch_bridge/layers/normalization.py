@@ -26,6 +26,7 @@ from jmp.torch_bridge.lowering.normalization import (
     updated_running_stats,
 )
 from jmp.torch_bridge.module import ArrayModule
+from jmp.torch_bridge.variable_writes import write
 
 
 def _value(variable):
@@ -88,7 +89,7 @@ class BatchNorm(ArrayModule):
             factor = self.momentum
             if self.num_batches_tracked is not None:
                 tracked = self.num_batches_tracked[...] + 1
-                self.num_batches_tracked[...] = tracked
+                write(self.num_batches_tracked, tracked)
                 if factor is None:  # cumulative moving average
                     factor = 1.0 / tracked.astype(self.running_mean[...].dtype)
             new_mean, new_var = updated_running_stats(
@@ -99,6 +100,6 @@ class BatchNorm(ArrayModule):
                 input.size // input.shape[1],
                 0.0 if factor is None else factor,
             )
-            self.running_mean[...] = new_mean
-            self.running_var[...] = new_var
+            write(self.running_mean, new_mean)
+            write(self.running_var, new_var)
         return batch_norm_apply(input, mean, var, weight, bias, self.eps)
