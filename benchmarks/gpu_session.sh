@@ -5,12 +5,14 @@
 # steps compiled with Triton GEMMs off): benchmarks/results/*_h100.json. Their profile read no GPU events (a GPU's
 # trace has one line per CUDA stream, which benchmarks/gpu_profile.py now reads). This plan:
 #   1. the machine and versions                        -> $OUT/steps.log (every step's output)
-#   2. the offloading tests (the GPU-only one: host memory is a real memory space on a GPU), the kernels' update
-#      lowered for CUDA (failed on the H100, why unseen)
+#   2. fp8 products on bf16 operands against float32 ones (jmp.precision.fp8_matmul.OPERAND_DTYPE: does the fp8
+#      GEMM writing bf16 pay?), a 4-layer Llama of Llama 3.2 1B's widths -> $OUT/gpu_speed_fp8_operands.json
 #   3. GPT-2 124M's jmp step profiled: device time by program, HLO op and kernel, the device's idle time per step
 #      (why its update took 14.5 ms in the step against 5.5 ms alone)     -> $OUT/gpu_profile_gpt2.json
-#   4. a 4-layer Llama of Llama 3.2 1B's widths profiled in fp8 and in bf16 (where fp8's extra time goes)
+#   4. the 4-layer Llama profiled in fp8 and in bf16 (where fp8's extra time goes)
 #                                                      -> $OUT/gpu_profile_llama_fp8.json, gpu_profile_llama_bf16.json
+#   5. the offloading tests (the GPU-only one: host memory is a real memory space on a GPU), the kernels' update
+#      lowered for CUDA (failed on the H100, why unseen)
 # Each step's exit status and seconds -> $OUT/session.log. No arguments; environment variables:
 #   bash benchmarks/gpu_session.sh          (OUT defaults to /tmp/gpu_out)
 #   GPU_LLAMA_ARGS="..."                    the Llama's size arguments instead of Llama 3.2 1B's (without
@@ -81,13 +83,11 @@ EOF
 export -f environment
 step environment 60 "$OUT/steps.log" bash -c environment
 
-# --- 2. the offloading tests (the GPU-only one and its CPU twin), and the CUDA lowering of the kernels' update, which
-# failed on the H100 for a reason its time-out hid ---------------------------------------------------------------
-step tests 90 "$OUT/steps.log" \
-    python3 -m pytest -q -rA -n 0 -p no:cacheprovider --tb=short \
-    "tests/kernels/test_fused_optimizers.py::test_the_update_lowered_for_cuda_has_one_kernel_per_param_group_and_dtype" \
-    tests/remat/test_offload.py::test_offloading_moves_each_checkpointed_layers_input_to_the_host_and_keeps_gradients \
-    tests/remat/test_offload.py::test_on_a_gpu_offloading_lowers_device_temporaries
+# --- 2. fp8 products on bf16 operands against float32 ones ------------------------------------------------------
+read -r -a LLAMA_SIZE <<<"${GPU_LLAMA_ARGS:---d-model 2048 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256 --seq 2048 --batch 4}"
+step fp8_operands 130 "$OUT/steps.log" \
+    python3 -m benchmarks.gpu_speed --model llama --layers 4 "${LLAMA_SIZE[@]}" --torch-eager off --torch-compile off \
+    --compiled-hlo --steps 10 --jmp-configs fp8,fp8+bf16ops --out "$OUT/gpu_speed_fp8_operands.json"
 
 # --- 3. GPT-2 124M's step profiled ------------------------------------------------------------------------------
 read -r -a GPT2_SIZE <<<"${GPU_GPT2_ARGS:-}"
@@ -95,12 +95,19 @@ step profile_gpt2 100 "$OUT/steps.log" \
     python3 -m benchmarks.gpu_profile ${GPT2_SIZE[@]+"${GPT2_SIZE[@]}"} --steps 5 --out "$OUT/gpu_profile_gpt2.json"
 
 # --- 4. the Llama's step profiled in fp8 and bf16 -----------------------------------------------------------------
-read -r -a LLAMA_SIZE <<<"${GPU_LLAMA_ARGS:---d-model 2048 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 128256 --seq 2048 --batch 4}"
 for config in fp8 bf16; do
     step "profile_llama_$config" 120 "$OUT/steps.log" \
         python3 -m benchmarks.gpu_profile --model llama --layers 4 "${LLAMA_SIZE[@]}" --jmp-config "$config" \
         --steps 5 --out "$OUT/gpu_profile_llama_$config.json"
 done
+
+# --- 5. the offloading tests (the GPU-only one and its CPU twin), and the CUDA lowering of the kernels' update, which
+# failed on the H100 for a reason its time-out hid ---------------------------------------------------------------
+step tests 90 "$OUT/steps.log" \
+    python3 -m pytest -q -rA -n 0 -p no:cacheprovider --tb=short \
+    "tests/kernels/test_fused_optimizers.py::test_the_update_lowered_for_cuda_has_one_kernel_per_param_group_and_dtype" \
+    tests/remat/test_offload.py::test_offloading_moves_each_checkpointed_layers_input_to_the_host_and_keeps_gradients \
+    tests/remat/test_offload.py::test_on_a_gpu_offloading_lowers_device_temporaries
 
 note "done; files in $OUT:"
 ls -l "$OUT" | tee -a "$SESSION_LOG"

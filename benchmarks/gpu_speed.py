@@ -89,6 +89,7 @@ from benchmarks.harness import (  # noqa: E402
     token_ids,
     write_results,
 )
+from jmp.precision import fp8_matmul  # noqa: E402
 from jmp.torch_bridge.lowering.attention import ENVIRONMENT_VARIABLE as ATTENTION_VARIABLE  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -103,6 +104,7 @@ CONFIG_WORDS = {
     "kernels": {"fused_optimizer": True},
     "optax": {"fused_optimizer": False},
     "scan": {"scan_layers": True},
+    "bf16ops": {},  # fp8 products on operands dequantised to bf16, not float32 (jmp.precision.fp8_matmul)
 }
 
 
@@ -252,6 +254,17 @@ def jmp_config(entry: str) -> dict:
     return config
 
 
+@contextlib.contextmanager
+def fp8_operands(compute_dtype: bool):
+    """fp8 products on operands dequantised to the compute dtype (bf16) instead of float32, for one side."""
+    kept = fp8_matmul.OPERAND_DTYPE
+    fp8_matmul.OPERAND_DTYPE = None if compute_dtype else kept
+    try:
+        yield
+    finally:
+        fp8_matmul.OPERAND_DTYPE = kept
+
+
 def jmp_side_name(attention: str, entry: str) -> str:
     name = ATTENTION_SIDES[attention]
     return name if entry == "bf16" else f"{name}_{entry.replace('+', '_')}"
@@ -260,7 +273,7 @@ def jmp_side_name(attention: str, entry: str) -> str:
 def jmp_side(base: torch.nn.Module, ids: torch.Tensor, args, attention: str = "auto", entry: str = "bf16") -> dict:
     if torch.cuda.is_available() and jax.default_backend() != "gpu":  # a GPU-sized model on the CPU: hours
         raise RuntimeError(f"torch sees a GPU but JAX runs on {jax.default_backend()}: see env.txt")
-    with attention_implementation(attention):
+    with attention_implementation(attention), fp8_operands("bf16ops" in entry.split("+")):
         result = _jmp_side(base, ids, args, jmp_side_name(attention, entry), jmp_config(entry))
     result["attention"] = f"{ATTENTION_VARIABLE}={attention}"
     return result

@@ -26,15 +26,21 @@ import jax.numpy as jnp
 
 from jmp.precision.fp8_scaling import amax, quantise
 
+# The dequantised operands' dtype, and so the product's. Float32 multiplies what TE's GEMM multiplies on every
+# device; None takes the compute dtype (bf16 under autocast), as Flax's fp8 ops do, so that a GPU's fp8 GEMM writes
+# bf16 rather than float32 (benchmarks.gpu_speed's "bf16ops" word measures it; not measured yet).
+OPERAND_DTYPE: Any = jnp.float32
 
-def _dequantised(q: jax.Array, scale: jax.Array) -> jax.Array:
-    return q.astype(jnp.float32) * (1.0 / scale)
+
+def _dequantised(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    return q.astype(dtype) * (1.0 / scale).astype(dtype)
 
 
-def _fp8_dot(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, contract: tuple[int, int]):
-    """``a`` and ``b`` (fp8, quantised with their scales) contracted over one dimension each, in float32."""
+def _fp8_dot(a, a_scale, b, b_scale, contract: tuple[int, int], compute_dtype: Any) -> jax.Array:
+    """``a`` and ``b`` (fp8, quantised with their scales) contracted over one dimension each."""
+    dtype = OPERAND_DTYPE or compute_dtype
     dimensions = (((contract[0],), (contract[1],)), ((), ()))
-    return jax.lax.dot_general(_dequantised(a, a_scale), _dequantised(b, b_scale), dimensions)
+    return jax.lax.dot_general(_dequantised(a, a_scale, dtype), _dequantised(b, b_scale, dtype), dimensions)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -53,7 +59,7 @@ def _forward(x, weight, x_scale, weight_scale, grad_scale, forward_dtype, gradie
     del gradient_dtype
     q_x = quantise(x.reshape(-1, x.shape[-1]), x_scale, forward_dtype)
     q_weight = quantise(weight, weight_scale, forward_dtype)
-    out = _fp8_dot(q_x, x_scale, q_weight, weight_scale, (1, 1))
+    out = _fp8_dot(q_x, x_scale, q_weight, weight_scale, (1, 1), x.dtype)
     out = out.astype(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
     return out, (q_x, q_weight, x_scale, weight_scale, grad_scale)
 
@@ -64,8 +70,8 @@ def _backward(forward_dtype, gradient_dtype, residuals, grad):
     dtype, x_shape = grad.dtype, (*grad.shape[:-1], q_weight.shape[1])
     grad = grad.reshape(-1, grad.shape[-1])
     q_grad = quantise(grad, grad_scale, gradient_dtype)
-    x_grad = _fp8_dot(q_grad, grad_scale, q_weight, weight_scale, (1, 0))
-    weight_grad = _fp8_dot(q_grad, grad_scale, q_x, x_scale, (0, 0))
+    x_grad = _fp8_dot(q_grad, grad_scale, q_weight, weight_scale, (1, 0), dtype)
+    weight_grad = _fp8_dot(q_grad, grad_scale, q_x, x_scale, (0, 0), dtype)
     return (
         x_grad.astype(dtype).reshape(x_shape),
         weight_grad.astype(dtype),

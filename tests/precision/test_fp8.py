@@ -33,7 +33,7 @@ from torch import nn
 import jmp as smp
 from benchmarks.fp8 import SPEC, markov_batches
 from jmp.errors import ConfigError
-from jmp.precision import fp8_state
+from jmp.precision import fp8_matmul, fp8_state
 from jmp.precision.fp8_autocast import fp8_autocast
 from jmp.precision.fp8_matmul import fp8_linear, scaled_matmul
 from jmp.precision.fp8_scaling import DelayedScaling
@@ -203,6 +203,26 @@ def test_the_fp8_matmul_input_gradient_and_gradient_amax_match_the_emulation():
     assert float(x_scale_grad) == float(weight_scale_grad) == 0.0
     assert float(grad_amax) == float(grad_out.abs().max())  # the cotangent of grad_scale: what the step records
     assert float(grad_out.abs().max()) * s_g > torch.finfo(E5M2).max  # saturation was exercised
+
+
+def test_fp8_products_on_operands_dequantised_to_the_compute_dtype_agree_to_its_rounding(monkeypatch):
+    """``OPERAND_DTYPE = None`` (what benchmarks.gpu_speed's "bf16ops" side measures): bf16 operands and products
+    for bf16 inputs, the float32 products' values to bf16's rounding."""
+    generator = torch.Generator().manual_seed(5)
+    x = jnp.asarray(torch.randn(8, 32, generator=generator)).astype(jnp.bfloat16)
+    weight = jnp.asarray(torch.randn(16, 32, generator=generator) * 0.1).astype(jnp.bfloat16)
+    scales = (jnp.float32(60.0), jnp.float32(900.0), jnp.float32(3e3))
+
+    def forward_and_back(*args):
+        out, vjp = jax.vjp(lambda *a: scaled_matmul(*a, jnp.float8_e4m3fn, jnp.float8_e5m2), *args)
+        return out, vjp(jnp.ones_like(out))[:2]
+
+    exact = forward_and_back(x, weight, *scales)
+    monkeypatch.setattr(fp8_matmul, "OPERAND_DTYPE", None)
+    dots = [e for e in jax.make_jaxpr(forward_and_back)(x, weight, *scales).eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    for ours, reference in zip(jax.tree.leaves(forward_and_back(x, weight, *scales)), jax.tree.leaves(exact)):
+        np.testing.assert_allclose(np.float32(ours), np.float32(reference), rtol=2e-2, atol=2e-2)
 
 
 def test_per_process_entries_record_the_largest_input_amax_and_at_least_the_largest_gradient_amax():
