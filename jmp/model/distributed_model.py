@@ -348,13 +348,14 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         finally:
             _TRACE.reset(token)
 
-    def _gathered(self) -> tuple[tuple[str, NamedSharding], ...]:
-        """The parameters split over fsdp, each with its sharding gathered over fsdp (``reshard_after_forward``)."""
+    def _gathered(self) -> tuple[tuple[str, tuple[NamedSharding, NamedSharding]], ...]:
+        """The parameters split over fsdp, each with (its sharding gathered over fsdp, its stored sharding)
+        (``reshard_after_forward``)."""
         mesh, config = self.layout.mesh, self.layout.config
         if not config.reshard_after_forward or mesh.shape["fsdp"] == 1 or self.pipeline is not None:
             return ()  # a pipeline stage gathers its weights itself, where it runs
         return tuple(
-            (name, NamedSharding(mesh, sharding.without_axis(spec, "fsdp")))
+            (name, (NamedSharding(mesh, sharding.without_axis(spec, "fsdp")), NamedSharding(mesh, spec)))
             for name, spec in self.layout.specs.items()
             if sharding.splits_over(spec, "fsdp")
         )

@@ -38,6 +38,21 @@ def test_tensor_parallel_all_reduces_and_does_not_gather_weights():
     assert counts["all-gather"] == 0
 
 
+def test_tensor_parallel_beside_fsdp_gathers_weights_not_the_whole_batch_for_weight_gradients():
+    """Each Linear's weight gradient is reduce-scattered from partial products: the transposed gathering of its
+    weight (``reshard_after_forward``) asked for it whole, and XLA gathered every device's activations to make it
+    (14 whole-batch all-gathers a step for this 2-layer Llama). Left: the embedding's gradient (a scatter-add into
+    a table split over tp and fsdp) still gathers the whole batch's output gradient once."""
+    smp.init({"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2})
+    model = smp.DistributedModel(causal_lm("llama"))
+    ids = token_batches(1)[0]
+    hlo = lm_step.lower(model, ids).compile().as_text()
+    whole_batch = rf"= \w+\[{ids.shape[0]},{ids.shape[1]},[\d,]*\]\S* all-gather(?:-start)?\(.*op_name=\"([^\"]*)\""
+    sources = re.findall(whole_batch, hlo)
+    assert not [source for source in sources if "dot_general" in source], sources
+    assert len(re.findall(r" all-gather(?:-start)?\(", hlo)) >= 9  # the split weights are gathered for use
+
+
 def test_expert_parallel_sends_tokens_all_to_all():
     counts = _collectives("mixtral", {"expert_parallel_degree": 4})
     # 2 MoE layers x 4 exchanges (rows, expert ids, used flags out; results back) forward, and backward
