@@ -178,10 +178,11 @@ def tracing(
 ) -> Iterator[None]:
     """While a step traces a model: its annotated modules are checkpointed, and ``checkpoint`` finds its twins.
 
-    ``gathered`` (torch name -> sharding without fsdp, for the parameters split over fsdp): every layer of the
-    model's layer lists gathers its weights inside a checkpoint that keeps its matmul outputs but not the
-    weights, so they are freed after the layer's forward and gathered again for its backward (FSDP's reshard
-    after forward); an annotated layer's own checkpoint gathers them the same way.
+    ``gathered`` (torch name -> (sharding without fsdp, stored sharding), for the parameters split over fsdp):
+    every layer of the model's layer lists gathers its weights inside a checkpoint that keeps its matmul outputs
+    but not the weights, so they are freed after the layer's forward and gathered again for its backward (FSDP's
+    reshard after forward), and hands their gradients back split as stored; an annotated layer's own checkpoint
+    gathers them the same way.
     """
     with context.tracing(torch_root, twin_root) as trace:
         hooks = _reshard_hooks(trace.modules, gathered) if gathered else {}
