@@ -79,6 +79,10 @@ def run_equations(eqns: Sequence[core.JaxprEqn], env: dict) -> dict:
             continue
         if eqn.primitive.name == "split":
             args[0] = _whole_along(args[0], eqn.params["axis"])
+        if eqn.primitive.name in _SHIFTS:
+            args = [_whole_sequence(a) for a in args]
+        if eqn.primitive.name == "gather" and _discrete(args[0]):
+            args[0] = _replicated(args[0])
         params = eqn.primitive.get_bind_params(eqn.params)
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*args, **params)
@@ -125,6 +129,47 @@ def _whole_along(value: jax.Array, axis: int) -> jax.Array:
         return value
     free = jax.sharding.PartitionSpec.UNCONSTRAINED
     return jax.lax.with_sharding_constraint(value, jax.sharding.PartitionSpec(*[free] * axis, None))
+
+
+# equations that move elements along an axis: on one split over devices, XLA exchanges the shards' edges with
+# collective permutes
+_SHIFTS = frozenset({"slice", "pad", "concatenate", "cumsum", "cummax", "cummin", "cumprod", "cumlogsumexp", "rev"})
+
+
+def _discrete(value: Any) -> bool:
+    """Whether ``value`` is a traced integer or boolean array (positions, labels, masks: a few values per token)."""
+    return isinstance(value, jax.Array) and value.ndim > 0 and not jax.numpy.issubdtype(value.dtype, jax.numpy.inexact)
+
+
+def _whole_sequence(value: Any) -> Any:
+    """A discrete ``value`` whole along every axis but its first when context parallelism splits sequences.
+
+    Hugging Face's models shift positions, labels and masks along the sequence (the packed-sequence check on
+    position ids, the loss's label shift). Along a sequence split over cp, XLA would move the shards' edges with
+    collective permutes, which hang inside a stage (see ``_whole_along``); gathered first, the shift is local, and
+    these tensors are small.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get("cp", 1) == 1 or not _discrete(value):
+        return value
+    free = jax.sharding.PartitionSpec.UNCONSTRAINED
+    leading = [free] if value.ndim > 1 else []
+    spec = jax.sharding.PartitionSpec(*leading, *[None] * (value.ndim - len(leading)))
+    return jax.lax.with_sharding_constraint(value, spec)
+
+
+def _replicated(value: jax.Array) -> jax.Array:
+    """``value`` whole on every device of its stage.
+
+    XLA's partitioner aborts the process (``ExpandDeviceGroupsWithIota``: "Check failed: partition_group_list...")
+    on a gather from an array split over an automatic axis, inside the pipeline's ``lax.switch``, when two
+    automatic axes span more than one device (a padding mask indexed by Hugging Face's mask functions under
+    dp x tp or dp x cp). Gathering from a whole array does not; the masks it is used for are small.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return value
+    return jax.lax.with_sharding_constraint(value, jax.sharding.PartitionSpec())
 
 
 def read(env: dict, var: Any) -> Any:

@@ -174,12 +174,6 @@ def _check_combination(parsed: Config) -> None:
             "'fp8' is True with 'pipeline_parallel_degree' > 1: jmp's fp8 does not run inside a pipeline yet; "
             "train in fp8 without pipeline parallelism, or use 'bf16' with it"
         )
-    if parsed.context_parallel_degree > 1 and parsed.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            f"'context_parallel_degree' is {parsed.context_parallel_degree} with 'pipeline_parallel_degree' "
-            f"{parsed.pipeline_parallel_degree}: jmp does not split sequences inside a pipeline yet; use context "
-            "parallelism with data, sharded data, tensor or expert parallelism, or set one of the two to 1"
-        )
 
 
 def _unknown_key_message(key: str) -> str:

@@ -16,7 +16,7 @@ SMP v2's keys (``hybrid_shard_degree``, ``tensor_parallel_degree``, ``expert_par
   ``tsm.state`` and says so once when it is given, instead of handing it to jmp (whose remat warns about any
   horizon but v1's).
 - ``context_parallel_degree`` > 1 adds the mesh's "cp" axis, over which each sequence is split (jmp's context
-  parallelism, one process over the devices; not with pipeline parallelism).
+  parallelism, one process over the devices).
 
 ``tsm.state``'s degrees may be assigned, as AWS's scripts do when they run without SMP's implementation
 (``tsm.state.tensor_parallel_degree = 1``): before ``tsm.init`` the value replaces the config's at the next
@@ -78,8 +78,7 @@ def init(config: dict[str, Any] | str | os.PathLike | None = None) -> None:
 
     Raises:
         ConfigError: an unknown key or a bad value (naming where the config came from), a file that is not a
-            JSON object, degrees whose product does not divide the devices, or ``context_parallel_degree`` > 1
-            with pipeline parallelism.
+            JSON object, or degrees whose product does not divide the devices.
     """
     given, source = _read(config)
     given = {**given, **_assigned}

@@ -2,7 +2,8 @@
 over it; attention takes the ring (jmp.torch_bridge.lowering.ring_attention). Llama (grouped-query attention)
 at cp 2 x fsdp 2 x tp 2, with padded rows, against PyTorch on the unsplit sequences: the loss and every gradient
 after one step (relative 1e-5 per tensor), and the losses and parameters over three AdamW steps; Llama at cp 4 on
-unpadded rows (causal attention in the ring's load-balanced order), the loss and every gradient.
+unpadded rows (causal attention in the ring's load-balanced order), the loss and every gradient; Llama in a pipeline
+at pp 2 x cp 2 x dp 2 with padded rows, against PyTorch on the same microbatches.
 (``benchmarks/context_parallel.py`` checks GPT-2 and Llama at cp 2, cp 4 and cp 2 x fsdp 2 x tp 2 the same way,
 with the ring and with the all-gather form; the suite's time allows one model here.)
 """
@@ -89,11 +90,34 @@ def test_the_sequence_dimension_is_split_over_cp_when_it_divides():
     assert batch_spec((3, 8, 16), 1, data, mesh) == P(None, data, "cp")  # input_split_axes: the dimension after
 
 
-def test_degree_one_leaves_the_mesh_without_cp_and_pipelines_refuse_cp():
+def test_llama_in_a_pipeline_at_pp2_cp2_dp2_equals_pytorch_on_the_same_microbatches():
+    """Inside a stage only that stage's devices run: the ring's transfers go as all-to-alls over cp, Hugging Face's
+    shifts of positions and labels along the split sequence run on them gathered, and its padding mask is indexed
+    whole (XLA's partitioner aborted on that gather under dp x cp and dp x tp)."""
+    ids = token_batches(1, batch=8, length=16)[0]
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    mask[2, 5:] = 0
+    mask[6, 3:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    reference = causal_lm("llama")
+    # under SMP each data-parallel rank splits its own rows into microbatches: the 2 dp shards hold rows 0-3 and
+    # 4-7, and microbatch m takes rows 2m, 2m + 1 of each; the step's loss is the mean of the microbatches' losses
+    microbatches = [[0, 1, 4, 5], [2, 3, 6, 7]]
+    expected_loss = sum(reference(**{k: v[rows] for k, v in batch.items()}).loss for rows in microbatches) / 2
+    expected_loss.backward()
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "context_parallel_degree": 2})
+    assert dict(smp.get_mesh().shape) == {"pp": 2, "dp": 2, "fsdp": 1, "ep": 1, "cp": 2, "tp": 1}
+    model = smp.DistributedModel(causal_lm("llama"))
+    loss = float(lm_step(model, **batch, position_ids=torch.arange(16).expand(8, 16)).reduce_mean())
+    np.testing.assert_allclose(loss, expected_loss.item(), rtol=1e-5)
+    expected = {n: p.grad.numpy() for n, p in reference.named_parameters()}
+    _assert_close_per_tensor(named_grads(model.grads), expected, 1e-5)
+
+
+def test_degree_one_leaves_the_mesh_without_cp():
     smp.init({"context_parallel_degree": 1})
     assert smp.get_mesh().axis_names == ("pp", "dp", "fsdp", "ep", "tp")
-    with pytest.raises(ConfigError, match="does not split sequences inside a pipeline"):
-        smp.init({"context_parallel_degree": 2, "pipeline_parallel_degree": 2})
     with pytest.raises(ConfigError, match="context_parallel_degree \\(3\\) = 3 does not divide the 8 devices"):
         smp.init({"context_parallel_degree": 3})
 

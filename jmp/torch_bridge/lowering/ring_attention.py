@@ -6,7 +6,7 @@ its output accumulated with the online softmax (a running maximum and sum, as fl
 A device holds one key/value block at a time and scores of one block pair, so its memory does not grow with
 the whole sequence; each block step is rematerialized in the backward pass (``jax.checkpoint``) so the
 scores are not kept for it either. The communication is ``n - 1`` block passes per layer, which XLA can
-overlap with the next block's arithmetic.
+overlap with the next block's arithmetic. Inside a pipeline stage the passes go as all-to-alls (``_permute``).
 
 Masks are torch's: True (or a finite additive bias of 0) attends. A boolean mask whose key dimension is the
 whole sequence is sliced to the visiting block; causal masking compares global positions. Grouped-query
@@ -94,13 +94,39 @@ def balanced_home(chunk: int, count: int) -> int:
     return chunk if chunk < count else 2 * count - 1 - chunk
 
 
+def _permute(x, axis_name: str, pairs: list[tuple[int, int]]):
+    """``jax.lax.ppermute``, or, inside a pipeline stage, the same move as an all-to-all.
+
+    Each device of a pipeline runs only its own stage's code, and a collective permute waits for every device of
+    the program (the step would hang); an all-to-all waits only for the devices along ``axis_name``. It sends each
+    device's value in the slot of its target and zeros in the others: the same bytes as the permute over 2
+    devices, ``count - 1`` times them over more.
+    """
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or not set(context.manual_axes) - {axis_name}:  # not inside another shard_map (the pipeline's)
+        return jax.lax.ppermute(x, axis_name, pairs)
+    count, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    targets = np.zeros(count, np.int32)
+    sources = np.zeros(count, np.int32)
+    for source, target in pairs:
+        targets[source], sources[target] = target, source
+
+    def move(value):
+        slots = jnp.arange(count).reshape((count,) + (1,) * value.ndim) == jnp.asarray(targets)[me]
+        sent = jnp.where(slots, value[None], jnp.zeros_like(value)[None])
+        received = jax.lax.all_to_all(sent, axis_name, 0, 0, tiled=False)
+        return received[jnp.asarray(sources)[me]]
+
+    return jax.tree.map(move, x)
+
+
 def to_balanced(x, axis_name: str, axis: int = 1):
     """Inside ``shard_map``: this device's contiguous block (chunks 2i, 2i + 1 of the sequence along ``axis``)
     -> its balanced block (chunks i, 2n - 1 - i)."""
     count, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     first, second = jnp.split(x, 2, axis=axis)
-    first = jax.lax.ppermute(first, axis_name, [(i, balanced_home(2 * i, count)) for i in range(count)])
-    second = jax.lax.ppermute(second, axis_name, [(i, balanced_home(2 * i + 1, count)) for i in range(count)])
+    first = _permute(first, axis_name, [(i, balanced_home(2 * i, count)) for i in range(count)])
+    second = _permute(second, axis_name, [(i, balanced_home(2 * i + 1, count)) for i in range(count)])
     even = me % 2 == 0  # chunk i is even on an even device: it came with the first halves
     return jnp.concatenate([jnp.where(even, first, second), jnp.where(even, second, first)], axis=axis)
 
@@ -110,10 +136,10 @@ def from_balanced(x, axis_name: str, axis: int = 1):
     count, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     front, back = jnp.split(x, 2, axis=axis)
     even = me % 2 == 0
-    even_chunk = jax.lax.ppermute(
+    even_chunk = _permute(
         jnp.where(even, front, back), axis_name, [(balanced_home(2 * i, count), i) for i in range(count)]
     )
-    odd_chunk = jax.lax.ppermute(
+    odd_chunk = _permute(
         jnp.where(even, back, front), axis_name, [(balanced_home(2 * i + 1, count), i) for i in range(count)]
     )
     return jnp.concatenate([even_chunk, odd_chunk], axis=axis)
@@ -258,7 +284,7 @@ def ring_attention_block(q, k, v, mask, *, axis_name: str, is_causal: bool, scal
     # unrolled: XLA can start each block's transfer under the previous block's arithmetic
     for step in range(count):
         if step:
-            k, v = jax.lax.ppermute((k, v), axis_name, ring)
+            k, v = _permute((k, v), axis_name, ring)
         state = visit(state, k, v, (me - step) % count, step == 0)
     _, total, out = state
     out = out / total[..., None]
@@ -293,5 +319,8 @@ def ring_attention(q, k, v, mask, *, mesh, axis_name: str, is_causal: bool, scal
         out = ring_attention_block(q, k, v, mask, axis_name=axis_name, is_causal=is_causal, scale=scale, balanced=True)
         return from_balanced(out, axis_name)
 
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:  # inside the pipeline's shard_map: pp is manual already
+        mesh = context
     run = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=sequence, axis_names={axis_name})
     return run(*arguments)
