@@ -2,14 +2,21 @@
 step time per device against the sequence length and the degree.
 
     python -m benchmarks.context_parallel [--lengths 1024 2048 4096] [--degrees 1 2 4] [--timed-up-to 2048]
-        [--timed-steps 9] [--work-length 1024] [--skip-correctness] [--out benchmarks/results/context_parallel.json]
+        [--timed-steps 9] [--work-length 1024] [--skip-correctness] [--pipeline-lengths 4096]
+        [--out benchmarks/results/context_parallel.json]
 
 Correctness: the model x layout pairs the suite leaves out (``tests/sharding/test_context_parallel.py`` runs
 Llama at cp 2 x fsdp 2 x tp 2): GPT-2 and Llama (grouped-query attention) at cp 2 and cp 4 on 8 emulated
 devices, and GPT-2 at cp 2 x fsdp 2 x tp 2, each with the ring and with the all-gather form of attention,
 one step on four rows of 16 tokens (two right-padded) against
 PyTorch on the whole sequences: the loss's relative difference and the largest per-tensor relative difference of
-the gradients (``||g - g_torch|| / ||g_torch||``).
+the gradients (``||g - g_torch|| / ||g_torch||``). In a pipeline (Llama at pp 2 x cp 2 x tp 2 and pp 2 x cp 4, GPT-2
+at pp 2 x cp 2 x fsdp 2; the suite runs Llama at pp 2 x cp 2 x dp 2): eight rows (three right-padded) in
+2 microbatches, against PyTorch on the same microbatches (``microbatch_rows``), the mean of their losses.
+
+Pipeline memory (``--pipeline-lengths``): ``PIPELINE_MODEL`` (``MEMORY_MODEL`` with 4 layers) in 2 stages at
+cp 1, 2 and 4 (2, 4 and 8 devices), two rows in 2 microbatches: the compiled temporaries per device and the
+collectives (inside a stage the ring passes its blocks with all-to-alls).
 
 Memory and communication: a Llama (2 layers, hidden 64, 4 heads, 2 key/value heads, vocabulary 256) on one row of
 ``length`` tokens, at cp = ``degree`` on ``degree`` devices (no other parallelism, so every figure is per device
@@ -77,10 +84,25 @@ LAYOUTS = {
     "cp2": {"context_parallel_degree": 2},
     "cp4": {"context_parallel_degree": 4},
     "cp2xfsdp2xtp2": {"context_parallel_degree": 2, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2},
+    "pp2xcp2xtp2": {
+        "pipeline_parallel_degree": 2,
+        "microbatches": 2,
+        "context_parallel_degree": 2,
+        "tensor_parallel_degree": 2,
+    },
+    "pp2xcp4": {"pipeline_parallel_degree": 2, "microbatches": 2, "context_parallel_degree": 4},
+    "pp2xcp2xfsdp2": {
+        "pipeline_parallel_degree": 2,
+        "microbatches": 2,
+        "context_parallel_degree": 2,
+        "sharded_data_parallel_degree": 2,
+    },
 }
 CHECKED = [("gpt2", "cp2"), ("gpt2", "cp4"), ("llama", "cp2"), ("llama", "cp4"), ("gpt2", "cp2xfsdp2xtp2")]
+CHECKED += [("llama", "pp2xcp2xtp2"), ("llama", "pp2xcp4"), ("gpt2", "pp2xcp2xfsdp2")]
 SMALL_VOCAB = 128
 MEMORY_MODEL = llama_config(vocab=256, positions=16384, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
+PIPELINE_MODEL = {**MEMORY_MODEL, "num_hidden_layers": 4}
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -112,15 +134,31 @@ def padded_batch(rows: int, length: int, vocab: int) -> dict[str, torch.Tensor]:
     if rows > 2:
         mask[1, length * 2 // 3 :] = 0
         mask[2, length // 3 :] = 0
+    if rows > 6:
+        mask[6, length // 5 :] = 0
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def microbatch_rows(rows: int, mesh: dict[str, int], microbatches: int) -> list[list[int]]:
+    """The batch rows of each microbatch: under SMP each data-parallel rank splits its own rows into microbatches,
+    so microbatch m takes the m-th run of rows of every data shard."""
+    shards = mesh["dp"] * mesh["fsdp"] * mesh["ep"]
+    per_shard = rows // shards
+    run = per_shard // microbatches
+    return [[d * per_shard + m * run + j for d in range(shards) for j in range(run)] for m in range(microbatches)]
+
+
 def check_against_pytorch(name: str, layout: str) -> dict:
-    batch = padded_batch(4, 16, SMALL_VOCAB)
-    reference = small_lm(name)
-    expected = reference(**batch, use_cache=False).loss
-    expected.backward()
+    """One step at ``layout`` against PyTorch on the same microbatches (the whole batch without a pipeline): the
+    mean of the microbatches' losses, and its gradients."""
     smp.init(LAYOUTS[layout])
+    rows = 8 if "microbatches" in LAYOUTS[layout] else 4
+    batch = padded_batch(rows, 16, SMALL_VOCAB)
+    reference = small_lm(name)
+    pieces = microbatch_rows(rows, dict(smp.get_mesh().shape), LAYOUTS[layout].get("microbatches", 1))
+    expected = sum(reference(**{k: v[r] for k, v in batch.items()}, use_cache=False).loss for r in pieces)
+    expected = expected / len(pieces)
+    expected.backward()
     model = smp.DistributedModel(small_lm(name))
     loss = float(lm_step(model, **batch).reduce_mean())
     grads = {
@@ -189,6 +227,24 @@ def build(length: int, degree: int, form: str) -> tuple[dict, object, dict]:
         "ring_ideal_bytes": ring_ideal_bytes(length, degree),
     }
     return row, model, batch
+
+
+def build_pipelined(length: int, degree: int) -> dict:
+    """``PIPELINE_MODEL``'s step in a pipeline of 2 stages at cp = ``degree`` (2 x ``degree`` devices), two rows of
+    ``length`` tokens in 2 microbatches, compiled under the default form: memory and collectives per device."""
+    os.environ[ENVIRONMENT_VARIABLE] = "ring"
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2}
+    if degree > 1:
+        config["context_parallel_degree"] = degree
+    smp.init(config, devices=jax.devices()[: 2 * degree])
+    model = smp.DistributedModel(causal_lm(PIPELINE_MODEL))
+    compiled = lm_step.lower(model, **padded_batch(2, length, PIPELINE_MODEL["vocab_size"])).compile()
+    stats = compiled.memory_analysis()
+    return {
+        "temp_bytes": stats.temp_size_in_bytes,
+        "argument_bytes": stats.argument_size_in_bytes,
+        "collective_bytes": collective_bytes(compiled.as_text()),
+    }
 
 
 def time_forms(degree: int, built: dict[str, tuple], steps: int) -> dict[str, float]:
@@ -271,6 +327,7 @@ def main() -> None:
     parser.add_argument("--timed-steps", type=int, default=9)
     parser.add_argument("--work-length", type=int, default=1024)
     parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--pipeline-lengths", type=int, nargs="*", default=[4096])
     parser.add_argument("--out", default="benchmarks/results/context_parallel.json")
     args = parser.parse_args()
     emulate_devices(8)
@@ -321,6 +378,18 @@ def main() -> None:
                     f" (x{row.get('step_ratio_to_ring_natural', float('nan')):.2f} of ring_natural)",
                     flush=True,
                 )
+    result["pipeline"] = {}
+    for length in args.pipeline_lengths:
+        rows = result["pipeline"][str(length)] = {}
+        for degree in args.degrees:
+            rows[f"pp2xcp{degree}"] = row = build_pipelined(length, degree)
+            row["temp_ratio_to_cp1"] = row["temp_bytes"] / rows["pp2xcp1"]["temp_bytes"] if degree > 1 else 1.0
+            moved = {k: round(v / 2**20, 2) for k, v in row["collective_bytes"].items()}
+            print(
+                f"pipeline length {length:6d} pp2 x cp{degree}: temp {row['temp_bytes'] / 2**20:8.1f} MiB"
+                f" (x{row['temp_ratio_to_cp1']:.2f} of cp1), collectives MiB {moved}",
+                flush=True,
+            )
     write_results(args.out, result)
 
 

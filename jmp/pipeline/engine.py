@@ -140,9 +140,9 @@ def check_compiled(compiled: jax.stages.Compiled) -> jax.stages.Compiled:
         raise PipelineError(
             f"XLA's partitioner moves data with a collective permute inside a pipeline stage ({found.group(1)}), "
             "which waits for devices of every stage while only one stage's devices run that code, so the step "
-            "would hang. It comes from slicing or splitting a tensor along a dimension that tensor, sharded-data, "
-            "expert or context parallelism splits, in pieces that do not line up with the shards. Lower that "
-            "degree, or slice along another dimension."
+            "would hang. It comes from slicing, splitting or reshaping a tensor along a dimension that tensor, "
+            "sharded-data, expert or context parallelism splits, in pieces that do not line up with the shards. "
+            "Lower that degree, or slice along another dimension."
         )
     return compiled
 
