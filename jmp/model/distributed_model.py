@@ -39,7 +39,7 @@ from jmp.precision.fp8_scaling import DelayedScaling
 from jmp.remat import api as remat
 from jmp.runtime import compilation_cache as compilation
 from jmp.runtime import mesh_state as state
-from jmp.sharding import experts
+from jmp.sharding import embedding_outputs, experts
 from jmp.torch_bridge import (
     JaxTensor,
     TorchModule,
@@ -339,6 +339,7 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
             scanned = stacks.StackedLayers(self.stacks, shardings)
         try:
             with (
+                call_hooks(self._embedding_hooks()),
                 call_hooks(dict.fromkeys(scanned.paths, scanned) if scanned else {}),  # outermost: remat inside
                 remat.tracing(self.torch_module, module, self._gathered()),  # activation checkpointing
             ):
@@ -347,6 +348,13 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
                 scanned.report()
         finally:
             _TRACE.reset(token)
+
+    def _embedding_hooks(self) -> dict[str, Any]:
+        """Embeddings whose tables are split over fsdp give their outputs laid out as the batch
+        (``sharding.embedding_outputs``); a pipeline stage lays out its values itself."""
+        if self.layout.mesh.shape["fsdp"] == 1 or self.pipeline is not None:
+            return {}
+        return embedding_outputs.hooks(self.torch_module, self.layout.specs, self.layout.mesh, dict(self._gathered()))
 
     def _gathered(self) -> tuple[tuple[str, tuple[NamedSharding, NamedSharding]], ...]:
         """The parameters split over fsdp, each with (its sharding gathered over fsdp, its stored sharding)

@@ -9,7 +9,6 @@ Parameters are read-only inside (as under ``torch.utils.checkpoint``).
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +25,7 @@ from jmp.model import marks as module_marks
 from jmp.remat import context
 from jmp.remat.policies import GATHERED, Resolved, without_weights
 from jmp.remat.policy_syntax import INPUT
+from jmp.sharding.gathering import gathered_for_use
 from jmp.torch_bridge import concrete_run, dispatch
 from jmp.torch_bridge.module import (
     CallHook,
@@ -158,32 +158,9 @@ def _gathered(params: nnx.State, paths: list[str], specs: dict[str, Any]) -> nnx
         if name not in specs:
             return value
         used, stored = specs[name]
-        return checkpoint_name(_gathered_for_use(value, used, stored), GATHERED)
+        return checkpoint_name(gathered_for_use(value, used, stored), GATHERED)
 
     return jax.tree_util.tree_map_with_path(gather, params)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gathered_for_use(value: jax.Array, used: Any, stored: Any) -> jax.Array:
-    """``value`` gathered to the sharding ``used``; its gradient leaves split as the parameter is ``stored``.
-
-    The transpose of the gathering constraint would ask for the weight's gradient gathered too: with tensor
-    parallelism beside fsdp, XLA's partitioner then computed each Linear's weight gradient whole on every device
-    from the whole global batch's activations, all-gathered (14 gathers a step for a 2-layer Llama at tp2 x fsdp2).
-    Asked for the stored split, it reduce-scatters partial products, as FSDP does.
-    """
-    return jax.lax.with_sharding_constraint(value, used)
-
-
-def _gather_forward(value, used, stored):
-    return _gathered_for_use(value, used, stored), None
-
-
-def _gather_backward(used, stored, _, cotangent):
-    return (jax.lax.with_sharding_constraint(cotangent, stored),)
-
-
-_gathered_for_use.defvjp(_gather_forward, _gather_backward)
 
 
 @jax.custom_vjp
