@@ -10,9 +10,10 @@ Llama at cp 2 x fsdp 2 x tp 2): GPT-2 and Llama (grouped-query attention) at cp 
 devices, and GPT-2 at cp 2 x fsdp 2 x tp 2, each with the ring and with the all-gather form of attention,
 one step on four rows of 16 tokens (two right-padded) against
 PyTorch on the whole sequences: the loss's relative difference and the largest per-tensor relative difference of
-the gradients (``||g - g_torch|| / ||g_torch||``). In a pipeline (Llama at pp 2 x cp 2 x tp 2 and pp 2 x cp 4, GPT-2
-at pp 2 x cp 2 x fsdp 2; the suite runs Llama at pp 2 x cp 2 x dp 2): eight rows (three right-padded) in
-2 microbatches, against PyTorch on the same microbatches (``microbatch_rows``), the mean of their losses.
+the gradients (``||g - g_torch|| / ||g_torch||``). In a pipeline (Llama at pp 2 x cp 2 x tp 2 and pp 2 x cp 4,
+GPT-2 at pp 2 x cp 2 x fsdp 2, Mixtral at pp 2 x cp 2 x ep 2; the suite runs Llama at pp 2 x cp 2 x dp 2): eight
+rows (three right-padded) in 2 microbatches, against PyTorch on the same microbatches (``microbatch_rows``), the
+mean of their losses.
 
 Pipeline memory (``--pipeline-lengths``): ``PIPELINE_MODEL`` (``MEMORY_MODEL`` with 4 layers) in 2 stages at
 cp 1, 2 and 4 (2, 4 and 8 devices), two rows in 2 microbatches: the compiled temporaries per device and the
@@ -91,6 +92,12 @@ LAYOUTS = {
         "tensor_parallel_degree": 2,
     },
     "pp2xcp4": {"pipeline_parallel_degree": 2, "microbatches": 2, "context_parallel_degree": 4},
+    "pp2xcp2xep2": {
+        "pipeline_parallel_degree": 2,
+        "microbatches": 2,
+        "context_parallel_degree": 2,
+        "expert_parallel_degree": 2,
+    },
     "pp2xcp2xfsdp2": {
         "pipeline_parallel_degree": 2,
         "microbatches": 2,
@@ -99,7 +106,7 @@ LAYOUTS = {
     },
 }
 CHECKED = [("gpt2", "cp2"), ("gpt2", "cp4"), ("llama", "cp2"), ("llama", "cp4"), ("gpt2", "cp2xfsdp2xtp2")]
-CHECKED += [("llama", "pp2xcp2xtp2"), ("llama", "pp2xcp4"), ("gpt2", "pp2xcp2xfsdp2")]
+CHECKED += [("llama", "pp2xcp2xtp2"), ("llama", "pp2xcp4"), ("gpt2", "pp2xcp2xfsdp2"), ("mixtral", "pp2xcp2xep2")]
 SMALL_VOCAB = 128
 MEMORY_MODEL = llama_config(vocab=256, positions=16384, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
 PIPELINE_MODEL = {**MEMORY_MODEL, "num_hidden_layers": 4}
@@ -117,14 +124,18 @@ def lm_step(model, input_ids, attention_mask, labels):
 
 
 def small_lm(name: str) -> torch.nn.Module:
-    """The suite's small models (tests/sharding/models.py): GPT-2 with 4 heads, Llama with 8 query and 4 kv heads."""
+    """The suite's small models (tests/sharding/models.py): GPT-2 with 4 heads, Llama with 8 query and 4 kv heads,
+    Mixtral (Llama's attention, 4 experts, top 2)."""
     common = dict(vocab_size=SMALL_VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=None)
     if name == "gpt2":
         spec = dict(kind="GPT2Config", n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0)
         spec.update(embd_pdrop=0.0, attn_pdrop=0.0)
     else:
-        spec = dict(kind="LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+        kind = "MixtralConfig" if name == "mixtral" else "LlamaConfig"
+        spec = dict(kind=kind, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
         spec.update(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32)
+        if name == "mixtral":
+            spec.update(num_local_experts=4, num_experts_per_tok=2)
     return causal_lm({**spec, **common})
 
 
