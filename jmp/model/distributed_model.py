@@ -351,8 +351,9 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
 
     def _embedding_hooks(self) -> dict[str, Any]:
         """Embeddings whose tables are split over fsdp give their outputs laid out as the batch
-        (``sharding.embedding_outputs``); a pipeline stage lays out its values itself."""
-        if self.layout.mesh.shape["fsdp"] == 1 or self.pipeline is not None:
+        (``sharding.embedding_outputs``); a pipeline stage lays out its values itself, and a step run op by op
+        has no layout to choose."""
+        if self.layout.mesh.shape["fsdp"] == 1 or self.pipeline is not None or concrete_run.active():
             return {}
         return embedding_outputs.hooks(self.torch_module, self.layout.specs, self.layout.mesh, dict(self._gathered()))
 

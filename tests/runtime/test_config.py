@@ -66,7 +66,7 @@ def test_unknown_key_lists_valid_keys_and_the_closest_match():
         ({"sdp_param_persistence_threshold": 1.5}, "must be a non-negative integer"),
         ({"sdp_gradient_clipping": -1.0}, "'sdp_gradient_clipping' must be a non-negative number"),
         ({"active_microbatches": 0}, "'active_microbatches' must be a positive integer"),
-        ({"context_parallel_degree": 2, "partitions": 2}, "does not split sequences inside a pipeline"),
+        ({"fp8": True, "partitions": 2}, "jmp's fp8 does not run inside a pipeline"),
     ],
 )
 def test_bad_values_are_refused_with_the_key_and_the_numbers(config, message):

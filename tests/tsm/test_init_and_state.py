@@ -52,8 +52,8 @@ def test_a_bad_config_names_where_it_came_from(tmp_path, monkeypatch):
     path.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="list.json must hold a JSON object"):
         tsm.init(path)
-    with pytest.raises(ConfigError, match="does not split sequences inside a pipeline"):
-        tsm.init({"context_parallel_degree": 2, "pipeline_parallel_degree": 2})
+    with pytest.raises(ConfigError, match=r"context_parallel_degree \(3\) = \d+ does not divide the 8 devices"):
+        tsm.init({"context_parallel_degree": 3})
 
 
 def test_hybrid_shard_degree_0_leaves_the_sharding_to_fsdp_only_without_tensor_parallelism():
