@@ -287,8 +287,8 @@ def test_adamw_kernels_train_like_the_optax_path_in_fp16_with_clipping_and_an_ov
 @pytest.mark.parametrize(
     "make, layout",
     [
+        # per-element state split over tp x fsdp (Adagrad's kernel runs in test_the_kernels_unscale_clip_skip_...)
         (lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True), None),
-        (lambda groups: torch.optim.Adagrad(groups, lr=1e-2, lr_decay=0.01), None),
         (lambda groups: torch.optim.Adam(groups, lr=1e-2), {"partitions": 2, "microbatches": 2}),  # stage buffers
         # ZeRO-1: a device updates the slice of each parameter its state shard covers; LAMB's trust ratio takes
         # each whole tensor's norm: the sums of its slices added over tp, fsdp and dp
@@ -301,7 +301,6 @@ def test_adamw_kernels_train_like_the_optax_path_in_fp16_with_clipping_and_an_ov
     ],
     ids=[
         "sgd-nesterov-tp2xfsdp2",
-        "adagrad-tp2xfsdp2",
         "adam-pp2",
         "apex-lamb-tp2xfsdp2-zero1",
         "adamw-mixtral-ep2",
