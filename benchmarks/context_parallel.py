@@ -74,6 +74,7 @@ from benchmarks.harness import (
     llama_config,
     machine,
     medians,
+    named_grads,
     shape_bytes,
     time_interleaved,
     write_results,
@@ -172,10 +173,7 @@ def check_against_pytorch(name: str, layout: str) -> dict:
     expected.backward()
     model = smp.DistributedModel(small_lm(name))
     loss = float(lm_step(model, **batch).reduce_mean())
-    grads = {
-        ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)): np.asarray(leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(model.grads)[0]
-    }
+    grads = named_grads(model.grads)
     errors = {
         key: float(np.linalg.norm(grads[key] - p.grad.numpy()) / max(np.linalg.norm(p.grad.numpy()), 1e-12))
         for key, p in reference.named_parameters()

@@ -24,7 +24,6 @@ import functools
 import re
 from unittest import mock
 
-import jax
 import numpy as np
 
 import jmp as smp
@@ -36,6 +35,7 @@ from benchmarks.harness import (
     lm_step,
     machine,
     medians,
+    named_grads,
     time_interleaved,
     token_ids,
     write_results,
@@ -52,10 +52,7 @@ VOCAB = 128
 
 
 def gradient_error(model, reference) -> float:
-    grads = {
-        ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)): np.asarray(leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(model.grads)[0]
-    }
+    grads = named_grads(model.grads)
     return max(
         float(np.linalg.norm(grads[name] - p.grad.numpy()) / max(np.linalg.norm(p.grad.numpy()), 1e-12))
         for name, p in reference.named_parameters()

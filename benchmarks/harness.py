@@ -14,6 +14,7 @@ from typing import Any
 
 import flax
 import jax
+import numpy as np
 import torch
 import transformers
 
@@ -117,6 +118,14 @@ def lm_step(model, ids):
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}  # fmt: skip
 _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r"|f8\w*)\[([\d,]*)\]")
+
+
+def named_grads(grads: Any) -> dict[str, np.ndarray]:
+    """A DistributedModel's gradients (an nnx.State) by torch parameter name, as numpy arrays."""
+    return {
+        ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
+    }
 
 
 def hlo_shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:

@@ -128,10 +128,8 @@ def _failure(stage: str, error: BaseException) -> dict:
 def _jmp_step(model: Any, inputs: dict) -> tuple[Any, float, dict, int]:
     """jmp's DistributedModel of ``model``, its loss and gradients by torch name after one ``@smp.step``, and the
     ``scan`` equations of the step's jaxpr."""
-    import jax
-    import numpy as np
-
     import jmp as smp
+    from benchmarks.harness import named_grads
 
     @smp.step
     def train_step(model, inputs):
@@ -142,10 +140,7 @@ def _jmp_step(model: Any, inputs: dict) -> tuple[Any, float, dict, int]:
     smp.init({"scan_layers": True})
     distributed = smp.DistributedModel(model)
     loss = float(train_step(distributed, inputs).reduce_mean())
-    grads = {
-        ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)): np.asarray(leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(distributed.grads)[0]
-    }
+    grads = named_grads(distributed.grads)
     return distributed, loss, grads, _scan_equations(train_step.trace(distributed, inputs).jaxpr)
 
 
