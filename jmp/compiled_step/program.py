@@ -20,7 +20,7 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 
 from jmp.compiled_step import microbatches as batching
-from jmp.compiled_step import process_shares, side_outputs
+from jmp.compiled_step import process_shares, replica_gradients, side_outputs
 from jmp.compiled_step.outputs import output_array, output_leaf
 from jmp.compiled_step.signature import StepSignature, rebuild
 from jmp.model.distributed_model import DistributedModel
@@ -58,9 +58,9 @@ def forward(fn: Callable, model: DistributedModel, signature: StepSignature, tra
 
     def run_forward(params, rest, mb_arrays):
         *mb_arrays, loss_scale = mb_arrays
+        as_computed = functools.partial(policy.for_compute, model.layout.names) if policy.mixed else lambda x: x
         if policy.mixed:
-            leaves = policy.for_compute(model.layout.names, jax.tree.leaves(params))
-            params = jax.tree_util.tree_unflatten(model.layout.treedef, leaves)
+            params = jax.tree_util.tree_unflatten(model.layout.treedef, as_computed(jax.tree.leaves(params)))
         module = nnx.merge(signature.graphdef, params, rest, copy=True)  # Variables of this trace level
         call_args, call_kwargs = rebuild(signature.arguments, signature.leaves, mb_arrays, model)
         with (
@@ -70,6 +70,7 @@ def forward(fn: Callable, model: DistributedModel, signature: StepSignature, tra
             side_outputs.collecting() as sown,
             autocast.forced(policy.autocast, half_results=True) if policy.autocast else contextlib.nullcontext(),
             _sequences_split(model.layout.mesh),
+            replica_gradients.reading(jax.tree.leaves(params), as_computed),
         ):
             returned = fn(*call_args, **call_kwargs)
         flat, out_spec = torch_pytree.tree_flatten(returned)
@@ -164,6 +165,9 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
         return _unrolled(signature, traced, model, with_grads, step_forward, params, rest, mb_stack, arrays_of)
     shapes = jax.eval_shape(step_forward, params, rest, arrays_of([p[0] if p is not None else None for p in mb_stack]))
     no_side_outputs = side_outputs.identity(shapes[1][2])
+    replicated = replica_gradients.replicated_axes(model, signature) if traced.has_backward else ()
+    if replicated:
+        return _replica_loop(model, signature, step_forward, params, rest, mb_stack, arrays_of, no_side_outputs)
     if traced.has_backward:  # learnt from the shape evaluation above
 
         def body(carry, mb):
@@ -182,6 +186,32 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
 
     (rest, sown), stacked = jax.lax.scan(eval_body, (rest, no_side_outputs), mb_stack)
     return stacked, rest, None, side_outputs.reported(sown)
+
+
+def _replica_loop(model, signature, step_forward, params, rest, mb_stack, arrays_of, no_side_outputs):
+    """``run``'s microbatch loop keeping gradients per data-parallel replica, reduced once after it
+    (``replica_gradients``)."""
+    axes = replica_gradients.replicated_axes(model, signature)
+    mesh = model.layout.mesh
+    copy_shardings = replica_gradients.copy_shardings(model, axes)
+    copies = replica_gradients.copies(params, copy_shardings)
+
+    def on_copies(params, copies, rest, mb_arrays):
+        with replica_gradients.offered(copies, mesh, axes):
+            return step_forward(params, rest, mb_arrays)
+
+    def body(carry, mb):
+        rest, total, sown = carry
+        grad_of = jax.value_and_grad(on_copies, argnums=(0, 1), has_aux=True)
+        (_, (outputs, rest, mb_sown)), (grads, copy_grads) = grad_of(params, copies, rest, arrays_of(mb))
+        total = jax.tree.map(jnp.add, total, replica_gradients.merged(grads, copy_grads, copy_shardings))
+        return (rest, total, side_outputs.combine_all(sown, mb_sown)), outputs
+
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, copies), copy_shardings)
+    (rest, total, sown), stacked = jax.lax.scan(body, (rest, zeros, no_side_outputs), mb_stack)
+    grads = _placed(replica_gradients.reduced(total), model.store.shardings)
+    grads = _as_kept(model, _averaged(grads, signature, signature.microbatches))
+    return stacked, rest, grads, side_outputs.reported(sown)
 
 
 def _on_stored(step_forward: Callable, model: DistributedModel) -> Callable:

@@ -26,7 +26,7 @@ from jmp.remat import context
 from jmp.remat.policies import GATHERED, Resolved, without_weights
 from jmp.remat.policy_syntax import INPUT
 from jmp.sharding.gathering import gathered_for_use
-from jmp.torch_bridge import concrete_run, dispatch
+from jmp.torch_bridge import concrete_run, dispatch, replica_calls
 from jmp.torch_bridge.module import (
     CallHook,
     TorchModule,
@@ -91,9 +91,12 @@ def run(
     versions = binding_versions(units)
     traced: dict[str, Any] = {}
 
+    outer_params = jax.tree.leaves(params)
+
     def region(params: nnx.State, rest: nnx.State, arrays: list[jax.Array]):
         if policy.gathered:
             params = _gathered(params, [u.torch_path for u in units], dict(policy.gathered))
+        rebound = replica_calls.rebound(outer_params, jax.tree.leaves(params))
         copies, inner_rngs = nnx.merge(graphdef, params, rest, copy=True)
         if policy.names:
             _check_names(copies, policy.names)
@@ -105,7 +108,7 @@ def run(
             leaves[i] = tensor
         call_args, call_kwargs = torch_pytree.tree_unflatten(leaves, spec)
         outputs = []
-        with context.copies(copies), dispatch.session(inner_rngs), side_outputs.collecting() as sown:
+        with context.copies(copies), dispatch.session(inner_rngs), side_outputs.collecting() as sown, rebound:
             for k, copy in enumerate(copies):
                 with call_hooks(_naming_hooks(copy, policy.names)):
                     out = hooked_call(copy, inside[k])(*call_args, **call_kwargs)

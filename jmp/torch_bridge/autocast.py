@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from jmp.errors import JmpError, LoweringError
+from jmp.torch_bridge import replica_calls
 from jmp.torch_bridge.dtypes import to_jax_dtype
 from jmp.torch_bridge.interop import tensor_to_array
 from jmp.torch_bridge.patching import SharedPatch
@@ -267,8 +268,8 @@ def call(torch_fn: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> An
     """
     state = active()
     if state is None:
-        return fn(*args, **kwargs)
-    return state.run(torch_fn, lambda a, k: fn(*a, **k), args, kwargs)
+        return replica_calls.call(torch_fn, fn, args, kwargs)
+    return state.run(torch_fn, lambda a, k: replica_calls.call(torch_fn, fn, a, k), args, kwargs)
 
 
 # --- casting ----------------------------------------------------------------------------------------------------

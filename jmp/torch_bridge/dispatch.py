@@ -35,7 +35,7 @@ import torch.compiler
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from jmp.errors import JmpError, LoweringError, TracedControlFlowError, UnsupportedOpError
-from jmp.torch_bridge import autocast, higher_order_ops, keyword_aliases, registry, value_checks
+from jmp.torch_bridge import autocast, higher_order_ops, keyword_aliases, registry, replica_calls, value_checks
 from jmp.torch_bridge.patching import SharedPatch
 from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wrap
 
@@ -249,6 +249,8 @@ def _apply(entry: registry.Lowering, func: Any, args: tuple, kwargs: dict) -> An
         out_target = kwargs.pop("out")
     if entry.raw:
         result = entry.fn(*args, **kwargs)
+    elif replica_calls.active() and not entry.is_inplace_call(args, kwargs):  # per data-parallel replica, if it can
+        result = replica_calls.call(func, entry.fn, unwrap_tree(args), unwrap_tree(kwargs))
     else:
         result = entry.fn(*unwrap_tree(args), **unwrap_tree(kwargs))
     if not torch.is_grad_enabled():  # tensors made under no_grad carry no gradient

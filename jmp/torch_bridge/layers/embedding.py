@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.nn.functional as F
 from torch import nn
 
 from jmp.errors import ConversionError
+from jmp.torch_bridge import replica_calls
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering.nn_functional import embedding_lookup
 from jmp.torch_bridge.module import ArrayModule
@@ -26,4 +28,4 @@ class Embedding(ArrayModule):
         self.padding_idx = torch_module.padding_idx
 
     def forward(self, input):
-        return embedding_lookup(input, self.weight[...], self.padding_idx)
+        return replica_calls.call(F.embedding, embedding_lookup, (input, self.weight[...], self.padding_idx), {})
