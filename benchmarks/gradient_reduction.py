@@ -1,0 +1,163 @@
+"""Data parallelism under microbatches: gradients reduced once per step (after the microbatch loop) against once per
+microbatch (inside it, as GSPMD placed them before ``jmp.compiled_step.replica_gradients``).
+
+    python -m benchmarks.gradient_reduction [--steps 10] [--out benchmarks/results/gradient_reduction.json]
+
+Two models at 8-way data parallelism (``ddp``), each with 1 microbatch, 4 microbatches reduced once per step, and 4
+microbatches reduced per microbatch (the replica copies turned off while the step compiles), side by side in one
+process (medians of interleaved training iterations after warm-up): the seed's GroupedNet (batch 64, Adadelta) and
+the GPT-2 of ``step_speed`` (4 layers, d_model 256, AdamW) on 32 rows of 32 tokens. For each compiled step: the
+bytes the all-reduces inside the microbatch loop move (per execution of the loop body, over data-parallel groups
+and any other) and after it, and the temporaries per device (``memory_analysis``). The gradients of the two 4-microbatch
+forms are compared after the first step (they differ by float summation order only).
+
+On this CPU a collective is a memory copy between emulated devices, so the times show the loop's extra work, not a
+network's; the bytes are what a cluster would move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+
+import numpy as np
+import torch
+import transformers
+
+import jmp as smp
+from benchmarks import step_speed
+from benchmarks.harness import (
+    causal_lm,
+    emulate_devices,
+    gpt2_config,
+    hlo_shapes,
+    lm_step,
+    machine,
+    medians,
+    named_grads,
+    shape_bytes,
+    time_interleaved,
+    token_ids,
+    write_results,
+)
+from jmp.compiled_step import replica_gradients
+from jmp.runtime import compilation_cache as compilation
+
+GPT2_BATCH, GPT2_SEQUENCE = 32, 32  # 4 microbatches of a row per data-parallel device; step_speed's 1,024 tokens
+RUNS = {  # name -> (microbatches, gradients kept per replica through the loop)
+    "dp8_mb1": (1, True),
+    "dp8_mb4_reduced_once": (4, True),
+    "dp8_mb4_reduced_per_microbatch": (4, False),
+}
+
+
+@contextlib.contextmanager
+def replica_copies(enabled: bool):
+    """Steps compiled meanwhile keep gradients per replica (the default) or reduce them where they are made."""
+    original = replica_gradients.replicated_axes
+    if not enabled:
+        replica_gradients.replicated_axes = lambda model, signature: ()
+    try:
+        yield
+    finally:
+        replica_gradients.replicated_axes = original
+
+
+def all_reduce_bytes(hlo: str) -> dict[str, int]:
+    """Bytes of the all-reduce results inside while-loop bodies and outside them."""
+    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
+    totals = {"in_loop": 0, "outside_loop": 0}
+    for block in re.split(r"\n(?=\S)", hlo):
+        name = re.match(r"%?([\w.\-]+)", block)
+        where = "in_loop" if name is not None and name.group(1) in bodies else "outside_loop"
+        for line in block.splitlines():
+            if re.search(r" all-reduce(?:-start)?\(", line):
+                result = line.split("=", 1)[1].split("all-reduce")[0]
+                totals[where] += sum(shape_bytes(dtype, dims) for dtype, dims in hlo_shapes(result))
+    return totals
+
+
+def _initialiser(microbatches: int):
+    return lambda: step_speed.init({"microbatches": microbatches, "ddp": True}, None)
+
+
+def measure(name, make_model, make_optimizer, step, args_of, steps):
+    runs, compiled, grads = {}, {}, {}
+    for run, (microbatches, once) in RUNS.items():
+        config = {"microbatches": microbatches, "ddp": True}
+        with replica_copies(once):
+            step_speed.init(config, None)
+            probe = smp.DistributedModel(make_model())
+            program = step.lower(probe, *args_of()).compile()
+            runs[run], _ = step_speed.jmp_run(make_model, make_optimizer, config, None, lambda m: step(m, *args_of()))
+        analysis = program.memory_analysis()
+        compiled[run] = {
+            "all_reduce_bytes": all_reduce_bytes(program.as_text()),
+            "temporaries_mib": analysis.temp_size_in_bytes / 2**20 if analysis else None,
+        }
+        if microbatches > 1:  # the gradients of one step from the same weights
+            step_speed.init(config, None)
+            with replica_copies(once):
+                model = smp.DistributedModel(make_model())
+                step(model, *args_of())
+            grads[run] = named_grads(model.grads)
+        print(f"{name} {run}: {json.dumps(compiled[run])}", flush=True)
+    prepare = {run: _initialiser(microbatches) for run, (microbatches, _) in RUNS.items()}
+    median = medians(time_interleaved(runs, steps, warmup=3, prepare=prepare))
+    ms = {k: v * 1e3 for k, v in median.items()}
+    print(f"{name}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()), flush=True)
+    once, per = grads["dp8_mb4_reduced_once"], grads["dp8_mb4_reduced_per_microbatch"]
+    return {
+        "median_step_ms": ms,
+        "mb4_over_mb1": {
+            "reduced_once": ms["dp8_mb4_reduced_once"] / ms["dp8_mb1"],
+            "reduced_per_microbatch": ms["dp8_mb4_reduced_per_microbatch"] / ms["dp8_mb1"],
+        },
+        "compiled": compiled,
+        "largest_gradient_difference": max(float(np.abs(once[k] - per[k]).max()) for k in once),
+        "largest_gradient": max(float(np.abs(per[k]).max()) for k in per),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default="benchmarks/results/gradient_reduction.json")
+    args = parser.parse_args()
+    os.environ.setdefault(compilation.ENVIRONMENT, "off")
+    transformers.logging.set_verbosity_error()
+    emulate_devices()
+    images, labels = step_speed.grouped_net_data()
+
+    def grouped_net():
+        torch.manual_seed(0)
+        return step_speed.GroupedNet().eval()  # no dropout: both forms draw the same numbers
+
+    result = {"machine": machine(), "load_average_at_start": os.getloadavg()}
+    result["grouped_net"] = measure(
+        "GroupedNet",
+        grouped_net,
+        lambda params: torch.optim.Adadelta(params, lr=4.0),
+        step_speed.grouped_net_step,
+        lambda: (images, labels),
+        args.steps,
+    )
+    ids = token_ids(GPT2_BATCH, GPT2_SEQUENCE, step_speed.GPT2["vocab"])
+    result["gpt2"] = measure(
+        "GPT-2",
+        lambda: causal_lm(gpt2_config(**step_speed.GPT2)),
+        lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4),
+        lm_step,
+        lambda: (ids,),
+        args.steps,
+    )
+    result["load_average_at_end"] = os.getloadavg()
+    write_results(args.out, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
