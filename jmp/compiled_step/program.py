@@ -196,8 +196,10 @@ def _replica_loop(model, signature, step_forward, params, rest, mb_stack, arrays
     copy_shardings = replica_gradients.copy_shardings(model, axes)
     copies = replica_gradients.copies(params, copy_shardings)
 
+    rows = frozenset(p.shape[axis + 1] for p, axis in zip(mb_stack, signature.split_axes) if p is not None)
+
     def on_copies(params, copies, rest, mb_arrays):
-        with replica_gradients.offered(copies, mesh, axes):
+        with replica_gradients.offered(copies, mesh, axes, rows):
             return step_forward(params, rest, mb_arrays)
 
     def body(carry, mb):

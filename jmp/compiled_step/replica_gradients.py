@@ -72,9 +72,9 @@ def copies(params: Any, shardings: Any) -> Any:
 
 
 @contextlib.contextmanager
-def offered(copies: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> Iterator[None]:
-    """Within the block the step's forward reads ``copies`` (``reading``)."""
-    token = _OFFERED.set((copies, mesh, axes))
+def offered(copies: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...], rows: frozenset[int]) -> Iterator[None]:
+    """Within the block the step's forward, on microbatches of ``rows`` rows, reads ``copies`` (``reading``)."""
+    token = _OFFERED.set((copies, mesh, axes, rows))
     try:
         yield
     finally:
@@ -88,8 +88,8 @@ def reading(parameters: list[jax.Array], as_computed: Any) -> contextlib.Abstrac
     offer = _OFFERED.get()
     if offer is None:
         return contextlib.nullcontext()
-    copy_tree, mesh, axes = offer
-    return replica_calls.reading(parameters, as_computed(jax.tree.leaves(copy_tree)), mesh, axes)
+    copy_tree, mesh, axes, rows = offer
+    return replica_calls.reading(parameters, as_computed(jax.tree.leaves(copy_tree)), mesh, axes, rows)
 
 
 def merged(grads: Any, copy_grads: Any, shardings: Any) -> Any:

@@ -37,6 +37,7 @@ class Copies:
     mesh: jax.sharding.Mesh
     axes: tuple[str, ...]
     replicas: int
+    rows: frozenset[int]  # the microbatch's batch sizes (its split inputs')
 
 
 _COPIES: contextvars.ContextVar[Copies | None] = contextvars.ContextVar("jmp_replica_copies", default=None)
@@ -44,12 +45,16 @@ _COPIES: contextvars.ContextVar[Copies | None] = contextvars.ContextVar("jmp_rep
 
 @contextlib.contextmanager
 def reading(
-    parameters: Sequence[jax.Array], copies: Sequence[jax.Array], mesh: jax.sharding.Mesh, axes: tuple[str, ...]
+    parameters: Sequence[jax.Array],
+    copies: Sequence[jax.Array],
+    mesh: jax.sharding.Mesh,
+    axes: tuple[str, ...],
+    rows: frozenset[int],
 ) -> Iterator[None]:
     """Within the block, qualifying calls on ``parameters`` run per replica on ``copies`` (one per parameter,
-    [replicas, *its shape], split over ``axes``)."""
+    [replicas, *its shape], split over ``axes``) on a microbatch of ``rows`` rows."""
     replicas = copies[0].shape[0] if copies else 1
-    table = Copies({id(p): c for p, c in zip(parameters, copies)}, tuple(parameters), mesh, axes, replicas)
+    table = Copies({id(p): c for p, c in zip(parameters, copies)}, tuple(parameters), mesh, axes, replicas, rows)
     token = _COPIES.set(table)
     try:
         yield
@@ -77,64 +82,70 @@ def active() -> bool:
     return _COPIES.get() is not None
 
 
-# --- which calls are row-local, and in which argument -------------------------------------------------------
+# --- which calls are row-local, in which argument and along which of its dimensions ------------------------------
+
+Rows = tuple[int, tuple[int, ...]] | None  # (the argument, its dimensions whose entries the result's follow)
 
 
-def _first(args, kwargs) -> int | None:
-    return 0
+def _all_dims(args, kwargs) -> Rows:
+    """An embedding lookup: every dimension of the ids."""
+    return 0, tuple(range(_ndim(args[0])))
 
 
-def _batched_first(args, kwargs) -> int | None:
-    """``Linear`` / ``matmul``: rows are the first axis of an input with at least two (a vector's entries are
+def _leading(args, kwargs) -> Rows:
+    """``Linear`` / ``matmul``: every dimension of an input with at least two but its last (a vector's entries are
     its features)."""
-    return 0 if _ndim(args[0]) >= 2 and (len(args) < 2 or _ndim(args[1]) <= 2) else None
+    if _ndim(args[0]) < 2 or (len(args) > 1 and _ndim(args[1]) > 2):
+        return None
+    return 0, tuple(range(_ndim(args[0]) - 1))
 
 
-def _convolved(args, kwargs) -> int | None:
-    """A convolution's rows are its batch: the input has the weight's rank (an unbatched input does not)."""
+def _convolved(args, kwargs) -> Rows:
+    """A convolution's batch: the input has the weight's rank (an unbatched input does not)."""
     weight = args[1] if len(args) > 1 else kwargs.get("weight")
-    return 0 if weight is not None and _ndim(args[0]) == _ndim(weight) else None
+    return (0, (0,)) if weight is not None and _ndim(args[0]) == _ndim(weight) else None
 
 
-def _normalized(args, kwargs) -> int | None:
+def _normalized(args, kwargs) -> Rows:
     shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
     count = len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
-    return 0 if _ndim(args[0]) > count else None
+    return (0, tuple(range(_ndim(args[0]) - count))) if _ndim(args[0]) > count else None
 
 
-def _grouped(args, kwargs) -> int | None:
-    return 0 if _ndim(args[0]) >= 2 else None
+def _grouped(args, kwargs) -> Rows:
+    return (0, (0,)) if _ndim(args[0]) >= 2 else None
 
 
-def _addmm(args, kwargs) -> int | None:
+def _addmm(args, kwargs) -> Rows:
     """``addmm(bias, rows, weight)`` (Hugging Face's ``Conv1D``): rows of ``mat1``, a bias broadcast over them."""
     if len(args) < 3 or _ndim(args[1]) != 2:
         return None
-    return 1 if _ndim(args[0]) <= 1 or args[0].shape[0] == 1 else None
+    return (1, (0,)) if _ndim(args[0]) <= 1 or args[0].shape[0] == 1 else None
 
 
-def _broadcast_operand(args, kwargs) -> int | None:
-    """``x op p`` / ``p op x``: rows of ``x``, with ``p`` (the parameter) broadcast along them."""
+def _broadcast_operand(args, kwargs) -> Rows:
+    """``x op p`` / ``p op x``: the dimensions of ``x`` along which ``p`` (the parameter) is broadcast."""
     if len(args) < 2:
         return None
     for rows, other in ((0, 1), (1, 0)):
         x, p = args[rows], args[other]
-        if _parameter(p) and not _parameter(x) and isinstance(x, jax.Array) and x.ndim >= 1:
-            if p.ndim < x.ndim or (p.ndim == x.ndim and p.shape[0] == 1):
-                return rows
+        if _parameter(p) and not _parameter(x) and isinstance(x, jax.Array) and p.ndim <= x.ndim:
+            offset = x.ndim - p.ndim
+            dims = tuple(d for d in range(x.ndim) if d < offset or p.shape[d - offset] == 1)
+            return (rows, dims) if dims else None
     return None
 
 
-_RULES: dict[Any, Callable[[tuple, dict], int | None]] = {
-    F.linear: _batched_first,
-    torch.matmul: _batched_first,
-    T.matmul: _batched_first,
-    T.__matmul__: _batched_first,
-    torch.mm: _batched_first,
-    T.mm: _batched_first,
+_RULES: dict[Any, Callable[[tuple, dict], Rows]] = {
+    F.linear: _leading,
+    torch.matmul: _leading,
+    T.matmul: _leading,
+    T.__matmul__: _leading,
+    torch.mm: _leading,
+    T.mm: _leading,
     torch.addmm: _addmm,
     T.addmm: _addmm,
-    F.embedding: _first,
+    F.embedding: _all_dims,
     F.layer_norm: _normalized,
     torch.layer_norm: _normalized,
     F.rms_norm: _normalized,
@@ -174,22 +185,19 @@ def _parameter(value: Any) -> bool:
 
 def call(func: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     """``fn(*args, **kwargs)`` (a lowering of ``func`` on arrays): per replica when ``func`` is row-local in one
-    argument and every other array it takes is a parameter with copies; as it is otherwise."""
+    argument along a dimension holding the batch, and every other array it takes is a parameter with copies; as it
+    is otherwise."""
     table = _COPIES.get()
     rule = _RULES.get(func) if table is not None else None
-    rows = rule(args, kwargs) if rule is not None else None
-    x = args[rows] if rows is not None else None
-    if not isinstance(x, jax.Array) or x.ndim == 0 or jax.sharding.get_abstract_mesh().manual_axes:
+    found = rule(args, kwargs) if rule is not None else None
+    if found is None or jax.sharding.get_abstract_mesh().manual_axes:
         return fn(*args, **kwargs)
+    x = args[found[0]]
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     row_leaf = next(i for i, leaf in enumerate(leaves) if leaf is x)
     arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array) and i != row_leaf]
-    if (
-        not arrays
-        or any(id(leaves[i]) not in table.copies for i in arrays)
-        or _parameter(x)
-        or x.shape[0] % table.replicas
-    ):
+    dim = _batch_dim(x, found[1], table)
+    if dim is None or not arrays or _parameter(x) or any(id(leaves[i]) not in table.copies for i in arrays):
         return fn(*args, **kwargs)
 
     def per_replica(x_rows, *copies):
@@ -200,12 +208,27 @@ def call(func: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
         call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, local)
         return fn(*call_args, **call_kwargs)
 
-    split = PartitionSpec(table.axes)
+    rows = PartitionSpec(*([None] * dim), table.axes)
     run = jax.shard_map(
         per_replica,
         mesh=table.mesh,
-        in_specs=(split,) * (1 + len(arrays)),
-        out_specs=split,
+        in_specs=(rows,) + (PartitionSpec(table.axes),) * len(arrays),
+        out_specs=rows,
         axis_names=frozenset(table.axes),
     )
     return run(x, *(table.copies[id(leaves[i])] for i in arrays))
+
+
+def _batch_dim(x: Any, dims: tuple[int, ...], table: Copies) -> int | None:
+    """Which of ``x``'s row-local ``dims`` to split over the replicas: one as long as the microbatch (where the
+    batch is laid out, so that no rows move), else the first when it is a multiple of it (the batch merged with
+    the sequence: ``x.view(-1, d)``); None when neither divides over the replicas."""
+    if not isinstance(x, jax.Array):
+        return None
+    for dim in dims:
+        if x.shape[dim] in table.rows and x.shape[dim] % table.replicas == 0:
+            return dim
+    if dims and dims[0] == 0 and x.ndim and x.shape[0] % table.replicas == 0:
+        if any(x.shape[0] % rows == 0 for rows in table.rows):
+            return 0
+    return None

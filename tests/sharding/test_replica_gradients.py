@@ -154,3 +154,40 @@ def test_language_model_reduces_gradients_after_the_loop_with_torch_numbers(name
     grads = named_grads(model.grads)
     for param_name, p in reference.named_parameters():
         assert_close(grads[param_name], p.grad, 1e-5, floor=1e-6)
+
+
+class SequenceFirst(torch.nn.Module):
+    """Layers on [sequence, batch, features], as ``batch_first=False`` transformers run them."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = self.norm(F.relu(self.up(x.transpose(0, 1))))  # [16 positions, rows, 16]
+        return F.log_softmax(self.head(h.mean(0)), dim=1)
+
+
+def test_rows_split_where_the_batch_is_not_first_move_nothing():
+    """A layer's input [sequence, batch, ...] is split over the replicas along its batch, not its first dimension
+    (which would move every row between devices at each call)."""
+    torch.manual_seed(0)
+    net = SequenceFirst()
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(ROWS, 16, 8, generator=generator)
+    labels = torch.randint(0, 10, (ROWS,), generator=generator)
+    for rows in _microbatch_rows(ROWS, SHARDS):
+        (F.nll_loss(net(inputs[rows]), labels[rows]) / MICROBATCHES).backward()
+
+    smp.init({"microbatches": MICROBATCHES, "ddp": True})
+    model = smp.DistributedModel(SequenceFirst())
+    model.load_state_dict(net.state_dict())
+    hlo = classifier_step.lower(model, inputs, labels).compile().as_text()
+    assert not re.search(r" all-to-all(?:-start)?\(", hlo)
+    assert _loop_all_reduce_bytes(hlo, SHARDS) < 0.05 * _parameter_bytes(net)
+    classifier_step(model, inputs, labels)
+    grads = named_grads(model.grads)
+    for name, p in net.named_parameters():
+        assert_close(grads[name], p.grad, 1e-5, floor=1e-6)
