@@ -110,21 +110,29 @@ def summarise(rows: dict[str, dict]) -> dict:
     }
 
 
-def _load() -> dict:
-    if RESULTS.exists():
-        return json.loads(RESULTS.read_text())
-    return {"architectures": {}}
+def load_results(path: Path) -> dict:
+    """A sweep's results file (rows by architecture), or an empty one."""
+    return json.loads(path.read_text()) if path.exists() else {"architectures": {}}
 
 
-def _save(results: dict) -> None:
+def save_results(path: Path, results: dict, summarise_rows) -> None:
+    """A sweep's results with the versions that ran and ``summarise_rows(rows)`` as their summary."""
     import jax
     import torch
     import transformers
 
     results["versions"] = {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
-    results["summary"] = summarise(results["architectures"])
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    results["summary"] = summarise_rows(results["architectures"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+
+
+def _load() -> dict:
+    return load_results(RESULTS)
+
+
+def _save(results: dict) -> None:
+    save_results(RESULTS, results, summarise)
 
 
 def print_report(summary: dict) -> None:
