@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 
 import numpy as np
 import torch
@@ -30,15 +29,14 @@ import transformers
 import jmp as smp
 from benchmarks import step_speed
 from benchmarks.harness import (
+    all_reduce_bytes,
     causal_lm,
     emulate_devices,
     gpt2_config,
-    hlo_shapes,
     lm_step,
     machine,
     medians,
     named_grads,
-    shape_bytes,
     time_interleaved,
     token_ids,
     write_results,
@@ -64,20 +62,6 @@ def replica_copies(enabled: bool):
         yield
     finally:
         replica_gradients.replicated_axes = original
-
-
-def all_reduce_bytes(hlo: str) -> dict[str, int]:
-    """Bytes of the all-reduce results inside while-loop bodies and outside them."""
-    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
-    totals = {"in_loop": 0, "outside_loop": 0}
-    for block in re.split(r"\n(?=\S)", hlo):
-        name = re.match(r"%?([\w.\-]+)", block)
-        where = "in_loop" if name is not None and name.group(1) in bodies else "outside_loop"
-        for line in block.splitlines():
-            if re.search(r" all-reduce(?:-start)?\(", line):
-                result = line.split("=", 1)[1].split("all-reduce")[0]
-                totals[where] += sum(shape_bytes(dtype, dims) for dtype, dims in hlo_shapes(result))
-    return totals
 
 
 def _initialiser(microbatches: int):

@@ -137,6 +137,39 @@ def shape_bytes(dtype: str, dims: tuple[int, ...]) -> int:
     return math.prod(dims) * DTYPE_BYTES.get(dtype, 1)  # f8 variants: one byte
 
 
+def replica_group_size(line: str, device_count: int) -> int:
+    """Devices per replica group of a collective instruction, from any of XLA's three spellings (explicit, iota,
+    mesh axes)."""
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line)
+    if mesh:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh[1]))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh[2]))
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
+    if iota:
+        return int(iota[1].split(",")[-1])
+    explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if explicit:
+        return len(explicit[1].split(","))
+    return device_count  # no groups given: all devices (collective-permute has pairs, not groups)
+
+
+def all_reduce_bytes(hlo: str, group: int | None = None, device_count: int = 8) -> dict[str, int]:
+    """Bytes of the all-reduce results of an optimized HLO module inside while-loop bodies (a microbatch loop's)
+    and outside them; only those over groups of ``group`` devices when given."""
+    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
+    totals = {"in_loop": 0, "outside_loop": 0}
+    for block in re.split(r"\n(?=\S)", hlo):
+        name = re.match(r"%?([\w.\-]+)", block)
+        where = "in_loop" if name is not None and name.group(1) in bodies else "outside_loop"
+        for line in block.splitlines():
+            if not re.search(r" all-reduce(?:-start)?\(", line):
+                continue
+            if group is None or replica_group_size(line, device_count) == group:
+                result = line.split("=", 1)[1].split("all-reduce")[0]
+                totals[where] += sum(shape_bytes(dtype, dims) for dtype, dims in hlo_shapes(result))
+    return totals
+
+
 # --- results ------------------------------------------------------------------------------------------------------
 
 

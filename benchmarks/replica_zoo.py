@@ -121,8 +121,7 @@ def _run_form(model: Any, inputs: dict, replica: bool) -> dict:
     import numpy as np
 
     import jmp as smp
-    from benchmarks.gradient_reduction import all_reduce_bytes
-    from benchmarks.harness import named_grads
+    from benchmarks.harness import all_reduce_bytes, named_grads
     from jmp.errors import StepError
 
     @smp.step

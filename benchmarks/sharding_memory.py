@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import math
 import re
 import statistics
 import time
@@ -84,6 +83,7 @@ from benchmarks.harness import (
     llama_config,
     lm_step,
     machine,
+    replica_group_size,
     shape_bytes,
     time_interleaved,
     token_ids,
@@ -210,7 +210,7 @@ def collectives(hlo: str, device_count: int, parameter_shapes: set[tuple[int, ..
         shapes = hlo_shapes(match["type"])
         if match["start"] and kind in ("all-gather", "collective-permute", "reduce-scatter", "all-to-all"):
             shapes = shapes[len(shapes) // 2 :]  # an async start's result is (operands, results)
-        group = _group_size(line, device_count)
+        group = replica_group_size(line, device_count)
         scale = group if kind == "reduce-scatter" else 1  # its operand, the full buffer, is `group` results
         logical = scale * sum(shape_bytes(dtype, dims) for dtype, dims in shapes)
         parameter = scale * sum(
@@ -228,21 +228,6 @@ def _full_shapes(kind: str, dims: tuple[int, ...], group: int) -> set[tuple[int,
     if kind != "reduce-scatter":
         return {dims}
     return {dims[:d] + (dims[d] * group,) + dims[d + 1 :] for d in range(len(dims))}
-
-
-def _group_size(line: str, device_count: int) -> int:
-    """Devices per replica group, from any of XLA's three spellings (explicit, iota, mesh axes)."""
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line)
-    if mesh:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh[1]))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh[2]))
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
-    if iota:
-        return int(iota[1].split(",")[-1])
-    explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if explicit:
-        return len(explicit[1].split(","))
-    return device_count  # no groups given: all devices (collective-permute has pairs, not groups)
 
 
 def _wire_bytes(kind: str, logical: int, group: int) -> float:

@@ -167,7 +167,9 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
     no_side_outputs = side_outputs.identity(shapes[1][2])
     replicated = replica_gradients.replicated_axes(model, signature) if traced.has_backward else ()
     if replicated:
-        return _replica_loop(model, signature, step_forward, params, rest, mb_stack, arrays_of, no_side_outputs)
+        return _replica_loop(
+            model, signature, replicated, step_forward, params, rest, mb_stack, arrays_of, no_side_outputs
+        )
     if traced.has_backward:  # learnt from the shape evaluation above
 
         def body(carry, mb):
@@ -188,14 +190,12 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
     return stacked, rest, None, side_outputs.reported(sown)
 
 
-def _replica_loop(model, signature, step_forward, params, rest, mb_stack, arrays_of, no_side_outputs):
-    """``run``'s microbatch loop keeping gradients per data-parallel replica, reduced once after it
-    (``replica_gradients``)."""
-    axes = replica_gradients.replicated_axes(model, signature)
+def _replica_loop(model, signature, axes, step_forward, params, rest, mb_stack, arrays_of, no_side_outputs):
+    """``run``'s microbatch loop keeping gradients per data-parallel replica (over the mesh ``axes``), reduced once
+    after it (``replica_gradients``)."""
     mesh = model.layout.mesh
     copy_shardings = replica_gradients.copy_shardings(model, axes)
     copies = replica_gradients.copies(params, copy_shardings)
-
     rows = frozenset(p.shape[axis + 1] for p, axis in zip(mb_stack, signature.split_axes) if p is not None)
 
     def on_copies(params, copies, rest, mb_arrays):

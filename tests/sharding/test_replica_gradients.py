@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 import jmp as smp
+from benchmarks.harness import all_reduce_bytes
 from jmp.compiled_step import replica_gradients
 from tests.front_end.helpers import named_grads
 from tests.helpers import assert_close
 from tests.sharding.models import causal_lm, lm_step, token_batches
 
 ROWS, MICROBATCHES, SHARDS = 16, 2, 8
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
 
 
 class NormedNet(torch.nn.Module):
@@ -56,31 +56,7 @@ def _microbatch_rows(rows: int, shards: int) -> list[list[int]]:
 def _loop_all_reduce_bytes(hlo: str, group: int) -> int:
     """Bytes of the all-reduces over groups of ``group`` devices (the data-parallel ones) inside the compiled step's
     while loops (the microbatch loop's body)."""
-    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
-    total = 0
-    for block in re.split(r"\n(?=\S)", hlo):
-        name = re.match(r"%?([\w.\-]+)", block)
-        if name is None or name.group(1) not in bodies:
-            continue
-        for line in block.splitlines():
-            if re.search(r" all-reduce(?:-start)?\(", line) and _group_size(line) == group:
-                result = line.split("=", 1)[1].split("all-reduce")[0]
-                for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
-                    total += _BYTES.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d]))
-    return total
-
-
-def _group_size(line: str) -> int:
-    """Devices per replica group of a collective, in each form XLA prints: ``[groups,size]<=[n]``,
-    ``mesh['axis_0'=4,...] {'axis_0'}`` or ``{{0,1,...},...}``."""
-    if iota := re.search(r"replica_groups=\[(\d+),(\d+)\]", line):
-        return int(iota.group(2))
-    if mesh := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line):
-        sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))}
-        return int(np.prod([sizes[a] for a in re.findall(r"'(\w+)'", mesh.group(2))]))
-    if explicit := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
-        return len(explicit.group(1).split(","))
-    return SHARDS
+    return all_reduce_bytes(hlo, group, SHARDS)["in_loop"]
 
 
 def _parameter_bytes(module: torch.nn.Module) -> int:
