@@ -219,7 +219,8 @@ def _annotation_hooks(trace: context.Trace, gathered: tuple[tuple[str, Any], ...
         else:
             paths, chain = [path], "whole"
         resolved = _resolve(annotation.policy).with_gathered(gathered)
-        hook = LayerGroups(paths, groups(annotation.strategy, len(paths)), resolved, chain, annotation.strategy)
+        alike = None if _is_container(module) else annotation  # layers annotated one by one with one policy
+        hook = LayerGroups(paths, groups(annotation.strategy, len(paths)), resolved, chain, annotation.strategy, alike)
         hooks.update({p: hook for p in paths})
     return hooks
 

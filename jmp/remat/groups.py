@@ -11,7 +11,7 @@ return them, after checking that the parent really called them that way (else an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,13 @@ class LayerGroups:
     """Call hook for the layers at ``paths``, grouped by ``groups`` (lists of indices into ``paths``)."""
 
     def __init__(
-        self, paths: Sequence[str], groups: Sequence[Sequence[int]], policy: Resolved, chain: str, strategy: str
+        self,
+        paths: Sequence[str],
+        groups: Sequence[Sequence[int]],
+        policy: Resolved,
+        chain: str,
+        strategy: str,
+        alike: Hashable = None,
     ):
         self.paths = list(paths)
         self.index = {path: i for i, path in enumerate(paths)}
@@ -44,6 +50,7 @@ class LayerGroups:
         self.policy = policy
         self.chain = chain
         self.strategy = strategy
+        self.alike = id(self) if alike is None else alike  # equal for hooks that checkpoint layers alike
         self.held: dict[int, _Held] = {}
 
     def __call__(self, module: TorchModule, call: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -61,10 +68,11 @@ class LayerGroups:
         return outputs[0]
 
     def stack_signature(self, path: str) -> tuple[str, int] | None:
-        """For ``jmp.stacks``: layers checkpointed one by one by this hook are alike; a layer checkpointed with
-        others in a group cannot be scanned (None)."""
+        """For ``jmp.stacks``: layers checkpointed one by one by this hook, or by hooks alike (each layer
+        annotated with the same policy), are alike; a layer checkpointed with others in a group cannot be scanned
+        (None)."""
         index = self.index[path]
-        return ("checkpoint each", id(self)) if self.group_of[index] == [index] else None
+        return ("checkpoint each", self.alike, self.chain) if self.group_of[index] == [index] else None
 
     def _twin(self, index: int) -> TorchModule:
         trace = context.current()

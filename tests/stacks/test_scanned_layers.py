@@ -128,6 +128,23 @@ def test_dropout_draws_what_the_layers_run_one_by_one_draw():
         assert_close(grads[name], grad, 1e-5, floor=1e-6)
 
 
+def test_layers_checkpointed_one_by_one_are_scanned_with_their_checkpoint():
+    """SMP's examples annotate every layer on its own (``for m in layers: smp.set_activation_checkpointing(m)``):
+    layers annotated with one policy are alike, so the stack is still one scan, checkpointed inside its body."""
+    expected_loss, expected = _torch_loss_and_grads(_gpt2(3, **NO_DROPOUT))
+    smp.init({"scan_layers": True})
+    model = smp.DistributedModel(_gpt2(3, **NO_DROPOUT))
+    for layer in model.module.transformer.h:
+        smp.set_activation_checkpointing(layer)
+    loss = float(lm_step(model, IDS).reduce_mean())
+    primitives = _primitives(model)
+    assert primitives["scan"] >= 1 and primitives["remat2"] == 1  # one layer body, holding the checkpoint
+    assert_close(loss, expected_loss, 1e-5)
+    grads = named_grads(model.grads)
+    for name, grad in expected.items():
+        assert_close(grads[name], grad, 1e-4, floor=1e-6)
+
+
 def test_layers_configured_apart_are_not_scanned():
     # GPT-2's scale_attn_by_inverse_layer_idx gives each layer's attention its own scaling attribute
     expected_loss, expected = _torch_loss_and_grads(_gpt2(3, scale_attn_by_inverse_layer_idx=True, **NO_DROPOUT))
