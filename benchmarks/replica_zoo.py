@@ -25,6 +25,10 @@ architectures already there are skipped unless ``--rerun``. Architectures run fa
     python -m benchmarks.replica_zoo --family masked_lm --limit 15
     python -m benchmarks.replica_zoo --only causal_lm/llama,causal_lm/gpt2 --rerun
     python -m benchmarks.replica_zoo --report
+
+With ``--scan-layers`` both forms run under ``scan_layers`` (repeated layers as one scan, their weights stored
+stacked where they stack; ``stacked``: the model's store kept some), results in
+``benchmarks/results/replica_zoo_scanned.json``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from benchmarks import hf_zoo
 
 ZOO_RESULTS = Path(__file__).parent / "results" / "hf_zoo.json"
 RESULTS = Path(__file__).parent / "results" / "replica_zoo.json"
+SCANNED_RESULTS = Path(__file__).parent / "results" / "replica_zoo_scanned.json"
+SCAN_ENV = "JMP_REPLICA_ZOO_SCAN_LAYERS"  # the worker runs both forms under scan_layers
 TIMEOUT_S = 240
 DEVICES, ROWS, MICROBATCHES = 8, 16, 2
 LOSS_RTOL, GRAD_RTOL, FLOOR = 1e-5, 1e-4, 1e-3
@@ -133,7 +139,7 @@ def _run_form(model: Any, inputs: dict, replica: bool) -> dict:
     seen: list = []
     try:
         with _form(replica, seen):
-            smp.init({"microbatches": MICROBATCHES, "ddp": True})
+            smp.init({"microbatches": MICROBATCHES, "ddp": True, "scan_layers": bool(os.environ.get(SCAN_ENV))})
             distributed = smp.DistributedModel(model)
             distributed.eval()
             losses = np.asarray(train_step(distributed, inputs).stack().float().numpy(), dtype=np.float64)
@@ -158,6 +164,7 @@ def _run_form(model: Any, inputs: dict, replica: bool) -> dict:
         "all_reduce_bytes": all_reduce_bytes(hlo) if hlo is not None else None,
         "replica_axes": axes,
         "path": "compiled" if hlo is not None else "op by op",
+        "stacked": bool(getattr(distributed.store, "groups", None)),
     }
 
 
@@ -228,6 +235,7 @@ def check(family: str, model_type: str, hint: tuple | None = None) -> dict:
     forms = {"replica": _run_form(model, inputs, True), "plain": _run_form(twin, inputs, False)}
     row["all_reduce_bytes"] = {f: forms[f].get("all_reduce_bytes") for f in FORMS}
     row["replica_axes"] = forms["replica"].get("replica_axes")
+    row["stacked"] = forms["replica"].get("stacked")
     row["path"] = {f: forms[f].get("path") for f in FORMS}
     failed = [f for f in FORMS if "error" in forms[f]]
     if not failed:
@@ -260,7 +268,7 @@ def _ordered_keys(families: list[str]) -> list[str]:
     return sorted(hf_zoo._all_keys(families), key=order)
 
 
-def run_one(key: str, timeout_s: int) -> dict:
+def run_one(key: str, timeout_s: int, scan_layers: bool = False) -> dict:
     """``check`` for one ``family/model_type`` in a fresh process with 8 CPU devices and its own compilation cache
     (the call after ``lower().compile()`` loads the program from it); its JSON row, or a timeout / crash row."""
     family, model_type = key.split("/", 1)
@@ -278,6 +286,7 @@ def run_one(key: str, timeout_s: int) -> dict:
         "JMP_COMPILATION_CACHE": cache,
         "TRANSFORMERS_VERBOSITY": "error",
         "PYTHONWARNINGS": "ignore",
+        **({SCAN_ENV: "1"} if scan_layers else {}),
     }
     try:
         return hf_zoo.run_worker(command, env, {"family": family, "model_type": model_type}, timeout_s, tail_lines=5)
@@ -330,19 +339,24 @@ def summarise(rows: dict[str, dict]) -> dict:
         "errors": errors,
         "timeouts_and_crashes": sorted(k for k, r in rows.items() if r["status"] in ("timeout", "crash")),
         "op_by_op": sorted(k for k, r in rows.items() if "op by op" in (r.get("path") or {}).values()),
+        "stacked_storage": sum(bool(r.get("stacked")) for r in rows.values()),
     }
 
 
-def _load() -> dict:
-    return hf_zoo.load_results(RESULTS)
+def _load(path: Path) -> dict:
+    return hf_zoo.load_results(path)
 
 
-def _save(results: dict) -> None:
-    hf_zoo.save_results(RESULTS, results, summarise)
+def _save(path: Path, results: dict) -> None:
+    hf_zoo.save_results(path, results, summarise)
 
 
 def print_report(summary: dict) -> None:
-    print(f"swept {summary['swept']}: {summary['by_status']}; replica copies used in {summary['replica_copies_used']}")
+    print(
+        f"swept {summary['swept']}: {summary['by_status']}; replica copies used in {summary['replica_copies_used']}",
+        end="",
+    )
+    print(f", weights stored stacked in {summary.get('stacked_storage', 0)}")
     for family, counts in summary["by_family"].items():
         print(f"  {family}: {counts}")
     print(f"largest gradient difference, relative: {summary['largest_grad_rel_diff']}")
@@ -370,12 +384,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=int, default=TIMEOUT_S, help="seconds per architecture")
     parser.add_argument("--rerun", action="store_true", help="run architectures already in the results again")
     parser.add_argument("--report", action="store_true", help="print the summary of the saved results and stop")
+    parser.add_argument("--scan-layers", action="store_true", help="both forms under scan_layers (own results)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(_worker(args.worker)), flush=True)
         return
-    results = _load()
+    path = SCANNED_RESULTS if args.scan_layers else RESULTS
+    results = _load(path)
     if args.report:
         print_report(summarise(results["architectures"]))
         return
@@ -383,9 +399,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.rerun:
         keys = [k for k in keys if k not in results["architectures"]]
     for key in keys[: args.limit] if args.limit else keys:
-        row = run_one(key, args.timeout)
+        row = run_one(key, args.timeout, args.scan_layers)
         results["architectures"][key] = row
-        _save(results)
+        _save(path, results)
         diff = row.get("max_grad_rel_diff")
         figures = f"grad {diff:.1e} loss {row['loss_rel_diff']:.1e}" if diff is not None else row.get("error", "")
         print(f"{key:48} {row['status']:11} {row.get('seconds', '')}s  {figures[:110]}", flush=True)

@@ -194,8 +194,9 @@ def _replica_loop(model, signature, axes, step_forward, params, rest, mb_stack, 
     """``run``'s microbatch loop keeping gradients per data-parallel replica (over the mesh ``axes``), reduced once
     after it (``replica_gradients``)."""
     mesh = model.layout.mesh
-    copy_shardings = replica_gradients.copy_shardings(model, axes)
-    copies = replica_gradients.copies(params, copy_shardings)
+    positions = replica_gradients.replica_positions(model.store)
+    copy_shardings = replica_gradients.copy_shardings(model, axes, positions)
+    copies = replica_gradients.copies(params, copy_shardings, positions)
     rows = frozenset(p.shape[axis + 1] for p, axis in zip(mb_stack, signature.split_axes) if p is not None)
 
     def on_copies(params, copies, rest, mb_arrays):
@@ -206,12 +207,12 @@ def _replica_loop(model, signature, axes, step_forward, params, rest, mb_stack, 
         rest, total, sown = carry
         grad_of = jax.value_and_grad(on_copies, argnums=(0, 1), has_aux=True)
         (_, (outputs, rest, mb_sown)), (grads, copy_grads) = grad_of(params, copies, rest, arrays_of(mb))
-        total = jax.tree.map(jnp.add, total, replica_gradients.merged(grads, copy_grads, copy_shardings))
+        total = jax.tree.map(jnp.add, total, replica_gradients.merged(grads, copy_grads, copy_shardings, positions))
         return (rest, total, side_outputs.combine_all(sown, mb_sown)), outputs
 
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, copies), copy_shardings)
     (rest, total, sown), stacked = jax.lax.scan(body, (rest, zeros, no_side_outputs), mb_stack)
-    grads = _placed(replica_gradients.reduced(total), model.store.shardings)
+    grads = _placed(replica_gradients.reduced(total, positions), model.store.shardings)
     grads = _as_kept(model, _averaged(grads, signature, signature.microbatches))
     return stacked, rest, grads, side_outputs.reported(sown)
 
@@ -222,9 +223,12 @@ def _on_stored(step_forward: Callable, model: DistributedModel) -> Callable:
 
     compute_dtypes = model.precision.compute if model.precision.mixed else None
 
+    def in_trace(stored):
+        return model.store.in_trace(stored, compute_dtypes)
+
     def on_stored(params, rest, mb_arrays):
-        with stacks_storage.tracing_views():
-            return step_forward(model.store.in_trace(params, compute_dtypes), rest, mb_arrays)
+        with stacks_storage.tracing_views(), replica_gradients.viewed(in_trace):  # per-replica copies alike
+            return step_forward(in_trace(params), rest, mb_arrays)
 
     return on_stored
 

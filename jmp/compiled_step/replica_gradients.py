@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp.model.parameter_store import TreeStore
+from jmp.model.parameter_store import StackStore
 from jmp.runtime.mesh_state import DATA_AXES
 from jmp.torch_bridge import concrete_run, replica_calls
 
@@ -33,15 +33,13 @@ _OFFERED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jmp_rep
 def replicated_axes(model: Any, signature: Any) -> tuple[str, ...]:
     """The data axes (of more than one device) that no parameter is split over, when this step keeps gradients per
     replica through its microbatch loop; () when it does not: one microbatch, a pipeline (its own schedule), fp8
-    (its scales' gradients), several processes' shares (a vmap over them), a step run op by op, or parameters
-    stored stacked."""
+    (its scales' gradients), several processes' shares (a vmap over them), or a step run op by op."""
     if (
         signature.microbatches == 1
         or model.pipeline is not None
         or model.fp8_recipe is not None
         or signature.process_shares > 1
         or concrete_run.active()
-        or not isinstance(model.store, TreeStore)
     ):
         return ()
     mesh = model.layout.mesh
@@ -53,28 +51,65 @@ def _names(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def copy_shardings(model: Any, axes: tuple[str, ...]) -> Any:
-    """Shardings of the copies: a leading replica axis split over ``axes``, then each parameter's own."""
-    mesh = model.layout.mesh
-    return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(axes, *s.spec)), model.layout.shardings)
-
-
-def copies(params: Any, shardings: Any) -> Any:
-    """Each parameter as [replicas, *shape], one identical copy per replica (no copying: each device's block is its
-    own replica of the parameter)."""
-    return jax.tree.map(
-        lambda p, s: jax.lax.with_sharding_constraint(
-            jnp.broadcast_to(p, (math.prod(s.mesh.shape[a] for a in _names(s.spec[0])),) + p.shape), s
-        ),
-        params,
-        shardings,
+def replica_positions(store: Any) -> Any:
+    """Per stored parameter, where its copies' replica axis goes: first, or after the layer axis of a layer stack's
+    weight stored as one array (``StackStore``), so that each layer's view of the copies is [replicas, *shape]."""
+    stacked = store.groups if isinstance(store, StackStore) else {}
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: 1 if _key(path) in stacked else 0, store.shardings, is_leaf=_is_sharding
     )
+
+
+def _key(path: tuple) -> Any:
+    return path[0].key if len(path) == 1 and isinstance(path[0], jax.tree_util.DictKey) else None
+
+
+def _is_sharding(node: Any) -> bool:
+    return isinstance(node, NamedSharding)
+
+
+def copy_shardings(model: Any, axes: tuple[str, ...], positions: Any) -> Any:
+    """Shardings of the copies: the replica axis split over ``axes`` at its position, each parameter's own spec
+    around it."""
+
+    def of(s, at):
+        spec = tuple(s.spec) + (None,) * max(0, at - len(s.spec))
+        return NamedSharding(s.mesh, PartitionSpec(*spec[:at], axes, *spec[at:]))
+
+    return jax.tree.map(of, model.store.shardings, positions, is_leaf=_is_sharding)
+
+
+def copies(params: Any, shardings: Any, positions: Any) -> Any:
+    """Each stored parameter with a replica axis at its position, one identical copy per replica (no copying:
+    each device's block is its own replica of the parameter)."""
+
+    def of(p, s, at):
+        replicas = math.prod(s.mesh.shape[a] for a in _names(s.spec[at]))
+        shape = p.shape[:at] + (replicas,) + p.shape[at:]
+        return jax.lax.with_sharding_constraint(jnp.broadcast_to(jnp.expand_dims(p, at), shape), s)
+
+    return jax.tree.map(of, params, shardings, positions)
 
 
 @contextlib.contextmanager
 def offered(copies: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...], rows: frozenset[int]) -> Iterator[None]:
     """Within the block the step's forward, on microbatches of ``rows`` rows, reads ``copies`` (``reading``)."""
     token = _OFFERED.set((copies, mesh, axes, rows))
+    try:
+        yield
+    finally:
+        _OFFERED.reset(token)
+
+
+@contextlib.contextmanager
+def viewed(view: Any) -> Iterator[None]:
+    """Within the block the offered copies are as ``view`` makes stored parameters for a trace (the store's
+    ``in_trace``: a layer stack's weight as one view per layer); nothing offered, nothing changes."""
+    offer = _OFFERED.get()
+    if offer is None:
+        yield
+        return
+    token = _OFFERED.set((view(offer[0]), *offer[1:]))
     try:
         yield
     finally:
@@ -92,16 +127,16 @@ def reading(parameters: list[jax.Array], as_computed: Any) -> contextlib.Abstrac
     return replica_calls.reading(parameters, as_computed(jax.tree.leaves(copy_tree)), mesh, axes, rows)
 
 
-def merged(grads: Any, copy_grads: Any, shardings: Any) -> Any:
-    """One microbatch's gradients as [replicas, *shape] per parameter: each replica's own part (``copy_grads``) plus
+def merged(grads: Any, copy_grads: Any, shardings: Any, positions: Any) -> Any:
+    """One microbatch's gradients with a replica axis per parameter: each replica's own part (``copy_grads``) plus
     an equal share of what the uses outside per-replica calls gave (``grads``, already summed over replicas)."""
 
-    def merge(g, c, s):
-        return jax.lax.with_sharding_constraint(c + (g / c.shape[0]).astype(c.dtype), s)
+    def merge(g, c, s, at):
+        return jax.lax.with_sharding_constraint(c + jnp.expand_dims(g / c.shape[at], at).astype(c.dtype), s)
 
-    return jax.tree.map(merge, grads, copy_grads, shardings)
+    return jax.tree.map(merge, grads, copy_grads, shardings, positions)
 
 
-def reduced(total: Any) -> Any:
+def reduced(total: Any, positions: Any) -> Any:
     """Per-replica gradients summed over the replicas: the step's one reduction."""
-    return jax.tree.map(lambda t: t.sum(0), total)
+    return jax.tree.map(lambda t, at: t.sum(at), total, positions)

@@ -44,7 +44,7 @@ from jmp.remat import context as remat_context
 from jmp.stacks import storage
 from jmp.stacks.detection import MAX_PERIOD, LayerStack
 from jmp.stacks.pending import PendingTensor
-from jmp.torch_bridge import dispatch
+from jmp.torch_bridge import dispatch, replica_calls
 from jmp.torch_bridge.module import TorchModule, hooked_call, hooks_on
 from jmp.torch_bridge.state_dict import torch_name
 from jmp.torch_bridge.tensor import JaxTensor
@@ -367,7 +367,7 @@ class _Chain:
                 h, rng = carry
                 rests, sowns, outputs = [], [], []
                 for j, (position, graphdef) in enumerate(zip(positions, graphdefs)):
-                    layer_params, layer_rest, layer_args = xs[j]
+                    layer_params, layer_rest, layer_args, layer_copies = xs[j]
                     copy, inner_rngs = nnx.merge(graphdef, layer_params, rng, layer_rest, copy=True)
                     wrapped, leaves, args, kwargs = position.arguments(layer_args)
                     first = JaxTensor(h, torch_dtype)
@@ -375,6 +375,7 @@ class _Chain:
                         remat_context.copies([copy]),
                         dispatch.session(inner_rngs),
                         side_outputs.collecting() as sown,
+                        replica_calls.bound(jax.tree.leaves(layer_params), layer_copies),
                     ):
                         out = hooked_call(copy, _hook_of(copy))(first, *args, **kwargs)
                     if _output_shape(out, first, leaves) != self.shapes[j]:
@@ -394,7 +395,7 @@ class _Chain:
 
             return body
 
-        xs = [(p.params, p.rest, p.per_layer) for p in positions]
+        xs = [(p.params, p.rest, p.per_layer, p.copies) for p in positions]
         carry = (self.first_input.value, rng_state)
         first_period = jax.tree.map(lambda a: a[0], xs)
         (first, shape), (last, _) = (
@@ -433,6 +434,7 @@ class _Position:
     rest: Any
     rng_state: Any
     per_layer: list[jax.Array]  # the arguments that differ from call to call, stacked
+    copies: list[jax.Array | None]  # per parameter leaf, its per-replica copies stacked (``replica_calls``)
     varying: list[int]
     fixed: dict[int, tuple[jax.Array, torch.dtype]]  # the tensor arguments every call shares
     dtypes: dict[int, torch.dtype]
@@ -448,6 +450,9 @@ class _Position:
         params = jax.tree_util.tree_map_with_path(
             lambda path, *xs: _stacked(chain.shardings, modules[0], path, xs), *[p for _, p, _, _ in split]
         )
+        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(split[0][1])[0]]
+        per_leaf = zip(paths, *[jax.tree.leaves(p) for _, p, _, _ in split])
+        copies = [_stacked_copies(chain.shardings, modules[0], path, layers) for path, *layers in per_leaf]
         rest = jax.tree.map(lambda *xs: jnp.stack(xs), *[r for _, _, _, r in split])
         first = calls[0].leaves
         varying = [
@@ -462,6 +467,7 @@ class _Position:
             rest=rest,
             rng_state=split[0][2],
             per_layer=[jnp.stack([c.leaves[i].value for c in calls]) for i in varying],
+            copies=copies,
             varying=varying,
             fixed={
                 i: (leaf.value, leaf.dtype)
@@ -501,13 +507,35 @@ def _stacked(
 ) -> jax.Array:
     """One parameter of every layer stacked on a new leading axis, split as each layer's is (so that its gradient,
     the scan's transpose, is split so too)."""
-    keys = tuple(k for k in path if isinstance(k, jax.tree_util.DictKey))[1:]  # after the (layer, rngs) index
-    sharding = shardings.get(f"{module.torch_path}.{torch_name(keys)}")
+    sharding = shardings.get(_name(module, path))
     stacked = storage.stacked_source(layers)  # stacked storage: the stored array's rows, not a new stack
     stacked = jnp.stack(layers) if stacked is None else stacked
     if sharding is None:
         return stacked
     return jax.lax.with_sharding_constraint(stacked, NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec)))
+
+
+def _stacked_copies(
+    shardings: Mapping[str, NamedSharding], module: TorchModule, path: tuple, layers: Sequence[jax.Array]
+) -> jax.Array | None:
+    """The per-replica copies of one parameter of every layer (``replica_calls``) stacked on a new leading axis
+    ([layers, replicas, *shape]), or None when a layer's parameter has none."""
+    copies = replica_calls.copies_of(layers)
+    if any(c is None for c in copies):
+        return None
+    stacked = storage.stacked_source(copies)  # stacked storage: the stored copies' rows
+    stacked = jnp.stack(copies) if stacked is None else stacked
+    sharding = shardings.get(_name(module, path))
+    if sharding is None:
+        return stacked
+    return jax.lax.with_sharding_constraint(
+        stacked, NamedSharding(sharding.mesh, PartitionSpec(None, *replica_calls.copy_spec(sharding.spec)))
+    )
+
+
+def _name(module: TorchModule, path: tuple) -> str:
+    keys = tuple(k for k in path if isinstance(k, jax.tree_util.DictKey))[1:]  # after the (layer, rngs) index
+    return f"{module.torch_path}.{torch_name(keys)}"
 
 
 def _output_shape(out: Any, first: Any, leaves: list[Any]) -> Any:

@@ -63,19 +63,40 @@ def reading(
 
 
 @contextlib.contextmanager
-def rebound(outer: Sequence[jax.Array], inner: Sequence[jax.Array]) -> Iterator[None]:
-    """Within the block ``inner``, the parameters ``outer`` as a traced sub-function (an activation checkpoint) takes
-    them, read the copies of ``outer``."""
+def bound(parameters: Sequence[jax.Array], copies: Sequence[jax.Array | None]) -> Iterator[None]:
+    """Within the block ``parameters`` (a scanned layer's, as the scan's body takes them) read ``copies`` (None:
+    that parameter has none)."""
     table = _COPIES.get()
     if table is None:
         yield
         return
-    extra = {id(i): table.copies[id(o)] for o, i in zip(outer, inner) if id(o) in table.copies}
-    token = _COPIES.set(dataclasses.replace(table, copies={**table.copies, **extra}, held=table.held + tuple(inner)))
+    extra = {id(p): c for p, c in zip(parameters, copies) if c is not None}
+    token = _COPIES.set(
+        dataclasses.replace(table, copies={**table.copies, **extra}, held=table.held + tuple(parameters))
+    )
     try:
         yield
     finally:
         _COPIES.reset(token)
+
+
+def rebound(outer: Sequence[jax.Array], inner: Sequence[jax.Array]) -> contextlib.AbstractContextManager:
+    """Within the block ``inner``, the parameters ``outer`` as a traced sub-function (an activation checkpoint) takes
+    them, read the copies of ``outer``."""
+    return bound(inner, copies_of(outer))
+
+
+def copies_of(parameters: Sequence[Any]) -> list[jax.Array | None]:
+    """The copies of ``parameters`` (None for one without; all None outside ``reading``)."""
+    table = _COPIES.get()
+    known = table.copies if table is not None else {}
+    return [known.get(id(p)) if isinstance(p, jax.Array) else None for p in parameters]
+
+
+def copy_spec(spec: PartitionSpec) -> PartitionSpec:
+    """The spec of copies of a parameter split by ``spec``: the replica axis first."""
+    table = _COPIES.get()
+    return PartitionSpec(table.axes if table is not None else None, *spec)
 
 
 def active() -> bool:

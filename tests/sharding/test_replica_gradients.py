@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from benchmarks.harness import all_reduce_bytes
 from jmp.compiled_step import replica_gradients
 from tests.front_end.helpers import named_grads
 from tests.helpers import assert_close
+from tests.remat.helpers import equations
 from tests.sharding.models import causal_lm, lm_step, token_batches
 
 ROWS, MICROBATCHES, SHARDS = 16, 2, 8
@@ -105,24 +107,33 @@ def test_without_replica_gradients_the_loop_reduces_every_microbatch(plain_loop)
 
 
 @pytest.mark.parametrize(
-    "name, degrees, checkpointed",
-    [("gpt2", {}, True), ("llama", {"tensor_parallel_degree": 2}, False)],
-    ids=["gpt2-dp8-first-layer-checkpointed", "llama-dp4xtp2"],
+    "name, layers, degrees, checkpointed",
+    [
+        ("gpt2", 2, {}, True),
+        ("llama", 2, {"tensor_parallel_degree": 2}, False),
+        ("llama", 4, {"scan_layers": True}, True),
+    ],
+    ids=["gpt2-dp8-first-layer-checkpointed", "llama-dp4xtp2", "llama-dp8-scanned-stacked-layers"],
 )
-def test_language_model_reduces_gradients_after_the_loop_with_torch_numbers(name, degrees, checkpointed):
+def test_language_model_reduces_gradients_after_the_loop_with_torch_numbers(name, layers, degrees, checkpointed):
     """GPT-2's ``Conv1D`` (``addmm``), tied embedding and head, layer norms, a checkpointed layer beside a plain one;
-    Llama's RMS norms (a parameter times the rows) under tensor parallelism: per replica, as PyTorch computes them."""
-    reference = causal_lm(name)
+    Llama's RMS norms (a parameter times the rows) under tensor parallelism; Llama's layers as one scan over
+    weights stored stacked, each layer checkpointed: per replica, as PyTorch computes them."""
+    reference = causal_lm(name, layers=layers)
     ids = token_batches(1, batch=ROWS, length=16)[0]
     shards = SHARDS // degrees.get("tensor_parallel_degree", 1)
     for rows in _microbatch_rows(ids.shape[0], shards):
         (reference(input_ids=ids[rows], labels=ids[rows]).loss / MICROBATCHES).backward()
 
     smp.init({"microbatches": MICROBATCHES, "ddp": True, **degrees})
-    model = smp.DistributedModel(causal_lm(name))
+    model = smp.DistributedModel(causal_lm(name, layers=layers))
     if checkpointed:
-        smp.set_activation_checkpointing(model.module.transformer.h[0])
+        stack = model.module.transformer.h if name == "gpt2" else model.module.model.layers
+        for layer in stack[: 1 if name == "gpt2" else layers]:
+            smp.set_activation_checkpointing(layer)
     model.load_state_dict(reference.state_dict())
+    if degrees.get("scan_layers"):  # the microbatch loop and the layers' scan, forward and backward
+        assert Counter(e.primitive.name for e in equations(lm_step.trace(model, ids).jaxpr))["scan"] >= 3
     hlo = lm_step.lower(model, ids).compile().as_text()
     # what stays: the position embedding's gradient (its lookup's ids are one row for the whole batch) and the loss
     assert _loop_all_reduce_bytes(hlo, shards) < 0.02 * _parameter_bytes(reference)
