@@ -45,6 +45,24 @@ def per_process(run_forward: Callable, split_axes: Sequence[int | None]) -> Call
     return run
 
 
+def per_process_gradients(run_forward: Callable, split_axes: Sequence[int | None]) -> Callable:
+    """``run_forward`` differentiated on each process's block (the process axis at each split axis): (the sum of
+    the processes' losses, (outputs with a leading process axis, process 0's rest, side outputs combined)),
+    and each process's own gradients, [processes, *shape] per parameter. Summed over processes after the
+    microbatch loop, they are ``per_process``'s gradients, which each microbatch's backward sums over the
+    processes (an all-reduce per microbatch)."""
+    grad_of = jax.value_and_grad(run_forward, has_aux=True)
+
+    def run(params, rest, mb_arrays):
+        batched = jax.vmap(grad_of, in_axes=(None, None, list(split_axes)), axis_name=PROCESS_AXIS)
+        with dispatch.batched_over(PROCESS_AXIS):
+            (losses, (outputs, new_rest, sown)), grads = batched(params, rest, mb_arrays)
+        first_process = jax.tree.map(lambda leaf: leaf[0], new_rest)
+        return (losses.sum(), (outputs, first_process, side_outputs.reduce_stacked(sown))), grads
+
+    return run
+
+
 def blocks(array: jax.Array, axis: int, shares: int, mesh: jax.sharding.Mesh, pipelined: bool) -> jax.Array:
     """[.., B, ..] -> [.., shares, B / shares, ..]: the rows of each process, in process order, on the whole batch
     (before a pipeline's ``shard_map``).

@@ -54,6 +54,14 @@ def forward(fn: Callable, model: DistributedModel, signature: StepSignature, tra
     batch, ``fn`` runs once per process on its rows (``process_shares``) and each output has a leading
     process axis.
     """
+    run_forward = forward_on_rows(fn, model, signature, traced)
+    if signature.process_shares > 1:
+        return process_shares.per_process(run_forward, signature.split_axes)
+    return run_forward
+
+
+def forward_on_rows(fn: Callable, model: DistributedModel, signature: StepSignature, traced: Traced) -> Callable:
+    """``forward`` on the rows it is given, without a process axis."""
     policy = model.precision
 
     def run_forward(params, rest, mb_arrays):
@@ -82,8 +90,6 @@ def forward(fn: Callable, model: DistributedModel, signature: StepSignature, tra
         loss = loss * loss_scale if signature.scales_loss else loss
         return loss, (outputs, nnx.split(module, nnx.Param, ...)[2], dict(sown))
 
-    if signature.process_shares > 1:
-        return process_shares.per_process(run_forward, signature.split_axes)
     return run_forward
 
 
@@ -166,6 +172,10 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
     shapes = jax.eval_shape(step_forward, params, rest, arrays_of([p[0] if p is not None else None for p in mb_stack]))
     no_side_outputs = side_outputs.identity(shapes[1][2])
     replicated = replica_gradients.replicated_axes(model, signature) if traced.has_backward else ()
+    if replicated and signature.process_shares > 1:
+        per_rows = _on_stored(forward_on_rows(fn, model, signature, traced), model)
+        grad_of = process_shares.per_process_gradients(per_rows, split)
+        return _process_loop(model, signature, replicated, grad_of, params, rest, mb_stack, arrays_of, no_side_outputs)
     if replicated:
         return _replica_loop(
             model, signature, replicated, step_forward, params, rest, mb_stack, arrays_of, no_side_outputs
@@ -211,6 +221,27 @@ def _replica_loop(model, signature, axes, step_forward, params, rest, mb_stack, 
         return (rest, total, side_outputs.combine_all(sown, mb_sown)), outputs
 
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, copies), copy_shardings)
+    (rest, total, sown), stacked = jax.lax.scan(body, (rest, zeros, no_side_outputs), mb_stack)
+    grads = _placed(replica_gradients.reduced(total, positions), model.store.shardings)
+    grads = _as_kept(model, _averaged(grads, signature, signature.microbatches))
+    return stacked, rest, grads, side_outputs.reported(sown)
+
+
+def _process_loop(model, signature, axes, grad_of, params, rest, mb_stack, arrays_of, no_side_outputs):
+    """``run``'s microbatch loop when each process feeding the batch is one data-parallel replica: each process's
+    gradients (``grad_of``: ``process_shares.per_process_gradients``) stay on its devices through the loop and
+    are summed over the processes once after it."""
+    positions = replica_gradients.leading(model.store)
+    shardings = replica_gradients.copy_shardings(model, axes, positions)
+
+    def body(carry, mb):
+        rest, total, sown = carry
+        (_, (outputs, rest, mb_sown)), grads = grad_of(params, rest, arrays_of(mb))
+        total = jax.tree.map(jnp.add, total, jax.lax.with_sharding_constraint(grads, shardings))
+        return (rest, total, side_outputs.combine_all(sown, mb_sown)), outputs
+
+    zeros = jax.eval_shape(lambda: replica_gradients.copies(params, shardings, positions))
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros), shardings)
     (rest, total, sown), stacked = jax.lax.scan(body, (rest, zeros, no_side_outputs), mb_stack)
     grads = _placed(replica_gradients.reduced(total, positions), model.store.shardings)
     grads = _as_kept(model, _averaged(grads, signature, signature.microbatches))

@@ -33,18 +33,22 @@ _OFFERED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jmp_rep
 def replicated_axes(model: Any, signature: Any) -> tuple[str, ...]:
     """The data axes (of more than one device) that no parameter is split over, when this step keeps gradients per
     replica through its microbatch loop; () when it does not: one microbatch, a pipeline (its own schedule), fp8
-    (its scales' gradients), several processes' shares (a vmap over them), or a step run op by op."""
+    (its scales' gradients), a step run op by op, or several processes' shares unless each process has one
+    replica of its own (then the gradients are kept per process, ``process_shares.per_process_gradients``)."""
     if (
         signature.microbatches == 1
         or model.pipeline is not None
         or model.fp8_recipe is not None
-        or signature.process_shares > 1
         or concrete_run.active()
     ):
         return ()
     mesh = model.layout.mesh
     split = {axis for spec in model.layout.specs.values() for entry in spec if entry for axis in _names(entry)}
-    return tuple(a for a in DATA_AXES if a in mesh.axis_names and mesh.shape[a] > 1 and a not in split)
+    axes = tuple(a for a in DATA_AXES if a in mesh.axis_names and mesh.shape[a] > 1 and a not in split)
+    if signature.process_shares > 1:
+        replicas = math.prod(mesh.shape[a] for a in axes)
+        return axes if replicas == signature.process_shares == signature.data_shards else ()
+    return axes
 
 
 def _names(entry: Any) -> tuple[str, ...]:
@@ -66,6 +70,11 @@ def _key(path: tuple) -> Any:
 
 def _is_sharding(node: Any) -> bool:
     return isinstance(node, NamedSharding)
+
+
+def leading(store: Any) -> Any:
+    """Every stored parameter's replica axis first (per-process gradients: ``jax.vmap`` puts its axis there)."""
+    return jax.tree.map(lambda _: 0, store.shardings)
 
 
 def copy_shardings(model: Any, axes: tuple[str, ...], positions: Any) -> Any:

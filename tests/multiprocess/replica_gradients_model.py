@@ -1,0 +1,28 @@
+"""The model and batch of replica_gradients_script.py, for the test's PyTorch reference too."""
+
+import torch
+import torch.nn.functional as F
+
+ROWS = 16
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.norm = torch.nn.LayerNorm(4 * 10 * 10)
+        self.fc = torch.nn.Linear(4 * 10 * 10, 10)
+
+    def forward(self, x):
+        x = self.norm(torch.flatten(F.relu(self.conv(x)), 1))
+        return F.log_softmax(self.fc(x), dim=1)
+
+
+def net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(ROWS, 1, 12, 12, generator=generator), torch.randint(0, 10, (ROWS,), generator=generator)
