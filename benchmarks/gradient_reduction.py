@@ -6,7 +6,8 @@ microbatch (inside it, as GSPMD placed them before ``jmp.compiled_step.replica_g
 Two models at 8-way data parallelism (``ddp``), each with 1 microbatch, 4 microbatches reduced once per step, and 4
 microbatches reduced per microbatch (the replica copies turned off while the step compiles), side by side in one
 process (medians of interleaved training iterations after warm-up): the seed's GroupedNet (batch 64, Adadelta) and
-the GPT-2 of ``step_speed`` (4 layers, d_model 256, AdamW) on 32 rows of 32 tokens. For each compiled step: the
+the GPT-2 of ``step_speed`` (4 layers, d_model 256, AdamW) on 32 rows of 32 tokens, with its layers run one by one
+and as one scan over weights stored stacked (``scan_layers``). For each compiled step: the
 bytes the all-reduces inside the microbatch loop move (per execution of the loop body, over data-parallel groups
 and any other) and after it, and the temporaries per device (``memory_analysis``). The gradients of the two 4-microbatch
 forms are compared after the first step (they differ by float summation order only).
@@ -64,14 +65,14 @@ def replica_copies(enabled: bool):
         replica_gradients.replicated_axes = original
 
 
-def _initialiser(microbatches: int):
-    return lambda: step_speed.init({"microbatches": microbatches, "ddp": True}, None)
+def _initialiser(config: dict):
+    return lambda: step_speed.init(config, None)
 
 
-def measure(name, make_model, make_optimizer, step, args_of, steps):
-    runs, compiled, grads = {}, {}, {}
+def measure(name, make_model, make_optimizer, step, args_of, steps, extra_config=None):
+    runs, compiled, grads, configs = {}, {}, {}, {}
     for run, (microbatches, once) in RUNS.items():
-        config = {"microbatches": microbatches, "ddp": True}
+        config = configs[run] = {"microbatches": microbatches, "ddp": True, **(extra_config or {})}
         with replica_copies(once):
             step_speed.init(config, None)
             probe = smp.DistributedModel(make_model())
@@ -89,7 +90,7 @@ def measure(name, make_model, make_optimizer, step, args_of, steps):
                 step(model, *args_of())
             grads[run] = named_grads(model.grads)
         print(f"{name} {run}: {json.dumps(compiled[run])}", flush=True)
-    prepare = {run: _initialiser(microbatches) for run, (microbatches, _) in RUNS.items()}
+    prepare = {run: _initialiser(config) for run, config in configs.items()}
     median = medians(time_interleaved(runs, steps, warmup=3, prepare=prepare))
     ms = {k: v * 1e3 for k, v in median.items()}
     print(f"{name}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()), flush=True)
@@ -137,6 +138,15 @@ def main() -> None:
         lm_step,
         lambda: (ids,),
         args.steps,
+    )
+    result["gpt2_scan_layers"] = measure(
+        "GPT-2 under scan_layers",
+        lambda: causal_lm(gpt2_config(**step_speed.GPT2)),
+        lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4),
+        lm_step,
+        lambda: (ids,),
+        args.steps,
+        {"scan_layers": True},
     )
     result["load_average_at_end"] = os.getloadavg()
     write_results(args.out, result)
