@@ -22,7 +22,8 @@ def train_step(model, images, labels):
 
 
 if __name__ == "__main__":
-    smp.init({"microbatches": 2, "ddp": True})
+    extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}  # more config keys, for runs by hand
+    smp.init({"microbatches": 2, "ddp": True, **extra})
     model = smp.DistributedModel(net())
     images, labels = (t.chunk(smp.dp_size())[smp.dp_rank()] for t in batch())
     train_step(model, images, labels)
