@@ -53,6 +53,9 @@ RUNS = {  # name -> (microbatches, gradients kept per replica through the loop)
 }
 
 
+SCANNED = {"scan_layers": True}  # the layers as one scan over weights stored stacked
+
+
 @contextlib.contextmanager
 def replica_copies(enabled: bool):
     """Steps compiled meanwhile keep gradients per replica (the default) or reduce them where they are made."""
@@ -131,23 +134,16 @@ def main() -> None:
         args.steps,
     )
     ids = token_ids(GPT2_BATCH, GPT2_SEQUENCE, step_speed.GPT2["vocab"])
-    result["gpt2"] = measure(
-        "GPT-2",
-        lambda: causal_lm(gpt2_config(**step_speed.GPT2)),
-        lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4),
-        lm_step,
-        lambda: (ids,),
-        args.steps,
-    )
-    result["gpt2_scan_layers"] = measure(
-        "GPT-2 under scan_layers",
-        lambda: causal_lm(gpt2_config(**step_speed.GPT2)),
-        lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4),
-        lm_step,
-        lambda: (ids,),
-        args.steps,
-        {"scan_layers": True},
-    )
+    for key, name, config in (("gpt2", "GPT-2", {}), ("gpt2_scan_layers", "GPT-2 under scan_layers", SCANNED)):
+        result[key] = measure(
+            name,
+            lambda: causal_lm(gpt2_config(**step_speed.GPT2)),
+            lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4),
+            lm_step,
+            lambda: (ids,),
+            args.steps,
+            config,
+        )
     result["load_average_at_end"] = os.getloadavg()
     write_results(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))
