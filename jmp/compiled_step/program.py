@@ -240,8 +240,7 @@ def _process_loop(model, signature, axes, grad_of, params, rest, mb_stack, array
         total = jax.tree.map(jnp.add, total, jax.lax.with_sharding_constraint(grads, shardings))
         return (rest, total, side_outputs.combine_all(sown, mb_sown)), outputs
 
-    zeros = jax.eval_shape(lambda: replica_gradients.copies(params, shardings, positions))
-    zeros = jax.lax.with_sharding_constraint(jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros), shardings)
+    zeros = replica_gradients.copies(jax.tree.map(jnp.zeros_like, params), shardings, positions)
     (rest, total, sown), stacked = jax.lax.scan(body, (rest, zeros, no_side_outputs), mb_stack)
     grads = _placed(replica_gradients.reduced(total, positions), model.store.shardings)
     grads = _as_kept(model, _averaged(grads, signature, signature.microbatches))

@@ -67,7 +67,7 @@ class LayerGroups:
             self.held[members[k]] = _Held(first, (args[1:], kwargs), outputs[k])
         return outputs[0]
 
-    def stack_signature(self, path: str) -> tuple[str, int] | None:
+    def stack_signature(self, path: str) -> tuple[str, Hashable, str] | None:
         """For ``jmp.stacks``: layers checkpointed one by one by this hook, or by hooks alike (each layer
         annotated with the same policy), are alike; a layer checkpointed with others in a group cannot be scanned
         (None)."""
