@@ -507,12 +507,7 @@ def _stacked(
 ) -> jax.Array:
     """One parameter of every layer stacked on a new leading axis, split as each layer's is (so that its gradient,
     the scan's transpose, is split so too)."""
-    sharding = shardings.get(_name(module, path))
-    stacked = storage.stacked_source(layers)  # stacked storage: the stored array's rows, not a new stack
-    stacked = jnp.stack(layers) if stacked is None else stacked
-    if sharding is None:
-        return stacked
-    return jax.lax.with_sharding_constraint(stacked, NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec)))
+    return _stack_of(layers, shardings.get(_name(module, path)), lambda spec: spec)
 
 
 def _stacked_copies(
@@ -523,14 +518,18 @@ def _stacked_copies(
     copies = replica_calls.copies_of(layers)
     if any(c is None for c in copies):
         return None
-    stacked = storage.stacked_source(copies)  # stacked storage: the stored copies' rows
-    stacked = jnp.stack(copies) if stacked is None else stacked
-    sharding = shardings.get(_name(module, path))
+    return _stack_of(copies, shardings.get(_name(module, path)), replica_calls.copy_spec)
+
+
+def _stack_of(arrays: Sequence[jax.Array], sharding: NamedSharding | None, spec_of: Callable[..., Any]) -> jax.Array:
+    """``arrays`` (one per layer) as one array on a new leading axis: the stored array's rows when they are
+    (stacked storage), else a new stack; split as ``spec_of`` makes one layer's ``sharding`` spec, if known."""
+    stacked = storage.stacked_source(arrays)
+    stacked = jnp.stack(arrays) if stacked is None else stacked
     if sharding is None:
         return stacked
-    return jax.lax.with_sharding_constraint(
-        stacked, NamedSharding(sharding.mesh, PartitionSpec(None, *replica_calls.copy_spec(sharding.spec)))
-    )
+    spec = PartitionSpec(None, *spec_of(sharding.spec))
+    return jax.lax.with_sharding_constraint(stacked, NamedSharding(sharding.mesh, spec))
 
 
 def _name(module: TorchModule, path: tuple) -> str:

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import torch.nn.functional as F
 
 import jmp as smp
@@ -30,5 +31,5 @@ if __name__ == "__main__":
     grads = {name: g.tolist() for name, g in named_grads(model.grads).items()}
     hlo = train_step.lower(model, images, labels).compile().as_text()
     report = {"rank": smp.rank(), "dp": [smp.dp_rank(), smp.dp_size()], "grads": grads}
-    report["all_reduce_bytes"] = all_reduce_bytes(hlo, smp.dp_size(), smp.dp_size())
+    report["all_reduce_bytes"] = all_reduce_bytes(hlo, smp.dp_size(), jax.device_count())
     (Path(sys.argv[1]) / f"report_{smp.rank()}.json").write_text(json.dumps(report))
