@@ -2,6 +2,11 @@
 
     python -m benchmarks.step_speed [--steps 10] [--skip-main-job] [--out benchmarks/results/step_speed.json]
 
+Two processes measure: one with JAX's single CPU device (what a laptop user gets) for the 1-device runs, one with
+8 emulated devices for the data-parallel and pipeline runs. On this 2-core machine the emulation alone makes a
+1-device program about 1.3x slower (XLA:CPU's thread pools grow with the device count and contend for the two
+cores), so the second process runs the 1-device, 1-microbatch configuration too, to show that cost.
+
 Two models, each trained side by side in one process (medians of interleaved steps after warm-up):
 
 - the seed's GroupedNet (batch 64 of 1x28x28, Adadelta lr 4.0): PyTorch eager; torch.compile; jmp on 1 device
@@ -167,7 +172,7 @@ def torch_compiled_run(make_model, make_optimizer, loss_of):
 
 
 def measure(name, make_model, make_optimizer, torch_loss, jmp_step, runs_spec, steps):
-    """Median seconds per iteration of PyTorch eager and each jmp configuration, interleaved."""
+    """Median seconds per iteration of PyTorch eager, torch.compile and each jmp configuration, interleaved."""
     runs, first = {}, {}
     runs["torch_eager"], first["torch_eager"] = torch_run(make_model, make_optimizer, torch_loss)
     runs["torch_compile"], first["torch_compile"], compile_warmup = torch_compiled_run(
@@ -175,7 +180,6 @@ def measure(name, make_model, make_optimizer, torch_loss, jmp_step, runs_spec, s
     )
     print(f"{name} torch_compile: first two steps {compile_warmup:.1f} s", flush=True)
     first_step = {}
-    runs_spec = {**runs_spec, **BEFORE_RUNS}
     for run, (config, devices) in runs_spec.items():
         start = time.perf_counter()
         with previous_settings() if run in BEFORE_RUNS else contextlib.nullcontext():  # the first step compiles
@@ -194,7 +198,15 @@ def measure(name, make_model, make_optimizer, torch_loss, jmp_step, runs_spec, s
     }
 
 
-def grouped_net(steps: int) -> dict:
+def one_device_runs(runs: dict, one_device: bool) -> dict:
+    """The runs one process measures: on one device, those of one device and the runs as compiled before; under
+    emulation, the rest and 1 device at 1 microbatch, the emulation's cost."""
+    if one_device:
+        return {name: spec for name, spec in runs.items() if spec[1] == 1} | BEFORE_RUNS
+    return {name: spec for name, spec in runs.items() if spec[1] != 1 or name == "jmp_1dev_mb1"}
+
+
+def grouped_net(steps: int, one_device: bool) -> dict:
     data, target = grouped_net_data()
 
     def make_model():
@@ -207,19 +219,19 @@ def grouped_net(steps: int) -> dict:
         lambda params: torch.optim.Adadelta(params, lr=4.0),
         lambda model: F.nll_loss(model(data), target),
         lambda model: grouped_net_step(model, data, target),
-        GROUPED_NET_RUNS,
+        one_device_runs(GROUPED_NET_RUNS, one_device),
         steps,
     )
     ms = result["median_step_ms"]
-    result["microbatched_over_one"] = {
-        "1dev": ms["jmp_1dev_mb4"] / ms["jmp_1dev_mb1"],
-        "dp8": ms["jmp_dp8_mb4"] / ms["jmp_dp8_mb1"],
-    }
-    result["after_over_before"] = ms["jmp_1dev_mb1"] / ms["jmp_1dev_mb1_before"]
+    if one_device:
+        result["microbatched_over_one"] = {"1dev": ms["jmp_1dev_mb4"] / ms["jmp_1dev_mb1"]}
+        result["after_over_before"] = ms["jmp_1dev_mb1"] / ms["jmp_1dev_mb1_before"]
+    else:
+        result["microbatched_over_one"] = {"dp8": ms["jmp_dp8_mb4"] / ms["jmp_dp8_mb1"]}
     return result
 
 
-def gpt2(steps: int) -> dict:
+def gpt2(steps: int, one_device: bool) -> dict:
     ids = token_ids(GPT2_BATCH, GPT2_SEQUENCE, GPT2["vocab"])
     result = measure(
         "GPT-2",
@@ -227,12 +239,13 @@ def gpt2(steps: int) -> dict:
         lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4),
         lambda model: model(input_ids=ids, labels=ids, use_cache=False).loss,
         lambda model: lm_step(model, ids),
-        GPT2_RUNS,
+        one_device_runs(GPT2_RUNS, one_device),
         steps,
     )
     ms = result["median_step_ms"]
-    result["microbatched_over_one"] = {"1dev": ms["jmp_1dev_mb4"] / ms["jmp_1dev_mb1"]}
-    result["after_over_before"] = ms["jmp_1dev_mb1"] / ms["jmp_1dev_mb1_before"]
+    if one_device:
+        result["microbatched_over_one"] = {"1dev": ms["jmp_1dev_mb4"] / ms["jmp_1dev_mb1"]}
+        result["after_over_before"] = ms["jmp_1dev_mb1"] / ms["jmp_1dev_mb1_before"]
     return result
 
 
@@ -265,29 +278,61 @@ def main_job_runs() -> dict:
     return results
 
 
+def measure_steps(steps: int, one_device: bool) -> dict:
+    """Both models' step timings in this process: with JAX's one CPU device, or with 8 emulated."""
+    if not one_device:
+        emulate_devices()
+    elif len(jax.devices()) != 1:
+        raise SystemExit(f"the one-device timings need a process with one JAX device, not {len(jax.devices())}")
+    result = {"devices": len(jax.devices()), "load_average_at_start": os.getloadavg()}
+    with tempfile.TemporaryDirectory() as inductor_cache:
+        # inductor compiles from scratch too: its on-disk caches of an earlier run would make its warm-up a load
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache
+        result["grouped_net"] = grouped_net(steps, one_device)
+        result["gpt2"] = gpt2(steps, one_device)
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    result["load_average_after"] = os.getloadavg()  # the machine is shared: what else ran
+    return result
+
+
+def measured_in_child(steps: int, devices: str) -> dict:
+    """``measure_steps`` in a fresh process: the device count is fixed when JAX's backend starts."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)
+        command = [sys.executable, "-m", "benchmarks.step_speed", "--steps", str(steps), "--only", devices]
+        subprocess.run([*command, "--out", out.name], env=env, check=True)
+        with open(out.name) as f:
+            return json.load(f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10, help="timed rounds")
     parser.add_argument("--skip-main-job", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/step_speed.json")
+    parser.add_argument("--only", choices=["one_device", "eight_devices"], help="measure this part in this process")
     args = parser.parse_args()
     os.environ.setdefault(compilation.ENVIRONMENT, "off")  # first steps here compile; the main job's runs say
     transformers.logging.set_verbosity_error()
-    emulate_devices()
-    result = {"machine": machine(), "torch_threads": torch.get_num_threads(), "load_average_at_start": os.getloadavg()}
-    with tempfile.TemporaryDirectory() as inductor_cache:
-        # inductor compiles from scratch too: its on-disk caches of an earlier run would make its warm-up a load
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache
-        result["grouped_net"] = grouped_net(args.steps)
-        result["gpt2"] = gpt2(args.steps)
-        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    result["load_average_after_step_timings"] = os.getloadavg()  # the machine is shared: what else ran
+    if args.only:
+        write_results(args.out, measure_steps(args.steps, one_device=args.only == "one_device"))
+        return
+    result = {"machine": machine(), "torch_threads": torch.get_num_threads()}
+    result["one_device"] = measured_in_child(args.steps, "one_device")
+    result["eight_devices"] = measured_in_child(args.steps, "eight_devices")
+    result["1dev_emulated_over_alone"] = {
+        model: result["eight_devices"][model]["median_step_ms"]["jmp_1dev_mb1"]
+        / result["one_device"][model]["median_step_ms"]["jmp_1dev_mb1"]
+        for model in ("grouped_net", "gpt2")
+    }
     if not args.skip_main_job:
         result["main_job"] = main_job_runs()
     write_results(args.out, result)
     print(json.dumps(result, indent=2))
-    losses = result["gpt2"]["first_loss"]  # GroupedNet's dropout draws differ between torch and jmp
-    np.testing.assert_allclose(list(losses.values()), losses["torch_eager"], rtol=1e-3)
+    for part in ("one_device", "eight_devices"):  # GroupedNet's dropout draws differ between torch and jmp
+        losses = result[part]["gpt2"]["first_loss"]
+        np.testing.assert_allclose(list(losses.values()), losses["torch_eager"], rtol=1e-3)
 
 
 if __name__ == "__main__":
