@@ -39,6 +39,8 @@ from jmp.torch_bridge.module import (
     binding_versions,
     call_hooks,
     hooked_call,
+    link_outside_ties,
+    outside_ties,
     refresh_bindings,
     write_count,
 )
@@ -73,11 +75,16 @@ class _NotCompilable(Exception):
 class _Segment:
     """One module call's compiled program, for one key; ``layout`` is filled by its first trace."""
 
-    def __init__(self, module: TorchModule, hook: Any, graphdef: Any, template: list, spec: Any, dtypes: tuple):
+    def __init__(
+        self, module: TorchModule, hook: Any, graphdef: Any, template: list, spec: Any, dtypes: tuple, ties: list
+    ):
         self.layout: dict[str, Any] = {}
 
         def run(params: nnx.State, rest: nnx.State, arrays: list[jax.Array]):
-            copy, inner_rngs = nnx.merge(graphdef, params, rest, copy=True)
+            copy, inner_rngs, tied = nnx.merge(graphdef, params, rest, copy=True)
+            # tied tensors held outside the module come in as arguments: found in the enclosing forward, they
+            # would be that call's values, baked into the program that later calls reuse
+            link_outside_ties(copy, ties, tied)
             wrapped = [JaxTensor(a, dtype) for a, dtype in zip(arrays, dtypes)]
             tensors = iter(wrapped)
             leaves = [next(tensors) if leaf is _TENSOR else leaf for leaf in template]
@@ -95,7 +102,7 @@ class _Segment:
             self.layout["dtypes"] = [v.dtype for v in out_flat if isinstance(v, JaxTensor)]
             self.layout["mutated"] = [i for i, t in enumerate(wrapped) if write_count(t) > 0]
             mutated = [wrapped[i].value for i in self.layout["mutated"]]
-            new_rest = nnx.split((copy, inner_rngs), nnx.Param, ...)[2]
+            new_rest = nnx.split((copy, inner_rngs, tied), nnx.Param, ...)[2]
             values = [v.value for v in out_flat if isinstance(v, JaxTensor)]
             return values, mutated, new_rest, dict(sown)
 
@@ -141,7 +148,8 @@ class Segments:
 
     def _run(self, module: TorchModule, args: tuple, kwargs: dict) -> Any:
         rngs = dispatch.current_rngs()
-        graph = (module, rngs)
+        ties = outside_ties(module)
+        graph = (module, rngs, [variable for *_, variable in ties])
         graphdef, params, rest = nnx.split(graph, nnx.Param, ...)
         flat, spec = torch_pytree.tree_flatten((args, kwargs))
         inputs = [leaf for leaf in flat if isinstance(leaf, JaxTensor)]
@@ -156,7 +164,7 @@ class Segments:
         if segment is None:
             if sum(path == module.torch_path for path, *_ in self.compiled) >= MAX_KEYS_PER_MODULE:
                 raise _NotCompilable(f"it was called with {MAX_KEYS_PER_MODULE} different non-tensor arguments")
-            segment = _Segment(module, self.hook, graphdef, template, spec, dtypes)
+            segment = _Segment(module, self.hook, graphdef, template, spec, dtypes, [tie[:2] for tie in ties])
         versions = binding_versions([module])
         out_arrays, mutated, new_rest, sown = segment.program(params, rest, [t.value for t in inputs])
         if key not in self.compiled:

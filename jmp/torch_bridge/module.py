@@ -271,6 +271,31 @@ def _bound_variable(first: str, later: str) -> nnx.Variable:
     )
 
 
+def outside_ties(module: TorchModule) -> list[tuple[tuple[str, ...], str, nnx.Variable]]:
+    """The tensors of ``module``'s subtree tied to a tensor first named outside it (a language model head tied to
+    the embedding): (child names down to the holder, attribute, the Variable). A split of the subtree leaves them
+    out, and a copy merged from it finds them in the running forward (``_bound_variable``); a program traced once
+    and called again must take them as arguments instead (``link_outside_ties``)."""
+    prefix = module._torch_path
+    ties = []
+
+    def visit(holder: TorchModule, names: tuple[str, ...]) -> None:
+        for later, first in holder.__dict__.get("_torch_tied", ()):
+            if prefix and not first.startswith(prefix + "."):  # the root's ties are all within it
+                ties.append((names, later, getattr(holder, later)))
+        for name, child in holder.children_items():
+            visit(child, (*names, name))
+
+    visit(module, ())
+    return ties
+
+
+def link_outside_ties(copy: TorchModule, ties: Sequence[tuple[tuple[str, ...], str]], variables: Sequence) -> None:
+    """Hold ``variables`` in ``copy`` under the names ``outside_ties`` found them at."""
+    for (names, attribute), variable in zip(ties, variables):
+        object.__setattr__(_descend(copy, names), attribute, variable)
+
+
 def twin_of(torch_module: torch.nn.Module) -> TorchModule | None:
     """The converted module that calls of ``torch_module`` reach while a converted forward runs (else None)."""
     forward = torch_module.__dict__.get("forward")

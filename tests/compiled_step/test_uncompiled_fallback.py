@@ -213,3 +213,43 @@ def test_a_module_called_with_ever_new_arguments_stops_compiling():
     program = next(p for p, _ in model.programs if isinstance(p, uncompiled.UncompiledProgram))
     assert sum(key[0] == "scaled" for key in program.segments.compiled) == segments.MAX_KEYS_PER_MODULE
     assert "different non-tensor arguments" in program.segments.op_by_op["scaled"]
+
+
+class TiedHeadRouter(nn.Module):
+    """A language model whose head is tied to its embedding (the head is a compiled segment holding a tensor first
+    named outside it) and whose middle sends each token's hidden state through the layer a Python list picks, as
+    JetMoe's router does with ``expert_size.tolist()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        hidden = self.embed(ids)
+        counts = (hidden[..., 0] > 0).long().sum().view(1).tolist()  # a concrete value: the step runs op by op
+        routed = self.experts[counts[0] % 2](hidden)
+        logits = self.head(torch.tanh(routed))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1))
+
+
+def test_a_tied_head_compiled_as_a_segment_takes_each_microbatchs_embedding():
+    """The head's compiled segment is traced once, in the first microbatch; the second calls it again and must
+    hand it that microbatch's embedding, not the first's (an escaped tracer before). Gradients against PyTorch."""
+    module = TiedHeadRouter()
+    reference = TiedHeadRouter()
+    reference.load_state_dict(module.state_dict())
+    smp.init({"microbatches": 2})
+    model = smp.DistributedModel(module)
+    ids = torch.randint(0, 32, (16, 6), generator=torch.Generator().manual_seed(3))
+    loss = loss_step(model, ids)
+    expected = [reference(ids[half::2]) for half in (0, 1)]  # one row of each of 8 shards a microbatch
+    (sum(expected) / 2).backward()
+    np.testing.assert_allclose([float(v) for v in loss.outputs], [float(e) for e in expected], rtol=1e-5)
+    program = next(p for p, _ in model.programs if isinstance(p, uncompiled.UncompiledProgram))
+    assert "head" in program.segments.compiled_paths
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for name, parameter in reference.named_parameters():
+        np.testing.assert_allclose(grads[name].numpy(), parameter.grad.numpy(), rtol=1e-5, atol=1e-6)
