@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from jmp.torch_bridge.lowering import triangular_solve
 from jmp.torch_bridge.lowering.promotion import promoted
 from jmp.torch_bridge.registry import register_lowering
 
@@ -141,4 +142,6 @@ def solve_triangular(A, B, *, upper, left=True, unitriangular=False):
     batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a = jnp.broadcast_to(a, batch + a.shape[-2:])
     b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    if jax.default_backend() == "cpu":  # LAPACK's batched kernel can hang XLA:CPU's thread pool
+        return triangular_solve.solve(a, b, left=left, lower=not upper, unit_diagonal=unitriangular)
     return jax.lax.linalg.triangular_solve(a, b, left_side=left, lower=not upper, unit_diagonal=unitriangular)
