@@ -5,7 +5,7 @@ systems over XLA:CPU's intra-op thread pool and blocks its own pool thread until
 calls run at once (XLA:CPU runs independent operations of a program concurrently) each can hold a thread of a small
 pool while its pieces wait behind the other's: the program hangs with every thread idle. Qwen3-Next's gated delta
 rule solves two batched unit-lower systems per layer, and its step hung on this 2-core machine from 8 rows on (one
-device) and at every size on 8 emulated devices, which share one pool.
+device) and data parallel over 8 emulated devices, which share one pool.
 
 Here a system splits in halves, ``L11 X1 = B1`` then ``L22 X2 = B2 - L21 X1``, down to blocks of ``BASE`` rows solved
 row by row. Every piece is an XLA dot or elementwise operation, so it cannot block a pool thread, fuses with its
