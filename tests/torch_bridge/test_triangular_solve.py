@@ -13,8 +13,10 @@ import torch
 from jmp.torch_bridge.lowering import linalg
 from jmp.torch_bridge.lowering import triangular_solve as blocked
 
-# (n, k): a remainder after halving into blocks; several levels of halving
-SIZES = [(13, 2), (64, 4)]
+# (n, k, upper, left, unit): every orientation at 13 rows (a remainder after halving into blocks); at 64 rows,
+# several levels of halving, Qwen3-Next's unit-lower system and the orientation furthest from it
+CASES = [(13, 2, *flags) for flags in itertools.product((False, True), repeat=3)]
+CASES += [(64, 4, False, True, True), (64, 4, True, False, False)]
 
 
 def _system(n, k, upper, batch=(2, 3), seed=0):
@@ -24,10 +26,7 @@ def _system(n, k, upper, batch=(2, 3), seed=0):
     return a, torch.randn(*batch, n, k, generator=generator)
 
 
-@pytest.mark.parametrize(("n", "k"), SIZES)
-@pytest.mark.parametrize(
-    ("upper", "left", "unit"), list(itertools.product((False, True), repeat=3)), ids=lambda v: str(int(v))
-)
+@pytest.mark.parametrize(("n", "k", "upper", "left", "unit"), CASES, ids=lambda v: str(int(v)))
 def test_solutions_and_gradients_equal_torch(n, k, upper, left, unit):
     a, b = _system(n, k, upper)
     if not left:
