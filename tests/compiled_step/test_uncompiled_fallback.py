@@ -236,8 +236,8 @@ class TiedHeadRouter(nn.Module):
 
 
 def test_a_tied_head_compiled_as_a_segment_takes_each_microbatchs_embedding():
-    """The head's compiled segment is traced once, in the first microbatch; the second calls it again and must
-    hand it that microbatch's embedding, not the first's (an escaped tracer before). Gradients against PyTorch."""
+    """The head's compiled segment is traced once, in the first microbatch; the second microbatch and the next step
+    call it again and must hand it their embedding, not the first's (an escaped tracer before). Against PyTorch."""
     module = TiedHeadRouter()
     reference = TiedHeadRouter()
     reference.load_state_dict(module.state_dict())
@@ -253,3 +253,5 @@ def test_a_tied_head_compiled_as_a_segment_takes_each_microbatchs_embedding():
     grads = {name: p.grad for name, p in model.named_parameters()}
     for name, parameter in reference.named_parameters():
         np.testing.assert_allclose(grads[name].numpy(), parameter.grad.numpy(), rtol=1e-5, atol=1e-6)
+    again = loss_step(model, ids)  # the next step calls the segment again too
+    np.testing.assert_allclose([float(v) for v in again.outputs], [float(e) for e in expected], rtol=1e-5)
