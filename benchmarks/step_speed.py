@@ -4,7 +4,7 @@
 
 Two processes measure: one with JAX's single CPU device (what a laptop user gets) for the 1-device runs, one with
 8 emulated devices for the data-parallel and pipeline runs. On this 2-core machine the emulation alone makes a
-1-device program about 1.3x slower (XLA:CPU's thread pools grow with the device count and contend for the two
+1-device program 1.3-1.4x slower (XLA:CPU's thread pools grow with the device count and contend for the two
 cores), so the second process runs the 1-device, 1-microbatch configuration too, to show that cost.
 
 Two models, each trained side by side in one process (medians of interleaved steps after warm-up):
