@@ -140,24 +140,8 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
         return [m if axis is not None else p for m, p, axis in zip(mb, pieces, split)]
 
     def with_grads(rest, mb_arrays):
-        if fp8_recipe is not None:
-            return with_fp8_grads(rest, mb_arrays)
-        (_, (outputs, rest, sown)), grads = jax.value_and_grad(step_forward, has_aux=True)(params, rest, mb_arrays)
+        (outputs, rest, sown), (grads,) = _differentiated(step_forward, (params,), rest, mb_arrays, fp8_recipe)
         # gradients live where their parameters do (sharded data parallel: reduce-scattered)
-        return outputs, rest, _placed(grads, shardings), sown
-
-    def with_fp8_grads(rest, mb_arrays):
-        # the loss is differentiated with respect to the output gradients' fp8 scales too: their cotangents are
-        # the gradients' amaxes (jmp.precision.fp8_matmul), recorded after each microbatch's backward
-        scales, others = fp8_state.split_gradient_scales(rest)
-
-        def on_scales(params, scales, others, mb_arrays):
-            return step_forward(params, nnx.merge_state(others, scales), mb_arrays)
-
-        grad_of = jax.value_and_grad(on_scales, argnums=(0, 1), has_aux=True)
-        (_, (outputs, rest, sown)), (grads, amaxes) = grad_of(params, scales, others, mb_arrays)
-        scales, others = fp8_state.split_gradient_scales(rest)
-        rest = fp8_state.record_gradient_amaxes(fp8_recipe, scales, amaxes, others)
         return outputs, rest, _placed(grads, shardings), sown
 
     if microbatches == 1:
@@ -215,8 +199,8 @@ def _replica_loop(model, signature, axes, step_forward, params, rest, mb_stack, 
 
     def body(carry, mb):
         rest, total, sown = carry
-        grad_of = jax.value_and_grad(on_copies, argnums=(0, 1), has_aux=True)
-        (_, (outputs, rest, mb_sown)), (grads, copy_grads) = grad_of(params, copies, rest, arrays_of(mb))
+        differentiated = _differentiated(on_copies, (params, copies), rest, arrays_of(mb), model.fp8_recipe)
+        (outputs, rest, mb_sown), (grads, copy_grads) = differentiated
         total = jax.tree.map(jnp.add, total, replica_gradients.merged(grads, copy_grads, copy_shardings, positions))
         return (rest, total, side_outputs.combine_all(sown, mb_sown)), outputs
 
@@ -225,6 +209,30 @@ def _replica_loop(model, signature, axes, step_forward, params, rest, mb_stack, 
     grads = _placed(replica_gradients.reduced(total, positions), model.store.shardings)
     grads = _as_kept(model, _averaged(grads, signature, signature.microbatches))
     return stacked, rest, grads, side_outputs.reported(sown)
+
+
+def _differentiated(fn: Callable, diff_args: tuple, rest: Any, mb_arrays: list, fp8_recipe: Any) -> tuple:
+    """((outputs, new rest, side outputs), the gradients of ``diff_args``) of ``fn(*diff_args, rest, mb_arrays)``.
+
+    In fp8 the loss is differentiated with respect to the output gradients' scales too: their cotangents are the
+    gradients' amaxes (``jmp.precision.fp8_matmul``), recorded in the new rest after each microbatch's backward.
+    """
+    count = len(diff_args)
+    if fp8_recipe is None:
+        grad_of = jax.value_and_grad(fn, argnums=tuple(range(count)), has_aux=True)
+        (_, aux), grads = grad_of(*diff_args, rest, mb_arrays)
+        return aux, grads
+
+    def on_scales(*args):
+        *diff, scales, others, mb = args
+        return fn(*diff, nnx.merge_state(others, scales), mb)
+
+    scales, others = fp8_state.split_gradient_scales(rest)
+    grad_of = jax.value_and_grad(on_scales, argnums=tuple(range(count + 1)), has_aux=True)
+    (_, (outputs, rest, sown)), (*grads, amaxes) = grad_of(*diff_args, scales, others, mb_arrays)
+    scales, others = fp8_state.split_gradient_scales(rest)
+    rest = fp8_state.record_gradient_amaxes(fp8_recipe, scales, amaxes, others)
+    return (outputs, rest, sown), tuple(grads)
 
 
 def _process_loop(model, signature, axes, grad_of, params, rest, mb_stack, arrays_of, no_side_outputs):

@@ -23,8 +23,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import torch.nn.functional as F
 
 from jmp.precision.fp8_scaling import amax, quantise
+from jmp.torch_bridge import replica_calls
 
 # The dequantised operands' dtype, and so the product's. Float32 multiplies what TE's GEMM multiplies on every
 # device; None takes the compute dtype (bf16 under autocast), as Flax's fp8 ops do, so that a GPU's fp8 GEMM writes
@@ -93,16 +95,24 @@ def fp8_linear(
     mode the scales are used as they are. ``across``: the ``jax.vmap`` axis of the processes' entries
     (``jmp.compiled_step.process_shares``), over which the input's amax is the maximum, as TE reduces amaxes over
     the data-parallel group.
+
+    While the step offers per-replica copies of the parameters (``jmp.torch_bridge.replica_calls``), the product
+    runs once per replica on its rows and its copy of the weight, so the weight's gradient stays on the replica; the
+    scales get copies too, whose cotangents combine by their maximum: the output gradient's amax is the whole
+    batch's, as without copies. The amaxes recorded here are of the whole input and weight.
     """
     recipe = meta.recipe
-    x_scale, weight_scale = meta.input_scale[...], meta.weight_scale[...]
-    weight = weight.astype(x.dtype)
-    out = scaled_matmul(
-        x, weight, x_scale, weight_scale, meta.grad_scale[...], recipe.forward_dtype, recipe.gradient_dtype
-    )
+    scales = [meta.input_scale[...], meta.weight_scale[...], meta.grad_scale[...]]
+
+    def product(x, weight, x_scale, weight_scale, grad_scale, *bias):
+        out = scaled_matmul(
+            x, weight.astype(x.dtype), x_scale, weight_scale, grad_scale, recipe.forward_dtype, recipe.gradient_dtype
+        )
+        return out + bias[0].astype(out.dtype) if bias else out
+
+    with replica_calls.maximum_copies(scales):
+        out = replica_calls.call(F.linear, product, (x, weight, *scales, *([] if bias is None else [bias])), {})
     if meta.recording:
         input_amax = amax(x) if across is None else jax.lax.pmax(amax(x), across)
-        meta.record_forward(input_amax, amax(weight))
-    if bias is not None:
-        out = out + bias.astype(out.dtype)
+        meta.record_forward(input_amax, amax(weight.astype(x.dtype)))
     return out

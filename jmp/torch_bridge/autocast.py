@@ -272,6 +272,14 @@ def call(torch_fn: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> An
     return state.run(torch_fn, lambda a, k: replica_calls.call(torch_fn, fn, a, k), args, kwargs)
 
 
+def call_whole(torch_fn: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call`` for an ``fn`` that runs its own per-replica parts (``replica_calls``): it gets the whole batch."""
+    state = active()
+    if state is None:
+        return fn(*args, **kwargs)
+    return state.run(torch_fn, lambda a, k: fn(*a, **k), args, kwargs)
+
+
 # --- casting ----------------------------------------------------------------------------------------------------
 
 

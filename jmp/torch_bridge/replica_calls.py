@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -78,6 +79,37 @@ def bound(parameters: Sequence[jax.Array], copies: Sequence[jax.Array | None]) -
         yield
     finally:
         _COPIES.reset(token)
+
+
+@contextlib.contextmanager
+def maximum_copies(values: Sequence[jax.Array]) -> Iterator[None]:
+    """Within the block ``values`` have copies, one per replica, whose cotangents combine by their maximum, not their
+    sum: an fp8 scale, whose cotangent is the amax of the gradient it scales (``jmp.precision.fp8_matmul``), so
+    that a call run per replica gets the whole batch's amax. Outside ``reading`` nothing changes."""
+    table = _COPIES.get()
+    if table is None:
+        yield
+        return
+    sharding = jax.sharding.NamedSharding(table.mesh, PartitionSpec(table.axes))
+    with bound(values, [_copied_for_maximum(v, sharding, table.replicas) for v in values]):
+        yield
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _copied_for_maximum(value: jax.Array, sharding: jax.sharding.NamedSharding, replicas: int) -> jax.Array:
+    copies = jax.numpy.broadcast_to(value[None], (replicas, *value.shape))
+    return jax.lax.with_sharding_constraint(copies, sharding)
+
+
+def _copied_forward(value, sharding, replicas):
+    return _copied_for_maximum(value, sharding, replicas), None
+
+
+def _copied_backward(sharding, replicas, _, cotangents):
+    return (cotangents.max(axis=0),)
+
+
+_copied_for_maximum.defvjp(_copied_forward, _copied_backward)
 
 
 def rebound(outer: Sequence[jax.Array], inner: Sequence[jax.Array]) -> contextlib.AbstractContextManager:

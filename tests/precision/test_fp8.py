@@ -32,6 +32,7 @@ from torch import nn
 
 import jmp as smp
 from benchmarks.fp8 import SPEC, markov_batches
+from benchmarks.harness import all_reduce_bytes
 from jmp.errors import ConfigError
 from jmp.precision import fp8_matmul, fp8_state
 from jmp.precision.fp8_autocast import fp8_autocast
@@ -142,6 +143,47 @@ def test_an_fp8_linear_trains_as_te_delayed_scaling_emulated_in_torch():
         out, (q_x @ q_w.T) * ((1 / torch.tensor(s_x)) * (1 / torch.tensor(s_w))) + reference.bias
     )
     assert all(np.array_equal(value, trained[path]) for path, value in _fp8_state(model).items())
+
+
+SHARDS, MICROBATCHES = 8, 2
+
+
+def _microbatch_rows(rows: int) -> list[list[int]]:
+    """Under SMP each data-parallel shard splits its own rows: microbatch m takes the m-th run of every shard."""
+    run = rows // SHARDS // MICROBATCHES
+    return [[s * rows // SHARDS + m * run + i for s in range(SHARDS) for i in range(run)] for m in range(MICROBATCHES)]
+
+
+def test_data_parallel_fp8_microbatches_reduce_gradients_after_the_loop_as_te_scales_the_whole_batch():
+    """dp8 x 2 microbatches: each replica multiplies its rows with its own copy of the weight (no weight-gradient
+    all-reduce in the microbatch loop), while every scale is the whole microbatch's, as the torch emulation has it:
+    a gradient amax summed over the replicas rather than their maximum would put the gradient scale off by up to 8x.
+    """
+    smp.init({"fp8": True, "fp8_amax_history_len": HISTORY, "microbatches": MICROBATCHES, "ddp": True})
+    linear = nn.Linear(32, 16)
+    reference = TorchDelayedScaling(linear.weight.detach().clone(), linear.bias.detach().clone())
+    model = smp.DistributedModel(linear)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    generator = torch.Generator().manual_seed(5)
+    # the replicas' rows differ in magnitude, so that each replica's own amax differs from the batch's
+    magnitudes = torch.logspace(-1, 1, 32).reshape(32, 1)
+    x, grad_out = torch.randn(32, 32, generator=generator) * magnitudes, torch.randn(32, 16, generator=generator)
+    hlo = linear_step.lower(model, x, grad_out * 1e-3).compile().as_text()
+    weight_bytes = linear.weight.numel() * 4
+    assert all_reduce_bytes(hlo, SHARDS, SHARDS)["in_loop"] < weight_bytes / 8  # the scales' amaxes only
+    for factor in (1.0, 8.0, 0.25):
+        optimizer.zero_grad()
+        linear_step(model, x * factor, grad_out * factor * 1e-3)
+        grads = {name: torch.from_numpy(np.array(g)) for name, g in model.layout.by_name(model.grads).items()}
+        optimizer.step()
+        expected = [reference.step(x[rows] * factor, grad_out[rows] * factor * 1e-3) for rows in _microbatch_rows(32)]
+        weight_grad = sum(e[1] for e in expected) / MICROBATCHES
+        torch.testing.assert_close(grads["weight"], weight_grad, rtol=1e-6, atol=1e-6 * float(weight_grad.abs().max()))
+        torch.testing.assert_close(grads["bias"], sum(e[2] for e in expected) / MICROBATCHES, rtol=1e-6, atol=1e-9)
+        state = _fp8_state(model)
+        for name, scaling in (("input", reference.input), ("grad", reference.grad)):
+            np.testing.assert_allclose(state[f"fp8/{name}_amax_history"], scaling.history, rtol=1e-7)
+            np.testing.assert_allclose(state[f"fp8/{name}_scale"], scaling.scale, rtol=1e-7)
 
 
 class Format(enum.Enum):  # TE's recipe format, as a script passes it

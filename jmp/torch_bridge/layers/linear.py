@@ -31,7 +31,7 @@ class Linear(ArrayModule):
         bias = None if self.bias is None else self.bias[...]
         if self.fp8 is not None:
             fp8 = functools.partial(fp8_linear, self.fp8, across=dispatch.batch_axis())
-            return autocast.call(F.linear, fp8, input, self.weight[...], bias)
+            return autocast.call_whole(F.linear, fp8, input, self.weight[...], bias)
         return autocast.call(F.linear, linear, input, self.weight[...], bias)
 
 
