@@ -153,14 +153,30 @@ def replica_group_size(line: str, device_count: int) -> int:
     return device_count  # no groups given: all devices (collective-permute has pairs, not groups)
 
 
+# an instruction's called computations: fusions, conditional branches, reducers, nested loops
+_CALLED = re.compile(r"(?:calls|computations|to_apply|body|condition)=(\{[^}]*\}|%[\w.\-]+)")
+
+
 def all_reduce_bytes(hlo: str, group: int | None = None, device_count: int = 8) -> dict[str, int]:
-    """Bytes of the all-reduce results of an optimized HLO module inside while-loop bodies (a microbatch loop's)
-    and outside them; only those over groups of ``group`` devices when given."""
-    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
-    totals = {"in_loop": 0, "outside_loop": 0}
+    """Bytes of the all-reduce results of an optimized HLO module inside while-loop bodies (a microbatch loop's,
+    a pipeline's schedule loop), with the computations they call (a stage's branch of a conditional), and outside
+    them; only those over groups of ``group`` devices when given."""
+    blocks = {}
     for block in re.split(r"\n(?=\S)", hlo):
-        name = re.match(r"%?([\w.\-]+)", block)
-        where = "in_loop" if name is not None and name.group(1) in bodies else "outside_loop"
+        name = re.match(r"(?:ENTRY )?%?([\w.\-]+)", block)
+        if name is not None:
+            blocks[name.group(1)] = block
+    in_loop, pending = set(), re.findall(r"body=%([\w.\-]+)", hlo)
+    while pending:  # the bodies and every computation they reach
+        name = pending.pop()
+        if name in in_loop or name not in blocks:
+            continue
+        in_loop.add(name)
+        for called in _CALLED.findall(blocks[name]):
+            pending += re.findall(r"%([\w.\-]+)", called)
+    totals = {"in_loop": 0, "outside_loop": 0}
+    for name, block in blocks.items():
+        where = "in_loop" if name in in_loop else "outside_loop"
         for line in block.splitlines():
             if not re.search(r" all-reduce(?:-start)?\(", line):
                 continue

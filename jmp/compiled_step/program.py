@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from jmp.compiled_step.outputs import output_array, output_leaf
 from jmp.compiled_step.signature import StepSignature, rebuild
 from jmp.model.distributed_model import DistributedModel
 from jmp.pipeline.engine import StepInputs
+from jmp.pipeline.stage_buffers import copies_name
 from jmp.precision import fp8_state
 from jmp.remat import xla as remat_xla
 from jmp.runtime import mesh_state
@@ -299,17 +301,41 @@ def _run_pipeline(fn, model: DistributedModel, signature: StepSignature, traced:
     mb_avals = [
         jax.ShapeDtypeStruct(p.shape[1:] if axis is not None else p.shape, p.dtype) for p, axis in zip(pieces, split)
     ]
-    param_avals = model.layout.avals()
+    param_avals, names = model.layout.avals(), list(model.layout.names)
     flat = flat_forward(forward(fn, model, signature, traced), model, rest_def, traced)
+    axes = replica_gradients.replicated_axes(model, signature)
+    copies = {}
+    if axes:  # the forward also takes each parameter's per-replica copies, after the parameters
+        replicas = math.prod(model.layout.mesh.shape[a] for a in axes)
+        sizes = frozenset(p.shape[axis + 1] for p, axis in zip(pieces, split) if axis is not None)
+        flat = _with_copies(flat, model, axes, sizes)
+        param_avals = param_avals + [jax.ShapeDtypeStruct((replicas, *a.shape), a.dtype) for a in param_avals]
+        names = names + [copies_name(n) for n in names]
+        positions = replica_gradients.leading(model.store)
+        copies = replica_gradients.copies(rows, replica_gradients.copy_shardings(model, axes, positions), positions)
     jaxpr = pipeline.trace(flat, param_avals, rest_leaves, mb_avals)
-    programs = pipeline.programs(jaxpr, list(model.layout.names), len(rest_leaves))
-    inputs = StepInputs(rows, rest, tuple(split_pieces), tuple(whole), microbatches, traced.has_backward)
+    programs = pipeline.programs(jaxpr, names, len(rest_leaves))
+    inputs = StepInputs(rows, rest, tuple(split_pieces), tuple(whole), microbatches, traced.has_backward, copies, axes)
     result = pipeline.step(programs, inputs)
     outputs = result.finals[1 : 1 + traced.output_count]  # finals: [loss, *outputs, *side outputs]
     stacked = jax.tree.unflatten(traced.side_outputs, result.finals[1 + traced.output_count :])
     grads = result.grads  # summed over microbatches
     grads = _as_kept(model, _averaged(grads, signature, microbatches)) if grads is not None else None
     return outputs, result.rest, grads, side_outputs.reported(side_outputs.reduce_stacked(stacked))
+
+
+def _with_copies(flat: Callable, model: DistributedModel, axes: tuple[str, ...], rows: frozenset[int]) -> Callable:
+    """``flat`` whose parameter list also holds each parameter's per-replica copies, after the parameters, offered to
+    the forward's row-local calls (``replica_gradients``): in the pipeline their gradients stay per replica through
+    the schedule's loop."""
+    count = len(model.layout.names)
+
+    def on_copies(param_list, rest_list, mb_arrays):
+        copies = jax.tree_util.tree_unflatten(model.layout.treedef, param_list[count:])
+        with replica_gradients.offered(copies, model.layout.mesh, axes, rows):
+            return flat(param_list[:count], rest_list, mb_arrays)
+
+    return on_copies
 
 
 def flat_forward(step_forward: Callable, model: DistributedModel, rest_def: Any, traced: Traced) -> Callable:

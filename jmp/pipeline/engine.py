@@ -17,6 +17,10 @@ Buffers the forward updates thread through the microbatches in order on the stag
 (``split``); a buffer whose value reaches the stage's output is also kept per microbatch in flight, so
 what the backward computes again sees it as the forward did.
 
+Under data parallelism the stages' row-local calls read per-replica copies of their parameters
+(``StepInputs.copies``, ``jmp.compiled_step.replica_gradients``): each replica's gradients stay on its devices
+through the loop and are summed once after it, where otherwise every backward tick would all-reduce its stage's.
+
 Everything a device carries from tick to tick is one ``LoopState``; each tick (``_Engine.tick``) reads it,
 runs one branch on a ``Work`` and returns the next state.
 """
@@ -38,7 +42,7 @@ from jmp.errors import PipelineError
 from jmp.pipeline import residuals
 from jmp.pipeline.schedule import BACKWARD, FORWARD, Schedule
 from jmp.pipeline.split import StagePrograms
-from jmp.pipeline.stage_buffers import StageLayout
+from jmp.pipeline.stage_buffers import COPIES, StageLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,10 @@ class StepInputs:
     whole: tuple[jax.Array | None, ...]  # per step input: given whole to every microbatch, or None
     microbatches: int
     backward: bool  # whether the step differentiates its loss
+    # per buffer key, its per-replica copies [replicas, pp, ...] (``jmp.compiled_step.replica_gradients``), which
+    # the stages' row-local calls read: their gradients stay per replica through the loop, summed once after it
+    copies: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+    copy_axes: tuple[str, ...] = ()  # the mesh axes splitting the copies' replica axis
 
 
 class StepOutputs(NamedTuple):
@@ -105,23 +113,35 @@ def run(
     """
     rest, treedef = jax.tree.flatten(inputs.rest)
     last = layout.pp - 1
-    mb0 = _microbatch(inputs.pieces, inputs.whole, 0)
-    finals_shape = jax.eval_shape(
-        lambda: programs.run(last, _param_shapes(layout, last), rest, mb0, programs.empty_carry()).finals
+    finals_shape = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in programs.final_vars)
+    engine = _Engine(
+        programs,
+        layout,
+        schedule,
+        inputs.microbatches,
+        inputs.backward,
+        finals_shape,
+        recompute,
+        tuple(inputs.copies),
+        inputs.copy_axes,
     )
-    engine = _Engine(programs, layout, schedule, inputs.microbatches, inputs.backward, tuple(finals_shape), recompute)
+    pp, copies_pp = PartitionSpec("pp"), PartitionSpec(None, "pp")
+    grad_specs = {k: copies_pp if k.endswith(COPIES) else pp for k in engine.grad_keys} if inputs.backward else {}
     sharded = jax.shard_map(
         engine.per_device,
         mesh=layout.mesh,
-        in_specs=(PartitionSpec("pp"), PartitionSpec(), PartitionSpec(), PartitionSpec()),
-        out_specs=(PartitionSpec("pp"), PartitionSpec("pp"), PartitionSpec("pp")),
+        in_specs=(pp, copies_pp, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        out_specs=(pp, pp, grad_specs),
         axis_names={"pp"},
         # on, graph.py's replayed eqns raise "Primitive dot_general requires varying manual axes to match" (no pvary)
         check_vma=False,
     )
-    finals, buffers, grads = sharded(inputs.rows, rest, list(inputs.pieces), list(inputs.whole))
+    finals, buffers, grads = sharded(inputs.rows, inputs.copies, rest, list(inputs.pieces), list(inputs.whole))
     for i, rows in zip(programs.updated, buffers):  # each updated buffer from the row of the stage owning it
         rest[i] = rows[programs.owner[i]]
+    for key in engine.grad_keys if inputs.backward else ():  # the replicas' gradients summed: their one reduction
+        if key.endswith(COPIES):
+            grads[key.removesuffix(COPIES)] = grads.pop(key).sum(0)
     return StepOutputs([f[last] for f in finals], jax.tree.unflatten(treedef, rest), grads if inputs.backward else None)
 
 
@@ -158,6 +178,8 @@ class _Engine:
     backward: bool
     finals_shape: tuple[jax.ShapeDtypeStruct, ...]
     recompute: bool
+    copy_keys: tuple[str, ...]  # the buffers whose per-replica copies the stages read
+    copy_axes: tuple[str, ...]
 
     @property
     def keeps_residuals(self) -> bool:
@@ -169,7 +191,16 @@ class _Engine:
 
     @functools.cached_property
     def diff_keys(self) -> list[str]:
-        return [k for k, b in self.layout.buffers.items() if jnp.issubdtype(b.dtype, jnp.inexact)]
+        buffers = self.layout.buffers
+        keys = [k for k, b in buffers.items() if jnp.issubdtype(b.dtype, jnp.inexact)]
+        return keys + [k + COPIES for k in self.copy_keys if k in keys]
+
+    @functools.cached_property
+    def grad_keys(self) -> list[str]:
+        """The gradients the loop adds up: a buffer's copies' when it has copies (what the uses outside per-replica
+        calls give is shared among them, ``accumulated``), else its own."""
+        copied = {k.removesuffix(COPIES) for k in self.diff_keys if k.endswith(COPIES)}
+        return [k for k in self.diff_keys if k not in copied]
 
     @functools.cached_property
     def held_positions(self) -> list[int]:
@@ -181,8 +212,10 @@ class _Engine:
     def depth(self) -> int:
         return self.schedule.slots
 
-    def per_device(self, rows, rest, pieces, whole) -> tuple[list, list, dict]:
-        """One device's loop: (its finals, its buffers, its gradients), each with a leading ``pp`` row."""
+    def per_device(self, rows, copies, rest, pieces, whole) -> tuple[list, list, dict]:
+        """One device's loop: (its finals, its buffers, its gradients), each with a ``pp`` row (leading; after the
+        replica axis for the copies' gradients)."""
+        rows = {**rows, **{k + COPIES: c for k, c in copies.items()}}  # read and differentiated alike
         inputs = StepInputs(rows, tuple(rest), tuple(pieces), tuple(whole), self.microbatches, self.backward)
         stage = jax.lax.axis_index("pp")
         pp = self.layout.pp
@@ -221,7 +254,7 @@ class _Engine:
             held_buffers=tuple(jnp.zeros((depth,) + buffers[k].shape, buffers[k].dtype) for k in self.held_positions),
             residuals=kept.empty(depth + 1),
             buffers=buffers,
-            grads={k: jnp.zeros_like(inputs.rows[k]) for k in self.diff_keys} if self.backward else {},
+            grads={k: jnp.zeros_like(inputs.rows[k]) for k in self.grad_keys} if self.backward else {},
             finals=tuple(jnp.zeros((self.microbatches,) + f.shape, f.dtype) for f in self.finals_shape),
             message=self.programs.empty_carry(),
             message_ct=self.zero_ct(),
@@ -299,7 +332,7 @@ class _Engine:
         loss = out.finals[0] if last else jnp.zeros((), jnp.float32)
         out_ct = [jnp.zeros_like(c) for c in work.ct] if last else list(work.ct)
         d_rows, d_carry = pullback((out_ct, jnp.ones_like(loss) if last else jnp.zeros_like(loss)))
-        grads = {k: work.grads[k] + d_rows[k] for k in work.grads}
+        grads = self.accumulated(work.grads, d_rows)
         return Done(self.programs.empty_carry(), tuple(d_carry), work.buffers, grads, self.zero_finals(), kept.zeros())
 
     def stage_vjp(self, stage: int, rows: dict, carry: tuple, rest: list, microbatch: list):
@@ -323,8 +356,20 @@ class _Engine:
 
     # --- helpers of the branches -------------------------------------------------------------------------
 
+    def accumulated(self, grads: dict[str, jax.Array], d_rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """``grads`` plus one microbatch's ``d_rows``; a buffer with copies adds to each replica's gradient its own
+        part and an equal share of the buffer's (the uses outside per-replica calls, already summed over them)."""
+        out = {}
+        for key, total in grads.items():
+            if key.endswith(COPIES):
+                shared = d_rows[key.removesuffix(COPIES)] / total.shape[0]
+                out[key] = total + d_rows[key] + shared[None].astype(total.dtype)
+            else:
+                out[key] = total + d_rows[key]
+        return out
+
     def run_stage(self, stage: int, rows: dict, rest: list, microbatch: list, carry: tuple):
-        params = self.layout.stage_params(rows, stage, self.programs.stage_params[stage])
+        params = self.layout.stage_params(rows, stage, self.programs.stage_params[stage], self.copy_axes)
         return self.programs.run(stage, params, rest, microbatch, carry)
 
     def rest_seen(self, inputs: StepInputs, buffers: Sequence[jax.Array], m: jax.Array) -> list[jax.Array]:
@@ -348,11 +393,6 @@ class _Engine:
 
     def zero_finals(self) -> tuple[jax.Array, ...]:
         return tuple(jnp.zeros(f.shape, f.dtype) for f in self.finals_shape)
-
-
-def _param_shapes(layout: StageLayout, stage: int) -> dict[str, jax.Array]:
-    names = layout.stage_names(stage)
-    return {n: jnp.zeros(layout.packing[n].shape, layout.buffers[layout.places[n][0].key].dtype) for n in names}
 
 
 def _microbatch(pieces: Sequence, whole: Sequence, m) -> list[jax.Array]:

@@ -26,6 +26,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jmp.sharding.param_specs import without_axis
 
+# what follows a parameter's name or a buffer's key to name its per-replica copies
+# (``jmp.compiled_step.replica_gradients``); torch names hold no "@"
+COPIES = "@replicas"
+
+
+def copies_name(name: str) -> str:
+    return name + COPIES
+
 
 @dataclasses.dataclass(frozen=True)
 class Place:
@@ -241,16 +249,27 @@ class StageLayout:
 
     # --- inside the pipeline program (one stage's row) --------------------------------------------------
 
-    def stage_params(self, rows: Mapping[str, jax.Array], stage: int, names: list[str]) -> dict[str, jax.Array]:
-        """Parameters ``names`` of ``stage`` from this device's rows ``[1, *grid, length]``."""
+    def stage_params(
+        self, rows: Mapping[str, jax.Array], stage: int, names: list[str], copy_axes: tuple[str, ...] = ()
+    ) -> dict[str, jax.Array]:
+        """Parameters ``names`` of ``stage`` from this device's rows ``[1, *grid, length]``; a name of a parameter's
+        per-replica copies (``copies_name``) from the copies of its buffer, ``[replicas, 1, *grid, length]``, the
+        replicas split over ``copy_axes``."""
         gather = not jax.sharding.get_abstract_mesh().empty  # inside the pipeline's shard_map
         out = {}
         for name in names:
-            place = next(p for p in self.places[name] if p.stage == stage)
-            out[name] = self._read(rows[place.key], place, name, row=0)
+            param = name.removesuffix(COPIES)
+            place = next(p for p in self.places[param] if p.stage == stage)
+            if name == param:
+                out[name] = self._read(rows[place.key], place, name, row=0)
+                replicas = ()
+            else:
+                read = functools.partial(self._read, place=place, name=param, row=0)
+                out[name] = jax.vmap(read)(rows[place.key + COPIES])
+                replicas = (copy_axes,)
             if gather:  # FSDP: the stage uses the whole weight, gathered over fsdp where it is used
-                whole = without_axis(self.param_shardings[name].spec, "fsdp")
-                out[name] = jax.lax.with_sharding_constraint(out[name], whole)
+                whole = without_axis(self.param_shardings[param].spec, "fsdp")
+                out[name] = jax.lax.with_sharding_constraint(out[name], PartitionSpec(*replicas, *whole))
         return out
 
     def stage_names(self, stage: int) -> list[str]:

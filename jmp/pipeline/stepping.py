@@ -25,7 +25,7 @@ from jmp.pipeline import engine, placement, schedule
 from jmp.pipeline.engine import StepInputs, StepOutputs
 from jmp.pipeline.graph import module_scopes
 from jmp.pipeline.split import StagePrograms
-from jmp.pipeline.stage_buffers import StageLayout
+from jmp.pipeline.stage_buffers import COPIES, StageLayout
 from jmp.runtime.config import Config
 from jmp.torch_bridge import torch_name
 
@@ -89,7 +89,9 @@ class Pipeline:
             )
         programs = StagePrograms(jaxpr, stage_of, list(names), rest_count)
         if check:
-            for name, stages in programs.stage_usage.items():
+            for read_name in programs.param_names:  # a parameter's per-replica copies live with it
+                name = read_name.removesuffix(COPIES)
+                stages = [s for s, names in enumerate(programs.stage_params) if read_name in names]
                 missing = set(stages) - set(self.layout.stages[name])
                 if missing:
                     raise PipelineError(

@@ -243,7 +243,8 @@ def call(func: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     table = _COPIES.get()
     rule = _RULES.get(func) if table is not None else None
     found = rule(args, kwargs) if rule is not None else None
-    if found is None or jax.sharding.get_abstract_mesh().manual_axes:
+    context = jax.sharding.get_abstract_mesh()
+    if found is None or set(table.axes) & set(context.manual_axes):
         return fn(*args, **kwargs)
     x = args[found[0]]
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
@@ -264,7 +265,8 @@ def call(func: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     rows = PartitionSpec(*([None] * dim), table.axes)
     run = jax.shard_map(
         per_replica,
-        mesh=table.mesh,
+        # inside a pipeline's shard_map (pp manual) the call's mesh is the one its types name
+        mesh=context if context.manual_axes else table.mesh,
         in_specs=(rows,) + (PartitionSpec(table.axes),) * len(arrays),
         out_specs=rows,
         axis_names=frozenset(table.axes),
