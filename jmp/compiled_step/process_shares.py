@@ -27,14 +27,16 @@ from jmp.torch_bridge import dispatch
 PROCESS_AXIS = "jmp_process"
 
 
-def per_process(run_forward: Callable, split_axes: Sequence[int | None]) -> Callable:
+def per_process(run_forward: Callable, split_axes: Sequence[int | None], params_axis: int | None = None) -> Callable:
     """``run_forward`` (params, rest, microbatch arrays) -> (loss, (outputs, rest, side outputs)) run on each
     process's block of the split arrays (cut by ``blocks``: the process axis at each split axis): the sum of
     the processes' losses, outputs with a leading process axis, process 0's rest, side outputs combined over
-    processes."""
+    processes. ``params_axis`` 0: the parameters have a leading process axis too, each process reading its own
+    copy (``jmp.compiled_step.replica_gradients``), whose gradients then stay per process."""
 
     def run(params, rest, mb_arrays):
-        batched = jax.vmap(run_forward, in_axes=(None, None, list(split_axes)), axis_name=PROCESS_AXIS)
+        in_axes = (params_axis, None, list(split_axes))
+        batched = jax.vmap(run_forward, in_axes=in_axes, axis_name=PROCESS_AXIS)
         with dispatch.batched_over(PROCESS_AXIS):
             losses, (outputs, new_rest, sown) = batched(params, rest, mb_arrays)
         first_process = jax.tree.map(lambda leaf: leaf[0], new_rest)

@@ -302,17 +302,25 @@ def _run_pipeline(fn, model: DistributedModel, signature: StepSignature, traced:
         jax.ShapeDtypeStruct(p.shape[1:] if axis is not None else p.shape, p.dtype) for p, axis in zip(pieces, split)
     ]
     param_avals, names = model.layout.avals(), list(model.layout.names)
-    flat = flat_forward(forward(fn, model, signature, traced), model, rest_def, traced)
     axes = replica_gradients.replicated_axes(model, signature)
     copies = {}
-    if axes:  # the forward also takes each parameter's per-replica copies, after the parameters
+    if not axes:
+        flat = flat_forward(forward(fn, model, signature, traced), model, rest_def, traced)
+    else:
         replicas = math.prod(model.layout.mesh.shape[a] for a in axes)
-        sizes = frozenset(p.shape[axis + 1] for p, axis in zip(pieces, split) if axis is not None)
-        flat = _with_copies(flat, model, axes, sizes)
-        param_avals = param_avals + [jax.ShapeDtypeStruct((replicas, *a.shape), a.dtype) for a in param_avals]
-        names = names + [copies_name(n) for n in names]
+        copy_avals = [jax.ShapeDtypeStruct((replicas, *a.shape), a.dtype) for a in param_avals]
         positions = replica_gradients.leading(model.store)
         copies = replica_gradients.copies(rows, replica_gradients.copy_shardings(model, axes, positions), positions)
+        if signature.process_shares > 1:  # one replica per process: each process's forward reads its copy
+            per_process = process_shares.per_process(forward_on_rows(fn, model, signature, traced), split, 0)
+            flat = flat_forward(per_process, model, rest_def, traced)
+            param_avals, names = copy_avals, [copies_name(n) for n in names]
+        else:  # the forward also takes the copies, after the parameters, for its row-local calls
+            sizes = frozenset(p.shape[axis + 1] for p, axis in zip(pieces, split) if axis is not None)
+            flat = _with_copies(
+                flat_forward(forward(fn, model, signature, traced), model, rest_def, traced), model, axes, sizes
+            )
+            param_avals, names = param_avals + copy_avals, names + [copies_name(n) for n in names]
     jaxpr = pipeline.trace(flat, param_avals, rest_leaves, mb_avals)
     programs = pipeline.programs(jaxpr, names, len(rest_leaves))
     inputs = StepInputs(rows, rest, tuple(split_pieces), tuple(whole), microbatches, traced.has_backward, copies, axes)

@@ -34,15 +34,15 @@ def replicated_axes(model: Any, signature: Any) -> tuple[str, ...]:
     """The data axes (of more than one device) that no parameter is split over, when this step keeps gradients per
     replica through its microbatch loop (a pipeline's schedule too); () when it does not: one microbatch, a step run
     op by op, or several processes' shares, unless each process has one replica of its own (then the gradients are
-    kept per process, ``process_shares.per_process_gradients``) and the step is neither in fp8 (that loop does not
-    differentiate the fp8 scales) nor pipelined."""
+    kept per process, ``process_shares.per_process_gradients``, or, in a pipeline, each process's forward reads its
+    own copy) and the step is not in fp8 (that loop does not differentiate the fp8 scales)."""
     if signature.microbatches == 1 or concrete_run.active():
         return ()
     mesh = model.layout.mesh
     split = {axis for spec in model.layout.specs.values() for entry in spec if entry for axis in _names(entry)}
     axes = tuple(a for a in DATA_AXES if a in mesh.axis_names and mesh.shape[a] > 1 and a not in split)
     if signature.process_shares > 1:
-        if model.fp8_recipe is not None or model.pipeline is not None:
+        if model.fp8_recipe is not None:
             return ()
         replicas = math.prod(mesh.shape[a] for a in axes)
         return axes if replicas == signature.process_shares == signature.data_shards else ()

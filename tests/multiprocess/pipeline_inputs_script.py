@@ -3,7 +3,8 @@
 As AWS's gpt2 example does, only the processes with ``smp.pp_rank() == 0`` read data; the others pass
 placeholders (``DummyDataset``'s empty tensors, and one of yet another shape). Each process prints one JSON line
 for ``pipeline_inputs.from_first_stage`` called directly, then, after one SGD step of a tiny pipelined model on
-that data, one with the largest difference of its weights from PyTorch's step on every pp-rank-0 process's rows.
+that data, one with the largest difference of its weights from PyTorch's step on every pp-rank-0 process's rows,
+and the bytes its compiled step all-reduces over the data-parallel groups inside the schedule's loop and after it.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import copy
 import json
 
+import jax
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import jmp as smp
+from benchmarks.harness import all_reduce_bytes
 from jmp.compiled_step import pipeline_inputs
 from jmp.errors import StepError
 
@@ -81,4 +84,8 @@ if __name__ == "__main__":
     expected = reference.state_dict()
     difference = max(float((trained[k] - expected[k]).abs().max()) for k in expected)
     moved = max(float((expected[k] - initial[k]).abs().max()) for k in expected)
-    print(json.dumps(me | {"max_difference": difference, "step_moved": moved}), flush=True)
+    hlo = train_step.lower(model, x, y).compile().as_text()
+    reduced = all_reduce_bytes(hlo, smp.dp_size(), jax.device_count())  # over the data-parallel groups
+    parameter_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+    report = {"max_difference": difference, "step_moved": moved, "parameter_bytes": parameter_bytes}
+    print(json.dumps(me | report | {"all_reduce_bytes": reduced}), flush=True)

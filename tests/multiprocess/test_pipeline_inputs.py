@@ -58,3 +58,7 @@ def test_a_pipelined_step_trains_on_the_first_stages_rows_when_later_stages_feed
     for report in trained.values():
         assert report["step_moved"] > 1e-2  # the step changed the weights, and as PyTorch's did
         assert report["max_difference"] < 1e-5, report
+        # each process's forward reads its own copy of the parameters: their gradients are reduced once, after the
+        # schedule's loop, not at every backward tick
+        assert report["all_reduce_bytes"]["in_loop"] < 0.05 * report["parameter_bytes"], report
+        assert report["all_reduce_bytes"]["outside_loop"] >= report["parameter_bytes"] / 2, report

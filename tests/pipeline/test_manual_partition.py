@@ -73,3 +73,42 @@ def test_a_later_call_on_a_submodule_overrides_its_parents_assignment():
         **{f"body.{layer}.{p}": (1,) for layer in ("fc1", "fc2") for p in ("weight", "bias")},
     }
     assert_grads_match(model, reference)
+
+
+class TwoHeads(nn.Module):
+    """A head that only some calls use (an auxiliary loss's), on the last stage."""
+
+    def __init__(self):
+        super().__init__()
+        with smp.partition(0):
+            self.body = nn.Linear(16, 16)
+        with smp.partition(1):
+            self.head = nn.Linear(16, 4)
+            self.aux = nn.Linear(16, 4)
+
+    def forward(self, x, aux=True):
+        hidden = torch.tanh(self.body(x))
+        return F.log_softmax(self.head(hidden) + (self.aux(hidden) if aux else 0), dim=1)
+
+
+@smp.step
+def without_aux_step(model, data, target):
+    loss = F.nll_loss(model(data, aux=False), target)
+    model.backward(loss)
+    return loss
+
+
+def test_a_later_step_function_may_leave_parameters_of_the_cut_unread():
+    """The cut is made by the first step function; a later one that does not read the auxiliary head trains the
+    rest as torch does (it was refused: an unread parameter counted as read on stage 0)."""
+    smp.init(MANUAL)
+    net, reference = TwoHeads(), TwoHeads()
+    reference.load_state_dict(net.state_dict())
+    data, target = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    model = smp.DistributedModel(net)
+    nll_step(model, data, target)
+    assert model.pipeline.layout.stages["aux.weight"] == (1,)
+    without_aux_step(model, data, target)
+    for aux in (True, False):  # no zero_grad between the steps: the gradients add up, as torch's do
+        F.nll_loss(reference(data, aux=aux), target).backward()
+    assert_grads_match(model, reference)
