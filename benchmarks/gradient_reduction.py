@@ -7,10 +7,12 @@ Two models at 8-way data parallelism (``ddp``), each with 1 microbatch, 4 microb
 microbatches reduced per microbatch (the replica copies turned off while the step compiles), side by side in one
 process (medians of interleaved training iterations after warm-up): the seed's GroupedNet (batch 64, Adadelta) and
 the GPT-2 of ``step_speed`` (4 layers, d_model 256, AdamW) on 32 rows of 32 tokens, with its layers run one by one
-and as one scan over weights stored stacked (``scan_layers``). For each compiled step: the
-bytes the all-reduces inside the microbatch loop move (per execution of the loop body, over data-parallel groups
-and any other) and after it, and the temporaries per device (``memory_analysis``). The gradients of the two 4-microbatch
-forms are compared after the first step (they differ by float summation order only).
+and as one scan over weights stored stacked (``scan_layers``); and GroupedNet in two pipeline stages over 4-way data
+parallelism (pp2 x dp4, 1F1B), whose per-replica gradients go through the schedule's loop. For each compiled step:
+the bytes the all-reduces inside loops move (the microbatch loop's or the schedule's body with the computations it
+calls, per execution; a layer scan's too; over data-parallel groups and any other) and after them, and the
+temporaries per device (``memory_analysis``). The gradients of the two 4-microbatch forms are compared after the first
+step (they differ by float summation order only).
 
 On this CPU a collective is a memory copy between emulated devices, so the times show the loop's extra work, not a
 network's; the bytes are what a cluster would move.
@@ -46,11 +48,12 @@ from jmp.compiled_step import replica_gradients
 from jmp.runtime import compilation_cache as compilation
 
 GPT2_BATCH, GPT2_SEQUENCE = 32, 32  # 4 microbatches of a row per data-parallel device; step_speed's 1,024 tokens
-RUNS = {  # name -> (microbatches, gradients kept per replica through the loop)
-    "dp8_mb1": (1, True),
-    "dp8_mb4_reduced_once": (4, True),
-    "dp8_mb4_reduced_per_microbatch": (4, False),
+RUNS = {  # name after the layout's -> (microbatches, gradients kept per replica through the loop)
+    "mb1": (1, True),
+    "mb4_reduced_once": (4, True),
+    "mb4_reduced_per_microbatch": (4, False),
 }
+PIPELINE = {"partitions": 2, "pipeline": "interleaved", "auto_partition": True}  # pp2 x dp4
 
 
 SCANNED = {"scan_layers": True}  # the layers as one scan over weights stored stacked
@@ -72,9 +75,10 @@ def _initialiser(config: dict):
     return lambda: step_speed.init(config, None)
 
 
-def measure(name, make_model, make_optimizer, step, args_of, steps, extra_config=None):
+def measure(name, make_model, make_optimizer, step, args_of, steps, extra_config=None, layout="dp8"):
     runs, compiled, grads, configs = {}, {}, {}, {}
-    for run, (microbatches, once) in RUNS.items():
+    for suffix, (microbatches, once) in RUNS.items():
+        run = f"{layout}_{suffix}"
         config = configs[run] = {"microbatches": microbatches, "ddp": True, **(extra_config or {})}
         with replica_copies(once):
             step_speed.init(config, None)
@@ -97,12 +101,12 @@ def measure(name, make_model, make_optimizer, step, args_of, steps, extra_config
     median = medians(time_interleaved(runs, steps, warmup=3, prepare=prepare))
     ms = {k: v * 1e3 for k, v in median.items()}
     print(f"{name}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()), flush=True)
-    once, per = grads["dp8_mb4_reduced_once"], grads["dp8_mb4_reduced_per_microbatch"]
+    once, per = grads[f"{layout}_mb4_reduced_once"], grads[f"{layout}_mb4_reduced_per_microbatch"]
     return {
         "median_step_ms": ms,
         "mb4_over_mb1": {
-            "reduced_once": ms["dp8_mb4_reduced_once"] / ms["dp8_mb1"],
-            "reduced_per_microbatch": ms["dp8_mb4_reduced_per_microbatch"] / ms["dp8_mb1"],
+            "reduced_once": ms[f"{layout}_mb4_reduced_once"] / ms[f"{layout}_mb1"],
+            "reduced_per_microbatch": ms[f"{layout}_mb4_reduced_per_microbatch"] / ms[f"{layout}_mb1"],
         },
         "compiled": compiled,
         "largest_gradient_difference": max(float(np.abs(once[k] - per[k]).max()) for k in once),
@@ -132,6 +136,16 @@ def main() -> None:
         step_speed.grouped_net_step,
         lambda: (images, labels),
         args.steps,
+    )
+    result["grouped_net_pp2_dp4"] = measure(
+        "GroupedNet in two pipeline stages",
+        grouped_net,
+        lambda params: torch.optim.Adadelta(params, lr=4.0),
+        step_speed.grouped_net_step,
+        lambda: (images, labels),
+        args.steps,
+        PIPELINE,
+        layout="pp2_dp4",
     )
     ids = token_ids(GPT2_BATCH, GPT2_SEQUENCE, step_speed.GPT2["vocab"])
     for key, name, config in (("gpt2", "GPT-2", {}), ("gpt2_scan_layers", "GPT-2 under scan_layers", SCANNED)):
