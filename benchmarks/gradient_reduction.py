@@ -129,24 +129,20 @@ def main() -> None:
         return step_speed.GroupedNet().eval()  # no dropout: both forms draw the same numbers
 
     result = {"machine": machine(), "load_average_at_start": os.getloadavg()}
-    result["grouped_net"] = measure(
-        "GroupedNet",
-        grouped_net,
-        lambda params: torch.optim.Adadelta(params, lr=4.0),
-        step_speed.grouped_net_step,
-        lambda: (images, labels),
-        args.steps,
-    )
-    result["grouped_net_pp2_dp4"] = measure(
-        "GroupedNet in two pipeline stages",
-        grouped_net,
-        lambda params: torch.optim.Adadelta(params, lr=4.0),
-        step_speed.grouped_net_step,
-        lambda: (images, labels),
-        args.steps,
-        PIPELINE,
-        layout="pp2_dp4",
-    )
+    for key, name, config, layout in (
+        ("grouped_net", "GroupedNet", None, "dp8"),
+        ("grouped_net_pp2_dp4", "GroupedNet in two pipeline stages", PIPELINE, "pp2_dp4"),
+    ):
+        result[key] = measure(
+            name,
+            grouped_net,
+            lambda params: torch.optim.Adadelta(params, lr=4.0),
+            step_speed.grouped_net_step,
+            lambda: (images, labels),
+            args.steps,
+            config,
+            layout,
+        )
     ids = token_ids(GPT2_BATCH, GPT2_SEQUENCE, step_speed.GPT2["vocab"])
     for key, name, config in (("gpt2", "GPT-2", {}), ("gpt2_scan_layers", "GPT-2 under scan_layers", SCANNED)):
         result[key] = measure(

@@ -89,9 +89,10 @@ class Pipeline:
             )
         programs = StagePrograms(jaxpr, stage_of, list(names), rest_count)
         if check:
+            reads = [set(names) for names in programs.stage_params]
             for read_name in programs.param_names:  # a parameter's per-replica copies live with it
                 name = read_name.removesuffix(COPIES)
-                stages = [s for s, names in enumerate(programs.stage_params) if read_name in names]
+                stages = [s for s, names in enumerate(reads) if read_name in names]
                 missing = set(stages) - set(self.layout.stages[name])
                 if missing:
                     raise PipelineError(
