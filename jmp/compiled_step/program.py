@@ -303,14 +303,11 @@ def _run_pipeline(fn, model: DistributedModel, signature: StepSignature, traced:
     ]
     param_avals, names = model.layout.avals(), list(model.layout.names)
     axes = replica_gradients.replicated_axes(model, signature)
-    copies = {}
     if not axes:
         flat = flat_forward(forward(fn, model, signature, traced), model, rest_def, traced)
     else:
         replicas = math.prod(model.layout.mesh.shape[a] for a in axes)
         copy_avals = [jax.ShapeDtypeStruct((replicas, *a.shape), a.dtype) for a in param_avals]
-        positions = replica_gradients.leading(model.store)
-        copies = replica_gradients.copies(rows, replica_gradients.copy_shardings(model, axes, positions), positions)
         if signature.process_shares > 1:  # one replica per process: each process's forward reads its copy
             per_process = process_shares.per_process(forward_on_rows(fn, model, signature, traced), split, 0)
             flat = flat_forward(per_process, model, rest_def, traced)
@@ -323,7 +320,7 @@ def _run_pipeline(fn, model: DistributedModel, signature: StepSignature, traced:
             param_avals, names = param_avals + copy_avals, names + [copies_name(n) for n in names]
     jaxpr = pipeline.trace(flat, param_avals, rest_leaves, mb_avals)
     programs = pipeline.programs(jaxpr, names, len(rest_leaves))
-    inputs = StepInputs(rows, rest, tuple(split_pieces), tuple(whole), microbatches, traced.has_backward, copies, axes)
+    inputs = StepInputs(rows, rest, tuple(split_pieces), tuple(whole), microbatches, traced.has_backward, axes)
     result = pipeline.step(programs, inputs)
     outputs = result.finals[1 : 1 + traced.output_count]  # finals: [loss, *outputs, *side outputs]
     stacked = jax.tree.unflatten(traced.side_outputs, result.finals[1 + traced.output_count :])

@@ -18,8 +18,13 @@ Buffers the forward updates thread through the microbatches in order on the stag
 what the backward computes again sees it as the forward did.
 
 Under data parallelism the stages' row-local calls read per-replica copies of their parameters
-(``StepInputs.copies``, ``jmp.compiled_step.replica_gradients``): each replica's gradients stay on its devices
+(``StepInputs.copy_axes``, ``jmp.compiled_step.replica_gradients``): each replica's gradients stay on its devices
 through the loop and are summed once after it, where otherwise every backward tick would all-reduce its stage's.
+A tick makes its copies from the stage's rows (no data moves: each device's block is its replica) and
+differentiates them as parameters; their gradients are added in place into per-replica sums laid out like the
+buffers. Differentiating copies of whole buffers instead held 1.25-1.5x the temporaries of the step without
+copies (GPT-2 / Llama at pp2 x dp4, ``benchmarks/pipeline_3d.py``): the gradients of a buffer's slices, padded to
+its length, were live at once.
 
 Everything a device carries from tick to tick is one ``LoopState``; each tick (``_Engine.tick``) reads it,
 runs one branch on a ``Work`` and returns the next state.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -55,10 +61,9 @@ class StepInputs:
     whole: tuple[jax.Array | None, ...]  # per step input: given whole to every microbatch, or None
     microbatches: int
     backward: bool  # whether the step differentiates its loss
-    # per buffer key, its per-replica copies [replicas, pp, ...] (``jmp.compiled_step.replica_gradients``), which
-    # the stages' row-local calls read: their gradients stay per replica through the loop, summed once after it
-    copies: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
-    copy_axes: tuple[str, ...] = ()  # the mesh axes splitting the copies' replica axis
+    # the mesh axes over which the stages' row-local calls read per-replica copies of their parameters
+    # (``jmp.compiled_step.replica_gradients``): their gradients stay per replica through the loop, summed after it
+    copy_axes: tuple[str, ...] = ()
 
 
 class StepOutputs(NamedTuple):
@@ -122,7 +127,7 @@ def run(
         inputs.backward,
         finals_shape,
         recompute,
-        tuple(inputs.copies),
+        tuple(inputs.rows) if inputs.copy_axes else (),
         inputs.copy_axes,
     )
     pp, copies_pp = PartitionSpec("pp"), PartitionSpec(None, "pp")
@@ -130,13 +135,13 @@ def run(
     sharded = jax.shard_map(
         engine.per_device,
         mesh=layout.mesh,
-        in_specs=(pp, copies_pp, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        in_specs=(pp, PartitionSpec(), PartitionSpec(), PartitionSpec()),
         out_specs=(pp, pp, grad_specs),
         axis_names={"pp"},
         # on, graph.py's replayed eqns raise "Primitive dot_general requires varying manual axes to match" (no pvary)
         check_vma=False,
     )
-    finals, buffers, grads = sharded(inputs.rows, inputs.copies, rest, list(inputs.pieces), list(inputs.whole))
+    finals, buffers, grads = sharded(inputs.rows, rest, list(inputs.pieces), list(inputs.whole))
     for i, rows in zip(programs.updated, buffers):  # each updated buffer from the row of the stage owning it
         rest[i] = rows[programs.owner[i]]
     for key in engine.grad_keys if inputs.backward else ():  # the replicas' gradients summed: their one reduction
@@ -191,16 +196,21 @@ class _Engine:
 
     @functools.cached_property
     def diff_keys(self) -> list[str]:
-        buffers = self.layout.buffers
-        keys = [k for k, b in buffers.items() if jnp.issubdtype(b.dtype, jnp.inexact)]
-        return keys + [k + COPIES for k in self.copy_keys if k in keys]
+        return [k for k, b in self.layout.buffers.items() if jnp.issubdtype(b.dtype, jnp.inexact)]
 
     @functools.cached_property
     def grad_keys(self) -> list[str]:
-        """The gradients the loop adds up: a buffer's copies' when it has copies (what the uses outside per-replica
-        calls give is shared among them, ``accumulated``), else its own."""
-        copied = {k.removesuffix(COPIES) for k in self.diff_keys if k.endswith(COPIES)}
-        return [k for k in self.diff_keys if k not in copied]
+        """The gradients the loop adds up: a buffer's copies' when it has copies (``accumulated``), else its own."""
+        return [k + COPIES if k in self.copy_keys else k for k in self.diff_keys]
+
+    def copy_names(self, stage: int) -> list[str]:
+        """The per-replica copies of parameters (``copies_name``) that ``stage`` reads and differentiates."""
+        names = [n for n in self.programs.stage_params[stage] if n.endswith(COPIES)]
+        return [n for n in names if n.removesuffix(COPIES) in self.layout.places and self._inexact(n)]
+
+    def _inexact(self, name: str) -> bool:
+        key = self.layout.places[name.removesuffix(COPIES)][0].key
+        return jnp.issubdtype(self.layout.buffers[key].dtype, jnp.inexact)
 
     @functools.cached_property
     def held_positions(self) -> list[int]:
@@ -212,10 +222,9 @@ class _Engine:
     def depth(self) -> int:
         return self.schedule.slots
 
-    def per_device(self, rows, copies, rest, pieces, whole) -> tuple[list, list, dict]:
+    def per_device(self, rows, rest, pieces, whole) -> tuple[list, list, dict]:
         """One device's loop: (its finals, its buffers, its gradients), each with a ``pp`` row (leading; after the
         replica axis for the copies' gradients)."""
-        rows = {**rows, **{k + COPIES: c for k, c in copies.items()}}  # read and differentiated alike
         inputs = StepInputs(rows, tuple(rest), tuple(pieces), tuple(whole), self.microbatches, self.backward)
         stage = jax.lax.axis_index("pp")
         pp = self.layout.pp
@@ -247,6 +256,7 @@ class _Engine:
 
     def start(self, inputs: StepInputs, kept: residuals.ResidualPlan) -> LoopState:
         slots, depth = self.programs.slots, self.depth
+        rows = {**self.copies_of(inputs.rows), **inputs.rows} if self.backward else inputs.rows
         buffers = tuple(inputs.rest[i] for i in self.programs.updated)
         return LoopState(
             held=tuple(jnp.zeros((depth,) + s.shape, s.dtype) for s in slots),
@@ -254,7 +264,7 @@ class _Engine:
             held_buffers=tuple(jnp.zeros((depth,) + buffers[k].shape, buffers[k].dtype) for k in self.held_positions),
             residuals=kept.empty(depth + 1),
             buffers=buffers,
-            grads={k: jnp.zeros_like(inputs.rows[k]) for k in self.grad_keys} if self.backward else {},
+            grads={k: jnp.zeros_like(rows[k]) for k in self.grad_keys} if self.backward else {},
             finals=tuple(jnp.zeros((self.microbatches,) + f.shape, f.dtype) for f in self.finals_shape),
             message=self.programs.empty_carry(),
             message_ct=self.zero_ct(),
@@ -332,7 +342,7 @@ class _Engine:
         loss = out.finals[0] if last else jnp.zeros((), jnp.float32)
         out_ct = [jnp.zeros_like(c) for c in work.ct] if last else list(work.ct)
         d_rows, d_carry = pullback((out_ct, jnp.ones_like(loss) if last else jnp.zeros_like(loss)))
-        grads = self.accumulated(work.grads, d_rows)
+        grads = self.accumulated(stage, work.grads, d_rows)
         return Done(self.programs.empty_carry(), tuple(d_carry), work.buffers, grads, self.zero_finals(), kept.zeros())
 
     def stage_vjp(self, stage: int, rows: dict, carry: tuple, rest: list, microbatch: list):
@@ -348,6 +358,10 @@ class _Engine:
             return ([out.carry[i] for i in self.diff_slots], loss), out
 
         diff_rows = {k: rows[k] for k in self.diff_keys}
+        # the copies differentiated as parameters, not as buffers: their gradients are added into the per-replica
+        # sums in place (``accumulated``), not laid out in buffers first
+        names = self.copy_names(stage)
+        diff_rows |= self.layout.stage_params(self.copies_of(rows), stage, names, self.copy_axes)
         diff_carry = [carry[i] for i in self.diff_slots]
         if self.keeps_residuals:  # kept: matmul outputs; elementwise ops run again in the backward
             differentiable = jax.checkpoint(differentiable, policy=jax.checkpoint_policies.dots_saveable)
@@ -356,19 +370,34 @@ class _Engine:
 
     # --- helpers of the branches -------------------------------------------------------------------------
 
-    def accumulated(self, grads: dict[str, jax.Array], d_rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """``grads`` plus one microbatch's ``d_rows``; a buffer with copies adds to each replica's gradient its own
-        part and an equal share of the buffer's (the uses outside per-replica calls, already summed over them)."""
-        out = {}
-        for key, total in grads.items():
+    def accumulated(self, stage: int, grads: dict[str, jax.Array], d_rows: dict[str, jax.Array]) -> dict:
+        """``grads`` plus one microbatch's gradients ``d_rows`` (by buffer key, and by name for the parameters'
+        copies); a buffer with copies adds to each replica's sums its own part and an equal share of the buffer's
+        (the uses outside per-replica calls, already summed over the replicas)."""
+        out = {key: total + d_rows[key] for key, total in grads.items() if not key.endswith(COPIES)}
+        for key in grads:
             if key.endswith(COPIES):
-                shared = d_rows[key.removesuffix(COPIES)] / total.shape[0]
-                out[key] = total + d_rows[key] + shared[None].astype(total.dtype)
-            else:
-                out[key] = total + d_rows[key]
+                shared = d_rows[key.removesuffix(COPIES)] / grads[key].shape[0]
+                out[key] = grads[key] + shared[None].astype(grads[key].dtype)
+        for name in self.copy_names(stage) if grads else ():  # none kept: a step without backward
+            key = self.layout.place(name.removesuffix(COPIES), stage).key + COPIES
+            out[key] = self.layout.add_to_copies(out[key], stage, name.removesuffix(COPIES), d_rows[name])
         return out
 
+    def copies_of(self, rows: dict) -> dict[str, jax.Array]:
+        """Per buffer with copies, this device's row ``[1, *grid, length]`` as identical copies ``[replicas, 1, *grid,
+        length]``, split over the copies' axes (each device's block is its own replica: no data moves)."""
+        replicas = math.prod(self.layout.mesh.shape[a] for a in self.copy_axes)
+        copies = {}
+        for key in self.copy_keys:
+            row, buffer = rows[key], self.layout.buffers[key]
+            spec = PartitionSpec(self.copy_axes, None, *buffer.grid_axes, None)
+            copied = jnp.broadcast_to(row[None], (replicas, *row.shape))
+            copies[key + COPIES] = jax.lax.with_sharding_constraint(copied, spec)
+        return copies
+
     def run_stage(self, stage: int, rows: dict, rest: list, microbatch: list, carry: tuple):
+        rows = {**self.copies_of(rows), **rows}  # copies not given as parameters are read from these
         params = self.layout.stage_params(rows, stage, self.programs.stage_params[stage], self.copy_axes)
         return self.programs.run(stage, params, rest, microbatch, carry)
 

@@ -259,7 +259,10 @@ class StageLayout:
         out = {}
         for name in names:
             param = name.removesuffix(COPIES)
-            place = next(p for p in self.places[param] if p.stage == stage)
+            place = self.place(param, stage)
+            if name in rows:  # the copies as differentiated parameters
+                out[name] = rows[name]
+                continue
             if name == param:
                 out[name] = self._read(rows[place.key], place, name, row=0)
                 replicas = ()
@@ -271,6 +274,18 @@ class StageLayout:
                 whole = without_axis(self.param_shardings[param].spec, "fsdp")
                 out[name] = jax.lax.with_sharding_constraint(out[name], PartitionSpec(*replicas, *whole))
         return out
+
+    def place(self, name: str, stage: int) -> Place:
+        return next(p for p in self.places[name] if p.stage == stage)
+
+    def add_to_copies(self, copies: jax.Array, stage: int, name: str, value: jax.Array) -> jax.Array:
+        """``copies`` ``[replicas, 1, *grid, length]`` (a buffer's per-replica sums on this device) with each
+        replica's ``value`` of parameter ``name`` ``[replicas, *shape]`` added at its place, in place."""
+        place = self.place(name, stage)
+        cells = jax.vmap(self.packing[name].to_cells)(value)[:, None].astype(copies.dtype)
+        start = (0,) * (copies.ndim - 1) + (place.offset,)
+        current = jax.lax.dynamic_slice(copies, start, cells.shape)
+        return jax.lax.dynamic_update_slice(copies, current + cells, start)
 
     def stage_names(self, stage: int) -> list[str]:
         return [name for name, places in self.places.items() if any(p.stage == stage for p in places)]
