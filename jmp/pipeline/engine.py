@@ -21,10 +21,11 @@ Under data parallelism the stages' row-local calls read per-replica copies of th
 (``StepInputs.copy_axes``, ``jmp.compiled_step.replica_gradients``): each replica's gradients stay on its devices
 through the loop and are summed once after it, where otherwise every backward tick would all-reduce its stage's.
 A tick makes its copies from the stage's rows (no data moves: each device's block is its replica) and
-differentiates them as parameters; their gradients are added in place into per-replica sums laid out like the
-buffers. Differentiating copies of whole buffers instead held 1.25-1.5x the temporaries of the step without
-copies (GPT-2 / Llama at pp2 x dp4, ``benchmarks/pipeline_3d.py``): the gradients of a buffer's slices, padded to
-its length, were live at once.
+differentiates them as parameters; their gradients, concatenated in buffer order, are added to per-replica sums
+laid out like the buffers. Two other ways measured worse at pp2 x dp4 (``benchmarks/pipeline_3d.py``):
+differentiating copies of whole buffers held 1.25-1.5x the temporaries of the step without copies (the gradients
+of a buffer's slices, padded to its length, were live at once), and adding each parameter's gradient into the sums
+by its own ``dynamic_update_slice`` made GPT-2's step 2.5x slower (each copied the sums inside the stage's branch).
 
 Everything a device carries from tick to tick is one ``LoopState``; each tick (``_Engine.tick``) reads it,
 runs one branch on a ``Work`` and returns the next state.
@@ -379,9 +380,12 @@ class _Engine:
             if key.endswith(COPIES):
                 shared = d_rows[key.removesuffix(COPIES)] / grads[key].shape[0]
                 out[key] = grads[key] + shared[None].astype(grads[key].dtype)
+        by_key: dict[str, dict[str, jax.Array]] = {}
         for name in self.copy_names(stage) if grads else ():  # none kept: a step without backward
-            key = self.layout.place(name.removesuffix(COPIES), stage).key + COPIES
-            out[key] = self.layout.add_to_copies(out[key], stage, name.removesuffix(COPIES), d_rows[name])
+            param = name.removesuffix(COPIES)
+            by_key.setdefault(self.layout.place(param, stage).key + COPIES, {})[param] = d_rows[name]
+        for key, values in by_key.items():
+            out[key] = self.layout.add_to_copies(out[key], stage, values)
         return out
 
     def copies_of(self, rows: dict) -> dict[str, jax.Array]:

@@ -278,14 +278,23 @@ class StageLayout:
     def place(self, name: str, stage: int) -> Place:
         return next(p for p in self.places[name] if p.stage == stage)
 
-    def add_to_copies(self, copies: jax.Array, stage: int, name: str, value: jax.Array) -> jax.Array:
-        """``copies`` ``[replicas, 1, *grid, length]`` (a buffer's per-replica sums on this device) with each
-        replica's ``value`` of parameter ``name`` ``[replicas, *shape]`` added at its place, in place."""
-        place = self.place(name, stage)
-        cells = jax.vmap(self.packing[name].to_cells)(value)[:, None].astype(copies.dtype)
-        start = (0,) * (copies.ndim - 1) + (place.offset,)
-        current = jax.lax.dynamic_slice(copies, start, cells.shape)
-        return jax.lax.dynamic_update_slice(copies, current + cells, start)
+    def add_to_copies(self, copies: jax.Array, stage: int, values: Mapping[str, jax.Array]) -> jax.Array:
+        """``copies`` ``[replicas, 1, *grid, length]`` (a buffer's per-replica sums on this device) plus each
+        replica's ``values`` of parameters by name ``[replicas, *shape]``, at their places on ``stage``: one
+        concatenation of their cells (zeros between), which XLA fuses into the sum."""
+        places = sorted(((self.place(name, stage), name) for name in values), key=lambda pair: pair[0].offset)
+        pieces, end = [], 0
+        for place, name in places:
+            cells = jax.vmap(self.packing[name].to_cells)(values[name]).astype(copies.dtype)
+            if place.offset > end:
+                pieces.append(jnp.zeros((*cells.shape[:-1], place.offset - end), copies.dtype))
+            pieces.append(cells)
+            end = place.offset + place.size
+        if not pieces:
+            return copies
+        if copies.shape[-1] > end:
+            pieces.append(jnp.zeros((*pieces[0].shape[:-1], copies.shape[-1] - end), copies.dtype))
+        return copies + jnp.concatenate(pieces, axis=-1)[:, None]
 
     def stage_names(self, stage: int) -> list[str]:
         return [name for name, places in self.places.items() if any(p.stage == stage for p in places)]
