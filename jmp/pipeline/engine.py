@@ -128,7 +128,6 @@ def run(
         inputs.backward,
         finals_shape,
         recompute,
-        tuple(inputs.rows) if inputs.copy_axes else (),
         inputs.copy_axes,
     )
     pp, copies_pp = PartitionSpec("pp"), PartitionSpec(None, "pp")
@@ -184,8 +183,12 @@ class _Engine:
     backward: bool
     finals_shape: tuple[jax.ShapeDtypeStruct, ...]
     recompute: bool
-    copy_keys: tuple[str, ...]  # the buffers whose per-replica copies the stages read
-    copy_axes: tuple[str, ...]
+    copy_axes: tuple[str, ...]  # () without copies
+
+    @property
+    def copy_keys(self) -> tuple[str, ...]:
+        """The buffers whose per-replica copies the stages read: all of them, when there are copies."""
+        return tuple(self.layout.buffers) if self.copy_axes else ()
 
     @property
     def keeps_residuals(self) -> bool:
@@ -207,11 +210,7 @@ class _Engine:
     def copy_names(self, stage: int) -> list[str]:
         """The per-replica copies of parameters (``copies_name``) that ``stage`` reads and differentiates."""
         names = [n for n in self.programs.stage_params[stage] if n.endswith(COPIES)]
-        return [n for n in names if n.removesuffix(COPIES) in self.layout.places and self._inexact(n)]
-
-    def _inexact(self, name: str) -> bool:
-        key = self.layout.places[name.removesuffix(COPIES)][0].key
-        return jnp.issubdtype(self.layout.buffers[key].dtype, jnp.inexact)
+        return [n for n in names if self.layout.place(n.removesuffix(COPIES), stage).key in self.diff_keys]
 
     @functools.cached_property
     def held_positions(self) -> list[int]:
@@ -354,13 +353,15 @@ class _Engine:
             full = list(carry)
             for i, value in zip(self.diff_slots, diff_carry):
                 full[i] = value
-            out = self.run_stage(stage, {**rows, **diff_rows}, rest, microbatch, tuple(full))
+            copies = {k: v for k, v in diff_rows.items() if k.endswith(COPIES)}  # by parameter name
+            buffers = {k: v for k, v in diff_rows.items() if k not in copies}
+            out = self.run_stage(stage, {**rows, **buffers}, rest, microbatch, tuple(full), copies)
             loss = out.finals[0] if last else jnp.zeros((), jnp.float32)
             return ([out.carry[i] for i in self.diff_slots], loss), out
 
         diff_rows = {k: rows[k] for k in self.diff_keys}
-        # the copies differentiated as parameters, not as buffers: their gradients are added into the per-replica
-        # sums in place (``accumulated``), not laid out in buffers first
+        # the copies differentiated as parameters, not as buffers: their gradients go into the per-replica sums as
+        # one concatenation (``accumulated``), not laid out in a buffer each first
         names = self.copy_names(stage)
         diff_rows |= self.layout.stage_params(self.copies_of(rows), stage, names, self.copy_axes)
         diff_carry = [carry[i] for i in self.diff_slots]
@@ -375,11 +376,13 @@ class _Engine:
         """``grads`` plus one microbatch's gradients ``d_rows`` (by buffer key, and by name for the parameters'
         copies); a buffer with copies adds to each replica's sums its own part and an equal share of the buffer's
         (the uses outside per-replica calls, already summed over the replicas)."""
-        out = {key: total + d_rows[key] for key, total in grads.items() if not key.endswith(COPIES)}
-        for key in grads:
+        out = {}
+        for key, total in grads.items():
             if key.endswith(COPIES):
-                shared = d_rows[key.removesuffix(COPIES)] / grads[key].shape[0]
-                out[key] = grads[key] + shared[None].astype(grads[key].dtype)
+                shared = d_rows[key.removesuffix(COPIES)] / total.shape[0]
+                out[key] = total + shared[None].astype(total.dtype)
+            else:
+                out[key] = total + d_rows[key]
         by_key: dict[str, dict[str, jax.Array]] = {}
         for name in self.copy_names(stage) if grads else ():  # none kept: a step without backward
             param = name.removesuffix(COPIES)
@@ -400,10 +403,15 @@ class _Engine:
             copies[key + COPIES] = jax.lax.with_sharding_constraint(copied, spec)
         return copies
 
-    def run_stage(self, stage: int, rows: dict, rest: list, microbatch: list, carry: tuple):
-        rows = {**self.copies_of(rows), **rows}  # copies not given as parameters are read from these
-        params = self.layout.stage_params(rows, stage, self.programs.stage_params[stage], self.copy_axes)
-        return self.programs.run(stage, params, rest, microbatch, carry)
+    def run_stage(self, stage: int, rows: dict, rest: list, microbatch: list, carry: tuple, copies: dict | None = None):
+        """The stage on one microbatch; the parameters' copies as given (``copies``, by name) or read from copies
+        of the rows."""
+        copies = copies or {}
+        names = [n for n in self.programs.stage_params[stage] if n not in copies]
+        if any(n.endswith(COPIES) for n in names):
+            rows = {**self.copies_of(rows), **rows}
+        params = self.layout.stage_params(rows, stage, names, self.copy_axes)
+        return self.programs.run(stage, {**params, **copies}, rest, microbatch, carry)
 
     def rest_seen(self, inputs: StepInputs, buffers: Sequence[jax.Array], m: jax.Array) -> list[jax.Array]:
         """The rest a microbatch's forward reads: threaded buffers as they stand, the others as the step got

@@ -260,9 +260,6 @@ class StageLayout:
         for name in names:
             param = name.removesuffix(COPIES)
             place = self.place(param, stage)
-            if name in rows:  # the copies as differentiated parameters
-                out[name] = rows[name]
-                continue
             if name == param:
                 out[name] = self._read(rows[place.key], place, name, row=0)
                 replicas = ()
