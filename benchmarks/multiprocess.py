@@ -4,8 +4,12 @@
 
 GPT-2 (Hugging Face, from a config, random weights, no dropout) with 4 layers, d_model 256, 4 heads, vocab
 512, 128 positions; a global batch of 16 x 128 tokens; ``torch.optim.AdamW`` (lr 1e-3) through
-``smp.DistributedOptimizer``. Layouts on the 8 devices: ``dp`` (``{}``: 8-way data parallelism) and
-``sdp4_tp2`` (``{"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2}``).
+``smp.DistributedOptimizer``. Layouts on the 8 devices: ``dp`` (``{}``: 8-way data parallelism),
+``sdp4_tp2`` (``{"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2}``), and ``dp`` with 2
+microbatches, its gradients kept per replica through the microbatch loop and reduced once after it (``dp_mb2``,
+``jmp.compiled_step.replica_gradients``: with several processes, per process and replica within it) or, with
+the per-replica copies turned off while the step compiles, reduced where each microbatch's backward makes them
+(``dp_mb2_per_mb``, as GSPMD places them).
 
 Each configuration runs in processes of its own, all started the same way::
 
@@ -30,8 +34,9 @@ Collective bytes (from the compiled step program, ``lm_step.lower(model, share).
     Every ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` and ``collective-permute``
     instruction (``-start`` of the async forms; ``-done`` not counted again). Its bytes: the bytes of its
     operands on one device (the optimized HLO names operands without types, so each operand's type is looked
-    up from the instruction that defines it). Per step: the sum over instructions (no collective of these
-    programs sits in a ``while`` body; the count of those that would is recorded as ``in_while_bodies``).
+    up from the instruction that defines it). Per step: the sum over instructions, each counted once; those in
+    a ``while`` body (the microbatch loop's) run once per microbatch: their count is ``in_while_bodies``, their
+    bytes per execution ``while_body_bytes`` (``while_body_cross_bytes`` across processes).
 
     Which devices an instruction joins: its ``replica_groups`` in any of XLA's spellings: explicit
     (``{{0,1},{2,3}}``; ``{}``: all devices), iota (``[G,S]<=[dims]T(perm)``: ``arange`` reshaped to dims,
@@ -50,7 +55,7 @@ Collective bytes (from the compiled step program, ``lm_step.lower(model, share).
     in the cross-process part. These are logical bytes per device, not bytes on the wire (a ring all-reduce
     sends about 2 (g-1)/g of its buffer; within a process XLA:CPU copies in memory).
 
-The whole default run takes about 4 minutes on 2 CPU cores (each configuration compiles both layouts in every
+The whole default run takes about 8 minutes on 2 CPU cores (each configuration compiles both layouts in every
 one of its processes).
 """
 
@@ -73,6 +78,7 @@ import torch
 import transformers
 
 import jmp as smp
+from benchmarks import gradient_reduction
 from benchmarks.harness import (
     causal_lm,
     gpt2_config,
@@ -88,7 +94,13 @@ MARK = "MULTIPROCESS_RESULT "
 LAYERS, D_MODEL, HEADS, VOCAB, SEQUENCE, BATCH, LR = 4, 256, 4, 512, 128, 16, 1e-3
 DEVICES = 8
 CONFIGS = ((1, DEVICES), (2, DEVICES // 2), (4, DEVICES // 4))  # processes x devices per process
-LAYOUTS = {"dp": {}, "sdp4_tp2": {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2}}
+LAYOUTS = {
+    "dp": {},
+    "sdp4_tp2": {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2},
+    "dp_mb2": {"microbatches": 2},
+    "dp_mb2_per_mb": {"microbatches": 2},  # gradients reduced where they are made: once per microbatch
+}
+PER_MICROBATCH = {"dp_mb2_per_mb"}  # compiled with the per-replica copies turned off
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 MIB = 2**20
 
@@ -228,7 +240,14 @@ def summarize(found: list[dict]) -> dict:
         entry["cross_count"] += c["cross_process"]
         entry["cross_bytes"] += c["bytes"] if c["cross_process"] else 0
     total = {key: sum(k[key] for k in kinds.values()) for key in ("count", "bytes", "cross_count", "cross_bytes")}
-    return {**total, "in_while_bodies": sum(c["in_while_body"] for c in found), "by_kind": kinds}
+    looped = [c for c in found if c["in_while_body"]]
+    return {
+        **total,
+        "in_while_bodies": len(looped),
+        "while_body_bytes": sum(c["bytes"] for c in looped),  # per execution of the body
+        "while_body_cross_bytes": sum(c["bytes"] for c in looped if c["cross_process"]),
+        "by_kind": kinds,
+    }
 
 
 # --- worker (one process of a launch) ------------------------------------------------------------------------------
@@ -284,7 +303,8 @@ def measure(name: str, layout: dict, steps: int, warmup: int) -> dict:
 def worker(steps: int, warmup: int) -> None:
     transformers.logging.set_verbosity_error()
     for name, layout in LAYOUTS.items():
-        result = measure(name, layout, steps, warmup)
+        with gradient_reduction.replica_copies(name not in PER_MICROBATCH):
+            result = measure(name, layout, steps, warmup)
         if jax.process_index() == 0:
             print(MARK + json.dumps({**result, "machine": machine()}), flush=True)
 
@@ -309,16 +329,16 @@ def launch(processes: int, devices: int, steps: int, warmup: int) -> tuple[list[
 
 def table(rows: list[dict]) -> str:
     lines = [
-        f"{'layout':<9} {'procs x dev':>11} {'step s':>7} {'ratio':>6} {'iter s':>7} {'ratio':>6} "
-        f"{'colls':>5} {'MiB/step':>8} {'x-proc':>6} {'x-proc MiB':>10} {'loss':>7}"
+        f"{'layout':<13} {'procs x dev':>11} {'step s':>7} {'ratio':>6} {'iter s':>7} {'ratio':>6} "
+        f"{'colls':>5} {'MiB/step':>8} {'x-proc':>6} {'x-proc MiB':>10} {'in loop':>10} {'loss':>7}"
     ]
     for r in rows:
         c = r["collectives"]
         lines.append(
-            f"{r['layout']:<9} {r['processes']:>5} x {r['devices_per_process']:<3} "
+            f"{r['layout']:<13} {r['processes']:>5} x {r['devices_per_process']:<3} "
             f"{r['median_step_seconds']:>7.3f} {r['step_ratio']:>6.2f} {r['median_iteration_seconds']:>7.3f} "
             f"{r['iteration_ratio']:>6.2f} {c['count']:>5} {c['bytes'] / MIB:>8.2f} {c['cross_count']:>6} "
-            f"{c['cross_bytes'] / MIB:>10.2f} {r['final_loss']:>7.4f}"
+            f"{c['cross_bytes'] / MIB:>10.2f} {c['while_body_cross_bytes'] / MIB:>10.2f} {r['final_loss']:>7.4f}"
         )
     return "\n".join(lines)
 
@@ -354,7 +374,7 @@ def main() -> None:
     print(
         "\nstep: forward + backward; iter: + optimizer.step(); ratio: to 1 x 8 of the layout; colls: collective "
         "instructions in the step program, MiB/step: their operand bytes per device; x-proc: those whose replica "
-        "groups span processes, and their bytes"
+        "groups span processes, and their bytes; in loop: those bytes inside the microbatch loop's body, per microbatch"
     )
     measured_on = rows[0]["machine"]  # process 0 of the 1 x 8 run
     for r in rows:

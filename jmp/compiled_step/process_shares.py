@@ -15,6 +15,7 @@ the process index into their key, so processes draw different dropout masks, as 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -47,18 +48,29 @@ def per_process(run_forward: Callable, split_axes: Sequence[int | None], params_
     return run
 
 
-def per_process_gradients(run_forward: Callable, split_axes: Sequence[int | None]) -> Callable:
+def per_process_gradients(
+    run_forward: Callable, split_axes: Sequence[int | None], copy_positions: Any = None
+) -> Callable:
     """``run_forward`` differentiated on each process's block (the process axis at each split axis): (the sum of
     the processes' losses, (outputs with a leading process axis, process 0's rest, side outputs combined)),
     and each process's own gradients, [processes, *shape] per parameter. Summed over processes after the
     microbatch loop, they are ``per_process``'s gradients, which each microbatch's backward sums over the
-    processes (an all-reduce per microbatch)."""
-    grad_of = jax.value_and_grad(run_forward, has_aux=True)
+    processes (an all-reduce per microbatch).
 
-    def run(params, rest, mb_arrays):
-        batched = jax.vmap(grad_of, in_axes=(None, None, list(split_axes)), axis_name=PROCESS_AXIS)
+    With ``copy_positions`` ``run_forward`` takes (params, copies, rest, arrays): per-replica copies of the
+    parameters, a process axis at each copy's position (``copy_positions``, a tree) and each process's own after
+    it; the gradients are then (the parameters', the copies' laid out as the copies are)."""
+    if copy_positions is None:
+        grad_of = jax.value_and_grad(run_forward, has_aux=True)
+        in_axes, grad_axes = (None, None, list(split_axes)), 0
+    else:
+        grad_of = jax.value_and_grad(run_forward, argnums=(0, 1), has_aux=True)
+        in_axes, grad_axes = (None, copy_positions, None, list(split_axes)), (0, copy_positions)
+
+    def run(*args):
+        batched = jax.vmap(grad_of, in_axes=in_axes, out_axes=(0, grad_axes), axis_name=PROCESS_AXIS)
         with dispatch.batched_over(PROCESS_AXIS):
-            (losses, (outputs, new_rest, sown)), grads = batched(params, rest, mb_arrays)
+            (losses, (outputs, new_rest, sown)), grads = batched(*args)
         first_process = jax.tree.map(lambda leaf: leaf[0], new_rest)
         return (losses.sum(), (outputs, first_process, side_outputs.reduce_stacked(sown))), grads
 

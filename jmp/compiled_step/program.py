@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import torch
 import torch.utils._pytree as torch_pytree
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import microbatches as batching
 from jmp.compiled_step import process_shares, replica_gradients, side_outputs
@@ -160,8 +161,7 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
     replicated = replica_gradients.replicated_axes(model, signature) if traced.has_backward else ()
     if replicated and signature.process_shares > 1:
         per_rows = _on_stored(forward_on_rows(fn, model, signature, traced), model)
-        grad_of = process_shares.per_process_gradients(per_rows, split)
-        return _process_loop(model, signature, replicated, grad_of, params, rest, mb_stack, arrays_of, no_side_outputs)
+        return _process_loop(model, signature, replicated, per_rows, params, rest, mb_stack, arrays_of, no_side_outputs)
     if replicated:
         return _replica_loop(
             model, signature, replicated, step_forward, params, rest, mb_stack, arrays_of, no_side_outputs
@@ -237,22 +237,40 @@ def _differentiated(fn: Callable, diff_args: tuple, rest: Any, mb_arrays: list, 
     return (outputs, rest, sown), tuple(grads)
 
 
-def _process_loop(model, signature, axes, grad_of, params, rest, mb_stack, arrays_of, no_side_outputs):
-    """``run``'s microbatch loop when each process feeding the batch is one data-parallel replica: each process's
-    gradients (``grad_of``: ``process_shares.per_process_gradients``) stay on its devices through the loop and
-    are summed over the processes once after it."""
-    positions = replica_gradients.leading(model.store)
-    shardings = replica_gradients.copy_shardings(model, axes, positions)
+def _process_loop(model, signature, axes, per_rows, params, rest, mb_stack, arrays_of, no_side_outputs):
+    """``run``'s microbatch loop when the processes feeding the batch hold whole data-parallel replicas (over the
+    mesh ``axes``): each process's forward (``per_rows``, run once per process) reads per-replica copies of its own
+    when it holds several replicas (``replica_gradients``), so that each replica's gradients stay on its devices
+    through the loop; they are summed over the processes and replicas once after it."""
+    mesh = replica_gradients.by_process(model.layout.mesh, axes, signature.process_shares)
+    positions = replica_gradients.replica_positions(model.store)
+    shardings = replica_gradients.process_copy_shardings(model, mesh, positions)
+    split = signature.split_axes
+    if mesh.shape[replica_gradients.LOCAL] == 1:  # a process's gradients are its replica's
+        copies, grad_of = None, process_shares.per_process_gradients(per_rows, split)
+    else:
+        copies = replica_gradients.copies(params, shardings, positions, dims=2)
+        rows = frozenset(p.shape[axis + 2] for p, axis in zip(mb_stack, split) if p is not None)  # a process's
+
+        def on_copies(params, copies, rest, mb_arrays):
+            with replica_gradients.offered(copies, mesh, (replica_gradients.LOCAL,), rows):
+                return per_rows(params, rest, mb_arrays)
+
+        grad_of = process_shares.per_process_gradients(on_copies, split, positions)
 
     def body(carry, mb):
         rest, total, sown = carry
-        (_, (outputs, rest, mb_sown)), grads = grad_of(params, rest, arrays_of(mb))
-        total = jax.tree.map(jnp.add, total, jax.lax.with_sharding_constraint(grads, shardings))
+        diff_args = (params,) if copies is None else (params, copies)
+        (_, (outputs, rest, mb_sown)), grads = grad_of(*diff_args, rest, arrays_of(mb))
+        grads, copy_grads = (grads, None) if copies is None else grads
+        total = jax.tree.map(jnp.add, total, replica_gradients.process_merged(grads, copy_grads, shardings, positions))
         return (rest, total, side_outputs.combine_all(sown, mb_sown)), outputs
 
-    zeros = replica_gradients.copies(jax.tree.map(jnp.zeros_like, params), shardings, positions)
+    zeros = replica_gradients.copies(jax.tree.map(jnp.zeros_like, params), shardings, positions, dims=2)
     (rest, total, sown), stacked = jax.lax.scan(body, (rest, zeros, no_side_outputs), mb_stack)
-    grads = _placed(replica_gradients.reduced(total, positions), model.store.shardings)
+    # the outputs' process axis could be left split as ``mesh`` splits it, which the program's own mesh cannot name
+    stacked = jax.lax.with_sharding_constraint(stacked, NamedSharding(model.layout.mesh, PartitionSpec()))
+    grads = _placed(replica_gradients.reduced(total, positions, dims=2), model.store.shardings)
     grads = _as_kept(model, _averaged(grads, signature, signature.microbatches))
     return stacked, rest, grads, side_outputs.reported(sown)
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jmp.model.parameter_store import StackStore
 from jmp.runtime.mesh_state import DATA_AXES
@@ -33,20 +34,46 @@ _OFFERED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jmp_rep
 def replicated_axes(model: Any, signature: Any) -> tuple[str, ...]:
     """The data axes (of more than one device) that no parameter is split over, when this step keeps gradients per
     replica through its microbatch loop (a pipeline's schedule too); () when it does not: one microbatch, a step run
-    op by op, or several processes' shares, unless each process has one replica of its own (then the gradients are
-    kept per process, ``process_shares.per_process_gradients``, or, in a pipeline, each process's forward reads its
-    own copy) and the step is not in fp8 (that loop does not differentiate the fp8 scales)."""
+    op by op, or several processes' shares unless each process's rows are whole replicas' (the batch split over the
+    replicated axes alone, so that each process's gradients can be kept per replica: ``by_process``; in a pipeline
+    one replica per process, whose forward reads its own copy) and the step is not in fp8 (that loop does not
+    differentiate the fp8 scales)."""
     if signature.microbatches == 1 or concrete_run.active():
         return ()
     mesh = model.layout.mesh
     split = {axis for spec in model.layout.specs.values() for entry in spec if entry for axis in _names(entry)}
     axes = tuple(a for a in DATA_AXES if a in mesh.axis_names and mesh.shape[a] > 1 and a not in split)
-    if signature.process_shares > 1:
-        if model.fp8_recipe is not None:
-            return ()
+    shares = signature.process_shares
+    if shares > 1:
         replicas = math.prod(mesh.shape[a] for a in axes)
-        return axes if replicas == signature.process_shares == signature.data_shards else ()
+        whole = replicas == signature.data_shards and replicas % shares == 0
+        local = replicas // shares if whole else 0
+        if model.fp8_recipe is not None or not local or (local > 1 and model.pipeline is not None):
+            return ()
+        return axes if by_process(mesh, axes, shares) is not None else ()
     return axes
+
+
+PROCESSES, LOCAL = "jmp_processes", "jmp_local_replicas"  # ``by_process``'s mesh axes
+
+
+def by_process(mesh: jax.sharding.Mesh, axes: tuple[str, ...], shares: int) -> jax.sharding.Mesh | None:
+    """``mesh`` with its data-parallel ``axes`` (the replicas) as two axes: PROCESSES, one entry per process feeding
+    the batch (``shares``), and LOCAL, the replicas within each, in the order the batch's rows are laid out over
+    ``axes`` (process-major), over the same devices in the same order (so one program can use both meshes); None
+    when ``axes`` are not adjacent in ``mesh`` but for axes of one device."""
+    names = [a for a in mesh.axis_names if a not in axes or a == axes[0]]
+    order = [mesh.axis_names.index(a) for a in names]
+    first = names.index(axes[0])
+    order[first : first + 1] = [mesh.axis_names.index(a) for a in axes]
+    grid = np.transpose(mesh.devices, order)
+    if list(grid.flat) != list(mesh.devices.flat):
+        return None
+    sizes = [mesh.shape[a] for a in names]
+    replicas = math.prod(mesh.shape[a] for a in axes)
+    sizes[first : first + 1] = [shares, replicas // shares]
+    names[first : first + 1] = [PROCESSES, LOCAL]
+    return jax.sharding.Mesh(grid.reshape(sizes), tuple(names), axis_types=(AxisType.Auto,) * len(names))
 
 
 def _names(entry: Any) -> tuple[str, ...]:
@@ -70,30 +97,35 @@ def _is_sharding(node: Any) -> bool:
     return isinstance(node, NamedSharding)
 
 
-def leading(store: Any) -> Any:
-    """Every stored parameter's replica axis first (per-process gradients: ``jax.vmap`` puts its axis there)."""
-    return jax.tree.map(lambda _: 0, store.shardings)
-
-
 def copy_shardings(model: Any, axes: tuple[str, ...], positions: Any) -> Any:
     """Shardings of the copies: the replica axis split over ``axes`` at its position, each parameter's own spec
     around it."""
+    return _with_replica_dims(model.store.shardings, positions, (axes,))
 
+
+def process_copy_shardings(model: Any, mesh: jax.sharding.Mesh, positions: Any) -> Any:
+    """Shardings of per-process copies on ``mesh`` (``by_process``): [processes, replicas within] at each
+    parameter's position, split over PROCESSES and LOCAL, its own spec around them."""
+    return _with_replica_dims(model.store.shardings, positions, (PROCESSES, LOCAL), mesh)
+
+
+def _with_replica_dims(shardings: Any, positions: Any, entries: tuple, mesh: Any = None) -> Any:
     def of(s, at):
         spec = tuple(s.spec) + (None,) * max(0, at - len(s.spec))
-        return NamedSharding(s.mesh, PartitionSpec(*spec[:at], axes, *spec[at:]))
+        return NamedSharding(mesh or s.mesh, PartitionSpec(*spec[:at], *entries, *spec[at:]))
 
-    return jax.tree.map(of, model.store.shardings, positions, is_leaf=_is_sharding)
+    return jax.tree.map(of, shardings, positions, is_leaf=_is_sharding)
 
 
-def copies(params: Any, shardings: Any, positions: Any) -> Any:
-    """Each stored parameter with a replica axis at its position, one identical copy per replica (no copying:
-    each device's block is its own replica of the parameter)."""
+def copies(params: Any, shardings: Any, positions: Any, dims: int = 1) -> Any:
+    """Each stored parameter with ``dims`` replica axes at its position (as ``shardings`` split them), one identical
+    copy per replica (no copying: each device's block is its own replica of the parameter)."""
 
     def of(p, s, at):
-        replicas = math.prod(s.mesh.shape[a] for a in _names(s.spec[at]))
-        shape = p.shape[:at] + (replicas,) + p.shape[at:]
-        return jax.lax.with_sharding_constraint(jnp.broadcast_to(jnp.expand_dims(p, at), shape), s)
+        sizes = tuple(math.prod(s.mesh.shape[a] for a in _names(s.spec[at + i])) for i in range(dims))
+        shape = p.shape[:at] + sizes + p.shape[at:]
+        expanded = jnp.expand_dims(p, tuple(range(at, at + dims)))
+        return jax.lax.with_sharding_constraint(jnp.broadcast_to(expanded, shape), s)
 
     return jax.tree.map(of, params, shardings, positions)
 
@@ -144,6 +176,23 @@ def merged(grads: Any, copy_grads: Any, shardings: Any, positions: Any) -> Any:
     return jax.tree.map(merge, grads, copy_grads, shardings, positions)
 
 
-def reduced(total: Any, positions: Any) -> Any:
-    """Per-replica gradients summed over the replicas: the step's one reduction."""
-    return jax.tree.map(lambda t, at: t.sum(at), total, positions)
+def process_merged(grads: Any, copy_grads: Any, shardings: Any, positions: Any) -> Any:
+    """One microbatch's gradients per process and replica within it ([processes, replicas] at each parameter's
+    position, ``process_copy_shardings``): each replica's own part (``copy_grads``, laid out so; None when each
+    process is one replica) plus an equal share of what its process's uses outside per-replica calls gave
+    (``grads``, [processes, *shape])."""
+
+    def merge(g, s, at, c=None):
+        local = s.mesh.shape[LOCAL]
+        g = jnp.expand_dims(jnp.moveaxis(g, 0, at), at + 1)
+        g = g if c is None else c + (g / local).astype(c.dtype)
+        return jax.lax.with_sharding_constraint(g, s)
+
+    if copy_grads is None:
+        return jax.tree.map(merge, grads, shardings, positions)
+    return jax.tree.map(merge, grads, shardings, positions, copy_grads)
+
+
+def reduced(total: Any, positions: Any, dims: int = 1) -> Any:
+    """Per-replica gradients summed over the replicas (``dims`` axes at each position): the step's one reduction."""
+    return jax.tree.map(lambda t, at: t.sum(tuple(range(at, at + dims))), total, positions)

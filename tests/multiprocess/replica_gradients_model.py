@@ -11,11 +11,15 @@ class Net(torch.nn.Module):
         super().__init__()
         self.conv = torch.nn.Conv2d(1, 4, 3)
         self.norm = torch.nn.LayerNorm(4 * 10 * 10)
-        self.fc = torch.nn.Linear(4 * 10 * 10, 10)
+        self.fc = torch.nn.Linear(4 * 10 * 10, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))  # one stacked weight
+        self.head = torch.nn.Linear(16, 10)
 
     def forward(self, x):
-        x = self.norm(torch.flatten(F.relu(self.conv(x)), 1))
-        return F.log_softmax(self.fc(x), dim=1)
+        x = self.fc(self.norm(torch.flatten(F.relu(self.conv(x)), 1)))
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return F.log_softmax(self.head(x), dim=1)
 
 
 def net() -> Net:

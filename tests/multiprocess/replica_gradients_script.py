@@ -1,7 +1,8 @@
-"""Two processes, one device each, data parallel with 2 microbatches: each process's gradients are kept through
-the microbatch loop and reduced once after it. Prints, per process, its ranks, the gradients of one step by
-torch name, and the bytes of the all-reduces inside the compiled step's loop and outside it, as JSON in
-``report_<rank>.json`` in the directory given (lines this long printed by both processes can interleave)."""
+"""Two processes, each with the devices ``jmp.launch`` gives it, data parallel with 2 microbatches: each
+replica's gradients are kept through the microbatch loop and reduced once after it. Prints, per process, its
+ranks, the gradients of one step by torch name, whether the model's layer list is stored stacked, and the bytes
+of the all-reduces inside the compiled step's loop and outside it, as JSON in ``report_<rank>.json`` in the
+directory given (lines this long printed by both processes can interleave)."""
 
 import json
 import sys
@@ -24,12 +25,13 @@ def train_step(model, images, labels):
 
 if __name__ == "__main__":
     extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}  # more config keys, for runs by hand
-    smp.init({"microbatches": 2, "ddp": True, **extra})
+    smp.init({"microbatches": 2, "ddp": True, "scan_layers": True, **extra})
     model = smp.DistributedModel(net())
     images, labels = (t.chunk(smp.dp_size())[smp.dp_rank()] for t in batch())
     train_step(model, images, labels)
     grads = {name: g.tolist() for name, g in named_grads(model.grads).items()}
     hlo = train_step.lower(model, images, labels).compile().as_text()
     report = {"rank": smp.rank(), "dp": [smp.dp_rank(), smp.dp_size()], "grads": grads}
-    report["all_reduce_bytes"] = all_reduce_bytes(hlo, smp.dp_size(), jax.device_count())
+    report["stacked"] = type(model.store).__name__ == "StackStore"
+    report["all_reduce_bytes"] = all_reduce_bytes(hlo, device_count=jax.device_count())  # over any group
     (Path(sys.argv[1]) / f"report_{smp.rank()}.json").write_text(json.dumps(report))

@@ -1,7 +1,7 @@
-"""Two processes feeding the batch, one data-parallel replica each, with microbatches: each process's gradients
-stay on its device through the microbatch loop and are all-reduced once after it (DDP's ``no_sync``), with
-DDP's numbers: the mean over the processes of each process's mean over its microbatches, from PyTorch on the
-same rows."""
+"""Two processes feeding the batch, with microbatches, holding one data-parallel replica each or two: each
+replica's gradients stay on its device through the microbatch loop and are all-reduced once after it (DDP's
+``no_sync``), with DDP's numbers: the mean over the processes of each process's mean over its microbatches, from
+PyTorch on the same rows."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -21,8 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PROCESSES, MICROBATCHES = 2, 2
 
 
-def test_each_process_keeps_its_gradients_through_the_loop_and_reduces_them_once(tmp_path):
-    command = [sys.executable, "-m", "jmp.launch", "-n", str(PROCESSES), "--cpu-devices", "1"]
+@pytest.mark.parametrize("replicas_per_process", [1, 2])
+def test_each_replica_keeps_its_gradients_through_the_loop_and_reduces_them_once(tmp_path, replicas_per_process):
+    devices = str(replicas_per_process)
+    command = [sys.executable, "-m", "jmp.launch", "-n", str(PROCESSES), "--cpu-devices", devices]
     env = os.environ | {"PYTHONPATH": str(ROOT), "JMP_HEARTBEAT_TIMEOUT": "30"}
     result = subprocess.run(
         [*command, "tests/multiprocess/replica_gradients_script.py", str(tmp_path)],
@@ -39,8 +42,9 @@ def test_each_process_keeps_its_gradients_through_the_loop_and_reduces_them_once
     parameter_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     for report in reports:
         assert report["dp"] == [report["rank"], PROCESSES]
+        assert report["stacked"]  # the layer list's copies carry the layer axis first
         for name, p in reference.named_parameters():
             assert_close(torch.tensor(report["grads"][name]), p.grad, 1e-5, floor=1e-6)
-        # inside the loop only the loss; the gradients once, after it
+        # inside the loop only the loss; the gradients once, after it (over the processes and within each)
         assert report["all_reduce_bytes"]["in_loop"] < 0.01 * parameter_bytes
         assert report["all_reduce_bytes"]["outside_loop"] >= parameter_bytes
