@@ -126,11 +126,13 @@ def _operands(line: str, opcode_end: int) -> str:
 
 
 def _iota(spec: str) -> np.ndarray:
-    """``[dims]<=[reshape]T(perm)`` (or ``<=[n]``): XLA's iota tile assignment, as an array of ids."""
-    match = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", spec.strip())
-    if match is None:
+    """``[dims]<=[reshape]T(perm)`` (or ``<=[n]``): XLA's iota tile assignment, as an array of ids; a mesh's
+    ``device_ids`` also reads ``[reshape]T(perm)``, the ids in the order of the mesh's axes."""
+    match = re.fullmatch(r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?", spec.strip())
+    if match is None or (match[2] is None and match[3] is None):
         raise ValueError(f"not an iota list: {spec!r}")
-    dims, reshape = ([int(d) for d in g.split(",")] for g in match.groups()[:2])
+    dims = [int(d) for d in match[1].split(",")]
+    reshape = [int(d) for d in match[2].split(",")] if match[2] else dims
     ids = np.arange(math.prod(reshape)).reshape(reshape)
     if match[3]:
         ids = ids.transpose([int(p) for p in match[3].split(",")])
@@ -146,7 +148,7 @@ def _mesh_groups(text: str) -> list[list[int]]:
     sizes = [size for _, size in axes]
     if match[2] is None:
         ids = np.arange(math.prod(sizes)).reshape(sizes)
-    elif "<=" in match[2]:
+    elif "<=" in match[2] or "T(" in match[2]:
         ids = _iota(match[2]).reshape(sizes)
     else:
         ids = np.array([int(i) for i in re.sub(r"^\[[\d,]*\]", "", match[2]).split(",")]).reshape(sizes)

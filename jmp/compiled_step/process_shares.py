@@ -18,28 +18,42 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import microbatches as batching
 from jmp.compiled_step import side_outputs
+from jmp.precision import fp8_state
 from jmp.runtime.mesh_state import DATA_AXES
-from jmp.torch_bridge import dispatch
+from jmp.torch_bridge import dispatch, replica_calls
 
 PROCESS_AXIS = "jmp_process"
 
 
-def per_process(run_forward: Callable, split_axes: Sequence[int | None], params_axis: int | None = None) -> Callable:
+def per_process(
+    run_forward: Callable, split_axes: Sequence[int | None], params_axis: int | None = None, fp8: bool = False
+) -> Callable:
     """``run_forward`` (params, rest, microbatch arrays) -> (loss, (outputs, rest, side outputs)) run on each
     process's block of the split arrays (cut by ``blocks``: the process axis at each split axis): the sum of
     the processes' losses, outputs with a leading process axis, process 0's rest, side outputs combined over
     processes. ``params_axis`` 0: the parameters have a leading process axis too, each process reading its own
-    copy (``jmp.compiled_step.replica_gradients``), whose gradients then stay per process."""
+    copy (``jmp.compiled_step.replica_gradients``), whose gradients then stay per process.
+
+    In fp8 (``fp8``) each process reads its own copy of the output gradients' scales, whose cotangents (the processes'
+    gradient amaxes) combine by their maximum, as TE reduces amaxes over the data-parallel group."""
 
     def run(params, rest, mb_arrays):
-        in_axes = (params_axis, None, list(split_axes))
-        batched = jax.vmap(run_forward, in_axes=in_axes, axis_name=PROCESS_AXIS)
+        scales, others = fp8_state.split_gradient_scales(rest) if fp8 else ({}, rest)
+        count = next(a.shape[axis] for a, axis in zip(mb_arrays, split_axes) if axis is not None)
+        copies = jax.tree.map(lambda scale: replica_calls.copied_for_maximum(scale, count), scales)
+
+        def on_scales(params, scales, others, mb_arrays):
+            return run_forward(params, nnx.merge_state(others, scales) if fp8 else others, mb_arrays)
+
+        in_axes = (params_axis, 0, None, list(split_axes))
+        batched = jax.vmap(on_scales, in_axes=in_axes, axis_name=PROCESS_AXIS)
         with dispatch.batched_over(PROCESS_AXIS):
-            losses, (outputs, new_rest, sown) = batched(params, rest, mb_arrays)
+            losses, (outputs, new_rest, sown) = batched(params, copies, others, mb_arrays)
         first_process = jax.tree.map(lambda leaf: leaf[0], new_rest)
         # each process's backward starts from its own (scaled) loss, as each SMP rank's does, so a half-precision
         # gradient overflows where it would on that rank; the caller divides the summed gradients by the count
@@ -49,7 +63,7 @@ def per_process(run_forward: Callable, split_axes: Sequence[int | None], params_
 
 
 def per_process_gradients(
-    run_forward: Callable, split_axes: Sequence[int | None], copy_positions: Any = None
+    run_forward: Callable, split_axes: Sequence[int | None], copy_positions: Any = None, fp8_recipe: Any = None
 ) -> Callable:
     """``run_forward`` differentiated on each process's block (the process axis at each split axis): (the sum of
     the processes' losses, (outputs with a leading process axis, process 0's rest, side outputs combined)),
@@ -59,20 +73,34 @@ def per_process_gradients(
 
     With ``copy_positions`` ``run_forward`` takes (params, copies, rest, arrays): per-replica copies of the
     parameters, a process axis at each copy's position (``copy_positions``, a tree) and each process's own after
-    it; the gradients are then (the parameters', the copies' laid out as the copies are)."""
-    if copy_positions is None:
-        grad_of = jax.value_and_grad(run_forward, has_aux=True)
-        in_axes, grad_axes = (None, None, list(split_axes)), 0
-    else:
-        grad_of = jax.value_and_grad(run_forward, argnums=(0, 1), has_aux=True)
-        in_axes, grad_axes = (None, copy_positions, None, list(split_axes)), (0, copy_positions)
+    it; the gradients are then (the parameters', the copies' laid out as the copies are). In fp8 (``fp8_recipe``)
+    each process's gradient amaxes (the cotangents of the gradient scales) are taken too, and their maximum over
+    the processes recorded in the rest, as TE reduces amaxes over the data-parallel group."""
+    copied = copy_positions is not None
+    diff_axes = (None, copy_positions) if copied else (None,)
+
+    def on_scales(*args):
+        *diff, scales, others, mb_arrays = args
+        return run_forward(*diff, nnx.merge_state(others, scales) if fp8_recipe is not None else others, mb_arrays)
+
+    argnums = tuple(range(len(diff_axes) + 1))  # the scales' cotangents too (none outside fp8)
+    grad_of = jax.value_and_grad(on_scales, argnums=argnums, has_aux=True)
+    grad_axes = (0, copy_positions, 0) if copied else (0, 0)
 
     def run(*args):
+        *diff, rest, mb_arrays = args
+        scales, others = fp8_state.split_gradient_scales(rest) if fp8_recipe is not None else ({}, rest)
+        in_axes = (*diff_axes, None, None, list(split_axes))
         batched = jax.vmap(grad_of, in_axes=in_axes, out_axes=(0, grad_axes), axis_name=PROCESS_AXIS)
         with dispatch.batched_over(PROCESS_AXIS):
-            (losses, (outputs, new_rest, sown)), grads = batched(*args)
+            (losses, (outputs, new_rest, sown)), (*grads, amaxes) = batched(*diff, scales, others, mb_arrays)
         first_process = jax.tree.map(lambda leaf: leaf[0], new_rest)
-        return (losses.sum(), (outputs, first_process, side_outputs.reduce_stacked(sown))), grads
+        if fp8_recipe is not None:
+            scales, others = fp8_state.split_gradient_scales(first_process)
+            amaxes = jax.tree.map(lambda a: a.max(axis=0), amaxes)
+            first_process = fp8_state.record_gradient_amaxes(fp8_recipe, scales, amaxes, others)
+        aux = (outputs, first_process, side_outputs.reduce_stacked(sown))
+        return (losses.sum(), aux), tuple(grads) if copied else grads[0]
 
     return run
 

@@ -59,7 +59,7 @@ def forward(fn: Callable, model: DistributedModel, signature: StepSignature, tra
     """
     run_forward = forward_on_rows(fn, model, signature, traced)
     if signature.process_shares > 1:
-        return process_shares.per_process(run_forward, signature.split_axes)
+        return process_shares.per_process(run_forward, signature.split_axes, fp8=model.fp8_recipe is not None)
     return run_forward
 
 
@@ -247,7 +247,7 @@ def _process_loop(model, signature, axes, per_rows, params, rest, mb_stack, arra
     shardings = replica_gradients.process_copy_shardings(model, mesh, positions)
     split = signature.split_axes
     if mesh.shape[replica_gradients.LOCAL] == 1:  # a process's gradients are its replica's
-        copies, grad_of = None, process_shares.per_process_gradients(per_rows, split)
+        copies, grad_of = None, process_shares.per_process_gradients(per_rows, split, None, model.fp8_recipe)
     else:
         copies = replica_gradients.copies(params, shardings, positions, dims=2)
         rows = frozenset(p.shape[axis + 2] for p, axis in zip(mb_stack, split) if p is not None)  # a process's
@@ -256,7 +256,7 @@ def _process_loop(model, signature, axes, per_rows, params, rest, mb_stack, arra
             with replica_gradients.offered(copies, mesh, (replica_gradients.LOCAL,), rows):
                 return per_rows(params, rest, mb_arrays)
 
-        grad_of = process_shares.per_process_gradients(on_copies, split, positions)
+        grad_of = process_shares.per_process_gradients(on_copies, split, positions, model.fp8_recipe)
 
     def body(carry, mb):
         rest, total, sown = carry

@@ -36,8 +36,7 @@ def replicated_axes(model: Any, signature: Any) -> tuple[str, ...]:
     replica through its microbatch loop (a pipeline's schedule too); () when it does not: one microbatch, a step run
     op by op, or several processes' shares unless each process's rows are whole replicas' (the batch split over the
     replicated axes alone, so that each process's gradients can be kept per replica: ``by_process``; in a pipeline
-    one replica per process, whose forward reads its own copy) and the step is not in fp8 (that loop does not
-    differentiate the fp8 scales)."""
+    one replica per process, whose forward reads its own copy)."""
     if signature.microbatches == 1 or concrete_run.active():
         return ()
     mesh = model.layout.mesh
@@ -48,7 +47,7 @@ def replicated_axes(model: Any, signature: Any) -> tuple[str, ...]:
         replicas = math.prod(mesh.shape[a] for a in axes)
         whole = replicas == signature.data_shards and replicas % shares == 0
         local = replicas // shares if whole else 0
-        if model.fp8_recipe is not None or not local or (local > 1 and model.pipeline is not None):
+        if not local or (local > 1 and model.pipeline is not None):
             return ()
         return axes if by_process(mesh, axes, shares) is not None else ()
     return axes

@@ -50,9 +50,10 @@ def scaled_matmul(x, weight, x_scale, weight_scale, grad_scale, forward_dtype, g
     """``x @ weight.T`` in fp8 for ``x`` [..., in] and ``weight`` [out, in]; the result in ``x``'s dtype.
 
     ``weight``'s gradient comes out in ``x``'s dtype too: the weight a Linear multiplies is in its compute dtype.
-    Under ``jax.vmap`` with an unbatched ``grad_scale`` (one entry per process, ``jmp.compiled_step.process_shares``)
-    its cotangent is the sum of the entries' gradient amaxes: at most their count times the largest, so the scale
-    errs small (a collective cannot run in a ``custom_vjp`` backward under ``vmap``).
+    Under ``jax.vmap`` with an unbatched ``grad_scale`` its cotangent is the sum of the entries' gradient amaxes (a
+    collective cannot run in a ``custom_vjp`` backward under ``vmap``): a step run once per process
+    (``jmp.compiled_step.process_shares``) gives each process its own copy of the scale, or differentiates each
+    process on its own, and takes the maximum of their amaxes.
     """
     return _forward(x, weight, x_scale, weight_scale, grad_scale, forward_dtype, gradient_dtype)[0]
 

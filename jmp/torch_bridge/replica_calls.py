@@ -91,25 +91,27 @@ def maximum_copies(values: Sequence[jax.Array]) -> Iterator[None]:
         yield
         return
     sharding = jax.sharding.NamedSharding(table.mesh, PartitionSpec(table.axes))
-    with bound(values, [_copied_for_maximum(v, sharding, table.replicas) for v in values]):
+    with bound(values, [copied_for_maximum(v, table.replicas, sharding) for v in values]):
         yield
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _copied_for_maximum(value: jax.Array, sharding: jax.sharding.NamedSharding, replicas: int) -> jax.Array:
+def copied_for_maximum(value: jax.Array, replicas: int, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    """[replicas, *shape]: ``value`` once per replica (laid out as ``sharding``), the copies' cotangents combined by
+    their maximum."""
     copies = jax.numpy.broadcast_to(value[None], (replicas, *value.shape))
-    return jax.lax.with_sharding_constraint(copies, sharding)
+    return copies if sharding is None else jax.lax.with_sharding_constraint(copies, sharding)
 
 
-def _copied_forward(value, sharding, replicas):
-    return _copied_for_maximum(value, sharding, replicas), None
+def _copied_forward(value, replicas, sharding):
+    return copied_for_maximum(value, replicas, sharding), None
 
 
-def _copied_backward(sharding, replicas, _, cotangents):
+def _copied_backward(replicas, sharding, _, cotangents):
     return (cotangents.max(axis=0),)
 
 
-_copied_for_maximum.defvjp(_copied_forward, _copied_backward)
+copied_for_maximum.defvjp(_copied_forward, _copied_backward)
 
 
 def rebound(outer: Sequence[jax.Array], inner: Sequence[jax.Array]) -> contextlib.AbstractContextManager:

@@ -1,19 +1,27 @@
 """Two processes, each with the devices ``jmp.launch`` gives it, data parallel with 2 microbatches: each
 replica's gradients are kept through the microbatch loop and reduced once after it. Prints, per process, its
 ranks, the gradients of one step by torch name, whether the model's layer list is stored stacked, and the bytes
-of the all-reduces inside the compiled step's loop and outside it, as JSON in ``report_<rank>.json`` in the
-directory given (lines this long printed by both processes can interleave)."""
+of the all-reduces inside the compiled step's loop and outside it; then the same for an fp8 Linear over three
+steps, with 1 microbatch and with 2, with its scaling state after each (amax histories of the length given).
+As JSON in ``report_<rank>.json`` in the directory given (lines this long printed by both processes can
+interleave).
+
+    python -m jmp.launch -n 2 --cpu-devices K tests/multiprocess/replica_gradients_script.py DIRECTORY HISTORY
+"""
 
 import json
 import sys
 from pathlib import Path
 
 import jax
+import numpy as np
+import torch
 import torch.nn.functional as F
+from flax import nnx
 
 import jmp as smp
 from benchmarks.harness import all_reduce_bytes, named_grads
-from tests.multiprocess.replica_gradients_model import batch, net
+from tests.multiprocess.replica_gradients_model import FP8_FACTORS, batch, fp8_batch, fp8_linear, net
 
 
 @smp.step
@@ -23,9 +31,32 @@ def train_step(model, images, labels):
     return loss
 
 
+@smp.step
+def fp8_step(model, x, grad_out):
+    model.backward((model(x) * grad_out).sum())  # the output's gradient is grad_out itself
+
+
+def fp8_steps(history: int, microbatches: int) -> dict:
+    """The fp8 Linear's gradients and scaling state after each of its steps (SGD at lr 0: the weight stays)."""
+    smp.init({"fp8": True, "fp8_amax_history_len": history, "microbatches": microbatches, "ddp": True})
+    model = smp.DistributedModel(fp8_linear())
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    x, grad_out = (t.chunk(smp.dp_size())[smp.dp_rank()] for t in fp8_batch())
+    steps = []
+    for factor in FP8_FACTORS:
+        optimizer.zero_grad()
+        fp8_step(model, x * factor, grad_out * factor)
+        grads = {name: g.tolist() for name, g in named_grads(model.grads).items()}
+        optimizer.step()
+        flat = nnx.to_flat_state(model.training_state.rest)
+        state = {"/".join(map(str, path)): np.asarray(v[...]).tolist() for path, v in flat if "fp8" in path}
+        steps.append({"grads": grads, "state": state})
+    hlo = fp8_step.lower(model, x, grad_out).compile().as_text()
+    return {"steps": steps, "all_reduce_bytes": all_reduce_bytes(hlo, device_count=jax.device_count())}
+
+
 if __name__ == "__main__":
-    extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}  # more config keys, for runs by hand
-    smp.init({"microbatches": 2, "ddp": True, "scan_layers": True, **extra})
+    smp.init({"microbatches": 2, "ddp": True, "scan_layers": True})
     model = smp.DistributedModel(net())
     images, labels = (t.chunk(smp.dp_size())[smp.dp_rank()] for t in batch())
     train_step(model, images, labels)
@@ -33,5 +64,6 @@ if __name__ == "__main__":
     hlo = train_step.lower(model, images, labels).compile().as_text()
     report = {"rank": smp.rank(), "dp": [smp.dp_rank(), smp.dp_size()], "grads": grads}
     report["stacked"] = type(model.store).__name__ == "StackStore"
+    report["fp8"] = {microbatches: fp8_steps(int(sys.argv[2]), microbatches) for microbatches in (1, 2)}
     report["all_reduce_bytes"] = all_reduce_bytes(hlo, device_count=jax.device_count())  # over any group
     (Path(sys.argv[1]) / f"report_{smp.rank()}.json").write_text(json.dumps(report))

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import assert_close
-from tests.multiprocess.replica_gradients_model import batch, net
+from tests.multiprocess.replica_gradients_model import FP8_FACTORS, FP8_ROWS, batch, fp8_batch, fp8_linear, net
+from tests.precision.te_emulation import HISTORY, TorchDelayedScaling
 
 ROOT = Path(__file__).resolve().parents[2]
 PROCESSES, MICROBATCHES = 2, 2
@@ -28,7 +29,7 @@ def test_each_replica_keeps_its_gradients_through_the_loop_and_reduces_them_once
     command = [sys.executable, "-m", "jmp.launch", "-n", str(PROCESSES), "--cpu-devices", devices]
     env = os.environ | {"PYTHONPATH": str(ROOT), "JMP_HEARTBEAT_TIMEOUT": "30"}
     result = subprocess.run(
-        [*command, "tests/multiprocess/replica_gradients_script.py", str(tmp_path)],
+        [*command, "tests/multiprocess/replica_gradients_script.py", str(tmp_path), str(HISTORY)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -48,3 +49,38 @@ def test_each_replica_keeps_its_gradients_through_the_loop_and_reduces_them_once
         # inside the loop only the loss; the gradients once, after it (over the processes and within each)
         assert report["all_reduce_bytes"]["in_loop"] < 0.01 * parameter_bytes
         assert report["all_reduce_bytes"]["outside_loop"] >= parameter_bytes
+    shards = PROCESSES * replicas_per_process
+    for microbatches in (1, 2):
+        _check_fp8([report["fp8"][str(microbatches)] for report in reports], shards, microbatches)
+
+
+def _microbatch_rows(rows: int, shards: int, microbatches: int) -> list[list[int]]:
+    """Each data-parallel shard splits its own rows (a process's share is its shards'): microbatch m takes the m-th
+    run of every shard."""
+    run = rows // shards // microbatches
+    return [[s * rows // shards + m * run + i for s in range(shards) for i in range(run)] for m in range(microbatches)]
+
+
+def _check_fp8(reports: list[dict], shards: int, microbatches: int) -> None:
+    """An fp8 Linear: with microbatches, each replica multiplies its rows with its own copy of the weight (no
+    weight-gradient all-reduce in the loop), while every scale is the whole microbatch's, as TE's amax reduction
+    over the data-parallel group makes it: the torch emulation on all of the microbatch's rows. Summing the
+    processes' gradient amaxes instead of taking their maximum puts the gradient scale off from the second step
+    on."""
+    linear = fp8_linear()
+    emulation = TorchDelayedScaling(linear.weight.detach().clone(), linear.bias.detach().clone())
+    x, grad_out = fp8_batch()
+    for step, factor in enumerate(FP8_FACTORS):
+        rows = _microbatch_rows(FP8_ROWS, shards, microbatches)
+        expected = [emulation.step(x[microbatch] * factor, grad_out[microbatch] * factor) for microbatch in rows]
+        weight_grad = sum(e[1] for e in expected) / (microbatches * PROCESSES)
+        bias_grad = sum(e[2] for e in expected) / (microbatches * PROCESSES)
+        for report in reports:
+            grads, state = report["steps"][step]["grads"], report["steps"][step]["state"]
+            assert_close(torch.tensor(grads["weight"]), weight_grad, 1e-6)
+            assert_close(torch.tensor(grads["bias"]), bias_grad, 1e-6, floor=1e-9)
+            for name, scaling in (("input", emulation.input), ("grad", emulation.grad)):
+                assert_close(torch.tensor(state[f"fp8/{name}_amax_history"]), torch.tensor(scaling.history), 1e-7)
+                assert_close(torch.tensor(state[f"fp8/{name}_scale"]), torch.tensor(scaling.scale), 1e-7)
+    if microbatches > 1:
+        assert all(report["all_reduce_bytes"]["in_loop"] < linear.weight.numel() for report in reports)  # amaxes
