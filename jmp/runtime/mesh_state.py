@@ -34,6 +34,7 @@ from jmp.errors import ConfigError, JmpError
 from jmp.runtime import compilation_cache as compilation
 from jmp.runtime import (
     config_no_effect,
+    host_memory,
     process_groups,
     programs_in_flight,
     rank_zero_logging,
@@ -117,6 +118,8 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
         _check_sequences_within_processes(mesh, parsed.context_parallel_degree)
     _config, _mesh = parsed, mesh
     process_groups.start(_mesh, GROUP_AXES)
+    if devices[0].platform == "cpu":
+        host_memory.keep_freed_memory()
     queues_on_threads = devices[0].platform == "cpu" and count > 1  # XLA:CPU deadlocks on a long queue
     programs_in_flight.bound(programs_in_flight.cpu_limit() if queues_on_threads else 0)
     if jax.process_count() > 1:
