@@ -22,7 +22,7 @@ import ctypes.util
 import logging
 import os
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("jmp")
 
 MMAP_THRESHOLD = 1 << 30  # blocks below this come from the heap (glibc's default moves between 128 KiB and 32 MiB)
 TRIM_THRESHOLD = 1 << 30  # free memory at the heap's top kept up to this
