@@ -268,8 +268,10 @@ def _process_loop(model, signature, axes, per_rows, params, rest, mb_stack, arra
 
     zeros = replica_gradients.copies(jax.tree.map(jnp.zeros_like, params), shardings, positions, dims=2)
     (rest, total, sown), stacked = jax.lax.scan(body, (rest, zeros, no_side_outputs), mb_stack)
-    # the outputs' process axis could be left split as ``mesh`` splits it, which the program's own mesh cannot name
-    stacked = jax.lax.with_sharding_constraint(stacked, NamedSharding(model.layout.mesh, PartitionSpec()))
+    # [microbatches, processes, ...]: each process's outputs on its devices when it is one replica; else whole on
+    # every device (left free, XLA splits the process axis as ``mesh`` does, which the program's mesh cannot name)
+    spec = PartitionSpec(None, axes) if copies is None else PartitionSpec()
+    stacked = jax.lax.with_sharding_constraint(stacked, NamedSharding(model.layout.mesh, spec))
     grads = _placed(replica_gradients.reduced(total, positions, dims=2), model.store.shardings)
     grads = _as_kept(model, _averaged(grads, signature, signature.microbatches))
     return stacked, rest, grads, side_outputs.reported(sown)
