@@ -43,9 +43,11 @@ def per_process(
     gradient amaxes) combine by their maximum, as TE reduces amaxes over the data-parallel group."""
 
     def run(params, rest, mb_arrays):
-        scales, others = fp8_state.split_gradient_scales(rest) if fp8 else ({}, rest)
-        count = next(a.shape[axis] for a, axis in zip(mb_arrays, split_axes) if axis is not None)
-        copies = jax.tree.map(lambda scale: replica_calls.copied_for_maximum(scale, count), scales)
+        copies, others = {}, rest
+        if fp8:
+            scales, others = fp8_state.split_gradient_scales(rest)
+            count = next(a.shape[axis] for a, axis in zip(mb_arrays, split_axes) if axis is not None)
+            copies = jax.tree.map(lambda scale: replica_calls.copied_for_maximum(scale, count), scales)
 
         def on_scales(params, scales, others, mb_arrays):
             return run_forward(params, nnx.merge_state(others, scales) if fp8 else others, mb_arrays)
