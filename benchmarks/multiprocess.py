@@ -9,7 +9,9 @@ GPT-2 (Hugging Face, from a config, random weights, no dropout) with 4 layers, d
 microbatches, its gradients kept per replica through the microbatch loop and reduced once after it (``dp_mb2``,
 ``jmp.compiled_step.replica_gradients``: with several processes, per process and replica within it) or, with
 the per-replica copies turned off while the step compiles, reduced where each microbatch's backward makes them
-(``dp_mb2_per_mb``, as GSPMD places them).
+(``dp_mb2_per_mb``, as GSPMD places them); the same two with tp2 beside 4-way data parallelism
+(``dp4_tp2_mb2``, ``dp4_tp2_mb2_per_mb``: on 4 x 2 and 2 x 4 a process holds a whole replica or two, on 8 x 1
+(not run) each tensor-parallel rank would feed rows of its own).
 
 Each configuration runs in processes of its own, all started the same way::
 
@@ -55,7 +57,7 @@ Collective bytes (from the compiled step program, ``lm_step.lower(model, share).
     in the cross-process part. These are logical bytes per device, not bytes on the wire (a ring all-reduce
     sends about 2 (g-1)/g of its buffer; within a process XLA:CPU copies in memory).
 
-The whole default run takes about 8 minutes on 2 CPU cores (each configuration compiles both layouts in every
+The whole default run takes about 11 minutes on 2 CPU cores (each configuration compiles both layouts in every
 one of its processes).
 """
 
@@ -99,8 +101,10 @@ LAYOUTS = {
     "sdp4_tp2": {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2},
     "dp_mb2": {"microbatches": 2},
     "dp_mb2_per_mb": {"microbatches": 2},  # gradients reduced where they are made: once per microbatch
+    "dp4_tp2_mb2": {"tensor_parallel_degree": 2, "microbatches": 2},
+    "dp4_tp2_mb2_per_mb": {"tensor_parallel_degree": 2, "microbatches": 2},
 }
-PER_MICROBATCH = {"dp_mb2_per_mb"}  # compiled with the per-replica copies turned off
+PER_MICROBATCH = {"dp_mb2_per_mb", "dp4_tp2_mb2_per_mb"}  # compiled with the per-replica copies turned off
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 MIB = 2**20
 
@@ -331,13 +335,13 @@ def launch(processes: int, devices: int, steps: int, warmup: int) -> tuple[list[
 
 def table(rows: list[dict]) -> str:
     lines = [
-        f"{'layout':<13} {'procs x dev':>11} {'step s':>7} {'ratio':>6} {'iter s':>7} {'ratio':>6} "
+        f"{'layout':<18} {'procs x dev':>11} {'step s':>7} {'ratio':>6} {'iter s':>7} {'ratio':>6} "
         f"{'colls':>5} {'MiB/step':>8} {'x-proc':>6} {'x-proc MiB':>10} {'in loop':>10} {'loss':>7}"
     ]
     for r in rows:
         c = r["collectives"]
         lines.append(
-            f"{r['layout']:<13} {r['processes']:>5} x {r['devices_per_process']:<3} "
+            f"{r['layout']:<18} {r['processes']:>5} x {r['devices_per_process']:<3} "
             f"{r['median_step_seconds']:>7.3f} {r['step_ratio']:>6.2f} {r['median_iteration_seconds']:>7.3f} "
             f"{r['iteration_ratio']:>6.2f} {c['count']:>5} {c['bytes'] / MIB:>8.2f} {c['cross_count']:>6} "
             f"{c['cross_bytes'] / MIB:>10.2f} {c['while_body_cross_bytes'] / MIB:>10.2f} {r['final_loss']:>7.4f}"

@@ -238,41 +238,53 @@ def _differentiated(fn: Callable, diff_args: tuple, rest: Any, mb_arrays: list, 
 
 
 def _process_loop(model, signature, axes, per_rows, params, rest, mb_stack, arrays_of, no_side_outputs):
-    """``run``'s microbatch loop when the processes feeding the batch hold whole data-parallel replicas (over the
-    mesh ``axes``): each process's forward (``per_rows``, run once per process) reads per-replica copies of its own
-    when it holds several replicas (``replica_gradients``), so that each replica's gradients stay on its devices
-    through the loop; they are summed over the processes and replicas once after it."""
-    mesh = replica_gradients.by_process(model.layout.mesh, axes, signature.process_shares)
+    """``run``'s microbatch loop when the processes feeding the batch each feed whole data-parallel replicas (over
+    the mesh ``axes``) or a replica is fed by several processes (a tensor-parallel group's, each passing rows of its
+    own): each process's gradients (``per_rows`` differentiated once per process) stay on its replica's devices
+    through the loop, its forward reading per-replica copies of its own when it holds several replicas
+    (``replica_gradients``); they are summed over the processes and replicas once after it."""
     positions = replica_gradients.replica_positions(model.store)
-    shardings = replica_gradients.process_copy_shardings(model, mesh, positions)
     split = signature.split_axes
-    if mesh.shape[replica_gradients.LOCAL] == 1:  # a process's gradients are its replica's
-        copies, grad_of = None, process_shares.per_process_gradients(per_rows, split, None, model.fp8_recipe)
+    grad_of = process_shares.per_process_gradients(per_rows, split, None, model.fp8_recipe)
+    copies, dims = None, 2
+    if signature.process_shares > math.prod(model.layout.mesh.shape[a] for a in axes):
+        shardings, dims = replica_gradients.copy_shardings(model, axes, positions), 1
+
+        def merged(grads, _):  # the processes of a replica are consecutive: their gradients summed on its devices
+            return replica_gradients.process_grouped(grads, shardings, positions)
+
     else:
-        copies = replica_gradients.copies(params, shardings, positions, dims=2)
-        rows = frozenset(p.shape[axis + 2] for p, axis in zip(mb_stack, split) if p is not None)  # a process's
+        mesh = replica_gradients.by_process(model.layout.mesh, axes, signature.process_shares)
+        shardings = replica_gradients.process_copy_shardings(model, mesh, positions)
+        if mesh.shape[replica_gradients.LOCAL] > 1:  # else a process's gradients are its replica's
+            copies = replica_gradients.copies(params, shardings, positions, dims=2)
+            rows = frozenset(p.shape[axis + 2] for p, axis in zip(mb_stack, split) if p is not None)  # a process's
 
-        def on_copies(params, copies, rest, mb_arrays):
-            with replica_gradients.offered(copies, mesh, (replica_gradients.LOCAL,), rows):
-                return per_rows(params, rest, mb_arrays)
+            def on_copies(params, copies, rest, mb_arrays):
+                with replica_gradients.offered(copies, mesh, (replica_gradients.LOCAL,), rows):
+                    return per_rows(params, rest, mb_arrays)
 
-        grad_of = process_shares.per_process_gradients(on_copies, split, positions, model.fp8_recipe)
+            grad_of = process_shares.per_process_gradients(on_copies, split, positions, model.fp8_recipe)
+
+        def merged(grads, copy_grads):
+            return replica_gradients.process_merged(grads, copy_grads, shardings, positions)
 
     def body(carry, mb):
         rest, total, sown = carry
         diff_args = (params,) if copies is None else (params, copies)
         (_, (outputs, rest, mb_sown)), grads = grad_of(*diff_args, rest, arrays_of(mb))
         grads, copy_grads = (grads, None) if copies is None else grads
-        total = jax.tree.map(jnp.add, total, replica_gradients.process_merged(grads, copy_grads, shardings, positions))
+        total = jax.tree.map(jnp.add, total, merged(grads, copy_grads))
         return (rest, total, side_outputs.combine_all(sown, mb_sown)), outputs
 
-    zeros = replica_gradients.copies(jax.tree.map(jnp.zeros_like, params), shardings, positions, dims=2)
+    zeros = replica_gradients.copies(jax.tree.map(jnp.zeros_like, params), shardings, positions, dims=dims)
     (rest, total, sown), stacked = jax.lax.scan(body, (rest, zeros, no_side_outputs), mb_stack)
-    # [microbatches, processes, ...]: each process's outputs on its devices when it is one replica; else whole on
-    # every device (left free, XLA splits the process axis as ``mesh`` does, which the program's mesh cannot name)
+    # [microbatches, processes, ...]: each process's outputs on its replica's devices when it feeds one replica or
+    # part of one; else whole on every device (left free, XLA splits the process axis as ``mesh`` does, which the
+    # program's mesh cannot name)
     spec = PartitionSpec(None, axes) if copies is None else PartitionSpec()
     stacked = jax.lax.with_sharding_constraint(stacked, NamedSharding(model.layout.mesh, spec))
-    grads = _placed(replica_gradients.reduced(total, positions, dims=2), model.store.shardings)
+    grads = _placed(replica_gradients.reduced(total, positions, dims=dims), model.store.shardings)
     grads = _as_kept(model, _averaged(grads, signature, signature.microbatches))
     return stacked, rest, grads, side_outputs.reported(sown)
 

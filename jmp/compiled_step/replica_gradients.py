@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jmp.model.parameter_store import StackStore
+from jmp.runtime import mesh_state
 from jmp.runtime.mesh_state import DATA_AXES
 from jmp.torch_bridge import concrete_run, replica_calls
 
@@ -34,9 +35,10 @@ _OFFERED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jmp_rep
 def replicated_axes(model: Any, signature: Any) -> tuple[str, ...]:
     """The data axes (of more than one device) that no parameter is split over, when this step keeps gradients per
     replica through its microbatch loop (a pipeline's schedule too); () when it does not: one microbatch, a step run
-    op by op, or several processes' shares unless each process's rows are whole replicas' (the batch split over the
-    replicated axes alone, so that each process's gradients can be kept per replica: ``by_process``; in a pipeline
-    one replica per process, whose forward reads its own copy)."""
+    op by op, or several processes' shares unless each process's rows are whole replicas' (``by_process``) or each
+    replica's rows a run of whole processes' (a tensor-parallel group's processes, feeding rows of their own:
+    ``process_grouped``), the replicated axes leading the axes the processes feed over; in a pipeline only one
+    replica per process, whose forward reads its own copy."""
     if signature.microbatches == 1 or concrete_run.active():
         return ()
     mesh = model.layout.mesh
@@ -45,11 +47,13 @@ def replicated_axes(model: Any, signature: Any) -> tuple[str, ...]:
     shares = signature.process_shares
     if shares > 1:
         replicas = math.prod(mesh.shape[a] for a in axes)
-        whole = replicas == signature.data_shards and replicas % shares == 0
-        local = replicas // shares if whole else 0
-        if not local or (local > 1 and model.pipeline is not None):
+        if model.pipeline is not None:  # each process one replica, feeding it alone
+            return axes if replicas == shares == signature.data_shards else ()
+        fed = tuple(a for a in mesh_state.feeding_axes() if mesh.shape[a] > 1)
+        if fed[: len(axes)] != axes or (replicas % shares and shares % replicas):
+            return ()  # a process's rows are not whole replicas', nor a replica's a run of whole processes'
+        if replicas > shares and by_process(mesh, axes, shares) is None:
             return ()
-        return axes if by_process(mesh, axes, shares) is not None else ()
     return axes
 
 
@@ -190,6 +194,18 @@ def process_merged(grads: Any, copy_grads: Any, shardings: Any, positions: Any) 
     if copy_grads is None:
         return jax.tree.map(merge, grads, shardings, positions)
     return jax.tree.map(merge, grads, shardings, positions, copy_grads)
+
+
+def process_grouped(grads: Any, shardings: Any, positions: Any) -> Any:
+    """One microbatch's per-process gradients ([processes, *shape]; a replica's processes consecutive) summed per
+    replica, laid out as ``shardings`` ([replicas] at each parameter's position, ``copy_shardings``)."""
+
+    def group(g, s, at):
+        replicas = math.prod(s.mesh.shape[a] for a in _names(s.spec[at]))
+        per_replica = g.reshape(replicas, g.shape[0] // replicas, *g.shape[1:]).sum(1)
+        return jax.lax.with_sharding_constraint(jnp.moveaxis(per_replica, 0, at), s)
+
+    return jax.tree.map(group, grads, shardings, positions)
 
 
 def reduced(total: Any, positions: Any, dims: int = 1) -> Any:

@@ -1,12 +1,12 @@
-"""Two processes, each with the devices ``jmp.launch`` gives it, data parallel with 2 microbatches: each
-replica's gradients are kept through the microbatch loop and reduced once after it. Prints, per process, its
-ranks, the gradients of one step by torch name, whether the model's layer list is stored stacked, and the bytes
-of the all-reduces inside the compiled step's loop and outside it; then the same for an fp8 Linear over three
-steps, with 1 microbatch and with 2, with its scaling state after each (amax histories of the length given).
-As JSON in ``report_<rank>.json`` in the directory given (lines this long printed by both processes can
-interleave).
+"""Processes, each with the devices ``jmp.launch`` gives it, data parallel with 2 microbatches: each replica's
+gradients are kept through the microbatch loop and reduced once after it. Prints, per process, its ranks, the
+gradients of one step by torch name, whether the model's layer list is stored stacked, and the bytes of the
+all-reduces inside the compiled step's loop and outside it; then the same for an fp8 Linear over three steps,
+with 1 microbatch and with 2, with its scaling state after each (amax histories of the length given); then the
+first model with tp2 beside the data parallelism (``tensor_parallel_report``). As JSON in ``report_<rank>.json``
+in the directory given (lines this long printed by several processes can interleave).
 
-    python -m jmp.launch -n 2 --cpu-devices K tests/multiprocess/replica_gradients_script.py DIRECTORY HISTORY
+    python -m jmp.launch -n N --cpu-devices K tests/multiprocess/replica_gradients_script.py DIRECTORY HISTORY
 """
 
 import json
@@ -18,8 +18,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from flax import nnx
+from jax.experimental import multihost_utils
 
 import jmp as smp
+from benchmarks import gradient_reduction
 from benchmarks.harness import all_reduce_bytes, named_grads
 from tests.multiprocess.replica_gradients_model import FP8_FACTORS, batch, fp8_batch, fp8_linear, net
 
@@ -55,6 +57,27 @@ def fp8_steps(history: int, microbatches: int) -> dict:
     return {"steps": steps, "all_reduce_bytes": all_reduce_bytes(hlo, device_count=jax.device_count())}
 
 
+def tensor_parallel_report() -> dict:
+    """tp2 beside the data parallelism, each tensor-parallel rank passing rows of its own (SMP's default): the
+    gradients of one step, and the all-reduce bytes in the loop and after it, with the gradients kept per replica
+    through the loop and, compiled for another model, reduced per microbatch."""
+    smp.init({"microbatches": 2, "ddp": True, "tensor_parallel_degree": 2})
+    images, labels = (t.chunk(smp.dp_size())[smp.dp_rank()] for t in batch())
+    report = {}
+    for kept in (True, False):
+        with gradient_reduction.replica_copies(kept):
+            model = smp.DistributedModel(net())
+            hlo = train_step.lower(model, images, labels).compile().as_text()
+        report["all_reduce_bytes" if kept else "all_reduce_bytes_per_microbatch"] = all_reduce_bytes(
+            hlo, device_count=jax.device_count()
+        )
+        if kept:
+            train_step(model, images, labels)
+            grads = named_grads(multihost_utils.process_allgather(model.grads, tiled=True))  # tp-split across processes
+            report["grads"] = {name: g.tolist() for name, g in grads.items()}
+    return report
+
+
 if __name__ == "__main__":
     smp.init({"microbatches": 2, "ddp": True, "scan_layers": True})
     model = smp.DistributedModel(net())
@@ -65,5 +88,6 @@ if __name__ == "__main__":
     report = {"rank": smp.rank(), "dp": [smp.dp_rank(), smp.dp_size()], "grads": grads}
     report["stacked"] = type(model.store).__name__ == "StackStore"
     report["fp8"] = {microbatches: fp8_steps(int(sys.argv[2]), microbatches) for microbatches in (1, 2)}
+    report["tp2"] = tensor_parallel_report()
     report["all_reduce_bytes"] = all_reduce_bytes(hlo, device_count=jax.device_count())  # over any group
     (Path(sys.argv[1]) / f"report_{smp.rank()}.json").write_text(json.dumps(report))
