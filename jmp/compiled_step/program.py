@@ -240,23 +240,23 @@ def _differentiated(fn: Callable, diff_args: tuple, rest: Any, mb_arrays: list, 
 def _process_loop(model, signature, axes, per_rows, params, rest, mb_stack, arrays_of, no_side_outputs):
     """``run``'s microbatch loop when the processes feeding the batch each feed whole data-parallel replicas (over
     the mesh ``axes``) or a replica is fed by several processes (a tensor-parallel group's, each passing rows of its
-    own): each process's gradients (``per_rows`` differentiated once per process) stay on its replica's devices
-    through the loop, its forward reading per-replica copies of its own when it holds several replicas
-    (``replica_gradients``); they are summed over the processes and replicas once after it."""
+    own): each process's gradients (``per_rows`` differentiated once per process) stay on its devices through the
+    loop, and are summed over the processes and replicas once after it. A process holding several replicas reads
+    per-replica copies of its own (``replica_gradients``), so that their gradients stay apart too, unless a
+    parameter is split (tensor parallelism): copies of those abort XLA's SPMD partitioner ("Check failed:
+    partition_group_list.num_replica_groups() * ...", GPT-2 at dp4 x tp2 on 2 processes x 4 devices), and each
+    microbatch sums its replicas' gradients within the process."""
     positions = replica_gradients.replica_positions(model.store)
     split = signature.split_axes
     grad_of = process_shares.per_process_gradients(per_rows, split, None, model.fp8_recipe)
-    copies, dims = None, 2
-    if signature.process_shares > math.prod(model.layout.mesh.shape[a] for a in axes):
-        shardings, dims = replica_gradients.copy_shardings(model, axes, positions), 1
-
-        def merged(grads, _):  # the processes of a replica are consecutive: their gradients summed on its devices
-            return replica_gradients.process_grouped(grads, shardings, positions)
-
+    copies, dims = None, 1
+    if signature.process_shares >= math.prod(model.layout.mesh.shape[a] for a in axes):
+        shardings = replica_gradients.copy_shardings(model, axes, positions)  # a replica's processes consecutive
     else:
         mesh = replica_gradients.by_process(model.layout.mesh, axes, signature.process_shares)
-        shardings = replica_gradients.process_copy_shardings(model, mesh, positions)
-        if mesh.shape[replica_gradients.LOCAL] > 1:  # else a process's gradients are its replica's
+        shardings = replica_gradients.process_shardings(model, mesh, positions)
+        if not any(model.layout.mesh.shape[a] > 1 for a in replica_gradients.split_axes(model)):
+            shardings, dims = replica_gradients.process_copy_shardings(model, mesh, positions), 2
             copies = replica_gradients.copies(params, shardings, positions, dims=2)
             rows = frozenset(p.shape[axis + 2] for p, axis in zip(mb_stack, split) if p is not None)  # a process's
 
@@ -266,23 +266,23 @@ def _process_loop(model, signature, axes, per_rows, params, rest, mb_stack, arra
 
             grad_of = process_shares.per_process_gradients(on_copies, split, positions, model.fp8_recipe)
 
-        def merged(grads, copy_grads):
-            return replica_gradients.process_merged(grads, copy_grads, shardings, positions)
-
     def body(carry, mb):
         rest, total, sown = carry
-        diff_args = (params,) if copies is None else (params, copies)
-        (_, (outputs, rest, mb_sown)), grads = grad_of(*diff_args, rest, arrays_of(mb))
-        grads, copy_grads = (grads, None) if copies is None else grads
-        total = jax.tree.map(jnp.add, total, merged(grads, copy_grads))
-        return (rest, total, side_outputs.combine_all(sown, mb_sown)), outputs
+        if copies is None:
+            (_, (outputs, rest, mb_sown)), grads = grad_of(params, rest, arrays_of(mb))
+            grads = replica_gradients.process_grouped(grads, shardings, positions)
+        else:
+            (_, (outputs, rest, mb_sown)), (grads, copy_grads) = grad_of(params, copies, rest, arrays_of(mb))
+            grads = replica_gradients.process_merged(grads, copy_grads, shardings, positions)
+        return (rest, jax.tree.map(jnp.add, total, grads), side_outputs.combine_all(sown, mb_sown)), outputs
 
     zeros = replica_gradients.copies(jax.tree.map(jnp.zeros_like, params), shardings, positions, dims=dims)
     (rest, total, sown), stacked = jax.lax.scan(body, (rest, zeros, no_side_outputs), mb_stack)
     # [microbatches, processes, ...]: each process's outputs on its replica's devices when it feeds one replica or
     # part of one; else whole on every device (left free, XLA splits the process axis as ``mesh`` does, which the
     # program's mesh cannot name)
-    spec = PartitionSpec(None, axes) if copies is None else PartitionSpec()
+    whole_replicas = signature.process_shares >= math.prod(model.layout.mesh.shape[a] for a in axes)
+    spec = PartitionSpec(None, axes) if whole_replicas else PartitionSpec()
     stacked = jax.lax.with_sharding_constraint(stacked, NamedSharding(model.layout.mesh, spec))
     grads = _placed(replica_gradients.reduced(total, positions, dims=dims), model.store.shardings)
     grads = _as_kept(model, _averaged(grads, signature, signature.microbatches))

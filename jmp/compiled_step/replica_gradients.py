@@ -37,13 +37,12 @@ def replicated_axes(model: Any, signature: Any) -> tuple[str, ...]:
     replica through its microbatch loop (a pipeline's schedule too); () when it does not: one microbatch, a step run
     op by op, or several processes' shares unless each process's rows are whole replicas' (``by_process``) or each
     replica's rows a run of whole processes' (a tensor-parallel group's processes, feeding rows of their own:
-    ``process_grouped``), the replicated axes leading the axes the processes feed over; processes of several
-    replicas only when no parameter is split; in a pipeline only one replica per process, whose forward reads its
-    own copy."""
+    ``process_grouped``), the replicated axes leading the axes the processes feed over; in a pipeline only one
+    replica per process, whose forward reads its own copy."""
     if signature.microbatches == 1 or concrete_run.active():
         return ()
     mesh = model.layout.mesh
-    split = {axis for spec in model.layout.specs.values() for entry in spec if entry for axis in _names(entry)}
+    split = split_axes(model)
     axes = tuple(a for a in DATA_AXES if a in mesh.axis_names and mesh.shape[a] > 1 and a not in split)
     shares = signature.process_shares
     if shares > 1:
@@ -53,10 +52,7 @@ def replicated_axes(model: Any, signature: Any) -> tuple[str, ...]:
         fed = tuple(a for a in mesh_state.feeding_axes() if mesh.shape[a] > 1)
         if fed[: len(axes)] != axes or (replicas % shares and shares % replicas):
             return ()  # a process's rows are not whole replicas', nor a replica's a run of whole processes'
-        if replicas > shares and (by_process(mesh, axes, shares) is None or any(mesh.shape[a] > 1 for a in split)):
-            # per-replica copies of parameters split over another axis (tp) on the factored mesh abort XLA's SPMD
-            # partitioner (spmd_partitioner_util.cc: "Check failed: partition_group_list.num_replica_groups() *
-            # ..."; GPT-2 at dp4 x tp2 on 2 processes x 4 devices, jax 0.10.2)
+        if replicas > shares and by_process(mesh, axes, shares) is None:
             return ()
     return axes
 
@@ -81,6 +77,11 @@ def by_process(mesh: jax.sharding.Mesh, axes: tuple[str, ...], shares: int) -> j
     sizes[first : first + 1] = [shares, replicas // shares]
     names[first : first + 1] = [PROCESSES, LOCAL]
     return jax.sharding.Mesh(grid.reshape(sizes), tuple(names), axis_types=(AxisType.Auto,) * len(names))
+
+
+def split_axes(model: Any) -> set[str]:
+    """The mesh axes some parameter is split over."""
+    return {axis for spec in model.layout.specs.values() for entry in spec if entry for axis in _names(entry)}
 
 
 def _names(entry: Any) -> tuple[str, ...]:
@@ -114,6 +115,12 @@ def process_copy_shardings(model: Any, mesh: jax.sharding.Mesh, positions: Any) 
     """Shardings of per-process copies on ``mesh`` (``by_process``): [processes, replicas within] at each
     parameter's position, split over PROCESSES and LOCAL, its own spec around them."""
     return _with_replica_dims(model.store.shardings, positions, (PROCESSES, LOCAL), mesh)
+
+
+def process_shardings(model: Any, mesh: jax.sharding.Mesh, positions: Any) -> Any:
+    """Shardings of per-process gradients on ``mesh`` (``by_process``): [processes] at each parameter's position,
+    split over PROCESSES, its own spec around it."""
+    return _with_replica_dims(model.store.shardings, positions, (PROCESSES,), mesh)
 
 
 def _with_replica_dims(shardings: Any, positions: Any, entries: tuple, mesh: Any = None) -> Any:
@@ -185,29 +192,25 @@ def merged(grads: Any, copy_grads: Any, shardings: Any, positions: Any) -> Any:
 
 def process_merged(grads: Any, copy_grads: Any, shardings: Any, positions: Any) -> Any:
     """One microbatch's gradients per process and replica within it ([processes, replicas] at each parameter's
-    position, ``process_copy_shardings``): each replica's own part (``copy_grads``, laid out so; None when each
-    process is one replica) plus an equal share of what its process's uses outside per-replica calls gave
-    (``grads``, [processes, *shape])."""
+    position, ``process_copy_shardings``): each replica's own part (``copy_grads``, laid out so) plus an equal
+    share of what its process's uses outside per-replica calls gave (``grads``, [processes, *shape])."""
 
-    def merge(g, s, at, c=None):
-        local = s.mesh.shape[LOCAL]
+    def merge(g, c, s, at):
         g = jnp.expand_dims(jnp.moveaxis(g, 0, at), at + 1)
-        g = g if c is None else c + (g / local).astype(c.dtype)
-        return jax.lax.with_sharding_constraint(g, s)
+        return jax.lax.with_sharding_constraint(c + (g / s.mesh.shape[LOCAL]).astype(c.dtype), s)
 
-    if copy_grads is None:
-        return jax.tree.map(merge, grads, shardings, positions)
-    return jax.tree.map(merge, grads, shardings, positions, copy_grads)
+    return jax.tree.map(merge, grads, copy_grads, shardings, positions)
 
 
 def process_grouped(grads: Any, shardings: Any, positions: Any) -> Any:
-    """One microbatch's per-process gradients ([processes, *shape]; a replica's processes consecutive) summed per
-    replica, laid out as ``shardings`` ([replicas] at each parameter's position, ``copy_shardings``)."""
+    """One microbatch's per-process gradients ([processes, *shape]) summed in consecutive groups, one per entry of
+    ``shardings``' axis at each parameter's position: per replica (``copy_shardings``: a replica's processes are
+    consecutive) or per process (``process_shardings``)."""
 
     def group(g, s, at):
-        replicas = math.prod(s.mesh.shape[a] for a in _names(s.spec[at]))
-        per_replica = g.reshape(replicas, g.shape[0] // replicas, *g.shape[1:]).sum(1)
-        return jax.lax.with_sharding_constraint(jnp.moveaxis(per_replica, 0, at), s)
+        groups = math.prod(s.mesh.shape[a] for a in _names(s.spec[at]))
+        summed = g.reshape(groups, g.shape[0] // groups, *g.shape[1:]).sum(1)
+        return jax.lax.with_sharding_constraint(jnp.moveaxis(summed, 0, at), s)
 
     return jax.tree.map(group, grads, shardings, positions)
 

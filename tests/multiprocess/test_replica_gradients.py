@@ -1,6 +1,6 @@
-"""Processes feeding the batch, with microbatches, holding one data-parallel replica each or two (4 x 1 and 2 x 2
-processes x devices), and with tensor parallelism beside (a replica fed by one process or two): each
-replica's gradients stay on its device through the microbatch loop and are all-reduced once after it (DDP's
+"""Processes feeding the batch, with microbatches, holding one data-parallel replica each or four (4 x 1 and 2 x 4
+processes x devices), and with tensor parallelism beside (a replica fed by two processes, or two replicas held by
+one): each replica's gradients stay on its device through the microbatch loop and are all-reduced once after it (DDP's
 ``no_sync``), with DDP's numbers: the mean over the processes of each process's mean over its microbatches, from
 PyTorch on the same rows. The same launch trains an fp8 Linear, checked against TE's recipe emulated in torch:
 its scales are the whole batch's across processes."""
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MICROBATCHES = 2
 
 
-@pytest.mark.parametrize("processes, devices", [(4, 1), (2, 2)])
+@pytest.mark.parametrize("processes, devices", [(4, 1), (2, 4)])
 def test_each_replica_keeps_its_gradients_through_the_loop_and_reduces_them_once(tmp_path, processes, devices):
     command = [sys.executable, "-m", "jmp.launch", "-n", str(processes), "--cpu-devices", str(devices)]
     env = os.environ | {"PYTHONPATH": str(ROOT), "JMP_HEARTBEAT_TIMEOUT": "30"}
@@ -50,8 +50,8 @@ def test_each_replica_keeps_its_gradients_through_the_loop_and_reduces_them_once
         # inside the loop only the loss; the gradients once, after it (over the processes and within each)
         assert report["all_reduce_bytes"]["in_loop"] < 0.01 * parameter_bytes
         assert report["all_reduce_bytes"]["outside_loop"] >= parameter_bytes
-        # dp2 x tp2, each tensor-parallel rank feeding rows of its own: a replica fed by one process holding its
-        # two devices, or by two processes
+        # tp2, each tensor-parallel rank feeding rows of its own: at 4 x 1 a replica fed by two processes; at 2 x 4
+        # a process holding two replicas, whose gradients it sums each microbatch (no copies of split parameters)
         tp = report["tp2"]
         for name, p in reference.named_parameters():
             assert_close(torch.tensor(tp["grads"][name]), p.grad, 1e-5, floor=1e-6)
