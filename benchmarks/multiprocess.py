@@ -10,8 +10,9 @@ microbatches, its gradients kept per replica through the microbatch loop and red
 ``jmp.compiled_step.replica_gradients``: with several processes, per process and replica within it) or, with
 the per-replica copies turned off while the step compiles, reduced where each microbatch's backward makes them
 (``dp_mb2_per_mb``, as GSPMD places them); the same two with tp2 beside 4-way data parallelism
-(``dp4_tp2_mb2``, ``dp4_tp2_mb2_per_mb``: on 4 x 2 and 2 x 4 a process holds a whole replica or two, on 8 x 1
-(not run) each tensor-parallel rank would feed rows of its own).
+(``dp4_tp2_mb2``, ``dp4_tp2_mb2_per_mb``: on 4 x 2 a process holds a whole replica, on 2 x 4 two, whose
+gradients it sums each microbatch as its parameters are split; on 8 x 1, not run, each tensor-parallel rank would
+feed rows of its own).
 
 Each configuration runs in processes of its own, all started the same way::
 
