@@ -250,7 +250,8 @@ def _process_loop(model, signature, axes, per_rows, params, rest, mb_stack, arra
     split = signature.split_axes
     grad_of = process_shares.per_process_gradients(per_rows, split, None, model.fp8_recipe)
     copies, dims = None, 1
-    if signature.process_shares >= math.prod(model.layout.mesh.shape[a] for a in axes):
+    within_a_replica = signature.process_shares >= math.prod(model.layout.mesh.shape[a] for a in axes)
+    if within_a_replica:  # each process feeds one replica or part of one
         shardings = replica_gradients.copy_shardings(model, axes, positions)  # a replica's processes consecutive
     else:
         mesh = replica_gradients.by_process(model.layout.mesh, axes, signature.process_shares)
@@ -281,8 +282,7 @@ def _process_loop(model, signature, axes, per_rows, params, rest, mb_stack, arra
     # [microbatches, processes, ...]: each process's outputs on its replica's devices when it feeds one replica or
     # part of one; else whole on every device (left free, XLA splits the process axis as ``mesh`` does, which the
     # program's mesh cannot name)
-    whole_replicas = signature.process_shares >= math.prod(model.layout.mesh.shape[a] for a in axes)
-    spec = PartitionSpec(None, axes) if whole_replicas else PartitionSpec()
+    spec = PartitionSpec(None, axes) if within_a_replica else PartitionSpec()
     stacked = jax.lax.with_sharding_constraint(stacked, NamedSharding(model.layout.mesh, spec))
     grads = _placed(replica_gradients.reduced(total, positions, dims=dims), model.store.shardings)
     grads = _as_kept(model, _averaged(grads, signature, signature.microbatches))
