@@ -14,6 +14,11 @@ calls, per execution; a layer scan's too; over data-parallel groups and any othe
 temporaries per device (``memory_analysis``). The gradients of the two 4-microbatch forms are compared after the first
 step (they differ by float summation order only).
 
+What fewer rows per call cost without any reduction (``torch_one_replica``): one data-parallel replica's share of the
+same step in PyTorch eager on one thread (a device's share of this machine's cores), forward and backward of its rows
+in 1 call against 4 calls of a quarter each, gradients accumulated as under DDP's ``no_sync``; its ratio is the
+compute granularity a 4-microbatch step pays wherever its gradients are reduced.
+
 On this CPU a collective is a memory copy between emulated devices, so the times show the loop's extra work, not a
 network's; the bytes are what a cluster would move.
 """
@@ -27,6 +32,7 @@ import os
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import transformers
 
 import jmp as smp
@@ -114,6 +120,33 @@ def measure(name, make_model, make_optimizer, step, args_of, steps, extra_config
     }
 
 
+def torch_one_replica(model: torch.nn.Module, loss_of, rows: tuple[torch.Tensor, ...], steps: int) -> dict:
+    """Seconds of one replica's rows through forward and backward in PyTorch eager on one thread: 1 call of all
+    rows against 4 calls of a quarter each (gradients accumulating); medians of interleaved rounds after warm-up."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    quarter = rows[0].shape[0] // 4
+
+    def run(pieces):
+        def call():
+            model.zero_grad(set_to_none=True)
+            for piece in pieces:
+                loss_of(model, *piece).backward()
+
+        return call
+
+    runs = {
+        "mb1": run([rows]),
+        "mb4": run([tuple(t[i * quarter : (i + 1) * quarter] for t in rows) for i in range(4)]),
+    }
+    try:
+        samples = time_interleaved(runs, steps, warmup=3)
+    finally:
+        torch.set_num_threads(threads)
+    ms = {name: v * 1e3 for name, v in medians(samples).items()}
+    return {"rows": rows[0].shape[0], "median_ms": ms, "mb4_over_mb1": ms["mb4"] / ms["mb1"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -143,6 +176,9 @@ def main() -> None:
             config,
             layout,
         )
+    result["grouped_net"]["torch_one_replica"] = torch_one_replica(
+        grouped_net(), lambda model, x, y: F.nll_loss(model(x), y), (images[:8], labels[:8]), args.steps
+    )
     ids = token_ids(GPT2_BATCH, GPT2_SEQUENCE, step_speed.GPT2["vocab"])
     for key, name, config in (("gpt2", "GPT-2", {}), ("gpt2_scan_layers", "GPT-2 under scan_layers", SCANNED)):
         result[key] = measure(
@@ -154,6 +190,12 @@ def main() -> None:
             args.steps,
             config,
         )
+    result["gpt2"]["torch_one_replica"] = torch_one_replica(
+        causal_lm(gpt2_config(**step_speed.GPT2)),
+        lambda model, x: model(input_ids=x, labels=x, use_cache=False).loss,
+        (ids[:4],),
+        args.steps,
+    )
     result["load_average_at_end"] = os.getloadavg()
     write_results(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))
