@@ -28,23 +28,18 @@ import torch.distributed as dist
 from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.fsdp.options import HYBRID, KEEP_GATHERED, MixedPrecision, ShardingStrategy
 from jmp.runtime import mesh_state as state
-from jmp.runtime import process_groups
+from jmp.runtime import notices, process_groups
 from jmp.runtime.config import Config
 from jmp.tsm import initialization as v2_initialization
 
-logger = logging.getLogger("jmp")
-
 _HALVES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-_logged: set[str] = set()
 _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def log_once(message: str, *args: Any, level: int = logging.INFO) -> None:
     """Log ``message % args`` once per process."""
     text = message % args if args else message
-    if text not in _logged:
-        _logged.add(text)
-        logger.log(level, text)
+    notices.log_once(f"fsdp:{text}", level, "%s", text)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,6 @@ import collections
 import dataclasses
 import difflib
 import inspect
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,17 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.model.seams import AttachedOptimizer
-
-logger = logging.getLogger("jmp")
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(key: str, message: str, *args: Any) -> None:
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.info(message, *args)
-
+from jmp.runtime import notices
 
 # --- constructor arguments ------------------------------------------------------------------------------
 
@@ -110,7 +99,7 @@ class ModelOptions:
         for name in _NO_EFFECT:
             value, default = getattr(parsed, name), fields[name].default
             if value != default:
-                _log_once(
+                notices.info_once(
                     f"model-option:{name}",
                     "smp.DistributedModel(%s=%r): has no effect in jmp (XLA compiles and schedules the step's "
                     "tracing and collectives itself)",
@@ -378,7 +367,7 @@ class ModuleSurface:
         return self._cast(torch.float64, "double()")
 
     def _device_move(self, call: str) -> Any:
-        _log_once(
+        notices.info_once(
             f"device-move:{call}",
             "DistributedModel.%s: no-op; jmp keeps the model's arrays on the devices of smp.init's mesh",
             call,

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp.errors import OptimizerError
-from jmp.precision import policy as precision
+from jmp.runtime import notices
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -256,23 +256,23 @@ def scaling_for(policy: Any, static: float, dynamic: bool, args: dict | None, lo
         parsed = DynamicLossScaleArgs.from_dict(given)
         if policy.is_fp16:
             return LossScaling("dynamic", initial_state(parsed), parsed)
-        precision.warn_once(
-            f"dynamic-{computes_in}",
+        notices.warn_once(
+            f"loss-scale:dynamic-{computes_in}",
             f"dynamic_loss_scale=True is for fp16 training; this model computes in {computes_in}, whose "
             "exponent range keeps gradients from underflowing, so jmp does not scale the loss",
         )
         return LossScaling(None)
     if static != 1.0:
         if policy.half_dtype == jnp.dtype(jnp.bfloat16):
-            precision.warn_once(
-                "static-bf16",
+            notices.warn_once(
+                "loss-scale:static-bf16",
                 f"static_loss_scale={static} with bf16 training: bf16 does not underflow like fp16, so the "
                 "scale changes nothing but rounding; it is applied as given",
             )
         return LossScaling("static", np.float32(static))
     if policy.is_fp16:
-        precision.warn_once(
-            "fp16-unscaled",
+        notices.warn_once(
+            "loss-scale:fp16-unscaled",
             "fp16 training without loss scaling: gradients below float16's range (~6e-8) become zero; "
             "pass dynamic_loss_scale=True (or a static_loss_scale) to smp.DistributedOptimizer",
         )

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,21 +34,12 @@ import jax.numpy as jnp
 import torch
 
 from jmp.errors import ConfigError
+from jmp.runtime import notices
 from jmp.runtime.config import Config
-
-logger = logging.getLogger("jmp")
 
 HALF = {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
 _HALF_JAX = {jnp.dtype(d) for d in HALF.values()}
 MASTER = jnp.float32
-_warned: set[str] = set()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Log ``message`` once per process (mixed-precision settings that are accepted but change meaning)."""
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,14 +127,14 @@ def _check_backend(half: torch.dtype, platform: str) -> None:
     if platform == "gpu" and half is torch.bfloat16:
         kinds = {getattr(d, "compute_capability", None) for d in jax.devices()}
         if any(k is not None and float(k) < 8.0 for k in kinds):
-            warn_once(
-                "bf16-gpu",
+            notices.warn_once(
+                "precision:bf16-gpu",
                 "bf16 training on a GPU older than Ampere (compute capability < 8.0): XLA emulates bfloat16 "
                 "matmuls there, slower than fp16 or fp32; consider 'fp16': True with dynamic loss scaling",
             )
     if platform == "cpu":
-        warn_once(
-            f"half-cpu-{half}",
+        notices.warn_once(
+            f"precision:half-cpu-{half}",
             f"{half} training on CPU: XLA:CPU computes many half-precision ops by converting to float32, so "
             "steps may be slower than float32 there; memory held per parameter is still lower",
         )

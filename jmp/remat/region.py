@@ -9,7 +9,6 @@ Parameters are read-only inside (as under ``torch.utils.checkpoint``).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ from jmp.model import marks as module_marks
 from jmp.remat import context
 from jmp.remat.policies import GATHERED, Resolved, without_weights
 from jmp.remat.policy_syntax import INPUT
+from jmp.runtime import notices
 from jmp.sharding.gathering import gathered_for_use
 from jmp.torch_bridge import concrete_run, dispatch, replica_calls
 from jmp.torch_bridge.module import (
@@ -40,8 +40,6 @@ from jmp.torch_bridge.module import (
 from jmp.torch_bridge.state_dict import torch_name
 from jmp.torch_bridge.tensor import JaxTensor
 
-logger = logging.getLogger("jmp")
-_warned: set[str] = set()
 _TENSOR = object()  # stands for an output tensor among a region's output leaves (a leaf may itself be None)
 
 
@@ -54,14 +52,13 @@ def _spans_stages(paths: Sequence[str]) -> bool:
     if len(inside) < 2:
         return False
     where = ", ".join(f"'{p or '<root>'}'" for p in paths)
-    if where not in _warned:
-        _warned.add(where)
-        logger.warning(
-            "activation checkpointing of %s is skipped: its modules are on pipeline stages %s, and a checkpoint "
-            "cannot span stages; checkpoint modules inside one stage instead",
-            where,
-            sorted(inside),
-        )
+    notices.warn_once(
+        f"remat-spans-stages:{where}",
+        "activation checkpointing of %s is skipped: its modules are on pipeline stages %s, and a checkpoint "
+        "cannot span stages; checkpoint modules inside one stage instead",
+        where,
+        sorted(inside),
+    )
     return True
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-logger = logging.getLogger("jmp")
+from jmp.runtime import notices
 
 _COMPILED = "XLA schedules the collectives of the compiled step"
 
@@ -40,14 +40,12 @@ _TABLES = (
     (NO_EFFECT, "has no effect in jmp"),
     (CHANGED_MEANING, "is accepted"),
 )
-_logged: set[str] = set()
 
 
 def log_once(given: Iterable[str]) -> None:
     """Log, once per process, each of the ``given`` keys that has no effect (or another meaning) here."""
     for key in given:
         for table, effect in _TABLES:
-            if key in table and key not in _logged:
-                _logged.add(key)
+            if key in table:
                 level, reason = table[key]
-                logger.log(level, "config key '%s' %s: %s", key, effect, reason)
+                notices.log_once(f"config-key:{key}", level, "config key '%s' %s: %s", key, effect, reason)

@@ -38,6 +38,7 @@ from torch import nn
 from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.model.marks import mark, mark_of, marking_created
 from jmp.nn import DistributedEmbedding, DistributedLinear, FusedLayerNorm
+from jmp.runtime import notices
 
 logger = logging.getLogger("jmp")
 
@@ -56,14 +57,10 @@ _KEY_VALUE_NAMES = frozenset({"k_proj", "v_proj", "key", "value"})
 _POSITION_NAMES = ("wpe", "position")  # position tables are small and indexed by position, not token: replicated
 
 
-_logged_options: set[str] = set()
-
-
 def _log_options(where: str, tp_config: dict[str, Any]) -> None:
     """Log, once per process, the SMP tensor-parallel options given that jmp does not act on."""
-    new = sorted(set(tp_config) - _logged_options)
+    new = [key.removeprefix("tp-option:") for key in notices.unsaid(f"tp-option:{o}" for o in sorted(tp_config))]
     if new:
-        _logged_options.update(new)
         logger.info(
             "%s: tensor-parallel option(s) %s have no effect on jmp's split (its rules place every supported module)",
             where,

@@ -15,7 +15,6 @@ wrote to its arguments or its module's state (running it again would apply the w
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -26,10 +25,8 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 
 from jmp.errors import TracedControlFlowError
+from jmp.runtime import notices
 from jmp.torch_bridge.tensor import JaxTensor, contains_tensor
-
-_log = logging.getLogger("jmp")  # jmp's one logger (rank-0 filtered)
-_LOGGED: set[str] = set()
 
 
 def run(path: str, forward: Callable[..., Any], rngs: nnx.Rngs | None, args: tuple, kwargs: dict) -> Any:
@@ -53,15 +50,14 @@ def run(path: str, forward: Callable[..., Any], rngs: nnx.Rngs | None, args: tup
                 nnx.update(rngs, random_state)  # the failed forward drew random numbers: draw them again
             except Exception:  # noqa: BLE001 - the stream cannot be rewound here: the first error stands
                 raise error from None
-        if path not in _LOGGED:
-            _LOGGED.add(path)
-            _log.info(
-                "jmp: the forward of '%s' failed on the path models take under torch.compile (%s: %s); it runs "
-                "as not compiling, as torch.compile's fallback to eager does",
-                path or "<root>",
-                type(error).__name__,
-                str(error).splitlines()[0] if str(error) else "",
-            )
+        notices.info_once(
+            f"compiling-fallback:{path}",
+            "jmp: the forward of '%s' failed on the path models take under torch.compile (%s: %s); it runs "
+            "as not compiling, as torch.compile's fallback to eager does",
+            path or "<root>",
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+        )
         torch.compiler._is_compiling_flag = False
         try:
             return forward(set(), *args, **kwargs)

@@ -32,7 +32,7 @@ import os
 from typing import Any
 
 from jmp.errors import ArgumentTypeError, ConfigError
-from jmp.runtime import mesh_state, rank_zero_logging, sagemaker_config
+from jmp.runtime import mesh_state, notices, rank_zero_logging, sagemaker_config
 from jmp.runtime.config import ALIASES, Config, parse
 
 logger = logging.getLogger("jmp")
@@ -65,7 +65,6 @@ class V2Run:
 
 _run: V2Run | None = None
 _assigned: dict[str, int] = {}  # degrees assigned on tsm.state before tsm.init, for the next tsm.init
-_logged: set[str] = set()
 
 
 def init(config: dict[str, Any] | str | os.PathLike | None = None) -> None:
@@ -133,8 +132,8 @@ def _start(given: dict[str, Any], source: str | None) -> None:
     if not any(ALIASES.get(key, key) == "sharded_data_parallel_degree" for key in jmp_config):
         jmp_config["hybrid_shard_degree"] = V2_DEFAULTS["hybrid_shard_degree"]
     if _HORIZON in given:
-        _log_once(
-            _HORIZON,
+        notices.info_once(
+            f"tsm.init:{_HORIZON}",
             f"tsm.init: {_HORIZON}={horizon} has no effect: XLA schedules the copies of offloaded activations "
             "back to the device itself, overlapping them with the backward pass",
         )
@@ -189,9 +188,3 @@ def _read(config: Any) -> tuple[dict[str, Any], str | None]:
     raise ArgumentTypeError(
         f"tsm.init takes a dict of config keys, the path of a JSON file, or None, not {type(config).__name__}"
     )
-
-
-def _log_once(key: str, message: str) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.info(message)

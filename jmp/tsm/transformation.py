@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from jmp.errors import ArgumentTypeError, ConfigError, JmpError
-from jmp.runtime import mesh_state
+from jmp.runtime import mesh_state, notices
 from jmp.sharding.experts import expert_specs, experts_modules
 from jmp.sharding.tensor_parallel import tensor_parallel_specs
 from jmp.tsm.moe.moe_config import MoEConfig
@@ -31,7 +31,6 @@ from jmp.tsm.tensor_parallel.transformer import layer_class
 logger = logging.getLogger("jmp")
 
 CP_COMM_TYPES = ("p2p", "all_gather")
-_logged: set[str] = set()
 
 
 def transform(
@@ -131,9 +130,8 @@ def _check_layout(model: nn.Module, config: MoEConfig | None) -> None:
     if tp > 1:
         split = tensor_parallel_specs(model, tp)
         if not split:
-            _log_once(
-                "no-tp",
-                logging.WARNING,
+            notices.warn_once(
+                "tsm.transform:no-tp",
                 f"tsm.transform: jmp's tensor-parallel rules split none of {type(model).__name__}'s parameters; "
                 f"they are replicated over the {tp} tensor-parallel devices",
             )
@@ -162,10 +160,4 @@ _ACCEPTED = {
 def _note_accepted(device: Any, load_state_dict_from_rank0: bool, cp_comm_type: str) -> None:
     given = {"device": device is not None, "rank0": load_state_dict_from_rank0, "cp": cp_comm_type != "p2p"}
     for key in (key for key, value in given.items() if value):
-        _log_once(key, logging.INFO, _ACCEPTED[key])
-
-
-def _log_once(key: str, level: int, message: str) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.log(level, message)
+        notices.info_once(f"tsm.transform:{key}", _ACCEPTED[key])

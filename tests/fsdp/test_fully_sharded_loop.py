@@ -19,9 +19,9 @@ from jmp.fsdp import (
     BackwardPrefetch,
     MixedPrecision,
     ShardingStrategy,
-    layout,
     transformer_auto_wrap_policy,
 )
+from jmp.runtime import notices
 from tests.fsdp.helpers import batches, llama, optimizer_for, pytorch_run, train
 
 transformers = pytest.importorskip("transformers")
@@ -32,7 +32,7 @@ WEIGHT = "model.layers.0.mlp.gate_proj.weight"
 
 @pytest.fixture(autouse=True)
 def _fresh_notices(monkeypatch):
-    monkeypatch.setattr(layout, "_logged", set())  # said once per process: as if this were the first wrapper
+    monkeypatch.setattr(notices, "_SAID", set())  # said once per process: as if this were the first wrapper
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from torch import nn
 
 import jmp as smp
 from jmp.errors import OptimizerError
-from jmp.precision import policy as precision
+from jmp.runtime import notices
 
 # 1 = the step's loss is multiplied by inf, so every gradient is inf/nan and the update must be skipped
 PATTERN = [0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0]
@@ -223,7 +223,7 @@ def test_bf16_turns_dynamic_scaling_off_with_a_warning(caplog):
     with caplog.at_level("WARNING", logger="jmp"):
         optimizer = smp.DistributedOptimizer(torch.optim.SGD(module.parameters(), lr=0.1), dynamic_loss_scale=True)
     assert optimizer.current_scale is None and model.loss_scaling is None
-    assert "does not scale the loss" in caplog.text or "dynamic-bfloat16" in precision._warned
+    assert "does not scale the loss" in caplog.text or "loss-scale:dynamic-bfloat16" in notices._SAID
 
 
 @pytest.mark.parametrize("clip", ["clip_master_grads", "torch_clip_grad_norm_"])

@@ -8,7 +8,7 @@ from torch import nn
 
 import jmp as smp
 from jmp.errors import ArgumentTypeError, ConfigError
-from jmp.precision import policy as precision
+from jmp.runtime import notices
 
 
 def small_net() -> nn.Module:
@@ -89,7 +89,7 @@ def test_model_creation_refuses_non_floating_dtypes():
 
 
 def test_fp16_without_loss_scaling_warns_once(caplog):
-    precision._warned.discard("fp16-unscaled")
+    notices._SAID.discard("loss-scale:fp16-unscaled")
     smp.init({"fp16": True})
     module = small_net()
     model = smp.DistributedModel(module)  # noqa: F841 - held: optimizers find live models

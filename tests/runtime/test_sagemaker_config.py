@@ -10,7 +10,7 @@ from torch import nn
 
 import jmp as smp
 from jmp.errors import ConfigError
-from jmp.runtime import config_no_effect
+from jmp.runtime import config_no_effect, notices
 from jmp.runtime.config import ALIASES, KEYS, Config
 from jmp.runtime.sagemaker_config import FRAMEWORK_PARAMS, MP_PARAMETERS
 
@@ -85,7 +85,7 @@ def test_sm_framework_params_without_modelparallel_parameters_gives_the_defaults
 
 
 def test_every_key_with_no_effect_logs_one_line_per_process(monkeypatch, caplog):
-    monkeypatch.setattr(config_no_effect, "_logged", set())
+    monkeypatch.setattr(notices, "_SAID", set())
     quiet = {**config_no_effect.NO_EFFECT, **config_no_effect.CHANGED_MEANING}
     defaults = Config()
     config = {key: getattr(defaults, key) for key in quiet}

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from torch import nn
 
 import jmp as smp
+from jmp.runtime import notices
 from jmp.sharding import tensor_parallel
 from tests.front_end.helpers import named_grads
 
@@ -21,7 +22,7 @@ from tests.front_end.helpers import named_grads
 @pytest.fixture(autouse=True)
 def _fresh_registry(monkeypatch):
     monkeypatch.setattr(tensor_parallel, "_REGISTERED", {})
-    monkeypatch.setattr(tensor_parallel, "_logged_options", set())
+    monkeypatch.setattr(notices, "_SAID", set())
 
 
 class MyLinear(nn.Module):

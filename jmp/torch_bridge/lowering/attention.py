@@ -44,7 +44,6 @@ or head dimension (cuDNN's partitioning rule refuses; jmp shards batch and heads
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from jmp.runtime import notices
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.lowering import grouped_matmul, ring_attention
 from jmp.torch_bridge.lowering.nn_functional import apply_dropout
@@ -61,7 +61,6 @@ from jmp.torch_bridge.registry import register_lowering
 
 ENVIRONMENT_VARIABLE = "JMP_ATTENTION_IMPLEMENTATION"
 CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
-_log = logging.getLogger("jmp")  # jmp's one logger (rank-0 filtered)
 
 
 def _mask_or_bias(attn_mask):
@@ -279,13 +278,9 @@ def _or_xla(cudnn, xla):
     try:
         return cudnn()
     except (NotImplementedError, RuntimeError, ValueError) as error:
-        _warn_once(f"{type(error).__name__}: {error}")
+        reason = f"{type(error).__name__}: {error}"
+        notices.warn_once(f"attention-cudnn:{reason}", "attention: cuDNN refused (%s); XLA's attention instead", reason)
         return xla()
-
-
-@functools.cache
-def _warn_once(reason: str) -> None:
-    _log.warning("attention: cuDNN refused (%s); XLA's attention instead", reason)
 
 
 def _attention_by_formula(query, key, value, attn_mask, dropout_p, is_causal, scale):

@@ -13,8 +13,7 @@ import dataclasses
 import logging
 
 from jmp.errors import ConfigError
-
-logger = logging.getLogger("jmp")
+from jmp.runtime import notices
 
 LOAD_BALANCING = ("sinkhorn", "balanced", "aux_loss", "none")
 _ROUTER = "jmp keeps the model's own router (Hugging Face's top-k softmax, its auxiliary loss when the model asks)"
@@ -57,9 +56,12 @@ class MoEConfig:
         """Say once, for each option whose value asks for something jmp does otherwise, what jmp does."""
         for name, (own, level, instead) in _ALTERNATIVES.items():
             value = getattr(self, name)
-            if value != own and (name, value) not in _logged:
-                _logged.add((name, value))
-                logger.log(level, "MoEConfig(%s=%r) has no effect in jmp: %s", name, value, instead)
-
-
-_logged: set[tuple[str, object]] = set()
+            if value != own:
+                notices.log_once(
+                    f"moe-config:{name}={value!r}",
+                    level,
+                    "MoEConfig(%s=%r) has no effect in jmp: %s",
+                    name,
+                    value,
+                    instead,
+                )
