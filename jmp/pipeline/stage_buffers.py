@@ -307,6 +307,16 @@ class StageLayout:
                 totals[place.stage] += nbytes
         return totals
 
+    def device_bytes(self) -> tuple[list[int], int]:
+        """(per stage, the bytes of its parameters' pieces one of its devices holds; the bytes of the buffers' rows
+        every device holds): one program runs every stage, so a row is as long as the longest stage's."""
+        own = [0] * self.pp
+        for places in self.places.values():
+            for place in places:
+                own[place.stage] += place.size * self.buffers[place.key].dtype.itemsize
+        held = sum(b.length * b.dtype.itemsize for b in self.buffers.values())
+        return own, held
+
 
 def _axes(entry: Any) -> tuple[str, ...]:
     if entry is None:

@@ -26,10 +26,15 @@ from jmp.pipeline.engine import StepInputs, StepOutputs
 from jmp.pipeline.graph import module_scopes
 from jmp.pipeline.split import StagePrograms
 from jmp.pipeline.stage_buffers import COPIES, StageLayout
+from jmp.runtime import notices
 from jmp.runtime.config import Config
 from jmp.torch_bridge import torch_name
 
 logger = logging.getLogger("jmp")
+
+# a stage whose parameters fill less than this share of every device's stored row, and leave this many bytes of it
+# unused, draws a warning
+UNEVEN_STAGES, UNEVEN_STAGES_BYTES = 0.5, 2**20
 
 
 class Pipeline:
@@ -116,6 +121,29 @@ class Pipeline:
                 for s, n in enumerate(names)
             ),
         )
+        self._warn_if_uneven(how)
+
+    def _warn_if_uneven(self, how: str) -> None:
+        own, held = self.layout.device_bytes()
+        if min(own) < UNEVEN_STAGES * held and held - min(own) >= UNEVEN_STAGES_BYTES:
+            fix = (
+                "move modules between smp.partition blocks so that the stages hold similar bytes"
+                if not self.config.auto_partition
+                else "set optimize='memory' so that the automatic cut balances bytes alone"
+                if self.config.optimize != "memory"
+                else "lower pipeline_parallel_degree"
+            )
+            notices.warn_once(
+                f"uneven-stages:{how}:{own}:{held}",
+                "Pipeline stages of uneven size (%s partition): a device of each stage holds %s KiB of its stage's "
+                "parameters, but every device stores %.0f KiB of them, with their gradients and optimizer state "
+                "alike: one program runs all the stages, so each stage's buffers are as long as the largest "
+                "stage's. To use less memory on the smaller stages, %s.",
+                how,
+                " / ".join(f"{b / 2**10:.0f}" for b in own),
+                held / 2**10,
+                fix,
+            )
 
     def step(self, programs: StagePrograms, inputs: StepInputs) -> StepOutputs:
         """Run one step through the pipeline.

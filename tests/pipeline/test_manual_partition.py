@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jmp as smp
+from jmp.runtime import notices
 from tests.pipeline.models import nll_step
 from tests.pipeline.test_pipeline import assert_grads_match
 from tests.sharding.models import causal_lm, lm_step, token_batches
@@ -112,3 +113,48 @@ def test_a_later_step_function_may_leave_parameters_of_the_cut_unread():
     for aux in (True, False):  # no zero_grad between the steps: the gradients add up, as torch's do
         F.nll_loss(reference(data, aux=aux), target).backward()
     assert_grads_match(model, reference)
+
+
+class TwoStages(nn.Module):
+    """Linear layers (widths in order, tanh between) on stage 0, then on stage 1, then a head of 10 classes."""
+
+    def __init__(self, stage0: list[int], stage1: list[int]):
+        super().__init__()
+        with smp.partition(0):
+            self.first = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(stage0, stage0[1:])])
+        with smp.partition(1):
+            self.second = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(stage1, stage1[1:])])
+
+    def forward(self, x):
+        for layer in [*self.first, *self.second]:
+            x = torch.tanh(layer(x))
+        return F.log_softmax(x, dim=1)
+
+
+def _uneven_warnings(records) -> list[str]:
+    return [r.getMessage() for r in records if r.getMessage().startswith("Pipeline stages of uneven size")]
+
+
+def _steps(stage0: list[int], stage1: list[int], models: int = 1) -> None:
+    x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    for _ in range(models):
+        nll_step(smp.DistributedModel(TwoStages(stage0, stage1)), x, y)
+
+
+def test_stages_of_uneven_size_warn_once_with_what_each_device_holds(caplog, monkeypatch):
+    """One program runs every stage, so each device stores the largest stage's row: said once, with the bytes.
+    Stage 0 holds (16 x 16 + 16) x 4 = 1,088 bytes; stage 1 (8,704 + 262,656 + 5,130) x 4 = 1,105,960 bytes."""
+    monkeypatch.setattr(notices, "_SAID", set())
+    smp.init(MANUAL)
+    with caplog.at_level(logging.WARNING, logger="jmp"):
+        _steps([16, 16], [16, 512, 512, 10], models=2)  # a second model of the same layout says nothing new
+    (message,) = _uneven_warnings(caplog.records)
+    assert "a device of each stage holds 1 / 1080 KiB" in message
+    assert "every device stores 1080 KiB" in message and "move modules between smp.partition blocks" in message
+
+
+def test_stages_of_similar_size_say_nothing(caplog):
+    smp.init(MANUAL)
+    with caplog.at_level(logging.WARNING, logger="jmp"):
+        _steps([16, 512, 512], [512, 512, 10])  # 271,360 and 267,786 parameters
+    assert not _uneven_warnings(caplog.records)
