@@ -129,9 +129,11 @@ class Pipeline:
             fix = (
                 "move modules between smp.partition blocks so that the stages hold similar bytes"
                 if not self.config.auto_partition
-                else "set optimize='memory' so that the automatic cut balances bytes alone"
+                else "set optimize='memory' (the automatic cut then balances bytes alone; it cuts between module "
+                "calls, so one module's parameters stay whole), or lower pipeline_parallel_degree"
                 if self.config.optimize != "memory"
-                else "lower pipeline_parallel_degree"
+                else "lower pipeline_parallel_degree (the automatic cut goes between module calls, so one module's "
+                "parameters stay whole)"
             )
             notices.warn_once(
                 f"uneven-stages:{how}:{own}:{held}",

@@ -158,3 +158,13 @@ def test_stages_of_similar_size_say_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="jmp"):
         _steps([16, 512, 512], [512, 512, 10])  # 271,360 and 267,786 parameters
     assert not _uneven_warnings(caplog.records)
+
+
+def test_an_automatic_cut_that_cannot_even_the_stages_suggests_balancing_bytes(caplog, monkeypatch):
+    """The automatic cut goes between module calls: a 512 x 1024 layer beside small ones leaves a stage small."""
+    monkeypatch.setattr(notices, "_SAID", set())
+    smp.init({**MANUAL, "auto_partition": True})
+    with caplog.at_level(logging.WARNING, logger="jmp"):
+        _steps([16, 16, 512], [512, 1024, 10])
+    (message,) = _uneven_warnings(caplog.records)
+    assert "(automatic partition)" in message and "set optimize='memory'" in message
