@@ -14,6 +14,10 @@ Per layout:
   and ``held / (total / 8)``: 1.0 would be every byte split 8 ways. Under pp x dp a stage's parameters are
   whole on its 4 devices (ratio about 4); fsdp and tp split them further.
 - ``temp``: ``memory_analysis().temp_size_in_bytes`` of the compiled step (per device).
+- ``uneven stages`` (``--uneven``, kept in the same results file): the seed's GroupedNet in 2 stages over dp4
+  (automatic cut, Adadelta: 2 slots a parameter), whose fully connected layer outweighs the rest: per stage, the
+  bytes of parameters + optimizer state its own parameters make on one device, and what its devices hold
+  (``addressable_shards``). One program runs every stage, so every device holds the largest stage's row.
 - ``step s``: median seconds of a training step (forward, backward, AdamW update), each layout timed in
   turn after two warm-up steps. On this 2-core CPU the 8 "devices" share the cores, so the times say how
   much work each layout adds, not how it scales on real devices.
@@ -22,6 +26,7 @@ Per layout:
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -41,6 +46,8 @@ from benchmarks.harness import (
     token_ids,
     write_results,
 )
+from benchmarks.step_speed import grouped_net_step
+from jmp.examples.models import GroupedNet
 
 BATCH, SEQUENCE, POSITIONS, VOCAB, LR, MICROBATCHES = 32, 64, 96, 640, 1e-3, 4
 MODELS = {
@@ -114,20 +121,64 @@ def measure(name: str, layout: str, steps: int) -> dict:
     return row
 
 
+def uneven_stages() -> dict:
+    """GroupedNet at pp2 x dp4: each stage's own bytes per device against what its devices hold."""
+    smp.init({"microbatches": MICROBATCHES, "pipeline_parallel_degree": 2, "auto_partition": True})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(GroupedNet())
+    optimizer = smp.DistributedOptimizer(torch.optim.Adadelta(model.module.parameters(), lr=1.0))
+    images = torch.randn(64, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    grouped_net_step(model, images, torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1)))
+    optimizer.step()
+    per_device: dict = {}
+    for leaf in jax.tree.leaves((model.training_state.params, optimizer.opt_state)):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    mesh = model.layout.mesh
+    own, _ = model.pipeline.layout.device_bytes()
+    slots = 2  # Adadelta's square_avg and acc_delta, each the size of its parameter
+    stages = []
+    for stage in range(mesh.shape["pp"]):
+        devices = mesh.devices.take(stage, axis=mesh.axis_names.index("pp")).flat
+        held = max(per_device[d] for d in devices)
+        stages.append(
+            {
+                "own_bytes": own[stage] * (1 + slots),
+                "held_bytes": held,
+                "held_over_own": held / (own[stage] * (1 + slots)),
+            }
+        )
+    total = sum(p.numel() * p.element_size() for p in GroupedNet().parameters()) * (1 + slots)
+    for stage, row in enumerate(stages):
+        print(
+            f"  GroupedNet pp2xdp4 stage {stage}: own {row['own_bytes'] / MIB:.2f} MiB, held "
+            f"{row['held_bytes'] / MIB:.2f} MiB ({row['held_over_own']:.1f}x its own; "
+            f"{row['held_bytes'] / total:.2f}x the whole model's)",
+            flush=True,
+        )
+    return {"model": "GroupedNet", "layout": "pp2xdp4", "total_bytes": total, "stages": stages}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/pipeline_3d.json")
+    parser.add_argument("--uneven", action="store_true", help="only the uneven stages' bytes, into the results file")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     emulate_devices()
-    rows = [measure(name, layout, args.steps) for name in MODELS for layout in LAYOUTS]
-    result = {
-        "what": __doc__.split("\n\n")[0],
-        "machine": {**machine(), "transformers": transformers.__version__},
-        "config": dict(batch=BATCH, sequence=SEQUENCE, microbatches=MICROBATCHES, models=MODELS),
-        "rows": rows,
-    }
+    if args.uneven:
+        with open(args.out) as f:
+            result = json.load(f)
+    else:
+        rows = [measure(name, layout, args.steps) for name in MODELS for layout in LAYOUTS]
+        result = {
+            "what": __doc__.split("\n\n")[0],
+            "machine": {**machine(), "transformers": transformers.__version__},
+            "config": dict(batch=BATCH, sequence=SEQUENCE, microbatches=MICROBATCHES, models=MODELS),
+            "rows": rows,
+        }
+    result["uneven_stages"] = uneven_stages()
     write_results(args.out, result)
     print(f"\nwrote {args.out}")
 
