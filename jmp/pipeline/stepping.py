@@ -126,15 +126,13 @@ class Pipeline:
     def _warn_if_uneven(self, how: str) -> None:
         own, held = self.layout.device_bytes()
         if min(own) < UNEVEN_STAGES * held and held - min(own) >= UNEVEN_STAGES_BYTES:
-            fix = (
-                "move modules between smp.partition blocks so that the stages hold similar bytes"
-                if not self.config.auto_partition
-                else "set optimize='memory' (the automatic cut then balances bytes alone; it cuts between module "
-                "calls, so one module's parameters stay whole), or lower pipeline_parallel_degree"
-                if self.config.optimize != "memory"
-                else "lower pipeline_parallel_degree (the automatic cut goes between module calls, so one module's "
-                "parameters stay whole)"
-            )
+            whole = "the automatic cut goes between module calls, so one module's parameters stay whole"
+            if not self.config.auto_partition:
+                fix = "move modules between smp.partition blocks so that the stages hold similar bytes"
+            elif self.config.optimize != "memory":
+                fix = f"set optimize='memory' to balance bytes alone ({whole}), or lower pipeline_parallel_degree"
+            else:
+                fix = f"lower pipeline_parallel_degree ({whole})"
             notices.warn_once(
                 f"uneven-stages:{how}:{own}:{held}",
                 "Pipeline stages of uneven size (%s partition): a device of each stage holds %s KiB of its stage's "

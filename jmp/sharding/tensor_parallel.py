@@ -59,7 +59,7 @@ _POSITION_NAMES = ("wpe", "position")  # position tables are small and indexed b
 
 def _log_options(where: str, tp_config: dict[str, Any]) -> None:
     """Log, once per process, the SMP tensor-parallel options given that jmp does not act on."""
-    new = [key.removeprefix("tp-option:") for key in notices.unsaid(f"tp-option:{o}" for o in sorted(tp_config))]
+    new = [option for option in sorted(tp_config) if notices.unsaid([f"tp-option:{option}"])]
     if new:
         logger.info(
             "%s: tensor-parallel option(s) %s have no effect on jmp's split (its rules place every supported module)",
