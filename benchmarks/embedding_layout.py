@@ -40,7 +40,7 @@ from benchmarks.harness import (
     token_ids,
     write_results,
 )
-from jmp.model.distributed_model import DistributedModel
+from jmp.wrapped_model.distributed_model import DistributedModel
 
 LAYOUTS = {
     "fsdp8": {"sharded_data_parallel_degree": 8},

@@ -105,7 +105,7 @@ done
 # failed on the H100 for a reason its time-out hid ---------------------------------------------------------------
 step tests 90 "$OUT/steps.log" \
     python3 -m pytest -q -rA -n 0 -p no:cacheprovider --tb=short \
-    "tests/kernels/test_fused_optimizers.py::test_the_update_lowered_for_cuda_has_one_kernel_per_param_group_and_dtype" \
+    "tests/optim/kernels/test_fused_optimizers.py::test_the_update_lowered_for_cuda_has_one_kernel_per_param_group_and_dtype" \
     tests/remat/test_offload.py::test_offloading_moves_each_checkpointed_layers_input_to_the_host_and_keeps_gradients \
     tests/remat/test_offload.py::test_on_a_gpu_offloading_lowers_device_temporaries
 

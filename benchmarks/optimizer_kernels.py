@@ -1,4 +1,4 @@
-"""AdamW updates: the fused Pallas kernels (``jmp.kernels``) against the optax path and torch's fused AdamW.
+"""AdamW updates: the fused Pallas kernels (``jmp.optim.kernels``) against the optax path and torch's fused AdamW.
 
     python -m benchmarks.optimizer_kernels [--steps 20] [--kinds fp32,mixed] [--tensors-per-launch N]
         [--out benchmarks/results/optimizer_kernels.json]
@@ -11,7 +11,7 @@ reads parameter, gradient and two moments and writes parameter and moments: 28 b
 bf16 gradients), so ``bytes * params / seconds`` is the bandwidth an update achieves, reported as a fraction of
 ``--peak-gbps`` (default: an H100 SXM's 3350 GB/s) on a GPU.
 
-- ``fused``: ``jmp.kernels.fused_adamw`` compiled (Triton): unscaling, update and the new parameters and
+- ``fused``: ``jmp.optim.kernels.fused_adamw`` compiled (Triton): unscaling, update and the new parameters and
   moments written in place, one launch per 73 tensors, in one jitted program with the state donated (what
   ``DistributedOptimizer`` runs on a GPU).
 - ``optax``: the gradients unscaled, ``jmp.optim.torch_rules.adamw``, ``optax.apply_updates``, the same way
@@ -42,8 +42,8 @@ import optax
 import torch
 
 from benchmarks.harness import machine, time_interleaved, write_results
-from jmp.kernels import fused_adamw, multi_tensor
 from jmp.optim import torch_rules as torch_optimizers
+from jmp.optim.kernels import fused_adamw, multi_tensor
 from jmp.precision import loss_scaling
 
 LAYERS, VOCAB = 16, 32000

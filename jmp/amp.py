@@ -35,11 +35,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jmp.eager import plain_optimizers
 from jmp.eager.lazy_tensor import LazyTensor
 from jmp.errors import ArgumentTypeError, StepError
-from jmp.model.distributed_model import current_trace
 from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.precision import loss_scaling
 from jmp.runtime import mesh_state as state
 from jmp.torch_bridge import JaxTensor
+from jmp.wrapped_model.distributed_model import current_trace
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
@@ -56,7 +56,7 @@ class GradScaler:
         enabled: False makes every method a pass-through (``scale`` returns the loss, ``step`` steps).
     """
 
-    # the model's LossScaleSource (jmp.model.seams): the step function multiplies the loss itself, through scale()
+    # the LossScaleSource of jmp.wrapped_model.seams: the step function multiplies the loss itself (scale())
     scales_in_step: bool = False
 
     def __init__(

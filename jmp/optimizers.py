@@ -5,7 +5,7 @@ and take the library's own. These are ``torch.optim.Optimizer`` classes with ape
 update rules, so a script runs unchanged: ``step()`` updates eagerly in PyTorch when the model is a plain
 ``nn.Module``, and ``smp.DistributedOptimizer`` runs the same rule compiled (``jmp.optim.torch_rules``), Adam
 and LAMB in one Pallas kernel pass per parameter dtype with the config key ``fused_optimizer: True``
-(``jmp.kernels``; by default XLA fuses the same update).
+(``jmp.optim.kernels``; by default XLA fuses the same update).
 
 - ``FusedAdam``: Adam; ``adam_w_mode=True`` (apex's default) decays the weights outside the moments, as
   ``torch.optim.AdamW``; False adds the decay to the gradient (L2), as ``torch.optim.Adam``.

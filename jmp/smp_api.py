@@ -1,7 +1,8 @@
 """SMP v1's API as `jmp` exports it (`jmp/__init__.py` imports it, except in the launcher's own process)."""
 
-from jmp import amp, eager, nn, optimizers, torch_bridge  # noqa: F401 (eager: models called outside a step)
+from jmp import amp, eager, model, nn, optimizers, torch_bridge  # noqa: F401 (eager: models called outside a step)
 from jmp.compiled_step.function import StepOutput, is_tracing, step
+from jmp.compiled_step.memory_estimate import MemoryEstimate, estimate_memory, what_fits
 from jmp.errors import (
     ActivationCheckpointingError,
     ArgumentTypeError,
@@ -19,15 +20,10 @@ from jmp.errors import (
     TracedControlFlowError,
     UnsupportedOpError,
 )
-from jmp.model.creation import model_creation
-from jmp.model.delayed_init import delay_param_initialization
-from jmp.model.distributed_model import DistributedModel
-from jmp.model.memory_estimate import MemoryEstimate, estimate_memory, what_fits
 from jmp.optim import grad_clipping
 from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.pipeline import partition, set_partition
 from jmp.remat.api import checkpoint, checkpoint_sequential, set_activation_checkpointing
-from jmp.remat.policy_syntax import RematPolicy
 from jmp.runtime.comm import (
     DP_GROUP,
     MP_GROUP,
@@ -67,6 +63,7 @@ from jmp.runtime.mesh_state import (
     tp_rank,
     tp_size,
 )
+from jmp.runtime.policy_syntax import RematPolicy
 from jmp.runtime.process_groups import (
     get_dp_group,
     get_dp_process_group,
@@ -84,6 +81,9 @@ from jmp.runtime.smp_state import state
 from jmp.saving import load, resume_from_checkpoint, save, save_checkpoint, set_preemption_user_content
 from jmp.sharding import set_tensor_parallelism, tensor_parallelism
 from jmp.sharding.tensor_parallel import tp_register, tp_register_with_module
+from jmp.wrapped_model.creation import model_creation
+from jmp.wrapped_model.delayed_init import delay_param_initialization
+from jmp.wrapped_model.distributed_model import DistributedModel
 
 grad_clipping.install()  # torch.nn.utils.clip_grad_norm_ on a DistributedModel's parameters
 
@@ -149,6 +149,7 @@ __all__ = [
     "local_size",
     "mp_barrier",
     "mp_rank",
+    "model",
     "model_creation",
     "MemoryEstimate",
     "what_fits",

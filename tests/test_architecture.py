@@ -1,4 +1,4 @@
-"""The package's shape: no import cycles, and no module reaching into another's private state."""
+"""The package's shape: packages that depend one way, no import cycles, no module reaching into another's privates."""
 
 import ast
 import collections
@@ -20,25 +20,31 @@ def _exists(module: str) -> bool:
     return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """The jmp modules ``path`` imports when it is loaded (module-level statements, not function bodies)."""
+def _imported(path: pathlib.Path, nodes) -> set[tuple[int, str]]:
+    """(line, jmp module) for each import among ``nodes``; ``from jmp.x import y`` names ``jmp.x.y`` when that is a
+    module, else ``jmp.x``."""
     found = set()
     package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
-    for node in ast.parse(path.read_text()).body:
+    for node in nodes:
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.startswith("jmp"))
+            found.update((node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "jmp")
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                 source = f"{base}.{node.module}" if node.module else base
             else:
                 source = node.module or ""
-            if not source.startswith("jmp"):
+            if source.split(".")[0] != "jmp":
                 continue
             for alias in node.names:
                 submodule = f"{source}.{alias.name}"
-                found.add(submodule if _exists(submodule) else source)
+                found.add((node.lineno, submodule if _exists(submodule) else source))
     return found
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The jmp modules ``path`` imports when it is loaded (module-level statements, not function bodies)."""
+    return {module for _, module in _imported(path, ast.parse(path.read_text()).body)}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -75,13 +81,92 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_no_jmp_module_imports_itself_back():
     graph = _graph()
-    assert "jmp.model.distributed_model" in graph and "jmp.torch_bridge.tensor" in graph
+    assert "jmp.wrapped_model.distributed_model" in graph and "jmp.torch_bridge.tensor" in graph
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+# --- the package order ---------------------------------------------------------------------------------------
+
+# Lowest first: a package imports only those before it, at module level or inside a function. Data flows config ->
+# mesh -> bridge -> front end -> sharding -> one compiled step; each package is a concept the ones after it compose.
+# "top" is the public face (jmp/__init__.py, smp_api, SMP's module paths model / amp / patches, the launcher and the
+# import path it gives launched processes), "examples" the main job on top of it.
+PACKAGE_ORDER = (
+    "errors",
+    "optimizers",
+    "nn",
+    "runtime",
+    "torch_bridge",
+    "precision",
+    "sharding",
+    "remat",
+    "stacks",
+    "pipeline",
+    "wrapped_model",
+    "optim",
+    "compiled_step",
+    "eager",
+    "saving",
+    "tsm",
+    "fsdp",
+    "top",
+    "examples",
+)
+
+
+def _unit(module: str) -> str:
+    """The entry of ``PACKAGE_ORDER`` a jmp module belongs to."""
+    parts = module.split(".")
+    if module.startswith("jmp.runtime.smp_import_path"):
+        return "top"  # the import path of launched processes: ``smdistributed.modelparallel.torch`` is ``jmp``
+    if len(parts) >= 2 and parts[1] in PACKAGE_ORDER and parts[1] != "top":
+        return parts[1]
+    return "top"
+
+
+def _order_breaks(paths) -> list[str]:
+    """Each import that goes against ``PACKAGE_ORDER``, as 'file:line: module imports target (a before b)'."""
+    rank = {unit: i for i, unit in enumerate(PACKAGE_ORDER)}
+    breaks = []
+    for path in paths:
+        source = _module_name(path)
+        for line, target in sorted(_imported(path, ast.walk(ast.parse(path.read_text())))):
+            low, high = _unit(source), _unit(target)
+            if rank[high] > rank[low]:
+                where = f"{path.relative_to(PACKAGE.parent)}:{line}"
+                breaks.append(f"{where}: {source} imports {target}, but {low} comes before {high} in PACKAGE_ORDER")
+    return breaks
+
+
+def test_every_package_is_placed_in_the_order():
+    units = {_unit(_module_name(p)) for p in PACKAGE.rglob("*.py")}
+    subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")} - {"patches"}
+    assert subpackages <= set(PACKAGE_ORDER), f"place {sorted(subpackages - set(PACKAGE_ORDER))} in PACKAGE_ORDER"
+    assert units <= set(PACKAGE_ORDER)
+
+
+def test_the_order_check_finds_an_import_up_even_inside_a_function(tmp_path, monkeypatch):
+    low = tmp_path / "jmp" / "runtime"
+    low.mkdir(parents=True)
+    (tmp_path / "jmp" / "compiled_step").mkdir()
+    (tmp_path / "jmp" / "compiled_step" / "function.py").write_text("")
+    (low / "config.py").write_text("def f():\n    from jmp.compiled_step import function\n")
+    monkeypatch.setattr(f"{__name__}.PACKAGE", tmp_path / "jmp")
+    breaks = _order_breaks([low / "config.py"])
+    assert breaks == [
+        "jmp/runtime/config.py:2: jmp.runtime.config imports jmp.compiled_step.function, "
+        "but runtime comes before compiled_step in PACKAGE_ORDER"
+    ]
+
+
+def test_every_import_follows_the_package_order():
+    breaks = _order_breaks(sorted(PACKAGE.rglob("*.py")))
+    assert not breaks, "imports against the package order:\n" + "\n".join(breaks)
 
 
 def test_config_imports_nothing_downstream():
     """Data flows config -> mesh -> bridge -> front end: the config depends only on leaf modules."""
-    assert _imports(PACKAGE / "runtime" / "config.py") <= {"jmp.errors", "jmp.remat.policy_syntax"}
+    assert _imports(PACKAGE / "runtime" / "config.py") <= {"jmp.errors", "jmp.runtime.policy_syntax"}
 
 
 _OWNED = {
@@ -294,8 +379,8 @@ def _members(protocol: type) -> set[str]:
 
 def test_the_optimizer_and_the_grad_scaler_provide_what_the_model_asks_of_them():
     from jmp.amp import GradScaler
-    from jmp.model.seams import AttachedOptimizer, LossScaleSource
     from jmp.optim.distributed_optimizer import DistributedOptimizer
+    from jmp.wrapped_model.seams import AttachedOptimizer, LossScaleSource
 
     assert _members(LossScaleSource) == {"current_scale", "scales_in_step"}
     assert _members(AttachedOptimizer) >= _members(LossScaleSource) | {"param_labels", "parameters_moved"}

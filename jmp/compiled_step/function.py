@@ -38,12 +38,12 @@ from jmp.compiled_step import program as step_program
 from jmp.compiled_step.outputs import ProcessShare, StepOutput, as_tensor_shape, results
 from jmp.compiled_step.signature import StepSignature, place_arguments
 from jmp.errors import StepError, TracedControlFlowError
-from jmp.model import live_models as model_registry
-from jmp.model.distributed_model import DistributedModel, current_trace
 from jmp.pipeline import engine
 from jmp.runtime import compilation_cache as compilation
+from jmp.runtime import live_models as model_registry
 from jmp.runtime import mesh_state as state
 from jmp.runtime import programs_in_flight
+from jmp.wrapped_model.distributed_model import DistributedModel, current_trace
 
 __all__ = ["StepFunction", "StepOutput", "is_tracing", "step"]
 

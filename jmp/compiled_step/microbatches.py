@@ -5,13 +5,10 @@ tensor parallelism when its processes load different rows); inside the program i
 ``microbatches``, each an equal slice of every shard (as in SMP, where every data-parallel rank splits its
 own part of the batch), and laid out over the data axes, so every device stays busy on every microbatch.
 
-Context parallelism (a "cp" mesh axis) splits the sequence: the dimension right after the batch axis of every
-split input (``input_ids``, ``attention_mask``, ``labels``, ``position_ids`` as ``[batch, sequence]``) is
-sharded over "cp" when its size divides by the degree, as SMP v2 gives each context-parallel rank a slice of
-every sequence. Other inputs keep that dimension whole. XLA's partitioner (GSPMD) keeps token-wise work
-sequence-sharded and inserts the collectives the loss's label shift needs; ``F.scaled_dot_product_attention``
-passes key/value blocks around a ring (``jmp.torch_bridge.lowering.ring_attention``), other attention lets
-XLA gather the keys and values.
+Context parallelism splits each input's sequence too (``jmp.sharding.batch_spec``). XLA's partitioner
+(GSPMD) keeps token-wise work sequence-sharded and inserts the collectives the loss's label shift needs;
+``F.scaled_dot_product_attention`` passes key/value blocks around a ring (``jmp.torch_bridge.lowering.ring_attention``),
+other attention lets XLA gather the keys and values.
 """
 
 from __future__ import annotations
@@ -21,27 +18,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from jmp.errors import StepError
 from jmp.runtime import mesh_state as state
+from jmp.sharding.batch_spec import batch_spec
 
 
 def data_shards(mesh: jax.sharding.Mesh, axes: tuple[str, ...] = state.DATA_AXES) -> int:
     """How many parts the mesh ``axes`` (by default the data-parallel ones) split the batch into."""
     return int(np.prod([mesh.shape[a] for a in axes]))
-
-
-def batch_spec(
-    shape: tuple[int, ...], axis: int, batch_axes: tuple[str, ...], mesh: jax.sharding.Mesh
-) -> PartitionSpec:
-    """The layout of a split input: its batch ``axis`` over ``batch_axes``, the dimension after it (the sequence)
-    over the context-parallel axis when the mesh has one and the size divides by its degree."""
-    spec = [None] * axis + [batch_axes]
-    cp = state.CONTEXT_AXIS
-    if cp in mesh.axis_names and len(shape) > axis + 1 and shape[axis + 1] % mesh.shape[cp] == 0:
-        spec.append(cp)
-    return PartitionSpec(*spec)
 
 
 def over_data_axes(x: jax.Array, axis: int, mesh: jax.sharding.Mesh) -> jax.Array:

@@ -22,10 +22,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import microbatches as batching
-from jmp.compiled_step import side_outputs
 from jmp.precision import fp8_state
 from jmp.runtime.mesh_state import DATA_AXES
-from jmp.torch_bridge import dispatch, replica_calls
+from jmp.torch_bridge import dispatch, replica_calls, side_outputs
 
 PROCESS_AXIS = "jmp_process"
 

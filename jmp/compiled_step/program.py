@@ -1,7 +1,7 @@
 """What a step program computes: the step function on one microbatch (``forward``), then on the whole batch
 (``run``): a loop over microbatches accumulating gradients, or the pipeline's schedule.
 
-Side outputs (``jmp.compiled_step.side_outputs``) sown by the forward come out of every path as one dict,
+Side outputs (``jmp.torch_bridge.side_outputs``) sown by the forward come out of every path as one dict,
 combined over microbatches and reported once per step.
 """
 
@@ -22,19 +22,19 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import microbatches as batching
-from jmp.compiled_step import process_shares, replica_gradients, side_outputs
+from jmp.compiled_step import process_shares, replica_gradients
 from jmp.compiled_step.outputs import output_array, output_leaf
 from jmp.compiled_step.signature import StepSignature, rebuild
-from jmp.model.distributed_model import DistributedModel
 from jmp.pipeline.engine import StepInputs
 from jmp.pipeline.stage_buffers import copies_name
 from jmp.precision import fp8_state
 from jmp.remat import xla as remat_xla
 from jmp.runtime import mesh_state
 from jmp.stacks import storage as stacks_storage
-from jmp.torch_bridge import autocast, call_hooks, concrete_run, dispatch
+from jmp.torch_bridge import autocast, call_hooks, concrete_run, dispatch, side_outputs
 from jmp.torch_bridge.lowering import ring_attention
 from jmp.torch_bridge.tensor import unwrap
+from jmp.wrapped_model.distributed_model import DistributedModel
 
 
 @dataclasses.dataclass
@@ -105,7 +105,7 @@ def _placed(grads: Any, shardings: Any) -> Any:
 
 
 def _sequences_split(mesh) -> contextlib.AbstractContextManager:
-    """Under context parallelism the inputs' sequences are split over "cp" (``microbatches.batch_spec``): attention
+    """Under context parallelism the inputs' sequences are split over "cp" (``jmp.sharding.batch_spec``): attention
     can take the ring over it."""
     if mesh_state.CONTEXT_AXIS not in mesh.axis_names:
         return contextlib.nullcontext()

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from jmp.model.parameter_store import StackStore
 from jmp.runtime import mesh_state
 from jmp.runtime.mesh_state import DATA_AXES
 from jmp.torch_bridge import concrete_run, replica_calls
+from jmp.wrapped_model.parameter_store import StackStore
 
 _OFFERED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jmp_replica_copies_offered", default=None)
 

@@ -30,10 +30,9 @@ import torch
 import torch.utils._pytree as torch_pytree
 from flax import nnx
 
-from jmp.compiled_step import side_outputs
 from jmp.errors import TracedControlFlowError
 from jmp.remat import context as remat_context
-from jmp.torch_bridge import concrete_run, dispatch
+from jmp.torch_bridge import concrete_run, dispatch, side_outputs
 from jmp.torch_bridge.module import (
     TorchModule,
     binding_versions,

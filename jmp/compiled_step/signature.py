@@ -19,10 +19,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import microbatches as batching
-from jmp.model.distributed_model import DistributedModel
+from jmp.sharding.batch_spec import batch_spec
 from jmp.torch_bridge import JaxTensor
 from jmp.torch_bridge.dtypes import to_torch_dtype
 from jmp.torch_bridge.interop import tensor_to_array
+from jmp.wrapped_model.distributed_model import DistributedModel
 
 
 class Static:
@@ -144,7 +145,7 @@ def place_arguments(
             if axis is not None:
                 shape = batching.whole_batch_shape(array, axis, processes)
                 batching.check_divisible(name, shape, axis, microbatches, shards, processes)
-                sharding = NamedSharding(mesh, batching.batch_spec(shape, axis, fed_over, mesh))
+                sharding = NamedSharding(mesh, batch_spec(shape, axis, fed_over, mesh))
                 arrays.append(batching.whole_batch(array, sharding, shape))
             else:  # the same value on every process
                 arrays.append(jax.device_put(array, NamedSharding(mesh, PartitionSpec())))

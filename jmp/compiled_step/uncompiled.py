@@ -27,8 +27,8 @@ from jmp.compiled_step import program as step_program
 from jmp.compiled_step import segments
 from jmp.compiled_step.signature import StepSignature
 from jmp.errors import StepError, TracedControlFlowError
-from jmp.model.distributed_model import DistributedModel
 from jmp.torch_bridge import concrete_run
+from jmp.wrapped_model.distributed_model import DistributedModel
 
 logger = logging.getLogger("jmp")
 

@@ -14,7 +14,7 @@ from typing import Any
 from jmp.eager import generation
 from jmp.eager.lazy_tensor import LazyTensor
 from jmp.eager.recording import Recording
-from jmp.model.distributed_model import DistributedModel
+from jmp.wrapped_model.distributed_model import DistributedModel
 
 __all__ = ["LazyTensor", "Recording", "call_outside_step"]
 

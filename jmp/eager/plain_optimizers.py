@@ -1,7 +1,7 @@
 """A plain torch optimizer built on a ``DistributedModel``'s parameters (``torch.optim.AdamW(model.parameters())``,
 never wrapped) becomes a ``DistributedOptimizer`` at its first ``step()``.
 
-The gradients of a step jmp ran live on the devices (``param.grad`` reads them lazily: ``jmp.model.param_grads``);
+A step's gradients are on the devices (``param.grad`` reads them lazily, ``jmp.wrapped_model.param_grads``);
 torch's own ``step()`` would update the host's copies of the parameters, not the model. A global optimizer step
 pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``, installed by the first implicit step) wraps
 such an optimizer in ``smp.DistributedOptimizer`` and runs the wrapper's step before each of torch's, which then

@@ -27,9 +27,9 @@ from torch import nn
 from jmp.errors import ArgumentTypeError
 from jmp.fsdp.layout import log_once
 from jmp.fsdp.options import CheckpointImpl, lambda_auto_wrap_policy
-from jmp.model import live_models
-from jmp.model.distributed_model import DistributedModel
 from jmp.remat.api import set_activation_checkpointing
+from jmp.runtime import live_models
+from jmp.wrapped_model.distributed_model import DistributedModel
 
 OFFLOADED_INPUTS = "offload_names:input"  # the remat policy: a checkpoint's inputs go to host memory
 

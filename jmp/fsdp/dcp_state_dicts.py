@@ -34,11 +34,11 @@ from jmp.errors import StateDictError
 from jmp.fsdp import state_dicts
 from jmp.fsdp.fully_shard import MARK, root_model
 from jmp.fsdp.fully_sharded import FullyShardedDataParallel, model_of
-from jmp.model.distributed_model import DistributedModel
-from jmp.model.records import copy_tree
 from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.torch_bridge import named_variables
 from jmp.torch_bridge.interop import tensor_to_array
+from jmp.wrapped_model.distributed_model import DistributedModel
+from jmp.wrapped_model.records import copy_tree
 
 __all__ = [
     "StateDictOptions",

@@ -36,10 +36,10 @@ from jmp.fsdp.options import (
     StateDictSettings,
     StateDictType,
 )
-from jmp.model.distributed_model import DistributedModel
 from jmp.optim import grad_clipping
 from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.tsm.delayed_param import initer_of
+from jmp.wrapped_model.distributed_model import DistributedModel
 
 WHERE = "FullyShardedDataParallel"
 JMP_MODEL = "_jmp_fsdp_model"  # on a module fully_shard made a root: the FullyShardedDataParallel that runs it

@@ -4,7 +4,7 @@ script's ``param_init_fn`` (and SMP v2's ``post_param_init_fn``), and process 0'
 
 Without ``param_init_fn`` (or with SMP v2's ``DelayedParamIniter``'s, whose code is the model's own) a
 meta-device module is left on the meta device: ``DistributedModel`` initialises it directly into its shards with
-the module's own initialisation code (``jmp.model.delayed_init``; JAX's random numbers, so torch's distributions,
+the module's own initialisation code (``jmp.wrapped_model.delayed_init``; JAX's random numbers: torch's distributions,
 not its draws). With another, the script asked for its own code to give the values, so it runs here as FSDP runs
 it, on the host, and the values are torch's: the whole module is materialised in this process's memory first
 (FSDP does it one wrapped unit at a time on the GPU; jmp's one unit is the whole model).
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from jmp.errors import ArgumentTypeError, ConfigError
-from jmp.model import delayed_init
+from jmp.wrapped_model import delayed_init
 
 
 def is_meta(module: nn.Module, ignored: set[nn.Module]) -> bool:

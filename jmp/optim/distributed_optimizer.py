@@ -20,8 +20,6 @@ import optax
 import torch
 
 from jmp.errors import ArgumentTypeError, OptimizerError
-from jmp.model import portable_state
-from jmp.model.distributed_model import DistributedModel, with_shardings
 from jmp.optim import fused_path, model_lookup, torch_state, update_steps
 from jmp.optim import torch_rules as torch_optimizers
 from jmp.optim.torch_surface import TorchOptimizerSurface
@@ -29,6 +27,8 @@ from jmp.optim.update_program import UpdateProgram
 from jmp.precision import loss_scaling
 from jmp.runtime import step_boundary
 from jmp.torch_bridge.interop import array_to_tensor
+from jmp.wrapped_model import portable_state
+from jmp.wrapped_model.distributed_model import DistributedModel, with_shardings
 
 
 class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
@@ -156,7 +156,7 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
                 "or use an optimizer whose update is elementwise (Adam / AdamW / SGD)"
             )
         self._state_shardings = model.store.state_shardings(jax.eval_shape(self.tx.init, params))
-        if model.abstract:  # shapes and shardings only (jmp.model.memory_estimate)
+        if model.abstract:  # shapes and shardings only (jmp.compiled_step.memory_estimate)
             self.opt_state = with_shardings(jax.eval_shape(self.tx.init, params), self._state_shardings)
         else:
             self.opt_state = jax.jit(self.tx.init, out_shardings=self._state_shardings)(params)

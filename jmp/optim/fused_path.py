@@ -1,4 +1,4 @@
-"""The fused-kernel update: ``DistributedOptimizer``'s torch optimizer run as Pallas kernels (``jmp.kernels``).
+"""The fused-kernel update: ``DistributedOptimizer``'s torch optimizer run as Pallas kernels (``jmp.optim.kernels``).
 
 The kernels read the gradients as the backward left them and take the step's scalars (``update_steps``) as
 extra arguments: they unscale and clip in the same pass and skip an overflow step, writing the parameters and
@@ -19,8 +19,8 @@ import optax
 import torch
 from jax.sharding import PartitionSpec
 
-from jmp import kernels, sharding
-from jmp.optim import torch_rules
+from jmp import sharding
+from jmp.optim import kernels, torch_rules
 from jmp.optim.update_steps import StepScalars, kept_on_skip
 
 logger = logging.getLogger("jmp")  # one logger: its rank-0 filter (runtime.rank_zero_logging) sees every notice
@@ -46,7 +46,7 @@ def fused_mode(asked: bool | None, rule: torch_rules.Rule, optimizer: torch.opti
     ]
     if unfused:
         say(
-            "fused_optimizer: %s with param group %d's options has no fused kernel (jmp.kernels); the optax "
+            "fused_optimizer: %s with param group %d's options has no fused kernel (jmp.optim.kernels); the optax "
             "update runs",
             type(optimizer).__name__,
             unfused[0],

@@ -24,10 +24,10 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 
 from jmp.errors import OptimizerError
-from jmp.model import live_models as model_registry
-from jmp.model.module_surface import ModelParameters
 from jmp.optim import update_steps
+from jmp.runtime import live_models as model_registry
 from jmp.torch_bridge.device_values import DeviceArray
+from jmp.wrapped_model.module_surface import ModelParameters
 
 _TORCH_NORM = torch.nn.utils.clip_grad.clip_grad_norm_
 _TORCH_VALUE = torch.nn.utils.clip_grad.clip_grad_value_

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from jmp.errors import ArgumentTypeError, ModelLookupError
-from jmp.model import live_models as model_registry
-from jmp.model.distributed_model import DistributedModel
+from jmp.runtime import live_models as model_registry
+from jmp.wrapped_model.distributed_model import DistributedModel
 
 
 def model_updated_by(torch_optimizer: torch.optim.Optimizer | None, given: DistributedModel | None) -> DistributedModel:

@@ -425,7 +425,7 @@ def group_transform(
 ) -> optax.GradientTransformation:
     """One param group's transformation, its numeric hyper-parameters injected (changeable per step).
 
-    ``fused(factory, static_options)`` may give a fused factory computing the same (``jmp.kernels``); None
+    ``fused(factory, static_options)`` may give a fused factory computing the same (``jmp.optim.kernels``); None
     from it, or no ``fused``, keeps the optax chain.
     """
     numeric, static = rule.hyperparams(group)

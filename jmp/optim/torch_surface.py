@@ -15,12 +15,12 @@ import optax
 import torch
 from jax.sharding import NamedSharding
 
-from jmp.model import sdp_partitions
-from jmp.model.distributed_model import PARTIAL_MARK, DistributedModel
 from jmp.optim import torch_state
 from jmp.precision import loss_scaling
 from jmp.sharding import splits_over, without_axis
 from jmp.torch_bridge.interop import local_piece
+from jmp.wrapped_model import sdp_partitions
+from jmp.wrapped_model.distributed_model import PARTIAL_MARK, DistributedModel
 
 
 class TorchOptimizerSurface:
@@ -53,7 +53,7 @@ class TorchOptimizerSurface:
     @property
     def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
         """SMP's sharded-data-parallel optimizer's (DeepSpeed's) float32 partitions per param group, read now
-        (``jmp.model.sdp_partitions``); only with ``sharded_data_parallel_degree`` above 1, as in SMP."""
+        (``jmp.wrapped_model.sdp_partitions``); only with ``sharded_data_parallel_degree`` above 1, as in SMP."""
         if self.model.layout.mesh.shape["fsdp"] == 1:
             raise AttributeError("fp32_partitioned_groups_flat exists with sharded_data_parallel_degree > 1 only")
         return sdp_partitions.flat_groups(self.param_groups)

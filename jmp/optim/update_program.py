@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from jmp.model.parameter_store import ParameterStore
 from jmp.optim import fused_path, torch_state, update_steps
 from jmp.precision import loss_scaling
+from jmp.wrapped_model.parameter_store import ParameterStore
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

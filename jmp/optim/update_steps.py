@@ -5,7 +5,7 @@ Both ways ``DistributedOptimizer`` updates take the same three scalars, computed
 :func:`step_scalars` from reductions over the gradients as the backward left them: ``grad_scale`` (the
 gradients are cast to float32 and multiplied by it), ``grad_divisor`` (then divided by it) and ``skip`` (a
 device bool: the parameters and the optimizer state stay as they were, as torch's ``GradScaler`` skips
-``optimizer.step()``). The fused kernels (``jmp.kernels``) read them as extra arguments;
+``optimizer.step()``). The fused kernels (``jmp.optim.kernels``) read them as extra arguments;
 :func:`taking_step_scalars` makes an optax transformation read them the same way, so the two paths give the
 same numbers.
 

@@ -25,8 +25,8 @@ from jax.extend import core
 from torch import nn
 
 from jmp.errors import ArgumentTypeError, ConfigError, PipelineError
-from jmp.model import marks as module_marks
 from jmp.pipeline.graph import Call, calls_of, flops
+from jmp.runtime import marks as module_marks
 
 logger = logging.getLogger("jmp")
 

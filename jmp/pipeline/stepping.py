@@ -20,12 +20,12 @@ from jax.sharding import AxisType
 from torch import nn
 
 from jmp.errors import PipelineError
-from jmp.model import marks as module_marks
 from jmp.pipeline import engine, placement, schedule
 from jmp.pipeline.engine import StepInputs, StepOutputs
 from jmp.pipeline.graph import module_scopes
 from jmp.pipeline.split import StagePrograms
 from jmp.pipeline.stage_buffers import COPIES, StageLayout
+from jmp.runtime import marks as module_marks
 from jmp.runtime import notices
 from jmp.runtime.config import Config
 from jmp.torch_bridge import torch_name

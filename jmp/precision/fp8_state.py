@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmp.precision import fp8_scaling
+from jmp.precision import fp8_matmul, fp8_scaling
 from jmp.precision.fp8_scaling import DelayedScaling
 from jmp.torch_bridge.variable_writes import write
 
@@ -52,6 +52,10 @@ class Fp8Meta(nnx.Module):
     @property
     def recording(self) -> bool:
         return not self.deterministic
+
+    def linear(self, x: jax.Array, weight: jax.Array, bias: jax.Array | None, across: str | None = None) -> jax.Array:
+        """``F.linear`` in fp8 with this state: the converted Linear calls it, so the bridge needs no fp8 import."""
+        return fp8_matmul.fp8_linear(self, x, weight, bias, across)
 
     def record_forward(self, input_amax: jax.Array, weight_amax: jax.Array) -> None:
         dtype = self.recipe.forward_dtype

@@ -30,14 +30,14 @@ from typing import Any
 from torch import nn
 
 from jmp.errors import ArgumentTypeError, ConfigError, ModelLookupError
-from jmp.model import live_models as model_registry
 from jmp.remat import context, region
 from jmp.remat.groups import LayerGroups
 from jmp.remat.policies import KEEP_MATMULS, Resolved, resolve
-from jmp.remat.policy_syntax import Policy, parse_policy
 from jmp.remat.strategies import groups, parse_strategy
+from jmp.runtime import live_models as model_registry
 from jmp.runtime import mesh_state as state
 from jmp.runtime.config import Config
+from jmp.runtime.policy_syntax import Policy, parse_policy
 from jmp.torch_bridge.module import TorchModule, call_hooks
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from jmp.remat.policy_syntax import INPUT, Policy, RematPolicy
+from jmp.runtime.policy_syntax import INPUT, Policy, RematPolicy
 
 _OFFLOAD = dict(offload_src="device", offload_dst="pinned_host")
 # jax's "recompute" answer, read from a public policy that saves nothing (the enum itself is private)

@@ -18,15 +18,14 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jmp.compiled_step import side_outputs
 from jmp.errors import ActivationCheckpointingError, ConfigError
-from jmp.model import marks as module_marks
 from jmp.remat import context
 from jmp.remat.policies import GATHERED, Resolved, without_weights
-from jmp.remat.policy_syntax import INPUT
+from jmp.runtime import marks as module_marks
 from jmp.runtime import notices
+from jmp.runtime.policy_syntax import INPUT
 from jmp.sharding.gathering import gathered_for_use
-from jmp.torch_bridge import concrete_run, dispatch, replica_calls
+from jmp.torch_bridge import concrete_run, dispatch, replica_calls, side_outputs
 from jmp.torch_bridge.module import (
     CallHook,
     TorchModule,

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jmp.errors import ConfigError
-from jmp.remat.policy_syntax import parse_policy
+from jmp.runtime.policy_syntax import parse_policy
 
 ALIASES = {
     "partitions": "pipeline_parallel_degree",
@@ -99,7 +99,7 @@ class Config:
     random_seed: int = 0x12345678
     compilation_cache: bool = True  # jmp: JAX's persistent compilation cache (see jmp.runtime.compilation_cache)
     scan_layers: bool = False  # jmp: repeated identical layers compile once, as one scan (see jmp.stacks)
-    # jmp: the update as Pallas kernels (jmp.kernels) when True (interpreted off a GPU); None / False: XLA's fusion
+    # jmp: the update as Pallas kernels (jmp.optim.kernels) if True (interpreted off a GPU); None / False: XLA's fusion
     # of the optax update, as fast on an H100 without the kernels' minute of Triton compiling (jmp.optim.fused_path)
     fused_optimizer: bool | None = None
     # runtime details of SMP's own engine (no effect here)

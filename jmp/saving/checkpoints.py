@@ -18,14 +18,14 @@ import torch
 
 from jmp.eager import plain_optimizers
 from jmp.errors import ArgumentTypeError, CheckpointError, UnreadableCheckpointError
-from jmp.model import live_models as model_registry
-from jmp.model import portable_state
-from jmp.model.distributed_model import DistributedModel
-from jmp.model.portable_state import BUFFERS, LOSS_SCALE, OPTIMIZER, PARAMS
 from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.runtime import comm
+from jmp.runtime import live_models as model_registry
 from jmp.saving import directory, full
 from jmp.saving import partial as partial_checkpoint
+from jmp.wrapped_model import portable_state
+from jmp.wrapped_model.distributed_model import DistributedModel
+from jmp.wrapped_model.portable_state import BUFFERS, LOSS_SCALE, OPTIMIZER, PARAMS
 
 logger = logging.getLogger("jmp")
 

@@ -22,8 +22,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torch import nn
 
-from jmp.compiled_step.microbatches import batch_spec
 from jmp.runtime import mesh_state as state
+from jmp.sharding.batch_spec import batch_spec
 from jmp.sharding.gathering import gathered_for_use
 from jmp.sharding.param_specs import splits_over
 from jmp.torch_bridge import JaxTensor, dispatch

@@ -14,7 +14,7 @@ XLA:CPU has no ragged all-to-all, so rows travel in fixed-size buffers of
 device holds, so no row is ever dropped and the result equals the unsharded
 layer; ``expert_capacity_factor`` (config) shrinks it to
 ``factor * rows / ep``, and rows past it are dropped (they add nothing) and
-counted: the step's side output ``dropped_tokens`` (``jmp.compiled_step.side_outputs``),
+counted: the step's side output ``dropped_tokens`` (``jmp.torch_bridge.side_outputs``),
 logged as a warning when it is not zero.
 """
 
@@ -33,10 +33,9 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 from torch import nn
 
-from jmp.compiled_step import side_outputs
 from jmp.errors import ConfigError
 from jmp.runtime.mesh_state import DATA_AXES
-from jmp.torch_bridge import JaxTensor, TorchModule, torch_forward
+from jmp.torch_bridge import JaxTensor, TorchModule, side_outputs, torch_forward
 from jmp.torch_bridge.tensor import unwrap
 
 logger = logging.getLogger("jmp")

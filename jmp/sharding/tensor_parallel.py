@@ -36,9 +36,9 @@ from typing import Any
 from torch import nn
 
 from jmp.errors import ArgumentTypeError, ConfigError
-from jmp.model.marks import mark, mark_of, marking_created
 from jmp.nn import DistributedEmbedding, DistributedLinear, FusedLayerNorm
 from jmp.runtime import notices
+from jmp.runtime.marks import mark, mark_of, marking_created
 
 logger = logging.getLogger("jmp")
 

@@ -2,7 +2,7 @@
 ``jax.lax.scan`` over their stacked parameters, so compile time does not grow with depth.
 
 ``detection`` finds the stacks when a model is wrapped; ``storage`` keeps each stack weight as one array of all
-its layers (``jmp.model.parameter_store.StackStore``); ``scan`` is the call hook that turns their consecutive calls
+its layers (``jmp.wrapped_model.parameter_store.StackStore``); ``scan`` is the call hook turning their consecutive calls
 into one scan while a step traces; ``pending`` holds a layer output until something reads it.
 """
 

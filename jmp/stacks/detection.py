@@ -80,7 +80,10 @@ def signature(layer: nn.Module) -> Hashable:
 
 def _value_key(value: Any, within: dict[int, str]) -> Hashable:
     if isinstance(value, nn.Module) and id(value) in within:
-        return ("submodule", within[id(value)])  # an alias of one of the layer's own modules (jmp.model.smp_paths)
+        return (
+            "submodule",
+            within[id(value)],
+        )  # an alias of one of the layer's own modules (jmp.wrapped_model.smp_paths)
     if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device, type)):
         return (type(value), value)
     if isinstance(value, (tuple, list)):

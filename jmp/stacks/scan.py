@@ -38,13 +38,12 @@ from flax import nnx
 from jax.extend import core
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmp.compiled_step import side_outputs
 from jmp.errors import JmpError
 from jmp.remat import context as remat_context
 from jmp.stacks import storage
 from jmp.stacks.detection import MAX_PERIOD, LayerStack
 from jmp.stacks.pending import PendingTensor
-from jmp.torch_bridge import dispatch, replica_calls
+from jmp.torch_bridge import dispatch, replica_calls, side_outputs
 from jmp.torch_bridge.module import TorchModule, hooked_call, hooks_on
 from jmp.torch_bridge.state_dict import torch_name
 from jmp.torch_bridge.tensor import JaxTensor

@@ -153,7 +153,7 @@ def convert(module: torch.nn.Module, *, rngs: nnx.Rngs | int | None = None, allo
             default it follows torch's seed (``torch.manual_seed``), so a seeded torch script is
             reproducible here too.
         allow_meta: tensors on the meta device become Variables holding ``jax.ShapeDtypeStruct``s, for
-            ``jmp.model.delayed_init`` to fill by running the module's initialisation code (else an error).
+            ``jmp.wrapped_model.delayed_init`` to fill by running the module's initialisation code (else an error).
 
     Returns:
         The converted ``flax.nnx.Module`` (a ``TorchModule``).

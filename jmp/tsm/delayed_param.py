@@ -2,7 +2,7 @@
 
 A model built on the meta device (``accelerate.init_empty_weights()``, ``torch.device("meta")``) has shapes but
 no values. Wrapped by ``smp.DistributedModel`` as it is, it is initialised directly into its shards by its own
-initialisation code, in one compiled program (``jmp.model.delayed_init``): no process ever holds the whole
+initialisation code, in one compiled program (``jmp.wrapped_model.delayed_init``): no process ever holds the whole
 model. ``get_param_init_fn()``'s function is the same code run module by module, as SMP's is, on the CPU: it
 gives one module's own tensors storage and runs the model's initialisation code on them (a Hugging Face model's
 ``_init_weights``, else the module's ``reset_parameters``), tied tensors kept tied; FSDP calls it so (PyTorch's,
@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from jmp.errors import ArgumentTypeError, ConfigError
-from jmp.model import delayed_init, live_models
+from jmp.runtime import live_models
+from jmp.wrapped_model import delayed_init
 
 logger = logging.getLogger("jmp")
 

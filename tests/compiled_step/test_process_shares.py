@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmp.compiled_step import process_shares, side_outputs
-from jmp.torch_bridge import dispatch
+from jmp.compiled_step import process_shares
+from jmp.torch_bridge import dispatch, side_outputs
 from jmp.torch_bridge.lowering.random import next_key
 
 ROWS, SHARES = 8, 2

@@ -55,7 +55,7 @@ def test_synthetic_data_is_what_the_scripts_read_and_the_same_every_time(tmp_pat
 
 
 # Run by the benchmark, not here (the suite's time), each covered by another test: gpt2_sdp2_distributed_transformer's
-# path (seq_layers under model_creation(tensor_parallelism=True), checkpointed) is tests/model/test_smp_paths.py's,
+# path (seq_layers under model_creation(tensor_parallelism=True), checkpointed) is test_smp_paths.py's,
 # in one process. The suite keeps AWS's gpt2 script as a pipeline in fp16.
 COVERED_BY_ANOTHER = {
     # each process's own loss and batches (SMP's per-rank meaning) are tests/compiled_step's and
@@ -67,11 +67,11 @@ COVERED_BY_ANOTHER = {
     # tests/multiprocess/test_launch_and_comm.py's; the script's --load_partial path runs in the benchmark
     "gpt2_dp2_partial_checkpoint_resume",
     # sharded data parallelism trains as data parallelism (tests/sharding); the DeepSpeed views the script reads
-    # (p.ds_tensor, fp32_partitioned_groups_flat) are tests/model/test_sdp_partitions.py's
+    # (p.ds_tensor, fp32_partitioned_groups_flat) are tests/wrapped_model/test_sdp_partitions.py's
     "gpt2_sdp2",
     "gpt2_sdp2_distributed_transformer",
     "gpt2_pp2_dp2_fp16_manual_partition",  # 4 processes; the per-process rule: tests/compiled_step, tests/multiprocess
-    "gpt2_tp2_distributed_transformer_checkpoint_sublayers",  # its path: tests/model/test_smp_paths.py, at tp2
+    "gpt2_tp2_distributed_transformer_checkpoint_sublayers",  # its path: tests/wrapped_model/test_smp_paths.py, at tp2
     # the suite's time (AWS's SMP v2 script joined it): tensor parallelism in bf16 on a Hugging Face GPT-2 through
     # an SMP-style script is tests/front_end/test_smp_example_scripts.py's and tests/precision's (fsdp4 x tp2)
     "gpt2_tp2_bf16",

@@ -18,9 +18,9 @@ import torch
 from jax.sharding import PartitionSpec as P
 
 import jmp as smp
-from jmp.compiled_step.microbatches import batch_spec
 from jmp.errors import ConfigError
 from jmp.runtime import mesh_state
+from jmp.sharding.batch_spec import batch_spec
 from tests.front_end.helpers import named_grads
 from tests.sharding.models import VOCAB, causal_lm, token_batches
 

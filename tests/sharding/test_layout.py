@@ -8,8 +8,8 @@ from jax.sharding import PartitionSpec as P
 from torch import nn
 
 import jmp as smp
-from jmp.model import marks as module_marks
-from jmp.model.marks import mark_of
+from jmp.runtime import marks as module_marks
+from jmp.runtime.marks import mark_of
 from jmp.sharding import REPLICATED_BELOW
 from tests.sharding.models import causal_lm
 

@@ -1,5 +1,5 @@
 """Stacked parameter storage (``scan_layers``): a layer stack's weights kept as one ``[layers, ...]`` array each
-(``jmp.model.parameter_store.StackStore``). Training matches PyTorch, every torch-facing view keeps torch's names and
+(``jmp.wrapped_model.parameter_store.StackStore``). Training matches PyTorch, every torch-facing view keeps names and
 values, checkpoints move between stacked and per-layer storage, and the step program's arguments do not grow with
 depth."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import jmp as smp
-from jmp.model.parameter_store import StackStore, TreeStore
+from jmp.wrapped_model.parameter_store import StackStore, TreeStore
 from tests.helpers import assert_close
 from tests.stacks.helpers import SIZES
 

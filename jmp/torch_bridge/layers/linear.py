@@ -1,7 +1,8 @@
 """nn.Linear (weight [out, in], as in torch) and nn.Identity.
 
 A Linear given an ``fp8`` child (``jmp.precision.fp8_state.attach``, when the config's ``fp8`` is on) runs its
-matmul in fp8 with its delayed-scaling state (``jmp.precision.fp8_matmul``).
+matmul through that child's ``linear``: in fp8 with its delayed-scaling state. The child brings the fp8 code
+with it, so the bridge, below ``precision`` in the package order, never imports it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from typing import Any
 import torch.nn.functional as F
 from torch import nn
 
-from jmp.precision.fp8_matmul import fp8_linear
 from jmp.torch_bridge import autocast, dispatch
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering.nn_functional import linear
@@ -30,7 +30,7 @@ class Linear(ArrayModule):
     def forward(self, input):
         bias = None if self.bias is None else self.bias[...]
         if self.fp8 is not None:
-            fp8 = functools.partial(fp8_linear, self.fp8, across=dispatch.batch_axis())
+            fp8 = functools.partial(self.fp8.linear, across=dispatch.batch_axis())
             return autocast.call_whole(F.linear, fp8, input, self.weight[...], bias)
         return autocast.call(F.linear, linear, input, self.weight[...], bias)
 

@@ -2,10 +2,10 @@
 
 ``DistributedOptimizer`` runs them on a GPU (the config key ``fused_optimizer``: None, the default; True runs
 them everywhere, in interpret mode off a GPU; False never); they can be used alone in any optax code. See
-``jmp.kernels.fused_updates``.
+``jmp.optim.kernels.fused_updates``.
 """
 
-from jmp.kernels.fused_updates import fused_adagrad, fused_adam, fused_adamw, fused_lamb, fused_sgd, fused_version
-from jmp.kernels.multi_tensor import split_over
+from jmp.optim.kernels.fused_updates import fused_adagrad, fused_adam, fused_adamw, fused_lamb, fused_sgd, fused_version
+from jmp.optim.kernels.multi_tensor import split_over
 
 __all__ = ["fused_adagrad", "fused_adam", "fused_adamw", "fused_lamb", "fused_sgd", "fused_version", "split_over"]

@@ -28,8 +28,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from jmp.errors import ArgumentTypeError, ConfigError
-from jmp.model.seams import AttachedOptimizer
 from jmp.runtime import notices
+from jmp.wrapped_model.seams import AttachedOptimizer
 
 # --- constructor arguments ------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@
 optax chains for ``torch.optim.Adam`` / ``AdamW``, ``SGD``, ``Adagrad`` and apex's ``FusedLAMB``
 (``smp.optimizers``) compute, in the same order of operations, and keep the chains' own state, tree for tree
 (torch-format state dicts and checkpoints are the same on both paths). The tensors of each dtype go through
-one ``pallas_call`` (see ``jmp.kernels.multi_tensor``), which reads gradient, parameter and state and writes
+one ``pallas_call`` (see ``jmp.optim.kernels.multi_tensor``), which reads gradient, parameter and state and writes
 the update and the new state in place. Like any optax transformation, the result is an update to add with
 ``optax.apply_updates``.
 
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp.kernels import multi_tensor
 from jmp.optim import torch_rules as torch_optimizers
+from jmp.optim.kernels import multi_tensor
 from jmp.optim.torch_rules import TorchAdagradState, TorchMomentumState
 
 _GRAD_SCALE, _GRAD_DIVISOR, _SKIP = 0, 1, 2  # the scalar slots every kernel reads; an optimizer's own follow

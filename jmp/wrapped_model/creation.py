@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from jmp.errors import ArgumentTypeError
-from jmp.model.delayed_init import delay_param_initialization
 from jmp.runtime import mesh_state as state
 from jmp.sharding import tensor_parallelism as tensor_parallel_context
+from jmp.wrapped_model.delayed_init import delay_param_initialization
 
 logger = logging.getLogger("jmp")
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jmp as smp
-from jmp.compiled_step import side_outputs
+from jmp.torch_bridge import side_outputs
 from jmp.torch_bridge.tensor import unwrap
 
 

@@ -77,7 +77,7 @@ class TrainingState:
     may be pending on them (``scale_grads_later``): reading ``grads`` multiplies it in, while the optimizer
     takes it into its own pass over the gradients (``kept_grads``) and writes no clipped copy.
     ``side_outputs`` are the values the last step's forward sowed besides its outputs, by name, each the
-    step's total (``jmp.compiled_step.side_outputs``).
+    step's total (``jmp.torch_bridge.side_outputs``).
     """
 
     params: Any
@@ -86,7 +86,7 @@ class TrainingState:
     version: int = 0  # counts changes of ``params`` and ``rest`` (what a copy of them is checked against)
     _grads: Any = None
     _grad_factor: jax.Array | None = None
-    # the parameters' ``p.grad`` (jmp.model.param_grads.ParamGrads): told when the gradients change, and asked
+    # the parameters' ``p.grad`` (jmp.wrapped_model.param_grads.ParamGrads): told when the gradients change, and asked
     # for the host's edits of them before the gradients are read
     grad_views: Any = None
 

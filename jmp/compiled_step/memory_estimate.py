@@ -1,7 +1,7 @@
 """``smp.estimate_memory``: the bytes per device a model trains in, under a config, before anything runs.
 
 The model is laid out as ``DistributedModel`` would lay it out, with shapes and shardings only
-(``jmp.model.distributed_model.abstract_models``): nothing is initialised or placed, and a model built
+(``jmp.wrapped_model.distributed_model.abstract_models``): nothing is initialised or placed, and a model built
 on the meta device works. Parameters, gradients, optimizer state and buffers are counted from their
 shardings (each device's
 shard). Given a batch, the step program is lowered and compiled ahead of time, as a step would compile it,
@@ -29,11 +29,11 @@ import torch
 
 from jmp.compiled_step.function import step as smp_step
 from jmp.errors import ArgumentTypeError, ConfigError
-from jmp.model.distributed_model import DistributedModel, abstract_models, with_shardings
 from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.remat import api as remat
 from jmp.runtime import mesh_state as state
 from jmp.runtime.config import parse
+from jmp.wrapped_model.distributed_model import DistributedModel, abstract_models, with_shardings
 
 logger = logging.getLogger("jmp")  # one logger: its rank-0 filter (runtime.rank_zero_logging) sees every notice
 

@@ -25,9 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp import sharding
 from jmp.errors import OptimizerError
-from jmp.model.records import ParameterLayout, copy_tree
 from jmp.pipeline.stage_buffers import StageLayout
 from jmp.stacks import storage as stacks_storage
+from jmp.wrapped_model.records import ParameterLayout, copy_tree
 
 
 class ParameterStore(Protocol):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import jmp as smp
-from jmp.model.memory_estimate import per_device_bytes
+from jmp.compiled_step.memory_estimate import per_device_bytes
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import jmp as smp
 from jmp.errors import OptimizerError
-from jmp.model.param_grads import DeviceGrad
 from jmp.torch_bridge.device_values import DeviceArray
+from jmp.wrapped_model.param_grads import DeviceGrad
 from tests.front_end.helpers import SmallNet, batches, train_step
 
 

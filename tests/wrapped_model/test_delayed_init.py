@@ -14,8 +14,8 @@ from torch import nn
 
 import jmp as smp
 from jmp.errors import ConfigError, ConversionError
-from jmp.model import delayed_init
 from jmp.torch_bridge import convert
+from jmp.wrapped_model import delayed_init
 from tests.front_end.helpers import torch_train
 
 transformers = pytest.importorskip("transformers")

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import jmp as smp
-from jmp.kernels import fused_updates as kernels
 from jmp.optim import torch_rules as torch_optimizers
+from jmp.optim.kernels import fused_updates as kernels
 
 transformers = pytest.importorskip("transformers")
 

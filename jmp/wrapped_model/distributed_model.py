@@ -1,6 +1,6 @@
 """``DistributedModel``: a torch module converted to Flax NNX, its state placed on the mesh.
 
-What the model holds is three records (``jmp.model.records``): ``layout`` (the parameters' names, shapes,
+What the model holds is three records (``jmp.wrapped_model.records``): ``layout`` (the parameters' names, shapes,
 dtypes and placement, with the mesh and config the model was built with), ``training_state`` (parameters,
 buffers and random stream, gradients) and ``programs`` (compiled step programs). ``@smp.step`` traces the
 user's step function against them; ``DistributedOptimizer`` updates the parameters from the gradients.
@@ -25,19 +25,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp import sharding, stacks
 from jmp.errors import ArgumentTypeError, ConfigError, StateDictError, StepError
-from jmp.model import delayed_init, sdp_partitions, smp_paths
-from jmp.model import live_models as model_registry
-from jmp.model.module_surface import ModelOptions, ModuleSurface
-from jmp.model.param_grads import ParamGrads
-from jmp.model.parameter_store import ParameterStore, StackStore, StageStore, TreeStore
-from jmp.model.records import ParameterLayout, ProgramCache, TrainingState, copy_tree
-from jmp.model.seams import AttachedOptimizer, LossScaleSource
 from jmp.pipeline.stepping import Pipeline
 from jmp.precision import fp8_autocast, fp8_state
 from jmp.precision import policy as precision
 from jmp.precision.fp8_scaling import DelayedScaling
 from jmp.remat import api as remat
 from jmp.runtime import compilation_cache as compilation
+from jmp.runtime import live_models as model_registry
 from jmp.runtime import mesh_state as state
 from jmp.sharding import embedding_outputs, experts
 from jmp.torch_bridge import (
@@ -52,6 +46,12 @@ from jmp.torch_bridge import (
 )
 from jmp.torch_bridge.interop import array_to_tensor, local_piece, tensor_to_array
 from jmp.torch_bridge.layers.linear import Linear
+from jmp.wrapped_model import delayed_init, sdp_partitions, smp_paths
+from jmp.wrapped_model.module_surface import ModelOptions, ModuleSurface
+from jmp.wrapped_model.param_grads import ParamGrads
+from jmp.wrapped_model.parameter_store import ParameterStore, StackStore, StageStore, TreeStore
+from jmp.wrapped_model.records import ParameterLayout, ProgramCache, TrainingState, copy_tree
+from jmp.wrapped_model.seams import AttachedOptimizer, LossScaleSource
 
 logger = logging.getLogger("jmp")
 
@@ -106,14 +106,14 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
     Parameters are split as the config asks (sharded data, tensor and expert parallelism; see
     ``jmp.sharding``) and replicated otherwise. The model keeps the mesh and config of the ``smp.init``
     it was built under. It behaves like the torch module where scripts expect it to (``named_parameters()``,
-    ``modules()``, ``cpu()``, ``model.config``, ...: see ``jmp.model.module_surface``).
+    ``modules()``, ``cpu()``, ``model.config``, ...: see ``jmp.wrapped_model.module_surface``).
 
     Like SMP's, it is an ``nn.Module`` whose one child is the user's module, as ``module`` (its ``_modules``);
     it has no parameters of its own, and the module-walking methods (``modules()``, ``named_parameters()``,
     ``state_dict()``, ...) give the user's module's, under the user's names. Its other attributes are its
     records, never registered as submodules. SMP's paths into the wrapped model
     (``model.module.module.module``, ``transformer.seq_layers``) are views of the user's modules: see
-    ``jmp.model.smp_paths``.
+    ``jmp.wrapped_model.smp_paths``.
 
     Args:
         module: the torch module; it stays the user's (``model.module``), and reading ``model.module``
@@ -170,7 +170,9 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
             repr([(n, shapes[n], str(self.layout.dtypes[n])) for n in self.layout.names]),
         )
         self.abstract = _ABSTRACT.get()
-        if self.abstract:  # shapes and shardings only (jmp.model.memory_estimate): nothing is computed or placed
+        if (
+            self.abstract
+        ):  # shapes and shardings only (jmp.compiled_step.memory_estimate): nothing is computed or placed
             self.training_state = TrainingState(
                 params=with_shardings(jax.eval_shape(masters, params), self.layout.shardings),
                 rest=with_shardings(jax.eval_shape(lambda r: r, rest), self.layout.replicated),
