@@ -29,6 +29,9 @@ up to N times; each restart is said in one line (which rank failed, how, the tim
 torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 on the first attempt) and ``TORCHELASTIC_MAX_RESTARTS``; a script
 that resumes with ``smp.resume_from_checkpoint(path)`` continues from its newest complete checkpoint. Without
 restarts left the launcher exits with the failed child's code (128 + the signal number for a signal).
+A process that fails while the processes connect (``smp.init`` starting JAX's runtime and its first collective;
+on a loaded machine the coordinator or gloo times out) failed to start, not to train: the launcher starts the
+run again on a fresh port, up to ``STARTUP_RETRIES`` times besides ``--max-restarts``, then says what to do.
 SIGINT / SIGTERM / SIGHUP sent to the launcher are passed on to the children and end the run (no restart); it
 exits 0 if every child then does, else 128 + the signal. With ``--preemption-checkpoint-dir DIR``, a SIGTERM
 (to the launcher or to one process: a spot reclaim) makes every process finish its step, save a checkpoint in
@@ -74,6 +77,10 @@ PREEMPTION_DIRECTORY = "JMP_PREEMPTION_CHECKPOINT_DIR"
 # the file a process touches after each step (jmp.runtime.step_boundary), watched by --step-timeout
 PROGRESS_FILE = "JMP_PROGRESS_FILE"
 HUNG_EXIT_CODE = 124  # as timeout(1)
+# the file a process writes "connecting" into while smp.init starts JAX's runtime, "connected" after (mesh_state)
+STARTUP_FILE = "JMP_STARTUP_FILE"
+# a run whose process failed while connecting is started again this often, besides any --max-restarts
+STARTUP_RETRIES = 2
 _STACK_DUMP_SECONDS = 1.0  # for faulthandler's dumps (SIGUSR1) to reach the launcher's output
 _POLL_SECONDS = 0.05
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -399,6 +406,26 @@ class _Watchdog:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+class _Startup:
+    """Where each process's start-up got to: a process that fails while it connects to the others (JAX's
+    coordinator, gloo's peers: both time out on a loaded machine) failed to start, not to train."""
+
+    def __init__(self, world_size: int):
+        self.directory = Path(tempfile.mkdtemp(prefix="jmp-launch-startup-"))
+        self.files = [self.directory / f"rank{rank}" for rank in range(world_size)]
+
+    def restart(self) -> None:
+        for file in self.files:
+            file.unlink(missing_ok=True)
+
+    def failed_connecting(self, rank: int) -> bool:
+        file = self.files[rank]
+        return file.exists() and file.read_text() == "connecting"
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 class _Children:
     """The launched processes; stops them all when one fails or the launcher is signalled."""
 
@@ -514,14 +541,17 @@ def _run(
     grace: tuple[float, float],
     port: int | None,
     watchdog: _Watchdog | None = None,
+    startup: _Startup | None = None,
 ) -> int:
-    """Start the processes and restart them all after a failure, up to ``max_restarts`` times; the exit code.
-    ``grace``: the seconds stopped processes get before SIGKILL (after a failure, after a signal passed on)."""
-    (grace, signal_grace), attempt, lost = grace, 0, 0.0
+    """Start the processes and restart them all after a failure, up to ``max_restarts`` times, and up to
+    ``STARTUP_RETRIES`` more when a process failed while connecting; the exit code. ``grace``: the seconds stopped
+    processes get before SIGKILL (after a failure, after a signal passed on)."""
+    (grace, signal_grace), attempt, restarts, retries, lost = grace, 0, 0, 0, 0.0
     while True:
         started = time.monotonic()
-        if watchdog is not None:
-            watchdog.restart()
+        for tracker in (watchdog, startup):
+            if tracker is not None:
+                tracker.restart()
         for env in environments(attempt, port if port is not None else free_port_pair()):
             if children.signalled is None:
                 children.start(command, env)
@@ -534,24 +564,33 @@ def _run(
             return 0
         failed = children.processes[failure.rank]
         others = sum(p.poll() is None for p in children.processes if p is not failed)
-        restarting = attempt < max_restarts
+        connecting = startup is not None and startup.failed_connecting(failure.rank)
+        retrying = connecting and retries < STARTUP_RETRIES
+        restarting = retrying or restarts < max_restarts
         _say(
-            f"rank {failure.rank} (pid {failed.pid}) {failure.cause}; stopping "
-            f"{'it and ' if failed.poll() is None else ''}the {others} other running process(es)"
+            f"rank {failure.rank} (pid {failed.pid}) {failure.cause}"
+            + (" while the processes connected (smp.init starting JAX's runtime)" if connecting else "")
+            + f"; stopping {'it and ' if failed.poll() is None else ''}the {others} other running process(es)"
             + ("" if restarting or not max_restarts else f" (no restarts left: --max-restarts {max_restarts})")
         )
+        if connecting and not retrying:
+            _say(
+                f"the processes failed to connect {retries + 1} times; on a loaded machine give them more time "
+                "(JMP_INIT_TIMEOUT=600, in seconds) or start fewer (-n)"
+            )
         failed_at = time.monotonic()
         children.stop(grace)
         if not restarting or children.signalled is not None:
             return failure.exit_code
         lost += time.monotonic() - started
+        which = f"start-up retry {retries + 1} of {STARTUP_RETRIES}" if retrying else f"restart {restarts + 1} of"
         _say(
-            f"restart {attempt + 1} of {max_restarts} (rank {failure.rank} {failure.cause}): starting the "
-            f"{len(children.processes)} processes again; time lost: the failed attempt's "
+            f"{which}{'' if retrying else f' {max_restarts}'} (rank {failure.rank} {failure.cause}): starting the "
+            f"{len(children.processes)} processes again on a fresh port; time lost: the failed attempt's "
             f"{failed_at - started:.1f} s and {time.monotonic() - failed_at:.1f} s stopping it"
         )
         children.reset()
-        attempt += 1
+        retries, restarts, attempt = retries + retrying, restarts + (not retrying), attempt + 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -576,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--step-timeout must be a positive number of seconds, got {options.step_timeout}")
     command = [sys.executable, *(["-m"] if options.module else []), options.target, *options.args]
     watchdog = _Watchdog(options.step_timeout, nproc) if options.step_timeout is not None else None
+    startup = _Startup(nproc) if nproc > 1 else None
 
     def environments(attempt: int, port: int) -> list[dict[str, str]]:
         result = []
@@ -587,6 +627,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 env[PREEMPTION_DIRECTORY] = str(Path(options.preemption_checkpoint_dir).absolute())
             if watchdog is not None:
                 env[PROGRESS_FILE] = str(watchdog.files[rank])
+            if startup is not None:
+                env[STARTUP_FILE] = str(startup.files[rank])
             result.append(sagemaker_environment(env, nproc, mp_parameters, options.smp_aliases))
         return result
 
@@ -597,15 +639,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in handled:  # before the first child starts, so a signal during the start reaches those started
             signal.signal(s, children.forward)
         grace = (options.grace, options.preemption_grace if options.preemption_checkpoint_dir else options.grace)
-        return _run(children, command, environments, options.max_restarts, grace, options.port, watchdog)
+        return _run(children, command, environments, options.max_restarts, grace, options.port, watchdog, startup)
     finally:
         for s, handler in previous.items():
             if handler is not None:  # None: a handler not installed from Python, which cannot be put back
                 signal.signal(s, handler)
         children.stop(0)  # after an unexpected error here too, no child outlives the launcher
         children.drain()
-        if watchdog is not None:
-            watchdog.close()
+        for tracker in (watchdog, startup):
+            if tracker is not None:
+                tracker.close()
 
 
 if __name__ == "__main__":

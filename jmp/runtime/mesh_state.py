@@ -80,11 +80,13 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
     parsed = parse(config, source)
     config_no_effect.log_once(ALIASES.get(key, key) for key in config or {})
     compilation.configure_cache(parsed.compilation_cache)
+    _mark_startup("connecting")
     _start_distributed_runtime()
     if jax.process_count() > 1:
         _exit_on_uncaught()  # from here on: an error in process_groups.start (its store's port taken) ends it too
         _exit_without_collecting()
-    check_same_on_every_process("the smp config", repr(parsed))
+    check_same_on_every_process("the smp config", repr(parsed))  # the first collective: gloo connects here on CPU
+    _mark_startup("connected")
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
     if parsed.sharded_data_parallel_degree == 0:  # SMP v2's hybrid_shard_degree 0: all data-parallel devices
@@ -179,6 +181,17 @@ def _check_sequences_within_processes(mesh: Mesh, degree: int) -> None:
             "tensor_parallel_degree at most the devices per process with placement_strategy 'cluster', or run "
             "fewer processes"
         )
+
+
+STARTUP_FILE = "JMP_STARTUP_FILE"  # set by python -m jmp.launch, which retries a start-up that failed
+
+
+def _mark_startup(stage: str) -> None:
+    """Tell ``python -m jmp.launch`` how far this process's start-up got: one that fails while "connecting" (JAX's
+    coordinator or gloo timing out on a loaded machine) failed to start, and the launcher starts the run again."""
+    if path := os.environ.get(STARTUP_FILE):
+        with open(path, "w") as file:
+            file.write(stage)
 
 
 def _start_distributed_runtime() -> None:

@@ -5,6 +5,8 @@ Every process prints one JSON line with its rank, pid and torchrun's restart var
 - ``fail-once`` (no JAX): on the first attempt rank 1 kills itself (SIGKILL) and the others wait to be stopped;
   on a restart every process exits 0.
 - ``fail-always`` (no JAX): rank 1 exits with code 3 on every attempt, the others wait.
+- ``fail-connecting N``: every process calls ``smp.init()``; on the first N attempts rank 1's JAX runtime fails to
+  start there (``jax.distributed.initialize`` raises gloo's start-up error), as it can on a loaded machine.
 - ``hang`` (jmp's ``runtime/step_boundary.py`` loaded alone, no JAX): each process finishes a first step
   (``step_boundary.step_ended``), then rank 1 stops itself (SIGSTOP) and the others wait in
   ``wait_in_a_collective``.
@@ -160,6 +162,19 @@ def main(mode: str, *args: str) -> None:
         if rank == 1:
             raise SystemExit(3)
         wait_to_be_stopped()
+    elif mode == "fail-connecting":
+        import jax
+
+        import jmp as smp
+
+        if rank == 1 and attempt < int(args[0]):
+
+            def fails_to_connect(*args, **kwargs):
+                raise RuntimeError("Gloo context initialization failed: Connect timeout (as on a loaded machine)")
+
+            jax.distributed.initialize = fails_to_connect
+        smp.init({})
+        emit({"rank": rank, "connected": smp.size()})
     else:
         train(*args, rank, attempt)
 

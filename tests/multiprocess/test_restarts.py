@@ -62,6 +62,16 @@ def test_without_restarts_left_the_launcher_exits_with_the_failed_processs_code(
     assert "restart" not in err
 
 
+def test_a_run_whose_processes_failed_to_connect_is_started_again_without_restarts_asked_for(capfd, monkeypatch):
+    code, records, err = _launch_here(capfd, monkeypatch, "-n", "2", SCRIPT, "fail-connecting", "2")
+    assert code == 0, err
+    assert _starts(records) == [(a, r, 0) for a in range(3) for r in range(2)]
+    assert sorted(r["rank"] for r in records if r.get("connected") == 2) == [0, 1]
+    assert err.count("while the processes connected (smp.init starting JAX's runtime)") == 2
+    assert "start-up retry 1 of 2 (rank 1 exited with code 1)" in err and "start-up retry 2 of 2" in err
+    assert "jmp.launch: the run finished after 2 restart(s)" in err
+
+
 def test_a_hung_step_dumps_the_stacks_names_the_stopped_process_and_stops_the_run(capfd, monkeypatch):
     args = ["-n", "2", "--step-timeout", "1", "--grace", "1", SCRIPT, "hang"]
     code, records, err = _launch_here(capfd, monkeypatch, *args)
