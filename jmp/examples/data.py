@@ -27,3 +27,24 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[torch.Tensor, tor
     images, labels = images[order], labels[order]
     n_test = int(len(labels) * test_fraction)
     return images[n_test:], labels[n_test:], images[:n_test], labels[:n_test]
+
+
+class ProcessShare(torch.utils.data.Sampler):
+    """Batches of ``batch_size`` row indices for data-parallel process ``rank`` of ``processes``: its contiguous
+    block of each global batch of ``batch_size * processes`` rows, the global batches drawn as one process drawing
+    them whole would (a permutation from ``seed`` per epoch, or in order). N processes with a per-process batch B
+    so train on what one process with a batch of N x B does; the incomplete last global batch is dropped."""
+
+    def __init__(self, rows: int, batch_size: int, rank: int, processes: int, shuffle: bool, seed: int = 0):
+        self.rows, self.batch_size, self.rank, self.processes, self.shuffle = rows, batch_size, rank, processes, shuffle
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return self.rows // (self.batch_size * self.processes)
+
+    def __iter__(self):
+        order = torch.randperm(self.rows, generator=self.generator) if self.shuffle else torch.arange(self.rows)
+        whole = self.batch_size * self.processes
+        for start in range(0, len(self) * whole, whole):
+            first = start + self.rank * self.batch_size
+            yield order[first : first + self.batch_size].tolist()

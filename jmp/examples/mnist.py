@@ -9,9 +9,11 @@ through them (interleaved schedule), and data parallelism takes the remaining
 devices. scikit-learn's bundled digits stand in for MNIST (no download). On a
 machine without accelerators it emulates 8 devices: 2 stages x 4 data-parallel.
 
-Under ``python -m jmp.launch -n N``, as an SMP script on N ranks, each data-parallel process reads its share
-of the digits in batches of ``--batch-size`` (per process), and the held-out loss and accuracy are summed over
-the processes with ``smp.allgather``.
+Under ``python -m jmp.launch -n N``, as an SMP script on N ranks, ``--batch-size`` is per process (SMP's per-rank
+batch): each data-parallel process feeds its block of every global batch of N x ``--batch-size`` digits, so N
+processes with ``--batch-size B`` train on what one process with ``--batch-size`` N x B does (N times fewer
+updates an epoch than one process with B). The held-out loss and accuracy are summed over the processes with
+``smp.allgather``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch.optim as optim  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import jmp as smp  # noqa: E402
-from jmp.examples.data import digits  # noqa: E402
+from jmp.examples.data import ProcessShare, digits  # noqa: E402
 from jmp.examples.models import GroupedNet  # noqa: E402
 
 
@@ -112,16 +114,18 @@ def main(argv: list[str] | None = None) -> float:
     )
     torch.manual_seed(smp.get_config().random_seed)
     train_images, train_labels, test_images, test_labels = digits()
-    # one process loads the whole global batch here; with several, each loads its shard (of both sets)
-    if smp.dp_size() > 1:
-        keep = torch.arange(smp.dp_rank(), len(train_labels), smp.dp_size())
-        train_images, train_labels = train_images[keep], train_labels[keep]
-        keep = torch.arange(smp.dp_rank(), len(test_labels), smp.dp_size())
-        test_images, test_labels = test_images[keep], test_labels[keep]
+    # one process feeds the whole batch; with several, each feeds its block of every global batch (SMP's per-rank
+    # batch): N processes with --batch-size B train on what one process with --batch-size N x B does
+    rank, processes = smp.dp_rank(), smp.dp_size()
+    seed = smp.get_config().random_seed
     train_loader = DataLoader(
-        TensorDataset(train_images, train_labels), batch_size=args.batch_size, shuffle=True, drop_last=True
+        TensorDataset(train_images, train_labels),
+        batch_sampler=ProcessShare(len(train_labels), args.batch_size, rank, processes, shuffle=True, seed=seed),
     )
-    test_loader = DataLoader(TensorDataset(test_images, test_labels), batch_size=args.batch_size, drop_last=True)
+    test_loader = DataLoader(
+        TensorDataset(test_images, test_labels),
+        batch_sampler=ProcessShare(len(test_labels), args.batch_size, rank, processes, shuffle=False),
+    )
 
     model = GroupedNet()
     optimizer = optim.Adadelta(model.parameters(), lr=4.0)
