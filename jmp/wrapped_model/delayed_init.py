@@ -131,7 +131,11 @@ def _threefry_unrolled_on_cpu() -> Iterator[None]:
 
 
 def materialise(module: torch.nn.Module) -> None:
-    """Give a meta-device module's parameters and buffers CPU storage (uninitialised), keeping tied tensors tied."""
+    """Give a meta-device module's parameters and buffers CPU storage (uninitialised), keeping tied tensors tied.
+
+    Each replacement keeps the attributes set on the tensor it replaces (``p.ds_tensor``, which
+    ``DistributedModel`` gives every parameter under sharded data parallelism, and any a script set): the
+    script's own param groups are built from the replacements."""
     replacements: dict[int, torch.Tensor] = {}
     for submodule in module.modules():
         for slots in (submodule._parameters, submodule._buffers):
@@ -142,6 +146,7 @@ def materialise(module: torch.nn.Module) -> None:
                     empty = torch.empty_like(tensor, device="cpu")
                     if isinstance(tensor, torch.nn.Parameter):
                         empty = torch.nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                    empty.__dict__.update(tensor.__dict__)
                     replacements[id(tensor)] = empty
                 slots[name] = replacements[id(tensor)]
 

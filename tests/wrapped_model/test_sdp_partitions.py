@@ -64,3 +64,34 @@ def test_without_sharded_data_parallelism_there_are_no_partitions():
     assert not hasattr(module.fc1.weight, "ds_tensor")
     with pytest.raises(AttributeError, match="sharded_data_parallel_degree"):
         _ = optimizer.fp32_partitioned_groups_flat
+
+
+def test_a_model_built_on_the_meta_device_keeps_its_partitions_in_the_module_get_module_returns():
+    # AWS's GPT-2 script with delayed_parameter_initialization builds its param groups from model.get_module(),
+    # whose parameters replace the meta-device ones; each must still carry ds_tensor (train.py:1072)
+    smp.init({"sharded_data_parallel_degree": 2, "delayed_parameter_initialization": True})
+    with smp.delay_param_initialization():
+        module = SmallNet()
+    model = smp.DistributedModel(module)
+    reference = SmallNet()
+    reference.load_state_dict(model.state_dict())  # the weights jmp drew; torch trains a copy from them
+    held = model.get_module()
+    assert not held.fc1.weight.is_meta
+    groups = [{"params": [p for n, p in held.named_parameters() if n.endswith("weight")]}]
+    groups.append({"params": [p for n, p in held.named_parameters() if not n.endswith("weight")]})
+    utils = _aws_sdp_utils()
+    offsets = utils.build_param_id_to_offset(groups)
+    assert [len(g) for g in offsets] == [3, 3]
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(groups, lr=0.5))
+    data, target = batches(1)[0]
+    optimizer.zero_grad()
+    train_step(model, data, target)
+    optimizer.step()
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    torch.nn.functional.cross_entropy(reference(data), target).backward()
+    torch_optimizer.step()
+    buffers = utils.build_param_id_to_buffer(optimizer, offsets)
+    expected = dict(reference.named_parameters())
+    for name, p in held.named_parameters():
+        np.testing.assert_allclose(p.ds_tensor.data.numpy(), _padded_flat(expected[name], 2), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(buffers[id(p)].numpy(), _padded_flat(expected[name], 2), rtol=1e-5, atol=1e-6)
