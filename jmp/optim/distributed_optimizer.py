@@ -131,12 +131,13 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
     def _build(self) -> None:
         """The optax transformation, its state and the compiled update, for the model's current parameter layout."""
         model = self.model
-        params = model.training_state.params
         self.fused, frozen = None, None
         if self.torch_optimizer is None:
             self.tx = self._optax
         else:
-            labels = model.store.labels(self.param_labels())
+            by_name = self.param_labels()
+            model.fit_stacks_to(by_name, type(self.torch_optimizer).__name__ if self.rule.per_tensor else None)
+            labels = model.store.labels(by_name)
             if not self._kernels_failed:
                 config = model.layout.config
                 self.fused = fused_path.fused_mode(config.fused_optimizer, self.rule, self.torch_optimizer)
@@ -149,12 +150,7 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
                 "optimizer updates each stage's parameters packed into a few buffers; use it without "
                 "pipeline_parallel_degree, or use Adam / AdamW (smp.optimizers.FusedAdam)"
             )
-        if model.store.packs_tensors and self.torch_optimizer is not None and self.rule.per_tensor:
-            raise OptimizerError(
-                f"{type(self.torch_optimizer).__name__} takes a norm per parameter tensor, and under scan_layers a "
-                "layer stack's weights are stored as one array per weight; set the config key scan_layers=False, "
-                "or use an optimizer whose update is elementwise (Adam / AdamW / SGD)"
-            )
+        params = model.training_state.params
         self._state_shardings = model.store.state_shardings(jax.eval_shape(self.tx.init, params))
         if model.abstract:  # shapes and shardings only (jmp.compiled_step.memory_estimate)
             self.opt_state = with_shardings(jax.eval_shape(self.tx.init, params), self._state_shardings)

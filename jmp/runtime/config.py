@@ -98,7 +98,7 @@ class Config:
     delayed_parameter_initialization: bool = False
     random_seed: int = 0x12345678
     compilation_cache: bool = True  # jmp: JAX's persistent compilation cache (see jmp.runtime.compilation_cache)
-    scan_layers: bool = False  # jmp: repeated identical layers compile once, as one scan (see jmp.stacks)
+    scan_layers: bool = True  # jmp: repeated identical layers compile once, as one scan (see jmp.stacks)
     # jmp: the update as Pallas kernels (jmp.optim.kernels) if True (interpreted off a GPU); None / False: XLA's fusion
     # of the optax update, as fast on an H100 without the kernels' minute of Triton compiling (jmp.optim.fused_path)
     fused_optimizer: bool | None = None

@@ -13,7 +13,7 @@ import contextvars
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -33,6 +33,7 @@ from jmp.remat import api as remat
 from jmp.runtime import compilation_cache as compilation
 from jmp.runtime import live_models as model_registry
 from jmp.runtime import mesh_state as state
+from jmp.runtime import notices
 from jmp.sharding import embedding_outputs, experts
 from jmp.torch_bridge import (
     JaxTensor,
@@ -435,6 +436,40 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
             self.training_state.params = with_shardings(jax.eval_shape(self.store.pack, named), self.store.shardings)
         else:
             self.training_state.params = self.store.pack(named)
+
+    def fit_stacks_to(self, labels: Mapping[str, str], per_tensor_optimizer: str | None) -> None:
+        """Keep the layer stacks stacked only if an optimizer can update them so: not when it takes a norm per
+        parameter tensor (``per_tensor_optimizer``: its name), nor when one stack weight's layers have different
+        ``labels`` (param groups, frozen). Else the layers run one by one (``stop_scanning``)."""
+        if not isinstance(self.store, StackStore):
+            return
+        split = self.store.split_stack(labels)
+        if per_tensor_optimizer is not None:
+            self.stop_scanning(
+                f"{per_tensor_optimizer} takes a norm per parameter tensor, and a scanned stack stores each weight "
+                "of its layers as one array"
+            )
+        elif split is not None:
+            self.stop_scanning(f"the layers of '{split}' are in different param groups or partly frozen")
+
+    def stop_scanning(self, reason: str) -> None:
+        """Run the layer stacks one by one from now on, each weight stored per layer again (``scan_layers``'
+        fallback); said once per reason."""
+        notices.warn_once(
+            f"stacks:{reason}",
+            "scan_layers: %s, so the layers run one by one (compiling each layer; scan_layers=False says it first)",
+            reason,
+        )
+        self.stacks = []
+        named = self.store.named(self.training_state.params)
+        self.store = TreeStore(self.layout)
+        if self.abstract:
+            self.training_state.params = with_shardings(jax.eval_shape(self.store.pack, named), self.store.shardings)
+        else:
+            self.training_state.params = self.store.pack(named)
+        self.programs.clear()
+        for optimizer in self._live_optimizers():
+            optimizer.parameters_moved()
 
     def partition_into_stages(self, jaxpr: Any, rest_count: int) -> None:
         """Cut the model into pipeline stages (first step call) and move each stage's parameters to it."""

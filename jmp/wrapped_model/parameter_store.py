@@ -288,14 +288,12 @@ class StackStore:
     def snapshot(self, stored: Any) -> nnx.State:
         return self.as_tree(stored)  # unstacking writes new buffers
 
+    def split_stack(self, by_name: Mapping[str, str]) -> str | None:
+        """The first stack weight whose layers are in different param groups or partly frozen (``by_name``: each
+        torch name's label), which one array cannot hold; None if there is none."""
+        return next((key for key, names in self.groups.items() if len({by_name[n] for n in names}) > 1), None)
+
     def labels(self, by_name: Mapping[str, str]) -> dict[str, str]:
-        split = [key for key, names in self.groups.items() if len({by_name[n] for n in names}) > 1]
-        if split:
-            raise OptimizerError(
-                f"the layers of '{split[0]}' (under scan_layers, stored as one array) are in different param groups "
-                "or some are frozen; put a layer stack's same weight of every layer in one param group, or set the "
-                "config key scan_layers=False"
-            )
         return {key: by_name[self.groups[key][0] if key in self.groups else key] for key in self.keys}
 
     def state_shardings(self, state_shape: Any) -> Any:

@@ -106,11 +106,54 @@ def test_memory_estimates_count_stacked_weights_as_per_layer_ones():
         assert getattr(estimates[0], field) == getattr(estimates[1], field) > 0
 
 
-def test_an_optimizer_with_a_norm_per_tensor_is_refused_with_stacked_weights():
-    smp.init({"scan_layers": True})
+def _fallback_run(make_optimizer, caplog) -> tuple[smp.DistributedModel, list[str]]:
+    """A 3-layer Llama (scan_layers on, the default) given ``make_optimizer(model)``, trained 2 steps; the model
+    and the warnings said."""
+    smp.init({})
     model = smp.DistributedModel(_llama(3))
-    with pytest.raises(smp.errors.OptimizerError, match="scan_layers=False"):
-        smp.DistributedOptimizer(smp.optimizers.FusedLAMB(model.parameters(), lr=1e-3))
+    assert isinstance(model.store, StackStore)
+    with caplog.at_level("WARNING", logger="jmp"):
+        optimizer = make_optimizer(model)
+        for ids in BATCHES[:2]:
+            optimizer.zero_grad()
+            lm_step(model, ids)
+            optimizer.step()
+    return model, [r.getMessage() for r in caplog.records if "scan_layers" in r.getMessage()]
+
+
+def _torch_run(make_optimizer) -> torch.nn.Module:
+    reference = _llama(3)
+    optimizer = make_optimizer(reference)
+    for ids in BATCHES[:2]:
+        optimizer.zero_grad()
+        reference(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    return reference
+
+
+def _grouped_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW with layer 0's attention in a param group of its own (a stack weight's layers in two groups)."""
+    own = [p for name, p in model.named_parameters() if name.startswith("model.layers.0.self_attn")]
+    rest = [p for name, p in model.named_parameters() if not name.startswith("model.layers.0.self_attn")]
+    return torch.optim.AdamW([{"params": rest}, {"params": own, "lr": LR / 2}], lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+@pytest.mark.parametrize(
+    "optimizer, reason",
+    [
+        (lambda m: smp.optimizers.FusedLAMB(m.parameters(), lr=1e-3), "FusedLAMB takes a norm per parameter tensor"),
+        (_grouped_adamw, "the layers of 'model.layers.*.self_attn."),
+    ],
+    ids=["per-tensor-norm", "param-groups"],
+)
+def test_an_optimizer_that_cannot_update_stacked_weights_runs_the_layers_one_by_one(optimizer, reason, caplog):
+    model, said = _fallback_run(lambda m: smp.DistributedOptimizer(optimizer(m.module)), caplog)
+    assert isinstance(model.store, TreeStore) and not model.stacks
+    assert len(said) == 1 and reason in said[0], said
+    expected = _torch_run(optimizer).state_dict()
+    state = model.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight", "lm_head.weight"):
+        np.testing.assert_allclose(state[name].numpy(), expected[name].numpy(), rtol=0, atol=1e-2 * LR, err_msg=name)
 
 
 def test_a_stacked_checkpoint_loads_into_per_layer_storage_and_back(trained, tmp_path):
