@@ -1,6 +1,11 @@
 """SMP v1's API as `jmp` exports it (`jmp/__init__.py` imports it, except in the launcher's own process)."""
 
-from jmp import amp, eager, model, nn, optimizers, torch_bridge  # noqa: F401 (eager: models called outside a step)
+from jmp import amp, comm, eager, model, nn, optimizers, state_mod, torch_bridge  # noqa: F401 (eager: outside a step)
+
+# SMP's modules whose name its package gives another object (smp.checkpoint the function, smp.step the decorator),
+# loaded before those objects are bound below, as SMP's __init__ loads them: the package's attribute is then the object
+from jmp import checkpoint as checkpoint_module  # noqa: F401
+from jmp import step as step_module  # noqa: F401
 from jmp.compiled_step.function import StepOutput, is_tracing, step
 from jmp.compiled_step.memory_estimate import MemoryEstimate, estimate_memory, what_fits
 from jmp.errors import (
@@ -39,6 +44,7 @@ from jmp.runtime.comm import (
     dp_barrier,
     mp_barrier,
     pp_barrier,
+    rdp_barrier,
     recv_from,
     send,
     tp_barrier,
@@ -161,6 +167,7 @@ __all__ = [
     "pp_rank",
     "pp_size",
     "rank",
+    "rdp_barrier",
     "rdp_rank",
     "rdp_size",
     "recv_from",

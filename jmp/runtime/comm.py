@@ -105,6 +105,11 @@ def tp_barrier() -> None:
     barrier(CommGroup.TP_GROUP)
 
 
+def rdp_barrier() -> None:
+    """``barrier(CommGroup.RDP_GROUP)``."""
+    barrier(CommGroup.RDP_GROUP)
+
+
 def broadcast(obj: Any, group: CommGroup) -> Any:
     """Send ``obj`` to every other process of this process's ``group``; returns ``obj``.
 

@@ -62,6 +62,26 @@ class SmpAliasFinder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(name), is_package=fullname in PACKAGES)
 
 
+def register_shadowed(package: str) -> list[str]:
+    """Put the loaded jmp submodules whose name the jmp package gives another object in ``sys.modules`` under
+    ``package``'s names now (``smdistributed.modelparallel.torch.step`` for ``jmp.step``, whose name on the package
+    is the ``step`` decorator); returns the names put there.
+
+    SMP's own package has these modules imported, so that importing them by name finds them in ``sys.modules``.
+    Found by this finder instead, the import system would then set each module on its parent package, which is
+    jmp itself (``smp.step`` would become the module).
+    """
+    target = PACKAGES[package]
+    jmp_package = sys.modules[target]
+    shadowed = []
+    for name, module in list(sys.modules.items()):
+        leaf = name[len(target) + 1 :]
+        if name.startswith(target + ".") and "." not in leaf and getattr(jmp_package, leaf, module) is not module:
+            sys.modules.setdefault(f"{package}.{leaf}", module)
+            shadowed.append(f"{package}.{leaf}")
+    return sorted(shadowed)
+
+
 def install() -> None:
     """Put the finder first on ``sys.meta_path`` (once), so SMP's module names find jmp's modules."""
     if not any(isinstance(finder, SmpAliasFinder) for finder in sys.meta_path):

@@ -61,7 +61,7 @@ def check(config: dict) -> dict:
         "members": {group: state.group_members(group) for group in GROUP_RANKS},
     }
     smp.barrier()
-    smp.dp_barrier(), smp.mp_barrier(), smp.pp_barrier(), smp.tp_barrier()
+    smp.dp_barrier(), smp.mp_barrier(), smp.pp_barrier(), smp.tp_barrier(), smp.rdp_barrier()
     for group in smp.CommGroup:
         smp.barrier(group)
     # broadcast from each group's first and last rank; the others receive with recv_from

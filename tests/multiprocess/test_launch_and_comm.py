@@ -182,6 +182,7 @@ def test_one_process_alone_is_every_group():
     smp.init({})
     smp.barrier()
     smp.tp_barrier()
+    smp.rdp_barrier()
     assert smp.allgather({"a": 1}, smp.DP_GROUP) == [{"a": 1}]
     assert smp.broadcast([1, 2], smp.WORLD) == [1, 2]
     smp.send("to myself", 0, smp.RankType.WORLD_RANK)

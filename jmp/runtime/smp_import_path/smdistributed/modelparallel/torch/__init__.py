@@ -7,4 +7,5 @@ import jmp
 from jmp.runtime import smp_aliases
 
 smp_aliases.install()
+smp_aliases.register_shadowed(__name__)  # .step and .checkpoint: their names on the package are other objects
 sys.modules[__name__] = jmp

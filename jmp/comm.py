@@ -1,0 +1,62 @@
+"""SMP's ``smdistributed.modelparallel.torch.comm``: its process groups (``CommGroup``, ``RankType`` and the group
+shorthands), the collectives on picklable host objects, the barriers and the ``torch.distributed`` process groups.
+
+Scripts and tools import them from this path as well as from ``smp`` itself; the objects are the same. They live in
+``jmp.runtime.comm`` and ``jmp.runtime.process_groups``.
+"""
+
+from jmp.runtime.comm import (
+    DP_GROUP,
+    MP_GROUP,
+    PP_GROUP,
+    RDP_GROUP,
+    TP_GROUP,
+    WORLD,
+    CommGroup,
+    RankType,
+    allgather,
+    barrier,
+    broadcast,
+    dp_barrier,
+    mp_barrier,
+    pp_barrier,
+    rdp_barrier,
+    recv_from,
+    send,
+    tp_barrier,
+)
+from jmp.runtime.process_groups import (
+    get_dp_process_group,
+    get_mp_process_group,
+    get_pp_process_group,
+    get_rdp_process_group,
+    get_tp_process_group,
+    get_world_process_group,
+)
+
+__all__ = [
+    "CommGroup",
+    "DP_GROUP",
+    "MP_GROUP",
+    "PP_GROUP",
+    "RDP_GROUP",
+    "RankType",
+    "TP_GROUP",
+    "WORLD",
+    "allgather",
+    "barrier",
+    "broadcast",
+    "dp_barrier",
+    "get_dp_process_group",
+    "get_mp_process_group",
+    "get_pp_process_group",
+    "get_rdp_process_group",
+    "get_tp_process_group",
+    "get_world_process_group",
+    "mp_barrier",
+    "pp_barrier",
+    "rdp_barrier",
+    "recv_from",
+    "send",
+    "tp_barrier",
+]
