@@ -68,6 +68,40 @@ class Ranker:
         raise JmpError(f"tsm.state.ranker.get_rep_rank: rank {rank} holds no device of the mesh")
 
 
+def _degree(key: str, axis: str) -> property:
+    """An assignable degree (``jmp.tsm.initialization``): the mesh's ``axis`` size, 1 without the axis."""
+
+    def get(self) -> int:
+        if not mesh_state.is_initialized():
+            return initialization.pending_value(key)
+        return dict(mesh_state.get_mesh().shape).get(axis, 1)
+
+    return property(get, lambda self, value: initialization.assign_degree(key, value))
+
+
+def _from_config(key: str, field: str | None = None) -> property:
+    """The config's ``field`` (``key`` itself by default), SMP v2's ``key``."""
+
+    def get(self) -> Any:
+        if not mesh_state.is_initialized():
+            return initialization.pending_value(key)
+        return getattr(mesh_state.get_config(), field or key)
+
+    return property(get)
+
+
+def _from_run(key: str, field: str, doc: str | None = None) -> property:
+    """What ``tsm.init`` made of ``key``; after a plain ``jmp.init``, the config's ``field``."""
+
+    def get(self) -> Any:
+        if not mesh_state.is_initialized():
+            return initialization.pending_value(key)
+        run = initialization.current_run()
+        return getattr(run, key) if run is not None else getattr(mesh_state.get_config(), field)
+
+    return property(get, doc=doc)
+
+
 class State:
     """SMP v2's ``torch.sagemaker.state``."""
 
@@ -76,60 +110,19 @@ class State:
 
     # --- the config ---------------------------------------------------------------------------------------
 
-    @property
-    def tensor_parallel_degree(self) -> int:
-        return self._degree("tensor_parallel_degree", "tp")
-
-    @tensor_parallel_degree.setter
-    def tensor_parallel_degree(self, value: int) -> None:
-        initialization.assign_degree("tensor_parallel_degree", value)
-
-    @property
-    def expert_parallel_degree(self) -> int:
-        return self._degree("expert_parallel_degree", "ep")
-
-    @expert_parallel_degree.setter
-    def expert_parallel_degree(self, value: int) -> None:
-        initialization.assign_degree("expert_parallel_degree", value)
-
-    @property
-    def context_parallel_degree(self) -> int:
-        return self._degree("context_parallel_degree", _CONTEXT_AXIS)
-
-    @context_parallel_degree.setter
-    def context_parallel_degree(self, value: int) -> None:
-        initialization.assign_degree("context_parallel_degree", value)
-
-    @property
-    def hybrid_shard_degree(self) -> int:
-        """0: PyTorch FSDP's ``sharding_strategy`` decides the sharding; else the mesh's ``fsdp`` degree."""
-        if not mesh_state.is_initialized():
-            return initialization.pending_value("hybrid_shard_degree")
-        run = initialization.current_run()
-        return run.hybrid_shard_degree if run is not None else mesh_state.get_config().sharded_data_parallel_degree
-
-    @property
-    def sm_activation_offloading(self) -> bool:
-        return self._config_value("sm_activation_offloading", "offload_activations")
-
-    @property
-    def activation_loading_horizon(self) -> int:
-        if not mesh_state.is_initialized():
-            return initialization.pending_value("activation_loading_horizon")
-        run = initialization.current_run()
-        return run.activation_loading_horizon if run is not None else mesh_state.get_config().activation_loading_horizon
-
-    @property
-    def fsdp_cache_flush_warnings(self) -> bool:
-        return self._config_value("fsdp_cache_flush_warnings", "fsdp_cache_flush_warnings")
-
-    @property
-    def allow_empty_shards(self) -> bool:
-        return self._config_value("allow_empty_shards", "allow_empty_shards")
-
-    @property
-    def random_seed(self) -> int:
-        return self._config_value("random_seed", "random_seed")
+    tensor_parallel_degree = _degree("tensor_parallel_degree", "tp")
+    expert_parallel_degree = _degree("expert_parallel_degree", "ep")
+    context_parallel_degree = _degree("context_parallel_degree", _CONTEXT_AXIS)
+    hybrid_shard_degree = _from_run(
+        "hybrid_shard_degree",
+        "sharded_data_parallel_degree",
+        "0: PyTorch FSDP's ``sharding_strategy`` decides the sharding; else the mesh's ``fsdp`` degree.",
+    )
+    activation_loading_horizon = _from_run("activation_loading_horizon", "activation_loading_horizon")
+    sm_activation_offloading = _from_config("sm_activation_offloading", "offload_activations")
+    fsdp_cache_flush_warnings = _from_config("fsdp_cache_flush_warnings")
+    allow_empty_shards = _from_config("allow_empty_shards")
+    random_seed = _from_config("random_seed")
 
     # --- ranks and groups ---------------------------------------------------------------------------------
 
@@ -182,18 +175,6 @@ class State:
             f"tsm.state.{name} cannot be assigned: give it to tsm.init (only {', '.join(initialization.DEGREES)} "
             "are assignable)"
         )
-
-    # --- helpers ------------------------------------------------------------------------------------------
-
-    def _degree(self, key: str, axis: str) -> int:
-        if not mesh_state.is_initialized():
-            return initialization.pending_value(key)
-        return dict(mesh_state.get_mesh().shape).get(axis, 1)
-
-    def _config_value(self, key: str, field: str) -> Any:
-        if not mesh_state.is_initialized():
-            return initialization.pending_value(key)
-        return getattr(mesh_state.get_config(), field)
 
 
 state = State()
