@@ -34,6 +34,14 @@ its fp32 weights when none overflowed.
 T5: the script's ``model_config`` fixes T5's ``dropout_rate`` at 0.1 (no argument turns it off) and jmp's
 dropout masks are not torch's, so the configuration sets ``SMP_EXAMPLES_T5_DROPOUT_RATE=0``, which
 ``cpu_host.py`` applies to every ``T5Config`` (said on stderr) and the reference to its own.
+``delayed_parameter_initialization``: jmp draws the initial weights on the devices (JAX's generator; SMP draws
+them on its GPUs), not with torch's CPU generator, so such a configuration (``"initial_weights": "jmp"``) has its
+jmp run save them (``cpu_host.py``, ``SMP_EXAMPLES_INITIAL_STATE``) and the reference trains from them, after
+checking them against torch's own initialisation of the model (``initial_weights``: constants equal, each drawn
+tensor's mean and standard deviation within 5 standard errors of torch's draw).
+Data: the test file holds 64 rows, 8 data-parallel ranks x 2 validation batches x the script's default
+``--val_batch_size`` 4: each rank's ``DistributedSampler`` share is cut by ``drop_last``, and a rank left with no
+batch logs a validation loss of -1.0 (the script's ``eval_model``; the reference does the same).
 ``--use_distributed_transformer``: the script makes Hugging Face's ``init_weights`` a no-op (on SMP its
 ``DistributedTransformer`` initialises the weights); jmp keeps the modules' own initialisation, and the
 reference makes the same no-op, so both start from the same weights.
@@ -67,7 +75,7 @@ EXAMPLES = ROOT / "tests" / "vendored" / "smp_v1_examples"
 CPU_HOST = EXAMPLES / "cpu_host.py"
 RESULTS = ROOT / "benchmarks" / "results" / "smp_examples.json"
 
-DATA = {"vocab": 256, "seq_len": 32, "train_files": 2, "train_rows": 32, "test_rows": 16, "seed": 1234}
+DATA = {"vocab": 256, "seq_len": 32, "train_files": 2, "train_rows": 32, "test_rows": 64, "seed": 1234}
 GPT2 = [
     "--model_type", "gpt2", "--num_layers", "2", "--hidden_width", "64", "--num_heads", "4",
     "--max_context_width", "32", "--vocab_size", "256", "--train_batch_size", "2", "--val_batch_size", "2",
@@ -83,6 +91,11 @@ T5 = [
 ]  # fmt: skip
 
 
+VALIDATION = {"validation_freq": 2, "validation_batches": 2}
+SDP2_DT_BF16 = with_args(
+    GPT2, sharded_data_parallel_degree=2, use_distributed_transformer=1, bf16=1, lr_decay_iters=4, checkpoint_freq=2,
+    **VALIDATION,
+)  # fmt: skip
 PP2_FP16 = with_args(GPT2, pipeline_parallel_degree=2, microbatches=2, fp16=1, manual_partition=1, max_steps=28)
 
 # name -> (script folder, processes, phases: each a list of the script's arguments). One device per process.
@@ -119,6 +132,47 @@ CONFIGS: dict[str, dict] = {
         "nproc": 2,
         "phases": [with_args(GPT2, validation_freq=2, validation_batches=2, max_steps=4)],
     },
+    # issue 55: sharded data parallelism without the distributed transformer reads p.ds_tensor (train.py:1072)
+    # of every parameter of its param groups, here after a bf16, delayed-initialisation model_creation
+    "gpt2_sdp4_bf16_delayed_param": {
+        "script": "gpt2",
+        "nproc": 4,
+        "phases": [with_args(GPT2, sharded_data_parallel_degree=4, bf16=1, delayed_param=1)],
+        "initial_weights": "jmp",
+    },
+    # issue 55: the script's default --val_batch_size 4 on 8 data-parallel ranks
+    "gpt2_dp8_validation_val_batch_size4": {
+        "script": "gpt2",
+        "nproc": 8,
+        "phases": [with_args(GPT2, val_batch_size=4, max_steps=4, **VALIDATION)],
+    },
+    # issue 55 item 4, the script's argument defaults: --train_batch_size 4, --val_batch_size 4, --prescaled_batch 1
+    # (a no-op without tensor parallelism), --activation_checkpointing 1, with validation on
+    "gpt2_dp2_batch_size_defaults_validation": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [with_args(GPT2, train_batch_size=4, val_batch_size=4, prescaled_batch=1, max_steps=4, **VALIDATION)],
+    },
+    # fp16 (SMP's scaler from 2^32: 28 steps make a few updates, as gpt2_pp2_fp16_manual_partition) with validation
+    "gpt2_dp2_fp16_validation": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [with_args(GPT2, fp16=1, validation_freq=14, validation_batches=2, max_steps=28)],
+    },
+    # sharded data parallelism with the distributed transformer in bf16, validation on, saved and resumed
+    "gpt2_sdp2_bf16_distributed_transformer_validation_checkpoint_resume": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [with_args(SDP2_DT_BF16, max_steps=2), with_args(SDP2_DT_BF16, max_steps=4, load_partial=1)],
+    },
+    # flan-t5's script reads p.ds_tensor too (its train.py:1090) under sharded data parallelism without the
+    # distributed transformer; bf16
+    "flan_t5_sdp2_bf16": {
+        "script": "flan_t5",
+        "nproc": 2,
+        "phases": [with_args(T5, sharded_data_parallel_degree=2, bf16=1)],
+        "env": {"SMP_EXAMPLES_T5_DROPOUT_RATE": "0"},
+    },
     # model_config fixes T5's dropout_rate at 0.1 and no argument turns it off; jmp's dropout masks are not
     # torch's, so the harness sets it to 0 (cpu_host.py, said on stderr) here and in the reference
     "flan_t5_tp2_activation_checkpointing": {
@@ -136,6 +190,8 @@ _OTHER_PROCESS = re.compile(r"^(\d{4}-\d\d-\d\d[:T ]|\[transformers\]|smp_v1_exa
 
 def _environment(work: Path, data: Path, cfg: dict) -> dict[str, str]:
     env = dict(os.environ) | cfg.get("env", {})
+    if cfg.get("initial_weights") == "jmp":
+        env["SMP_EXAMPLES_INITIAL_STATE"] = str(initial_state_file(work))
     nproc = cfg["nproc"]
     for name in ("model", "out", "checkpoints"):
         (work / name).mkdir(parents=True, exist_ok=True)
@@ -148,6 +204,11 @@ def _environment(work: Path, data: Path, cfg: dict) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
     }
     return env
+
+
+def initial_state_file(work: Path) -> Path:
+    """Where a configuration with ``"initial_weights": "jmp"`` has its jmp run save the weights it starts from."""
+    return work / "initial_state.pt"
 
 
 def make_data(out: Path) -> Path:
@@ -204,10 +265,17 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
     return record
 
 
-def run_reference(name: str, data: Path) -> dict:
-    """The plain-PyTorch reference of ``name``, in a process of its own (no jmp imported there)."""
-    env_for = lambda folder: _environment(folder, data, CONFIGS[name])
-    return reference_in_own_process("benchmarks.smp_examples", [name, "--data", str(data)], env_for)
+def run_reference(name: str, data: Path, work: Path | None = None) -> dict:
+    """The plain-PyTorch reference of ``name``, in a process of its own (no jmp imported there); ``work`` is the
+    jmp run's folder, read for its initial weights when the configuration starts from jmp's."""
+    cfg = CONFIGS[name]
+    env_for = lambda folder: _environment(folder, data, {k: v for k, v in cfg.items() if k != "initial_weights"})
+    arguments = [name, "--data", str(data)]
+    if cfg.get("initial_weights") == "jmp":
+        if work is None:
+            raise ValueError(f"{name} starts from the weights its jmp run saved: give run_reference that run's folder")
+        arguments += ["--initial-state", str(initial_state_file(work))]
+    return reference_in_own_process("benchmarks.smp_examples", arguments, env_for)
 
 
 def compare(record: dict, reference: dict) -> dict:
@@ -228,6 +296,10 @@ def compare(record: dict, reference: dict) -> dict:
     if record["val_losses"]:
         result["max_rel_diff_validation"] = gap(record["val_losses"], reference["val_losses"])
     result["within_tolerance"] = rank0 <= tol and result.get("max_rel_diff_validation", 0.0) <= tol
+    if "initial_weights" in reference:  # jmp drew them (delayed initialisation): torch's distribution?
+        check = reference["initial_weights"]
+        result["initial_weights"] = check
+        result["within_tolerance"] &= check["max_z"] <= 5.0 and not check["constant_tensors_unequal"]
     if reference.get("dropout"):
         result["within_tolerance"] = None
         result["note"] = reference["note"]
@@ -299,8 +371,28 @@ def _fp16_backward_overflows(fp16_copy, model, batches, microbatches: int, scale
     return False
 
 
-def reference(name: str, data: Path) -> dict:
-    """The configuration's training in plain PyTorch (fp32, CPU), built with the vendored script's own code."""
+def _initial_weights_check(torch_init: dict, jmp_init: dict) -> dict:
+    """jmp's initial weights (delayed initialisation: JAX's generator) against torch's own initialisation of the
+    same model: a tensor torch fills with a constant (LayerNorm's ones, the biases' zeros) must be equal; one it
+    draws at random must be a sample of the same distribution, its mean and standard deviation within 5 standard
+    errors of torch's draw (z: the larger of the two, over the tensors)."""
+    unequal, z_max, drawn = [], 0.0, 0
+    for name, ours in torch_init.items():
+        theirs = jmp_init[name].to(ours.dtype)
+        if not ours.is_floating_point() or ours.numel() < 2 or float(ours.std()) == 0.0:
+            if not bool((ours == theirs).all()):
+                unequal.append(name)
+            continue
+        n, sigma = ours.numel(), float(ours.std())
+        z_std = abs(float(theirs.std()) / sigma - 1) * math.sqrt(n)  # each std: relative error 1/sqrt(2n)
+        z_mean = abs(float(theirs.mean() - ours.mean())) / (sigma * math.sqrt(2 / n))
+        z_max, drawn = max(z_max, z_std, z_mean), drawn + 1
+    return {"drawn_tensors": drawn, "max_z": z_max, "constant_tensors_unequal": unequal}
+
+
+def reference(name: str, data: Path, initial_state: Path | None = None) -> dict:
+    """The configuration's training in plain PyTorch (fp32, CPU), built with the vendored script's own code;
+    from the weights in ``initial_state`` (a jmp run's, see ``cpu_host.py``) when given."""
     import runpy
 
     import torch
@@ -324,6 +416,11 @@ def reference(name: str, data: Path) -> dict:
     transformers.set_seed(args.seed)
     auto = transformers.AutoModelForSeq2SeqLM if args.model_type == "flan_t5" else transformers.AutoModelForCausalLM
     model = auto.from_config(model_config)
+    initial_weights = None
+    if initial_state is not None:  # the weights jmp drew (delayed initialisation), checked against torch's draw
+        jmp_init = torch.load(initial_state)
+        initial_weights = _initial_weights_check(model.state_dict(), jmp_init)
+        model.load_state_dict(jmp_init)
     if not args.same_seed:
         transformers.set_seed(args.seed)  # seed + tp_rank of rank 0
     groups = train["get_param_groups_by_weight_decay"](model)
@@ -347,6 +444,8 @@ def reference(name: str, data: Path) -> dict:
 
     val_files = sorted(str(p) for p in (data / "test").glob("*.json.gz"))
     result = {"losses_rank0": [], "losses_mean": [], "val_losses": {}, "skipped_steps": [], "half_forward_gap": {}}
+    if initial_weights is not None:
+        result["initial_weights"] = initial_weights
     first = next(iter(loaders([paths[0]], args.train_batch_size, args.same_seed < 1)[0]))
     with torch.no_grad():
         full = float(loss_of(*first))
@@ -394,8 +493,9 @@ def reference(name: str, data: Path) -> dict:
                     total = 0.0
                     for val in loaders(val_files, args.val_batch_size, True):
                         batches_seen = [float(loss_of(*b)) for i, b in zip(range(args.validation_batches), val)]
-                        total += sum(batches_seen) / len(batches_seen)
-                result["val_losses"][steps - 1] = total / ranks
+                        total += sum(batches_seen) / len(batches_seen) if batches_seen else math.nan
+                # the script's eval_model logs -1.0 when its rank's loader has no batch (drop_last)
+                result["val_losses"][steps - 1] = total / ranks if not math.isnan(total) else -1.0
                 model.train()
     result["val_losses"] = [result["val_losses"].get(k, math.nan) for k in range(steps)]
     if getattr(model_config, "dropout_rate", 0.0) > 0:
@@ -410,9 +510,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--initial-state", type=Path, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.reference:
-        print(json.dumps(reference(options.reference, options.data)))
+        print(json.dumps(reference(options.reference, options.data, options.initial_state)))
         return
     names = options.only or list(CONFIGS)
     results = json.loads(options.out.read_text()) if options.out.exists() and options.only else {}
@@ -423,7 +524,7 @@ def main() -> None:
             work = Path(tmp) / name
             work.mkdir()
             record = run_config(name, work, data)
-            record["reference"] = run_reference(name, data)
+            record["reference"] = run_reference(name, data, work)
             record["comparison"] = compare(record, record["reference"])
             results["configurations"][name] = record
             print(status_line(name, record), flush=True)

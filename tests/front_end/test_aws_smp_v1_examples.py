@@ -33,8 +33,9 @@ _RUNS: dict = {}
 def _run(name, data, tmp_path_factory):
     """Configuration ``name`` run once per test module, with its reference and comparison."""
     if name not in _RUNS:
-        record = smp_examples.run_config(name, tmp_path_factory.mktemp(name), data, timeout_s=600)
-        reference = smp_examples.run_reference(name, data)
+        work = tmp_path_factory.mktemp(name)
+        record = smp_examples.run_config(name, work, data, timeout_s=600)
+        reference = smp_examples.run_reference(name, data, work)
         _RUNS[name] = (record, reference, smp_examples.compare(record, reference))
     return _RUNS[name]
 
@@ -70,6 +71,17 @@ COVERED_BY_ANOTHER = {
     # (p.ds_tensor, fp32_partitioned_groups_flat) are tests/wrapped_model/test_sdp_partitions.py's
     "gpt2_sdp2",
     "gpt2_sdp2_distributed_transformer",
+    # 4 processes, ~50 s with its reference: p.ds_tensor kept on the parameters get_module() gives a model built
+    # on the meta device (delayed initialisation) is test_sdp_partitions.py's, against torch's SGD
+    "gpt2_sdp4_bf16_delayed_param",
+    "flan_t5_sdp2_bf16",  # the same reading of p.ds_tensor (T5's script), on parameters the module built itself
+    # 8 processes: each rank's own validation rows, all_reduced over SMP's dp group, as gpt2_dp2_validation's
+    "gpt2_dp8_validation_val_batch_size4",
+    # the script's batch-size defaults and fp16 with validation: the suite's gpt2 pipeline in fp16 runs its
+    # scaler; validation's reduction is test_launch_and_comm.py's
+    "gpt2_dp2_batch_size_defaults_validation",
+    "gpt2_dp2_fp16_validation",
+    "gpt2_sdp2_bf16_distributed_transformer_validation_checkpoint_resume",  # two launches, as the dp2 resume
     "gpt2_pp2_dp2_fp16_manual_partition",  # 4 processes; the per-process rule: tests/compiled_step, tests/multiprocess
     "gpt2_tp2_distributed_transformer_checkpoint_sublayers",  # its path: tests/wrapped_model/test_smp_paths.py, at tp2
     # the suite's time (AWS's SMP v2 script joined it): tensor parallelism in bf16 on a Hugging Face GPT-2 through

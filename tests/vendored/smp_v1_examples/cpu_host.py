@@ -10,7 +10,11 @@ acts, on stderr, once per process), so the scripts need no edit for it:
   compiled with CUDA enabled``; ``AttributeError: ... _cuda_setDevice``). There is nothing to synchronise,
   and JAX, not torch, picks the device of a jmp process;
 - with ``SMP_EXAMPLES_T5_DROPOUT_RATE`` set, every ``T5Config`` takes that ``dropout_rate`` (flan-t5's
-  ``model_config.py`` fixes it at 0.1, and a comparison with PyTorch needs the same, mask-free, forward).
+  ``model_config.py`` fixes it at 0.1, and a comparison with PyTorch needs the same, mask-free, forward);
+- with ``SMP_EXAMPLES_INITIAL_STATE`` set, rank 0 saves the ``state_dict()`` of each ``DistributedModel`` as
+  built to that file (float32): under ``delayed_parameter_initialization`` the weights are drawn on the devices
+  (SMP's too), not by torch's generator, so a PyTorch reference can only start from the same weights by
+  reading them.
 
 Then the script runs as ``__main__`` with its own folder first on ``sys.path``, as ``python SCRIPT``
 would; an error it raises is printed here too (see ``main``).
@@ -90,6 +94,29 @@ def t5_dropout_from_environment() -> float | None:
     return rate
 
 
+def initial_state_to_file() -> str | None:
+    """With ``$SMP_EXAMPLES_INITIAL_STATE`` set, each ``DistributedModel``'s weights as built go to that file
+    (rank 0 writes; every process gathers, as ``state_dict()`` asks); returns the path."""
+    path = os.environ.get("SMP_EXAMPLES_INITIAL_STATE")
+    if not path:
+        return None
+    import torch
+
+    import jmp
+
+    original = jmp.DistributedModel.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        weights = {name: value.float() for name, value in self.state_dict().items()}
+        if os.environ.get("RANK", "0") == "0":
+            torch.save(weights, path)
+
+    jmp.DistributedModel.__init__ = init
+    _note(f"each DistributedModel's initial state_dict goes to {path} (SMP_EXAMPLES_INITIAL_STATE)")
+    return path
+
+
 def main(argv: list[str]) -> None:
     if not argv:
         raise SystemExit("usage: cpu_host.py SCRIPT [args...]")
@@ -97,6 +124,7 @@ def main(argv: list[str]) -> None:
     alias_smdistributed()
     cuda_calls_as_no_ops()
     t5_dropout_from_environment()
+    initial_state_to_file()
     sys.argv = [script, *argv[1:]]
     sys.path.insert(0, os.path.dirname(script))
     try:
