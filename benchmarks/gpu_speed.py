@@ -103,7 +103,8 @@ CONFIG_WORDS = {
     "fp8": {"fp8": True},
     "kernels": {"fused_optimizer": True},
     "optax": {"fused_optimizer": False},
-    "scan": {"scan_layers": True},
+    "scan": {"scan_layers": True},  # the default since scan_layers went on
+    "unrolled": {"scan_layers": False},
     "bf16ops": {},  # fp8 products on operands dequantised to bf16, not float32 (jmp.precision.fp8_matmul)
 }
 

@@ -180,7 +180,10 @@ def main() -> None:
         grouped_net(), lambda model, x, y: F.nll_loss(model(x), y), (images[:8], labels[:8]), args.steps
     )
     ids = token_ids(GPT2_BATCH, GPT2_SEQUENCE, step_speed.GPT2["vocab"])
-    for key, name, config in (("gpt2", "GPT-2", {}), ("gpt2_scan_layers", "GPT-2 under scan_layers", SCANNED)):
+    for key, name, config in (
+        ("gpt2", "GPT-2", {"scan_layers": False}),
+        ("gpt2_scan_layers", "GPT-2 under scan_layers", SCANNED),
+    ):
         result[key] = measure(
             name,
             lambda: causal_lm(gpt2_config(**step_speed.GPT2)),
