@@ -17,68 +17,21 @@
   ``jmp.launch`` by torch's names.
 """
 
+from jmp.fsdp import options
 from jmp.fsdp.activation_checkpointing import apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper
 from jmp.fsdp.fully_shard import FSDPModule, fully_shard
 from jmp.fsdp.fully_sharded import FullyShardedDataParallel
-from jmp.fsdp.options import (
-    BackwardPrefetch,
-    CheckpointImpl,
-    CPUOffload,
-    CPUOffloadPolicy,
-    CustomPolicy,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    LocalOptimStateDictConfig,
-    LocalStateDictConfig,
-    MixedPrecision,
-    MixedPrecisionPolicy,
-    ModuleWrapPolicy,
-    OffloadPolicy,
-    OptimStateDictConfig,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-    ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-    always_wrap_policy,
-    lambda_auto_wrap_policy,
-    size_based_auto_wrap_policy,
-    transformer_auto_wrap_policy,
-)
+from jmp.fsdp.options import *  # noqa: F403  (torch's option types and wrap policies, as options.__all__ lists)
 
 FSDP = FullyShardedDataParallel
 
 __all__ = [
     "FSDP",
-    "BackwardPrefetch",
-    "CPUOffload",
-    "CPUOffloadPolicy",
-    "CheckpointImpl",
-    "CustomPolicy",
     "FSDPModule",
-    "FullOptimStateDictConfig",
-    "FullStateDictConfig",
     "FullyShardedDataParallel",
-    "LocalOptimStateDictConfig",
-    "LocalStateDictConfig",
-    "MixedPrecision",
-    "MixedPrecisionPolicy",
-    "ModuleWrapPolicy",
-    "OffloadPolicy",
-    "OptimStateDictConfig",
-    "ShardedOptimStateDictConfig",
-    "ShardedStateDictConfig",
-    "ShardingStrategy",
-    "StateDictConfig",
-    "StateDictSettings",
-    "StateDictType",
-    "always_wrap_policy",
     "apply_activation_checkpointing",
     "checkpoint_wrapper",
     "fully_shard",
-    "lambda_auto_wrap_policy",
     "offload_wrapper",
-    "size_based_auto_wrap_policy",
-    "transformer_auto_wrap_policy",
+    *options.__all__,
 ]
