@@ -187,25 +187,12 @@ class DistributedTransformer(nn.Module):
         post_layernorm: bool = True,
     ):
         super().__init__()
-        self.layers = nn.ModuleList(
-            DistributedTransformerLayer(
-                num_attention_heads,
-                attention_head_size,
-                hidden_size,
-                intermediate_size,
-                attention_dropout_prob,
-                hidden_dropout_prob,
-                activation,
-                layernorm_epsilon,
-                initializer_range,
-                use_normal_initialization,
-                causal_mask_size,
-                add_cross_attention,
-                pre_layernorm,
-                post_layernorm,
-            )  # fmt: skip
-            for _ in range(num_layers)
-        )
+        layer = (
+            num_attention_heads, attention_head_size, hidden_size, intermediate_size, attention_dropout_prob,
+            hidden_dropout_prob, activation, layernorm_epsilon, initializer_range, use_normal_initialization,
+            causal_mask_size, add_cross_attention, pre_layernorm, post_layernorm,
+        )  # fmt: skip
+        self.layers = nn.ModuleList(DistributedTransformerLayer(*layer) for _ in range(num_layers))
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         hidden_states, attention_mask = inputs
