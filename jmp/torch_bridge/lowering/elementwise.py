@@ -8,6 +8,7 @@ import torch
 
 from jmp.torch_bridge.dtypes import is_floating, to_jax_dtype
 from jmp.torch_bridge.lowering.promotion import (
+    DEFAULT,
     INT_TO_FLOAT,
     cast,
     promoted,
@@ -131,10 +132,9 @@ def float_power(input, exponent):
     return jnp.power(cast(input, dtype), cast(exponent, dtype))
 
 
-def _binary_math(jnp_fn, *torch_fns, kind=None, inplace=()):
+def _binary_math(jnp_fn, *torch_fns, kind=DEFAULT, inplace=()):
     def lowering(input, other):
-        a, b = promoted(input, other, kind=kind) if kind else promoted(input, other)
-        return jnp_fn(a, b)
+        return jnp_fn(*promoted(input, other, kind=kind))
 
     lowering.__name__ = jnp_fn.__name__
     register_lowering(*torch_fns, inplace=inplace)(lowering)
@@ -171,21 +171,13 @@ def xlogy(input, other):
     return jax.scipy.special.xlogy(a, b)
 
 
-def _comparison(jnp_fn, *torch_fns, inplace=()):
-    def lowering(input, other):
-        a, b = promoted(input, other)
-        return jnp_fn(a, b)
-
-    lowering.__name__ = jnp_fn.__name__
-    register_lowering(*torch_fns, inplace=inplace)(lowering)
-
-
-_comparison(jnp.equal, torch.eq, T.eq, T.__eq__, inplace=(T.eq_,))
-_comparison(jnp.not_equal, torch.ne, torch.not_equal, T.ne, T.not_equal, T.__ne__, inplace=(T.ne_,))
-_comparison(jnp.less, torch.lt, torch.less, T.lt, T.less, T.__lt__, inplace=(T.lt_,))
-_comparison(jnp.less_equal, torch.le, torch.less_equal, T.le, T.less_equal, T.__le__, inplace=(T.le_,))
-_comparison(jnp.greater, torch.gt, torch.greater, T.gt, T.greater, T.__gt__, inplace=(T.gt_,))
-_comparison(jnp.greater_equal, torch.ge, torch.greater_equal, T.ge, T.greater_equal, T.__ge__, inplace=(T.ge_,))
+# comparisons
+_binary_math(jnp.equal, torch.eq, T.eq, T.__eq__, inplace=(T.eq_,))
+_binary_math(jnp.not_equal, torch.ne, torch.not_equal, T.ne, T.not_equal, T.__ne__, inplace=(T.ne_,))
+_binary_math(jnp.less, torch.lt, torch.less, T.lt, T.less, T.__lt__, inplace=(T.lt_,))
+_binary_math(jnp.less_equal, torch.le, torch.less_equal, T.le, T.less_equal, T.__le__, inplace=(T.le_,))
+_binary_math(jnp.greater, torch.gt, torch.greater, T.gt, T.greater, T.__gt__, inplace=(T.gt_,))
+_binary_math(jnp.greater_equal, torch.ge, torch.greater_equal, T.ge, T.greater_equal, T.__ge__, inplace=(T.ge_,))
 
 
 def _logical(jnp_fn, *torch_fns, inplace=()):
