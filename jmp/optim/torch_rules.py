@@ -195,7 +195,7 @@ def apex_adam(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correcti
 
 def lamb(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correction, grad_averaging, use_nvlamb):
     """apex's ``FusedLAMB`` per param group (its global gradient clipping comes first, over all groups:
-    ``apex_clip``)."""
+    ``apex_clip_divisor``)."""
     return _steps(
         None if adam_w_mode else optax.add_decayed_weights(weight_decay),
         apex_moments(beta1, beta2, eps, bias_correction=bias_correction, grad_averaging=grad_averaging),
@@ -262,14 +262,6 @@ def novograd(lr, beta1, beta2, eps, weight_decay, *, bias_correction, grad_avera
         reg_inside_moment=reg_inside_moment, norm_type=norm_type, init_zero=init_zero,
     )  # fmt: skip
     return _steps(direction, optax.scale(-lr))
-
-
-def apex_clip(grads: Any, max_norm: float) -> Any:
-    """apex LAMB's clipping: gradients divided by ``norm / max_norm`` when their global norm is above it."""
-    if max_norm <= 0:
-        return grads
-    divisor = apex_clip_divisor(grads, max_norm)
-    return jax.tree.map(lambda g: g / divisor, grads)
 
 
 def apex_clip_divisor(grads: Any, max_norm: float) -> jax.Array:

@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from jmp.errors import JmpError
-from jmp.torch_bridge.dtypes import to_jax_dtype, to_torch_dtype
+from jmp.torch_bridge.dtypes import to_torch_dtype
 from jmp.torch_bridge.interop import tensor_to_array
 
 
@@ -157,8 +157,3 @@ def unwrap_tree(tree: Any) -> Any:
 
 def contains_tensor(tree: Any, kind: type = torch.Tensor) -> bool:
     return any(isinstance(leaf, kind) for leaf in torch_pytree.tree_leaves(tree))
-
-
-def as_array(value: Any, dtype=None) -> jax.Array:
-    """``value`` (array, Python scalar, nested list) as a jax.Array of torch ``dtype``."""
-    return jnp.asarray(value, dtype=to_jax_dtype(dtype))

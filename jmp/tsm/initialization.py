@@ -37,17 +37,6 @@ from jmp.runtime.config import ALIASES, Config, parse
 
 logger = logging.getLogger("jmp")
 
-V2_KEYS = (
-    "hybrid_shard_degree",
-    "sm_activation_offloading",
-    "activation_loading_horizon",
-    "fsdp_cache_flush_warnings",
-    "allow_empty_shards",
-    "tensor_parallel_degree",
-    "context_parallel_degree",
-    "expert_parallel_degree",
-    "random_seed",
-)
 DEGREES = ("tensor_parallel_degree", "expert_parallel_degree", "context_parallel_degree")  # assignable on tsm.state
 V2_DEFAULTS = {"hybrid_shard_degree": 0, "activation_loading_horizon": 2}  # where v2's default is not jmp's
 _HORIZON = "activation_loading_horizon"
