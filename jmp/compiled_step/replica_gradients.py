@@ -27,6 +27,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jmp.runtime import mesh_state
 from jmp.runtime.mesh_state import DATA_AXES
 from jmp.torch_bridge import concrete_run, replica_calls
+from jmp.torch_bridge.context_vars import set_within
 from jmp.wrapped_model.parameter_store import StackStore
 
 _OFFERED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jmp_replica_copies_offered", default=None)
@@ -147,11 +148,8 @@ def copies(params: Any, shardings: Any, positions: Any, dims: int = 1) -> Any:
 @contextlib.contextmanager
 def offered(copies: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...], rows: frozenset[int]) -> Iterator[None]:
     """Within the block the step's forward, on microbatches of ``rows`` rows, reads ``copies`` (``reading``)."""
-    token = _OFFERED.set((copies, mesh, axes, rows))
-    try:
+    with set_within(_OFFERED, (copies, mesh, axes, rows)):
         yield
-    finally:
-        _OFFERED.reset(token)
 
 
 @contextlib.contextmanager
@@ -162,11 +160,8 @@ def viewed(view: Any) -> Iterator[None]:
     if offer is None:
         yield
         return
-    token = _OFFERED.set((view(offer[0]), *offer[1:]))
-    try:
+    with set_within(_OFFERED, (view(offer[0]), *offer[1:])):
         yield
-    finally:
-        _OFFERED.reset(token)
 
 
 def reading(parameters: list[jax.Array], as_computed: Any) -> contextlib.AbstractContextManager:

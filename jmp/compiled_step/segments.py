@@ -33,6 +33,7 @@ from flax import nnx
 from jmp.errors import TracedControlFlowError
 from jmp.remat import context as remat_context
 from jmp.torch_bridge import concrete_run, dispatch, side_outputs
+from jmp.torch_bridge.context_vars import set_within
 from jmp.torch_bridge.module import (
     TorchModule,
     binding_versions,
@@ -41,7 +42,6 @@ from jmp.torch_bridge.module import (
     link_outside_ties,
     outside_ties,
     refresh_bindings,
-    write_count,
 )
 from jmp.torch_bridge.tensor import JaxTensor
 
@@ -90,7 +90,7 @@ class _Segment:
             call_args, call_kwargs = torch_pytree.tree_unflatten(leaves, spec)
             with (
                 concrete_run.paused(),  # traced: remat regions and layer scans apply inside, as in a compiled step
-                _tracing(),
+                set_within(_TRACING, True),
                 remat_context.copies((copy,)),
                 dispatch.session(inner_rngs),
                 side_outputs.collecting() as sown,
@@ -99,7 +99,7 @@ class _Segment:
             out_flat, self.layout["spec"] = torch_pytree.tree_flatten(out)
             self.layout["leaves"] = [_TENSOR if isinstance(v, JaxTensor) else v for v in out_flat]
             self.layout["dtypes"] = [v.dtype for v in out_flat if isinstance(v, JaxTensor)]
-            self.layout["mutated"] = [i for i, t in enumerate(wrapped) if write_count(t) > 0]
+            self.layout["mutated"] = [i for i, t in enumerate(wrapped) if t.write_count > 0]
             mutated = [wrapped[i].value for i in self.layout["mutated"]]
             new_rest = nnx.split((copy, inner_rngs, tied), nnx.Param, ...)[2]
             values = [v.value for v in out_flat if isinstance(v, JaxTensor)]
@@ -177,12 +177,3 @@ class Segments:
         arrays = iter(zip(out_arrays, segment.layout["dtypes"]))
         leaves = [JaxTensor(*next(arrays)) if leaf is _TENSOR else leaf for leaf in segment.layout["leaves"]]
         return torch_pytree.tree_unflatten(leaves, segment.layout["spec"])
-
-
-@contextlib.contextmanager
-def _tracing() -> Iterator[None]:
-    token = _TRACING.set(True)
-    try:
-        yield
-    finally:
-        _TRACING.reset(token)

@@ -16,6 +16,7 @@ from typing import Any
 
 from jmp.errors import ConfigError
 from jmp.precision.fp8_scaling import AMAX_COMPUTE_ALGOS, FORMATS, DelayedScaling
+from jmp.torch_bridge.context_vars import set_within
 
 _REQUESTED: contextvars.ContextVar[DelayedScaling | None] = contextvars.ContextVar("jmp_fp8_autocast", default=None)
 
@@ -45,11 +46,8 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Any = None, **te_options: Any
     """TE's ``fp8_autocast``: models called inside train in fp8 with ``fp8_recipe``. ``fp8_group`` and TE's other
     options are accepted: amaxes are reduced over the whole step's data already (``jmp.precision.fp8_scaling``)."""
     del te_options
-    token = _REQUESTED.set(recipe_of(fp8_recipe) if enabled else _REQUESTED.get())
-    try:
+    with set_within(_REQUESTED, recipe_of(fp8_recipe) if enabled else _REQUESTED.get()):
         yield
-    finally:
-        _REQUESTED.reset(token)
 
 
 def requested() -> DelayedScaling | None:

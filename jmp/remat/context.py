@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from jmp.torch_bridge.context_vars import set_within
 from jmp.torch_bridge.module import TorchModule, twin_of, walk
 
 
@@ -39,11 +40,8 @@ def tracing(torch_root: torch.nn.Module, twin_root: TorchModule) -> Iterator[Tra
     for path, module in modules.items():
         paths.setdefault(id(module), path)
     trace = Trace(torch_root, paths, modules, {twin.torch_path: twin for twin in walk(twin_root)})
-    token = _TRACE.set(trace)
-    try:
+    with set_within(_TRACE, trace):
         yield trace
-    finally:
-        _TRACE.reset(token)
 
 
 def current() -> Trace | None:
@@ -60,11 +58,8 @@ def copies(twins: Iterable[TorchModule]) -> Iterator[None]:
     overlay = dict(trace.twins)
     for twin in twins:
         overlay.update({copy.torch_path: copy for copy in walk(twin)})
-    token = _TRACE.set(dataclasses.replace(trace, twins=overlay))
-    try:
+    with set_within(_TRACE, dataclasses.replace(trace, twins=overlay)):
         yield
-    finally:
-        _TRACE.reset(token)
 
 
 def twin_for(torch_module: torch.nn.Module) -> TorchModule | None:

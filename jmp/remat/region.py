@@ -34,7 +34,6 @@ from jmp.torch_bridge.module import (
     hooked_call,
     refresh_bindings,
     walk,
-    write_count,
 )
 from jmp.torch_bridge.state_dict import torch_name
 from jmp.torch_bridge.tensor import JaxTensor
@@ -114,7 +113,7 @@ def run(
         out_flat, traced["spec"] = torch_pytree.tree_flatten(outputs)
         traced["leaves"] = [_TENSOR if isinstance(v, JaxTensor) else v for v in out_flat]
         traced["dtypes"] = [v.dtype for v in out_flat if isinstance(v, JaxTensor)]
-        traced["mutated"] = [i for i, t in enumerate(wrapped) if write_count(t) > 0]
+        traced["mutated"] = [i for i, t in enumerate(wrapped) if t.write_count > 0]
         mutated = [wrapped[i].value for i in traced["mutated"]]
         new_rest = nnx.split((copies, inner_rngs), nnx.Param, ...)[2]
         values = [v.value for v in out_flat if isinstance(v, JaxTensor)]
@@ -137,7 +136,7 @@ def run(
     side_outputs.sow_all(sown)
     # a random key leaves the region unchanged: keeping the one that went in means the region's output key
     # is not read later (in a pipeline, a key cannot travel between stages; the stream's count does)
-    new_rest = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_rest, rest)
+    new_rest = jax.tree.map(lambda new, old: old if is_key(old) else new, new_rest, rest)
     nnx.update(graph, new_rest)
     refresh_bindings(units, versions)
     for i, value in zip(traced["mutated"], mutated):
@@ -191,7 +190,7 @@ def _unit_name(path: tuple, paths: list[str]) -> str:
     return ".".join(filter(None, [paths[keys[1].key], torch_name(tuple(keys[2:]))]))
 
 
-def _is_key(value: Any) -> bool:
+def is_key(value: Any) -> bool:
     return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from jmp.stacks.detection import LayerStack
+from jmp.torch_bridge.context_vars import set_within
 
 # id(layer slice) -> (the slice, its stacked array, its row), for the trace under way
 _ORIGINS: contextvars.ContextVar[dict[int, tuple[Any, Any, int]] | None] = contextvars.ContextVar(
@@ -60,11 +61,8 @@ def stacked_groups(
 @contextlib.contextmanager
 def tracing_views() -> Iterator[None]:
     """The extent of one step trace: slices made by ``layer_views`` inside it are known to ``stacked_source``."""
-    token = _ORIGINS.set({})
-    try:
+    with set_within(_ORIGINS, {}):
         yield
-    finally:
-        _ORIGINS.reset(token)
 
 
 def layer_views(stacked: Any) -> list[Any]:

@@ -15,9 +15,7 @@ from jmp.torch_bridge.module import (
     TorchModule,
     bound_tensors,
     call_hooks,
-    rebind,
     torch_forward,
-    write_count,
 )
 from jmp.torch_bridge.registry import register_lowering
 from jmp.torch_bridge.state_dict import named_variables, to_state_dict, torch_name
@@ -33,11 +31,9 @@ __all__ = [
     "call_hooks",
     "convert",
     "named_variables",
-    "rebind",
     "register_layer",
     "register_lowering",
     "to_state_dict",
     "torch_forward",
     "torch_name",
-    "write_count",
 ]

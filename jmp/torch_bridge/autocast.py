@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import operator
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 from jmp.errors import JmpError, LoweringError
 from jmp.torch_bridge import replica_calls
+from jmp.torch_bridge.context_vars import set_within
 from jmp.torch_bridge.dtypes import to_jax_dtype
 from jmp.torch_bridge.interop import tensor_to_array
 from jmp.torch_bridge.patching import SharedPatch
@@ -232,15 +234,6 @@ def active() -> AutocastState | None:
     return state if state is not None and state.enabled else None
 
 
-@contextlib.contextmanager
-def _pushed(state: AutocastState) -> Iterator[None]:
-    token = _STATE.set(state)
-    try:
-        yield
-    finally:
-        _STATE.reset(token)
-
-
 def forced(
     dtype: torch.dtype, device_type: str = "cuda", *, half_results: bool = False
 ) -> contextlib.AbstractContextManager[None]:
@@ -257,7 +250,7 @@ def forced(
     """
     if dtype not in LOWER_PRECISION_DTYPES:
         raise JmpError(f"autocast runs in torch.bfloat16 or torch.float16, not {dtype}")
-    return _pushed(AutocastState(True, dtype, device_type, half_results))
+    return set_within(_STATE, AutocastState(True, dtype, device_type, half_results))
 
 
 def call(torch_fn: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -414,14 +407,7 @@ def _query(name: str, answer: Callable[[AutocastState], Any]) -> tuple[str, Call
     return name, routed
 
 
-def _enabled(state: AutocastState) -> bool:
-    return state.enabled
-
-
-def _dtype(state: AutocastState) -> torch.dtype:
-    return state.dtype
-
-
+_enabled, _dtype = operator.attrgetter("enabled"), operator.attrgetter("dtype")
 _QUERIES = [
     query
     for query in (

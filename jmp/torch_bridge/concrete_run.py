@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+
+from jmp.torch_bridge.context_vars import set_within
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_concrete_run", default=False)
 
@@ -23,18 +24,9 @@ def active() -> bool:
 
 def running() -> contextlib.AbstractContextManager[None]:
     """Within the block, the step runs op by op: ``active()`` is True."""
-    return _set(True)
+    return set_within(_ACTIVE, True)
 
 
 def paused() -> contextlib.AbstractContextManager[None]:
     """Within the block, code is traced again (a compiled segment of an op-by-op step): ``active()`` is False."""
-    return _set(False)
-
-
-@contextlib.contextmanager
-def _set(value: bool) -> Iterator[None]:
-    token = _ACTIVE.set(value)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return set_within(_ACTIVE, False)

@@ -13,7 +13,7 @@ from torch.nn.utils import parametrize
 from jmp.errors import ConversionError
 from jmp.torch_bridge.dtypes import to_jax_dtype
 from jmp.torch_bridge.interop import tensor_to_array
-from jmp.torch_bridge.module import GenericModule, TorchModule
+from jmp.torch_bridge.module import GenericModule, TorchModule, join
 
 # torch module class -> NNX class that replaces it (standard layers, see layers/)
 LAYERS: dict[type, type[TorchModule]] = {}
@@ -95,7 +95,7 @@ class Converter:
             return existing
         if tensor.is_meta and not self.allow_meta:
             raise ConversionError(
-                f"'{_join(path, name)}' is on the meta device (no values). Materialise the module "
+                f"'{join(path, name)}' is on the meta device (no values). Materialise the module "
                 "(e.g. module.to_empty(device='cpu') and initialise it) before converting, or wrap it in "
                 "smp.DistributedModel, which initialises it directly into its shards."
             )
@@ -107,14 +107,14 @@ class Converter:
             value = tensor_to_array(tensor)
         variable = kind(value, torch_dtype=tensor.dtype, **metadata)
         self._variables[id(tensor)] = variable
-        self._first_names[id(tensor)] = _join(path, name)
+        self._first_names[id(tensor)] = join(path, name)
         return variable
 
     @staticmethod
     def check_name(module: TorchModule, name: str, path: str) -> None:
         if name in _RESERVED or hasattr(type(module), name):
             raise ConversionError(
-                f"'{_join(path, name)}': the name '{name}' is used by the converted module itself "
+                f"'{join(path, name)}': the name '{name}' is used by the converted module itself "
                 f"({type(module).__name__}.{name}); rename the torch attribute to convert it."
             )
 
@@ -135,10 +135,6 @@ def _check_convertible(torch_module: Any, path: str) -> None:
             f"{where} is wrapped in DistributedDataParallel; pass the inner module (ddp.module): "
             "jmp does data parallelism itself."
         )
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
 
 
 def convert(module: torch.nn.Module, *, rngs: nnx.Rngs | int | None = None, allow_meta: bool = False) -> TorchModule:

@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from jmp.errors import JmpError, LoweringError, TracedControlFlowError, UnsupportedOpError
 from jmp.torch_bridge import autocast, higher_order_ops, keyword_aliases, registry, replica_calls, value_checks
+from jmp.torch_bridge.context_vars import set_within
 from jmp.torch_bridge.patching import SharedPatch
 from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wrap
 
@@ -173,11 +174,8 @@ _HIGHER_ORDER_ROUTE = SharedPatch(*higher_order_ops.replacements(_route_higher_o
 @contextlib.contextmanager
 def scope(path: str, type_name: str) -> Iterator[None]:
     """Mark that the module at ``path`` is running (for error messages)."""
-    token = _SCOPE.set(_SCOPE.get() + ((path, type_name),))
-    try:
+    with set_within(_SCOPE, _SCOPE.get() + ((path, type_name),)):
         yield
-    finally:
-        _SCOPE.reset(token)
 
 
 def current_rngs() -> Any:
@@ -188,11 +186,8 @@ def current_rngs() -> Any:
 def batched_over(axis_name: str) -> Iterator[None]:
     """Torch code traced meanwhile runs under ``jax.vmap(..., axis_name=axis_name)`` (once per process): each
     entry draws its own random numbers, and lowerings JAX cannot batch as they are take their batched form."""
-    token = _BATCH_AXIS.set(axis_name)
-    try:
+    with set_within(_BATCH_AXIS, axis_name):
         yield
-    finally:
-        _BATCH_AXIS.reset(token)
 
 
 def batch_axis() -> str | None:

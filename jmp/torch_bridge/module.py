@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -29,6 +30,7 @@ from flax import nnx
 
 from jmp.errors import ConversionError
 from jmp.torch_bridge import compiling_fallback, dispatch
+from jmp.torch_bridge.context_vars import set_within
 from jmp.torch_bridge.tensor import JaxTensor, unwrap, unwrap_tree, wrap_tree
 from jmp.torch_bridge.variable_writes import write
 
@@ -49,11 +51,8 @@ def call_hooks(hooks: Mapping[str, CallHook]) -> Iterator[None]:
     merged = dict(_CALL_HOOKS.get())
     for path, hook in hooks.items():
         merged[path] = merged.get(path, ()) + (hook,)
-    token = _CALL_HOOKS.set(merged)
-    try:
+    with set_within(_CALL_HOOKS, merged):
         yield
-    finally:
-        _CALL_HOOKS.reset(token)
 
 
 def hooks_on(path: str) -> tuple[CallHook, ...]:
@@ -82,14 +81,14 @@ class TorchModule(nnx.Module):
                 names.append(name)
             if first is not None:
                 tied.append((name, first))
-                converter.tie(_join(path, name), first)
+                converter.tie(join(path, name), first)
         self._torch_state_names = tuple(names)
         # (name, torch name it was converted under first) of this module's tensors tied to earlier ones
         self._torch_tied = tuple(tied)
         children = []
         for name, child in torch_module._modules.items():
             converter.check_name(self, name, path)
-            setattr(self, name, None if child is None else converter.module(child, _join(path, name)))
+            setattr(self, name, None if child is None else converter.module(child, join(path, name)))
             children.append(name)
         self._torch_children = tuple(children)
         # ties within this subtree whose innermost common module is this one (later, first), relative names
@@ -141,7 +140,7 @@ class TorchModule(nnx.Module):
         # rebuilt without the module holding the first name (a checkpointed region, an expert copy).
         for later, first in self.__dict__.get("_torch_tied", ()):
             if later == name:
-                return _bound_variable(first, _join(self.__dict__.get("_torch_path", ""), name))
+                return _bound_variable(first, join(self.__dict__.get("_torch_path", ""), name))
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def train(self, mode: bool = True, **attributes: Any) -> None:
@@ -217,23 +216,19 @@ class _Redirect:
         return self.module.torch_call(*args, **kwargs)
 
 
-def _hooked(hook: CallHook, module: TorchModule, call: Callable) -> Callable:
-    return lambda *args, **kwargs: hook(module, call, *args, **kwargs)
-
-
 def hooked_call(module: TorchModule, inside: CallHook | None = None) -> Callable[..., Any]:
     """``module``'s torch call through the hooks on its path; with ``inside``, only the hooks nested in that one.
 
     A hook that runs the module in another form (a copy of it, inside a JAX transform) calls this
     with itself as ``inside`` to keep the hooks nested in it (all of them if it is not on this path).
     """
-    hooks = _CALL_HOOKS.get().get(module._torch_path, ())
+    hooks = hooks_on(module._torch_path)
     position = next((i for i, hook in enumerate(hooks) if hook is inside), None)
     if position is not None:
         hooks = hooks[position + 1 :]
     call = module._torch_forward
     for hook in reversed(hooks):
-        call = _hooked(hook, module, call)
+        call = functools.partial(hook, module, call)
     return call
 
 
@@ -379,7 +374,7 @@ def bound_tensors(root: TorchModule) -> Iterator[tuple[nnx.Variable, JaxTensor]]
 
 def binding_versions(units: Sequence[TorchModule]) -> dict[int, int]:
     """The write count of each tensor an enclosing forward bound to ``units``' state, by id."""
-    return {id(tensor): write_count(tensor) for unit in units for _, tensor in bound_tensors(unit)}
+    return {id(tensor): tensor.write_count for unit in units for _, tensor in bound_tensors(unit)}
 
 
 def refresh_bindings(units: Sequence[TorchModule], before: dict[int, int]) -> None:
@@ -391,20 +386,8 @@ def refresh_bindings(units: Sequence[TorchModule], before: dict[int, int]) -> No
     """
     for unit in units:
         for variable, tensor in bound_tensors(unit):
-            if write_count(tensor) != before.get(id(tensor), write_count(tensor)):
-                rebind(tensor, variable[...])
-
-
-def write_count(tensor: JaxTensor) -> int:
-    """How many times ``tensor`` was written in place since it was made (0: never); a forward's in-place
-    updates of an input or a bound buffer show as a change of this count."""
-    return tensor.write_count
-
-
-def rebind(tensor: JaxTensor, value: jax.Array) -> None:
-    """Point ``tensor`` at ``value`` without counting a write: its value moved (out of a JAX transform, where
-    a copy of the module wrote it), it did not change again."""
-    tensor.rebind(value)
+            if tensor.write_count != before.get(id(tensor), tensor.write_count):
+                tensor.rebind(variable[...])  # its value moved out of the transform; it did not change again
 
 
 def torch_forward(module: TorchModule, *args: Any, **kwargs: Any) -> Any:
@@ -439,7 +422,7 @@ def _register_containers(tree: Any) -> None:
         jax.tree_util.register_pytree_node(
             kind,
             lambda node_, h=handler: _freeze(h.flatten_fn(node_)),
-            lambda context, children, h=handler: h.unflatten_fn(list(children), _thaw(context)),
+            lambda context, children, h=handler: h.unflatten_fn(list(children), context.value),
         )
         _REGISTERED.add(kind)
 
@@ -466,9 +449,6 @@ def _freeze(flat: tuple) -> tuple:
     return list(children), _Context(context)
 
 
-def _thaw(context: _Context) -> Any:
-    return context.value
-
-
-def _join(path: str, name: str) -> str:
+def join(path: str, name: str) -> str:
+    """Torch's name of ``name`` in the module at ``path`` ('' for the root)."""
     return f"{path}.{name}" if path else name

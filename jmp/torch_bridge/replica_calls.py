@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from jax.sharding import PartitionSpec
 
+from jmp.torch_bridge.context_vars import set_within
+
 T = torch.Tensor
 
 
@@ -56,11 +58,8 @@ def reading(
     [replicas, *its shape], split over ``axes``) on a microbatch of ``rows`` rows."""
     replicas = copies[0].shape[0] if copies else 1
     table = Copies({id(p): c for p, c in zip(parameters, copies)}, tuple(parameters), mesh, axes, replicas, rows)
-    token = _COPIES.set(table)
-    try:
+    with set_within(_COPIES, table):
         yield
-    finally:
-        _COPIES.reset(token)
 
 
 @contextlib.contextmanager
@@ -72,13 +71,10 @@ def bound(parameters: Sequence[jax.Array], copies: Sequence[jax.Array | None]) -
         yield
         return
     extra = {id(p): c for p, c in zip(parameters, copies) if c is not None}
-    token = _COPIES.set(
-        dataclasses.replace(table, copies={**table.copies, **extra}, held=table.held + tuple(parameters))
-    )
-    try:
+    with set_within(
+        _COPIES, dataclasses.replace(table, copies={**table.copies, **extra}, held=table.held + tuple(parameters))
+    ):
         yield
-    finally:
-        _COPIES.reset(token)
 
 
 @contextlib.contextmanager

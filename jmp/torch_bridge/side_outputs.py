@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jmp.torch_bridge.context_vars import set_within
+
 # reduction -> (combine two values, the identity of that combination for a value of this shape and dtype)
 _REDUCTIONS: dict[str, tuple[Callable, Callable]] = {
     "sum": (jnp.add, lambda s: jnp.zeros(s.shape, s.dtype)),
@@ -72,11 +74,8 @@ def sow_all(side_outputs: SideOutputs) -> None:
 def collecting() -> Iterator[SideOutputs]:
     """Collects the side outputs sown inside the block (not those of blocks nested in it) into the dict yielded."""
     collected: SideOutputs = {}
-    token = _COLLECTOR.set(collected)
-    try:
+    with set_within(_COLLECTOR, collected):
         yield collected
-    finally:
-        _COLLECTOR.reset(token)
 
 
 def combine(a: Sown, b: Sown) -> Sown:

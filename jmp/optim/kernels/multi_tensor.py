@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
+from jmp.torch_bridge.context_vars import set_within
+
 BLOCK = 8192  # elements per block: 32 KiB per float32 operand, a power of two for Triton
 ARGUMENT_BYTES = 4096  # what a CUDA kernel's arguments may take (apex's multi_tensor_apply chunks for it too)
 _SCALAR_SLOTS = (
@@ -127,11 +129,8 @@ _SPLIT_OVER: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jmp_k
 def split_over(axes_by_path: dict[tuple, tuple[str, ...]]) -> Iterator[None]:
     """Within the block (inside a ``shard_map``), each parameter at a tree path is a shard, split over the
     mesh axes named for that path: ``whole_sums`` then adds the shards' sums over those axes."""
-    token = _SPLIT_OVER.set(axes_by_path)
-    try:
+    with set_within(_SPLIT_OVER, axes_by_path):
         yield
-    finally:
-        _SPLIT_OVER.reset(token)
 
 
 def whole_sums(paths: Sequence[tuple], local: Sequence[jax.Array]) -> list[jax.Array]:

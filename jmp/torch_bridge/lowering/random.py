@@ -18,6 +18,7 @@ import torch
 
 from jmp.errors import JmpError
 from jmp.torch_bridge import dispatch
+from jmp.torch_bridge.context_vars import set_within
 from jmp.torch_bridge.dtypes import default_float, to_jax_dtype
 from jmp.torch_bridge.lowering.arguments import size_arguments, sizes
 from jmp.torch_bridge.registry import register_lowering
@@ -30,11 +31,8 @@ _DRAWS_REFUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_draws
 @contextlib.contextmanager
 def draws_refused() -> Iterator[None]:
     """Random ops raise meanwhile: inside ``torch.vmap(..., randomness="error")``, torch's default."""
-    token = _DRAWS_REFUSED.set(True)
-    try:
+    with set_within(_DRAWS_REFUSED, True):
         yield
-    finally:
-        _DRAWS_REFUSED.reset(token)
 
 
 def next_key(stream: str = "default") -> jax.Array:

@@ -54,6 +54,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jmp.errors import ConfigError
+from jmp.torch_bridge.context_vars import set_within
 
 ENVIRONMENT_VARIABLE = "JMP_CONTEXT_PARALLEL_ATTENTION"
 FORMS = ("ring", "ring_natural", "all_gather")
@@ -64,11 +65,8 @@ _LOWEST = float(jnp.finfo(jnp.float32).min)
 @contextlib.contextmanager
 def sequences_split_over(mesh: jax.sharding.Mesh, axis_name: str) -> Iterator[None]:
     """Torch code traced meanwhile has its sequences split over ``mesh``'s ``axis_name`` (context parallelism)."""
-    token = _SPLIT.set((mesh, axis_name))
-    try:
+    with set_within(_SPLIT, (mesh, axis_name)):
         yield
-    finally:
-        _SPLIT.reset(token)
 
 
 def _form() -> str:
