@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import sys
 from typing import Any
 
 import jax
@@ -20,6 +19,7 @@ import torch
 from jax.sharding import NamedSharding
 
 from jmp.errors import StepError
+from jmp.stacks.scan import is_cache
 from jmp.torch_bridge import JaxTensor
 from jmp.torch_bridge.dtypes import to_torch_dtype
 from jmp.torch_bridge.interop import array_to_tensor, local_piece, tensor_to_array
@@ -174,7 +174,7 @@ def output_leaf(value: Any, index: int) -> torch.dtype | Returned:
         return value.dtype
     if value is None or isinstance(value, (str, bytes)):
         return Returned(value)
-    if _is_key_value_cache(value):
+    if is_cache(value):
         _note_dropped_cache(type(value).__name__)
         return Returned(None)
     if isinstance(value, (bool, int, float, complex, np.ndarray, np.generic, jax.Array)):
@@ -184,12 +184,6 @@ def output_leaf(value: Any, index: int) -> torch.dtype | Returned:
         "returns tensors, Python numbers, None or strings, also inside lists, tuples, dicts and ModelOutputs. "
         "Return its tensors instead."
     )
-
-
-def _is_key_value_cache(value: Any) -> bool:
-    """A Hugging Face cache (``DynamicCache``, ...): eval-mode forwards of causal LMs return one by default."""
-    cache_utils = sys.modules.get("transformers.cache_utils")  # never imports transformers itself
-    return cache_utils is not None and isinstance(value, cache_utils.Cache)
 
 
 def _note_dropped_cache(kind: str) -> None:

@@ -17,7 +17,6 @@ batches fed by several processes (the per-process step is vectorised).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from typing import Any
 
@@ -27,13 +26,11 @@ from jmp.compiled_step import program as step_program
 from jmp.compiled_step import segments
 from jmp.compiled_step.signature import StepSignature
 from jmp.errors import StepError, TracedControlFlowError
+from jmp.runtime import notices
 from jmp.torch_bridge import concrete_run
 from jmp.wrapped_model.distributed_model import DistributedModel
 
-logger = logging.getLogger("jmp")
-
 ENVIRONMENT = "JMP_UNCOMPILED_FALLBACK"
-_said: set[tuple[str, str]] = set()
 
 
 class UncompiledProgram:
@@ -81,13 +78,12 @@ def fall_back(
             f"(step function {name})."
         ) from None
     first_line = str(error).splitlines()[0]
-    if (name, first_line) not in _said:  # once per step function and cause, not per input shape
-        _said.add((name, first_line))
-        logger.warning(
-            "step function %s runs op by op, uncompiled: its forward needs concrete values (%s). It trains as PyTorch "
-            "does, without XLA's fusion (slower). A formulation with static shapes there makes it compile.",
-            name,
-            first_line.rstrip("."),
-        )
+    notices.warn_once(  # once per step function and cause, not per input shape
+        f"uncompiled:{name}:{first_line}",
+        "step function %s runs op by op, uncompiled: its forward needs concrete values (%s). It trains as PyTorch "
+        "does, without XLA's fusion (slower). A formulation with static shapes there makes it compile.",
+        name,
+        first_line.rstrip("."),
+    )
     traced = step_program.Traced()
     return UncompiledProgram(fn, model, signature, traced), traced

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import weakref
 from typing import Any
 
@@ -30,8 +29,7 @@ from jmp.compiled_step.outputs import StepOutput
 from jmp.eager import generation, plain_optimizers
 from jmp.eager.lazy_tensor import LazyTensor
 from jmp.errors import StepError
-
-logger = logging.getLogger("jmp")
+from jmp.runtime import notices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,15 +242,14 @@ class Recording:
                 f"the first {rows} rows of what it returns."
             )
         self.split = [False] * len(self.split)
-        if "whole" not in _noted:
-            _noted.add("whole")
-            logger.info(
-                "a forward under torch.no_grad() on a batch of %d rows, which %d data-parallel shards cannot share "
-                "equally: every device computes the whole batch (a multiple of %d rows is split over them)",
-                rows,
-                shards,
-                shards,
-            )
+        notices.info_once(
+            "eager:whole-batch",
+            "a forward under torch.no_grad() on a batch of %d rows, which %d data-parallel shards cannot share "
+            "equally: every device computes the whole batch (a multiple of %d rows is split over them)",
+            rows,
+            shards,
+            shards,
+        )
 
     # --- running ----------------------------------------------------------------------------------------
 
@@ -337,14 +334,10 @@ def _is_in_place(func: Any) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or (name.startswith("__i") and name.endswith("__"))
 
 
-_noted: set[str] = set()
-
-
 def _note_early_read() -> None:
-    if "early" not in _noted:
-        _noted.add("early")
-        logger.warning(
-            "a value of the model's outputs was read before backward(): jmp ran the forward to read it, and "
-            "backward() will run it again with the gradients (a sync and a second forward; read values after "
-            "backward() to avoid both)"
-        )
+    notices.warn_once(
+        "eager:early-read",
+        "a value of the model's outputs was read before backward(): jmp ran the forward to read it, and "
+        "backward() will run it again with the gradients (a sync and a second forward; read values after "
+        "backward() to avoid both)",
+    )

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import contextvars
 import dataclasses
-import logging
 import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
@@ -40,6 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.errors import JmpError
 from jmp.remat import context as remat_context
+from jmp.remat.region import is_key
+from jmp.runtime import notices
 from jmp.stacks import storage
 from jmp.stacks.detection import MAX_PERIOD, LayerStack
 from jmp.stacks.pending import PendingTensor
@@ -48,8 +49,6 @@ from jmp.torch_bridge.module import TorchModule, hooked_call, hooks_on
 from jmp.torch_bridge.state_dict import torch_name
 from jmp.torch_bridge.tensor import JaxTensor
 
-logger = logging.getLogger("jmp")
-_said: set[tuple[str, str]] = set()
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
@@ -106,7 +105,7 @@ class StackedLayers:
         hooks = self._hook_signature(module.torch_path)
         other = torch_pytree.tree_flatten((args[1:], kwargs)) if args else None
         if other is not None:
-            self._empty_caches.update(id(leaf) for leaf in other[0] if _is_cache(leaf) and leaf.get_seq_length() == 0)
+            self._empty_caches.update(id(leaf) for leaf in other[0] if is_cache(leaf) and leaf.get_seq_length() == 0)
         refused = next((leaf for leaf in other[0] if not self._scannable_leaf(leaf)), None) if other else None
         if refused is not None:
             self._refused.setdefault(stack.container, type(refused).__name__)
@@ -414,7 +413,7 @@ class _Chain:
         (_, new_rng), (new_rests, sowns, outputs) = jax.lax.scan(body, carry, xs)
         for sown in sowns:
             side_outputs.sow_all(side_outputs.reduce_stacked(sown))
-        new_rng = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_rng, rng_state)
+        new_rng = jax.tree.map(lambda new, old: old if is_key(old) else new, new_rng, rng_state)
         nnx.update((calls[0].module, rngs), new_rng)
         for position, new_rest in zip(positions, new_rests):
             for k, module in enumerate(position.modules):
@@ -474,7 +473,7 @@ class _Position:
                 if isinstance(leaf, JaxTensor) and i not in varying
             },
             dtypes={i: first[i].dtype for i in varying},
-            template=[None if _is_cache(leaf) else leaf for leaf in first],
+            template=[None if is_cache(leaf) else leaf for leaf in first],
             spec=chain.patterns[position][1],
         )
 
@@ -605,14 +604,10 @@ def _same_leaves(before: list[Any], after: list[Any]) -> bool:
     return len(before) == len(after) and all(a is b for a, b in zip(before, after))
 
 
-def _is_cache(value: Any) -> bool:
+def is_cache(value: Any) -> bool:
     """A Hugging Face key/value cache (``DynamicCache``, ...)."""
     cache_utils = sys.modules.get("transformers.cache_utils")  # never imports transformers itself
     return cache_utils is not None and isinstance(value, cache_utils.Cache)
-
-
-def _is_key(value: Any) -> bool:
-    return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
 
 
 def _describe(value: Any) -> str:
@@ -622,6 +617,4 @@ def _describe(value: Any) -> str:
 
 
 def _say_once(container: str, message: str) -> None:
-    if (container, message) not in _said:
-        _said.add((container, message))
-        logger.info("layer stack '%s': %s", container, message)
+    notices.info_once(f"layer-stack:{container}:{message}", "layer stack '%s': %s", container, message)
