@@ -34,7 +34,7 @@ def is_layer(module: torch.nn.Module) -> bool:
 
 
 def test_checkpointing_the_decoder_layers_trains_as_without_it():
-    smp.init({})
+    smp.init({"scan_layers": False})  # counts per-layer checkpoints (inside a scan: tests/stacks)
     model = FSDP(llama(), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)  # no per-layer resharding checkpoints
     ids = batches()[0]
     assert checkpoints_and_host_copies(lm_step, model, ids) == (0, 0)
@@ -50,7 +50,7 @@ def test_checkpointing_the_decoder_layers_trains_as_without_it():
 
 
 def test_checkpointing_applied_before_wrapping_takes_effect_when_fsdp_wraps():
-    smp.init({})
+    smp.init({"scan_layers": False})
     net = llama()
     apply_activation_checkpointing(net, check_fn=is_layer)
     model = FSDP(net, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)

@@ -17,7 +17,7 @@ LENGTH = 256
 @pytest.fixture(scope="module")
 def temporaries() -> dict[str, int]:
     """Bytes of temporaries per device of the step program, by annotation (None: no checkpointing)."""
-    smp.init()
+    smp.init({"scan_layers": False})  # per-layer programs (checkpointing inside a scan: tests/stacks)
     ids = token_batch(8, LENGTH, vocab=512)
     sizes = {}
     for strategy, policy in (

@@ -22,7 +22,7 @@ from tests.remat.helpers import (
 
 
 def _checkpointed_gpt2(config: dict, **model_config) -> smp.DistributedModel:
-    smp.init(config)
+    smp.init({"scan_layers": False, **config})  # per-layer programs (inside a scan: tests/stacks)
     model = smp.DistributedModel(gpt2(**model_config))
     smp.set_activation_checkpointing(model.module.transformer.h, strategy="each")
     return model

@@ -95,16 +95,18 @@ def test_example_2_checkpoint_sequential_checkpoints_each_layer_and_keeps_torch_
 
 def test_example_3_hugging_face_layers_checkpointed_each_keep_gradients_with_dropout():
     expected_loss, expected = lm_without_checkpointing()
-    smp.init()
     ids = token_batch()
-    model = smp.DistributedModel(gpt2())
-    # Call set_activation_checkpointing API
-    transformer_layers = model.module.module.module.transformer.seq_layers
-    smp.set_activation_checkpointing(transformer_layers, pack_args_as_tuple=True, strategy="each")
-    assert transformer_layers is model.module.transformer.h  # SMP's path and the model's own reach the same layers
-    loss, grads = lm_loss_and_grads(model, ids)
-    assert_close(loss, expected_loss, 1e-6)
-    assert_same_grads(grads, expected)
+    for config in (None, {"scan_layers": False}):  # the seed's smp.init() scans the layers; then one by one
+        smp.init(config)
+        model = smp.DistributedModel(gpt2())
+        # Call set_activation_checkpointing API
+        transformer_layers = model.module.module.module.transformer.seq_layers
+        smp.set_activation_checkpointing(transformer_layers, pack_args_as_tuple=True, strategy="each")
+        assert transformer_layers is model.module.transformer.h  # SMP's path and the model's own: the same layers
+        loss, grads = lm_loss_and_grads(model, ids)
+        assert_close(loss, expected_loss, 1e-6)
+        assert_same_grads(grads, expected)
+    # the program of the layers run one by one: a checkpoint per layer (inside a scan: tests/stacks)
     program = primitives(lm_step, model, ids)
     assert program["remat2"] == 3
     assert program["random_bits"] > 0, "dropout draws masks in the step"

@@ -21,7 +21,7 @@ from tests.remat.helpers import (
 def _checkpointed(microbatches: int = 1, config: dict | None = None, **annotation):
     """Train one step of ``gpt2()`` (3 layers) with its layers annotated; check it against no checkpointing."""
     expected_loss, expected = lm_without_checkpointing(microbatches)
-    smp.init({"microbatches": microbatches, **(config or {})})
+    smp.init({"microbatches": microbatches, "scan_layers": False, **(config or {})})  # per-layer programs
     model = smp.DistributedModel(gpt2())
     smp.set_activation_checkpointing(model.module.transformer.h, **annotation)
     ids = token_batch(8 * microbatches)
@@ -60,7 +60,7 @@ def test_policies_keep_what_they_name_for_the_backward_pass_with_unchanged_gradi
 
 
 def test_a_jax_policy_function_can_be_given_directly():
-    smp.init()
+    smp.init({"scan_layers": False})
     model = smp.DistributedModel(gpt2())
     policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable  # keeps projections, not attention scores
     smp.set_activation_checkpointing(model.module.transformer.h, policy=policy)
