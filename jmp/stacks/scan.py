@@ -45,7 +45,7 @@ from jmp.stacks import storage
 from jmp.stacks.detection import MAX_PERIOD, LayerStack
 from jmp.stacks.pending import PendingTensor
 from jmp.torch_bridge import dispatch, replica_calls, side_outputs
-from jmp.torch_bridge.module import TorchModule, hooked_call, hooks_on
+from jmp.torch_bridge.module import TorchModule, binding_versions, hooked_call, hooks_on, refresh_bindings
 from jmp.torch_bridge.state_dict import torch_name
 from jmp.torch_bridge.tensor import JaxTensor
 
@@ -313,12 +313,19 @@ class _Chain:
         scanned = (count // self.period) * self.period
         current, done = (self.calls[self.ran - 1].output, self.ran) if self.ran else (self.first_input, 0)
         if scanned >= 2 * self.period:
+            # a generic layer's in-place buffer update (timm's ``num_batches_tracked.add_(1)``) also lands in the
+            # tensor its parent's forward bound, holding the scan body's tracer: pointed back at the outer value
+            # after the scan (or a failed trace of it), as a remat region does
+            layers = [call.module for call in self.calls[:scanned]]
+            versions = binding_versions(layers)
             try:
                 outputs = self._scanned(self.calls[:scanned])
             except _NotScannable as reason:
+                refresh_bindings(layers, versions)
                 self.reason = str(reason)
                 _say_once(self.stack.container, f"its layers run one by one: {reason}")
             else:
+                refresh_bindings(layers, versions)
                 self.scanned = scanned
                 for k in range(self.ran, scanned):
                     position, layer = k % self.period, k // self.period

@@ -304,6 +304,67 @@ def test_buffers_of_scanned_layers_update_as_in_pytorch():
         assert_close(grads[name], p.grad, 1e-4, floor=1e-3 * largest)
 
 
+class _BatchNormAct(torch.nn.BatchNorm2d):
+    """timm's ``BatchNormAct2d``: torch's batch-norm forward written out (``num_batches_tracked.add_(1)`` in
+    place, then ``F.batch_norm``) and an activation, in a generic module rather than the bridge's BatchNorm."""
+
+    def forward(self, x):
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+        x = torch.nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps
+        )
+        return torch.nn.functional.silu(x)
+
+
+class _ConvBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.norm = _BatchNormAct(4)
+
+    def forward(self, x):
+        return x + self.norm(self.conv(x))
+
+
+class _ConvNet(torch.nn.Module):
+    """A generic module around the stack: its forward binds the blocks' buffers too, and reads the stack's output
+    (running the scan) while they are bound."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.blocks = torch.nn.Sequential(*[_ConvBlock() for _ in range(4)])
+
+    def forward(self, x):
+        return self.blocks(self.stem(x)).mean(dim=(2, 3))
+
+
+@pytest.mark.parametrize("config", [{}, {"sharded_data_parallel_degree": 8}], ids=["dp8", "sdp8"])
+def test_in_place_buffer_updates_of_generic_scanned_layers_stay_out_of_the_scan(config):
+    """A generic layer's in-place buffer write also lands in the tensor its parent's forward bound: inside the
+    scan that was the body's tracer, which leaked out of it (UnexpectedTracerError, timm's EfficientNet)."""
+    torch.manual_seed(0)
+    blocks = _ConvNet().train()
+    reference = _ConvNet().train()
+    reference.load_state_dict(blocks.state_dict())
+    xs = torch.randn(2, 8, 3, 6, 6, generator=torch.Generator().manual_seed(2))
+    smp.init({"scan_layers": True, **config})
+    model = smp.DistributedModel(blocks)
+    for x in xs:  # two steps: the buffers the first one wrote are read by the second
+        reference.zero_grad()
+        reference(x).square().mean().backward()
+        model.training_state.grads = None
+        _forward_step(model, x)
+    assert sum(eqn.primitive.name == "scan" for eqn in equations(_forward_step.trace(model, xs[1]).jaxpr)) >= 1
+    state = model.state_dict()
+    for name, value in reference.state_dict().items():  # running means and variances, batches tracked (2)
+        assert_close(state[name], value, 1e-5, floor=1e-7)
+    grads = named_grads(model.grads)
+    for name, p in reference.named_parameters():
+        assert_close(grads[name], p.grad, 1e-4, floor=1e-7)
+
+
 def _gptj(layers: int) -> torch.nn.Module:
     """GPT-J: each block returns (hidden states, attention weights)."""
     torch.manual_seed(0)
