@@ -91,7 +91,15 @@ class StepFunction:
                 # XLA's collectives checked before they run (the call then loads the program from JAX's cache)
                 engine.check_compiled(call.program.lower(*call.arguments).compile())
                 call.traced.checked = True
-            outputs, rest, grads, sown = call.program(*call.arguments)
+            try:
+                outputs, rest, grads, sown = call.program(*call.arguments)
+            except jax.errors.UnexpectedTracerError:
+                if not call.model.stacks:
+                    raise
+                # a value a layer computed was kept outside its call (a forward hook: Hugging Face's recorded router
+                # logits), which cannot leave a scan's body: the layers run one by one, the step is traced again
+                call.model.stop_scanning("a layer's value was kept outside its call (a forward hook)")
+                return self(*args, **kwargs)
         if not call.traced.has_backward and outputs:  # a forward-only loop (evaluation) has no update to wait at
             programs_in_flight.admit(min(outputs, key=lambda output: output.size))
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, sown)

@@ -69,8 +69,8 @@ def test_the_gpt2_scripts_distributed_transformer_path_checkpoints_the_layers_at
     """AWS's gpt2 train.py with --use_distributed_transformer 1: created with tensor parallelism, its layers
     taken as ``model.get_module().transformer.seq_layers`` and checkpointed (with --checkpoint_sublayers 1, each
     layer's ``attention`` and ``output``, the names of SMP's DistributedTransformerLayer); the gradients are
-    torch's."""
-    smp.init({"tensor_parallel_degree": 2})
+    torch's. The layers run one by one, so each checkpoint shows in the program (inside a scan: tests/stacks)."""
+    smp.init({"tensor_parallel_degree": 2, "scan_layers": False})
     with smp.model_creation(tensor_parallelism=True):
         net = causal_lm("gpt2", layers=2)
     reference = causal_lm("gpt2", layers=2)
