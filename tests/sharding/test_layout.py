@@ -86,6 +86,20 @@ def test_sharded_data_parallel_splits_the_largest_dimension_and_keeps_small_para
     assert 64 < REPLICATED_BELOW
 
 
+def test_grouped_convolution_weights_stay_whole_unless_fsdp_divides_their_groups():
+    """XLA's SPMD partitioner aborts on the gradient of a grouped convolution's weight split finer than its groups
+    (timm's regnetx_002 under sdp8: ``benchmarks/image_zoo.py``, now within float32 PyTorch's own error)."""
+    model = nn.Sequential(
+        nn.Conv2d(24, 48, 3, groups=3),  # regnet's group width 8: [48, 8, 3, 3]
+        nn.Conv2d(48, 64, 3, groups=8),  # 8 groups split over fsdp 8: one each
+        nn.Conv2d(64, 128, 3),
+        nn.Conv2d(128, 128, 3, groups=128),  # depthwise: [128, 1, 3, 3]
+    )
+    specs = _specs(model, {"sharded_data_parallel_degree": 8})
+    assert specs["0.weight"] == P(None, None, None, None)
+    assert specs["1.weight"] == specs["2.weight"] == specs["3.weight"] == P("fsdp", None, None, None)
+
+
 def test_tensor_and_sharded_data_parallel_compose_on_one_parameter():
     specs = _specs(causal_lm("llama"), {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 4})
     assert specs["model.layers.0.mlp.up_proj.weight"] == P("tp", "fsdp")
