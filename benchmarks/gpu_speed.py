@@ -100,6 +100,7 @@ TINY = dict(layers=2, d_model=128, heads=4, seq=128, batch=4, vocab=1024, steps=
 # what each word of a --jmp-configs entry adds to smp.init's config
 CONFIG_WORDS = {
     "bf16": {},
+    "fp32": {"bf16": False},  # float32 throughout, as the CPU benchmarks run
     "fp8": {"fp8": True},
     "kernels": {"fused_optimizer": True},
     "optax": {"fused_optimizer": False},

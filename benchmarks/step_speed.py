@@ -13,7 +13,9 @@ Two models, each trained side by side in one process (medians of interleaved ste
   with 1 and 4 microbatches; 8 devices data parallel with 1 and 4 microbatches; the main job's 2 pipeline
   stages x 4 data parallel with 4 microbatches;
 - the GPT-2 of ``bridge_overhead`` (4 layers, d_model 256, batch 8 x 128, AdamW): PyTorch eager;
-  torch.compile; jmp on 1 device with 1 and 4 microbatches; 8 devices data parallel.
+  torch.compile; the same GPT-2 hand-written in JAX (``reference_gpt2`` under ``jax.jit`` with optax AdamW,
+  donated state); jmp on 1 device with 1 and 4 microbatches, and with ``scan_layers`` off (the default scans
+  the 4 blocks); 8 devices data parallel.
 
 Both also run jmp on 1 device compiled as before issue 37's CPU changes (``jmp_1dev_mb1_before``), so that
 ``after_over_before`` compares the two in one run. The machine's load average is recorded: on a shared 2-core
@@ -42,10 +44,13 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import torch
 import torch.nn.functional as F
 import transformers
+from flax import nnx
 
 import jmp as smp
 from benchmarks.harness import (
@@ -59,6 +64,8 @@ from benchmarks.harness import (
     token_ids,
     write_results,
 )
+from benchmarks.reference_gpt2 import GPT2 as ReferenceGPT2
+from benchmarks.reference_gpt2 import causal_lm_loss, from_hf
 from jmp.examples.models import GroupedNet
 from jmp.remat import xla as remat_xla
 from jmp.runtime import compilation_cache as compilation
@@ -83,6 +90,7 @@ GROUPED_NET_RUNS = {
 BEFORE_RUNS = {"jmp_1dev_mb1_before": ({"microbatches": 1}, 1)}
 GPT2_RUNS = {
     "jmp_1dev_mb1": ({"microbatches": 1}, 1),
+    "jmp_1dev_mb1_unscanned": ({"microbatches": 1, "scan_layers": False}, 1),
     "jmp_1dev_mb4": ({"microbatches": 4}, 1),
     "jmp_dp8_mb1": ({"microbatches": 1, "ddp": True}, None),
 }
@@ -171,9 +179,36 @@ def torch_compiled_run(make_model, make_optimizer, loss_of):
     return iteration, first, time.perf_counter() - start
 
 
-def measure(name, make_model, make_optimizer, torch_loss, jmp_step, runs_spec, steps):
-    """Median seconds per iteration of PyTorch eager, torch.compile and each jmp configuration, interleaved."""
+def handwritten_jax_run(ids: torch.Tensor):
+    """The GPT-2 as a JAX user writes it: a plain Flax NNX model (``reference_gpt2``, the Hugging Face weights
+    copied in) split once into arrays, and ``jax.jit`` of loss, gradient and optax AdamW with the parameters and
+    optimizer state donated: (callable, first loss)."""
+    reference = ReferenceGPT2(GPT2["vocab"], GPT2["positions"], GPT2["d_model"], GPT2["layers"], GPT2["heads"])
+    from_hf(reference, causal_lm(gpt2_config(**GPT2)))
+    graphdef, params = nnx.split(reference)
+    update = optax.adamw(1e-4, weight_decay=1e-4)
+    state = [params, update.init(params)]
+    tokens = jnp.asarray(ids.numpy())
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(lambda p: causal_lm_loss(nnx.merge(graphdef, p)(tokens), tokens))(params)
+        updates, opt_state = update.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def iteration():
+        state[0], state[1], loss = step(state[0], state[1], tokens)
+        return loss
+
+    return iteration, float(iteration())
+
+
+def measure(name, make_model, make_optimizer, torch_loss, jmp_step, runs_spec, steps, extra=None):
+    """Median seconds per iteration of PyTorch eager, torch.compile, each jmp configuration and ``extra``
+    (name -> (callable, first loss)), interleaved."""
     runs, first = {}, {}
+    for run, (call, loss) in (extra or {}).items():
+        runs[run], first[run] = call, loss
     runs["torch_eager"], first["torch_eager"] = torch_run(make_model, make_optimizer, torch_loss)
     runs["torch_compile"], first["torch_compile"], compile_warmup = torch_compiled_run(
         make_model, make_optimizer, torch_loss
@@ -233,6 +268,7 @@ def grouped_net(steps: int, one_device: bool) -> dict:
 
 def gpt2(steps: int, one_device: bool) -> dict:
     ids = token_ids(GPT2_BATCH, GPT2_SEQUENCE, GPT2["vocab"])
+    extra = {"handwritten_jax": handwritten_jax_run(ids)} if one_device else None
     result = measure(
         "GPT-2",
         lambda: causal_lm(gpt2_config(**GPT2)),
@@ -241,11 +277,14 @@ def gpt2(steps: int, one_device: bool) -> dict:
         lambda model: lm_step(model, ids),
         one_device_runs(GPT2_RUNS, one_device),
         steps,
+        extra,
     )
     ms = result["median_step_ms"]
     if one_device:
         result["microbatched_over_one"] = {"1dev": ms["jmp_1dev_mb4"] / ms["jmp_1dev_mb1"]}
         result["after_over_before"] = ms["jmp_1dev_mb1"] / ms["jmp_1dev_mb1_before"]
+        result["over_handwritten_jax"] = {k: v / ms["handwritten_jax"] for k, v in ms.items() if k.startswith("jmp")}
+        result["scanned_over_unscanned"] = ms["jmp_1dev_mb1"] / ms["jmp_1dev_mb1_unscanned"]
     return result
 
 
