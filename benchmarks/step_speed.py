@@ -179,22 +179,27 @@ def torch_compiled_run(make_model, make_optimizer, loss_of):
     return iteration, first, time.perf_counter() - start
 
 
-def handwritten_jax_run(ids: torch.Tensor):
+def handwritten_jax_step(ids: torch.Tensor):
     """The GPT-2 as a JAX user writes it: a plain Flax NNX model (``reference_gpt2``, the Hugging Face weights
     copied in) split once into arrays, and ``jax.jit`` of loss, gradient and optax AdamW with the parameters and
-    optimizer state donated: (callable, first loss)."""
+    optimizer state donated: (the jitted step, its [parameters, optimizer state], the tokens)."""
     reference = ReferenceGPT2(GPT2["vocab"], GPT2["positions"], GPT2["d_model"], GPT2["layers"], GPT2["heads"])
     from_hf(reference, causal_lm(gpt2_config(**GPT2)))
     graphdef, params = nnx.split(reference)
     update = optax.adamw(1e-4, weight_decay=1e-4)
-    state = [params, update.init(params)]
-    tokens = jnp.asarray(ids.numpy())
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(lambda p: causal_lm_loss(nnx.merge(graphdef, p)(tokens), tokens))(params)
         updates, opt_state = update.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, [params, update.init(params)], jnp.asarray(ids.numpy())
+
+
+def handwritten_jax_run(ids: torch.Tensor):
+    """``handwritten_jax_step`` as an iteration: (callable, first loss)."""
+    step, state, tokens = handwritten_jax_step(ids)
 
     def iteration():
         state[0], state[1], loss = step(state[0], state[1], tokens)
