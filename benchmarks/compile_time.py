@@ -1,10 +1,12 @@
 """Compile time and program size against depth, layer stacks scanned (``scan_layers``) and unrolled.
 
-    python -m benchmarks.compile_time [--depths 2 8 32 80] [--repeats 3] [--out benchmarks/results/compile_time.json]
+    python -m benchmarks.compile_time [--depths 2 8 32 80] [--repeats 3] [--configs unrolled scanned pipelined]
+        [--out benchmarks/results/compile_time.json]
 
 A Hugging Face Llama (hidden 64, 4 heads, 2 key/value heads) under fsdp over 8 emulated devices, the default config
-(``{"sharded_data_parallel_degree": 8}``: stacks scanned) against ``scan_layers: False``, one training step
-(forward and backward) on a batch of 8 x 32 tokens. For each depth, scanned and unrolled: seconds to trace and
+(``{"sharded_data_parallel_degree": 8}``: stacks scanned) against ``scan_layers: False`` and against two pipeline
+stages x 4-way data parallelism (``pipelined``: a pipeline runs each stage's layers one by one), one training step
+(forward and backward) on a batch of 8 x 32 tokens. For each depth and config: seconds to trace and
 lower the step, seconds for XLA to compile it (each the least over ``--repeats`` rounds that compile every program
 once, JAX's in-memory caches cleared before each: one compile on this shared machine varies by 0.2-1 s, and a
 burst of load then falls on one round of all programs), the StableHLO text's size and the
@@ -45,14 +47,24 @@ def llama(layers: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def _config(scanned: bool) -> dict:
-    """The default config (layer stacks scanned) or the way out of it."""
-    return {"sharded_data_parallel_degree": 8} if scanned else {"sharded_data_parallel_degree": 8, "scan_layers": False}
+CONFIGS = {
+    "unrolled": {"sharded_data_parallel_degree": 8, "scan_layers": False},  # the way out of the default
+    "scanned": {"sharded_data_parallel_degree": 8},  # the default config: layer stacks scanned
+    # two pipeline stages x 4-way data parallelism: the layers run one by one inside each stage (jmp.pipeline)
+    "pipelined": {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True},
+}
 
 
-def build(layers: int, scanned: bool) -> tuple[smp.DistributedModel, Any]:
-    smp.init(_config(scanned))
+def build(layers: int, name: str) -> tuple[smp.DistributedModel, Any, Any, float]:
+    """The model, its step, its AdamW optimizer (made before the first step, as SMP scripts do: a pipeline lays
+    out its stages by the param groups) and the seconds building the optimizer took (its state's init program
+    compiled)."""
+    smp.init(CONFIGS[name])
     model = smp.DistributedModel(llama(layers))
+    start = time.perf_counter()
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    jax.block_until_ready(optimizer.opt_state)
+    optimizer_built = time.perf_counter() - start
 
     @smp.step
     def train_step(model, ids):
@@ -60,7 +72,7 @@ def build(layers: int, scanned: bool) -> tuple[smp.DistributedModel, Any]:
         model.backward(loss)
         return loss
 
-    return model, train_step
+    return model, train_step, optimizer, optimizer_built
 
 
 def compile_once(model: smp.DistributedModel, step: Any, ids: torch.Tensor) -> tuple[float, float, str]:
@@ -88,13 +100,9 @@ def compile_figures(seconds: list[tuple[float, float]], text: str) -> dict:
     }
 
 
-def update_seconds(model: smp.DistributedModel, step: Any, ids: torch.Tensor, calls: int = 4) -> dict:
-    """Building the AdamW optimizer (its state's init program compiled), the update's first call (its program
-    compiled) and the median of the next ones."""
-    start = time.perf_counter()
-    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    jax.block_until_ready(optimizer.opt_state)
-    built = time.perf_counter() - start
+def update_seconds(model, step, optimizer, built: float, ids: torch.Tensor, calls: int = 4) -> dict:
+    """Building the AdamW optimizer (``built``), the update's first call (its program compiled) and the median of
+    the next ones."""
     step(model, ids).reduce_mean()
     seconds = []
     for _ in range(calls):
@@ -111,65 +119,63 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 8, 32, 80])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3, help="compiles per program; the least is kept")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["unrolled", "scanned"])
     parser.add_argument("--out", default="benchmarks/results/compile_time.json")
     args = parser.parse_args()
+    names = args.configs  # every model stays built until the end: 80 layers of all three took 24 GiB
     emulate_devices(8)
     transformers.logging.set_verbosity_error()
     ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
     load_before = os.getloadavg()  # other work on this shared machine slows every compile alike
-    names = {False: "unrolled", True: "scanned"}
-    built = {(layers, scanned): build(layers, scanned) for layers in args.depths for scanned in names}
+    built = {(layers, name): build(layers, name) for layers in args.depths for name in names}
     seconds: dict = {key: [] for key in built}
     texts: dict = {}
     for _ in range(args.repeats):  # every program once per round: a burst of load falls on one round only
         for key in built:
-            smp.init(_config(key[1]))
-            traced, compiled, texts[key] = compile_once(*built[key], ids)
+            smp.init(CONFIGS[key[1]])
+            traced, compiled, texts[key] = compile_once(*built[key][:2], ids)
             seconds[key].append((traced, compiled))
     rows = []
     for layers in args.depths:
         row: dict = {"layers": layers}
         runs, prepare = {}, {}
-        for scanned, name in names.items():
-            model, step = built[(layers, scanned)]
-            row[name] = compile_figures(seconds[(layers, scanned)], texts[(layers, scanned)])
+        for name in names:
+            model, step = built[(layers, name)][:2]
+            row[name] = compile_figures(seconds[(layers, name)], texts[(layers, name)])
             runs[name] = lambda model=model, step=step: step(model, ids).reduce_mean()
-            prepare[name] = lambda scanned=scanned: smp.init(_config(scanned))
+            prepare[name] = lambda name=name: smp.init(CONFIGS[name])
         samples = time_interleaved(runs, args.steps, prepare=prepare)
         for name, samples_of in samples.items():
             row[name]["step_s"] = sorted(samples_of)[len(samples_of) // 2]
-        for scanned, name in names.items():
+        for name in names:
             prepare[name]()
-            row[name] |= update_seconds(*built[(layers, scanned)], ids)
+            row[name] |= update_seconds(*built[(layers, name)], ids)
             print(f"{layers:3d} layers {name:>8}: {row[name]}", flush=True)
-        row["compile_ratio_scanned_to_unrolled"] = row["scanned"]["compile_s"] / row["unrolled"]["compile_s"]
-        row["step_ratio_scanned_to_unrolled"] = row["scanned"]["step_s"] / row["unrolled"]["step_s"]
-        row["update_first_call_ratio_scanned_to_unrolled"] = (
-            row["scanned"]["update_first_call_s"] / row["unrolled"]["update_first_call_s"]
-        )
+        if {"scanned", "unrolled"} <= set(names):
+            row["compile_ratio_scanned_to_unrolled"] = row["scanned"]["compile_s"] / row["unrolled"]["compile_s"]
+            row["step_ratio_scanned_to_unrolled"] = row["scanned"]["step_s"] / row["unrolled"]["step_s"]
+            row["update_first_call_ratio_scanned_to_unrolled"] = (
+                row["scanned"]["update_first_call_s"] / row["unrolled"]["update_first_call_s"]
+            )
         rows.append(row)
     shallowest, deepest = rows[0], rows[-1]
     summary = {
         f"compile({deepest['layers']}) / compile({shallowest['layers']})": {
-            name: deepest[name]["compile_s"] / shallowest[name]["compile_s"] for name in ("scanned", "unrolled")
+            name: deepest[name]["compile_s"] / shallowest[name]["compile_s"] for name in names
         },
         f"hlo({deepest['layers']}) / hlo({shallowest['layers']})": {
-            name: deepest[name]["hlo_chars"] / shallowest[name]["hlo_chars"] for name in ("scanned", "unrolled")
+            name: deepest[name]["hlo_chars"] / shallowest[name]["hlo_chars"] for name in names
         },
-        f"compile({deepest['layers']}) scanned / compile({shallowest['layers']}) unrolled": deepest["scanned"][
-            "compile_s"
-        ]
-        / shallowest["unrolled"]["compile_s"],
         f"update first call({deepest['layers']}) / ({shallowest['layers']})": {
-            name: deepest[name]["update_first_call_s"] / shallowest[name]["update_first_call_s"]
-            for name in ("scanned", "unrolled")
+            name: deepest[name]["update_first_call_s"] / shallowest[name]["update_first_call_s"] for name in names
         },
     }
     print(summary)
     write_results(
         args.out,
         {
-            "model": "HF Llama hidden 64, fsdp8, batch 8 x 32",
+            "model": "HF Llama hidden 64, 8 devices, batch 8 x 32",
+            "configs": {name: CONFIGS[name] for name in names},
             "load_average_1_5_15_min": {"start": load_before, "end": os.getloadavg()},
             "rows": rows,
             "summary": summary,
