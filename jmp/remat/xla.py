@@ -7,13 +7,9 @@ recomputation merges back; keeping them (disabling the ``cse_barrier_expander`` 
 checkpointing save memory on CPU as it does on GPU and TPU. Programs without checkpoints have no
 barriers, so the option changes nothing for them.
 
-XLA:CPU (jaxlib 0.10) hands dots, reductions and convolutions to YNNPACK by default, and step programs keep that.
-Its convolutions are slower than XLA's own (Eigen) ones on a CNN's filter gradients (GroupedNet's 32->64 3x3
-convolution over 64 images of 26x26, forward and both gradients: 197 ms through YNNPACK, 105 ms through Eigen on
-this 2-core machine), but listing YNNPACK's dots and reductions alone (``xla_cpu_experimental_ynn_fusion_type``,
-which sends convolutions to Eigen) gave wrong gradients: torchvision's shufflenet_v2_x0_5 in train mode, one step,
-off from float64 PyTorch by up to 5.7e-2 (``stage4.0.branch2.0.weight``) with the loss equal, against 3.5e-5 with
-XLA's default fusions (``benchmarks/image_zoo.py``); each of its units alone was right either way.
+XLA:CPU (jaxlib 0.10) hands dots, reductions and convolutions to YNNPACK by default, and step programs keep that:
+sending convolutions to Eigen (``xla_cpu_experimental_ynn_fusion_type``) was faster on a CNN's filter gradients but
+gave wrong gradients (torchvision's shufflenet_v2, 5.7e-2 from float64; ``docs/benchmarks.md`` has the figures).
 
 On a GPU, XLA's Triton GEMM fusion takes products before its cuBLASLt fp8 rewrite can see them, and an fp8
 step then never reaches the fp8 tensor cores. On an H100 (jax 0.11.2; a Llama with Llama 3.2 1B's widths, 4 x 2048

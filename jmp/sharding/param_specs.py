@@ -11,11 +11,9 @@ than the config's ``sdp_param_persistence_threshold`` (jmp's default 1024:
 biases, norms) stay whole: splitting them saves little and costs a collective
 each; ZeRO-1 keeps ``REPLICATED_BELOW`` for the optimizer state.
 
-A grouped convolution's weight stays whole over ``fsdp`` unless the fsdp degree divides its ``groups``: the
-gradient of such a weight is a convolution with a ``batch_group_count``, and XLA's SPMD partitioner aborts the
-process (``convolution_handler.cc``: ``new_input_batch_size % new_output_batch_size``) when that gradient is asked
-for in shards finer than a group (timm's ``regnetx_002``, groups 3 to 46, under
-``sharded_data_parallel_degree: 8``). Depthwise convolutions (groups = channels, a multiple of the degree) split.
+A grouped convolution's weight stays whole over ``fsdp`` unless the degree divides its ``groups``: XLA's SPMD
+partitioner aborts the process (``convolution_handler.cc``) on its gradient split finer than a group (timm's
+``regnetx_002`` under ``sharded_data_parallel_degree: 8``).
 """
 
 from __future__ import annotations
@@ -59,7 +57,11 @@ def parameter_specs(
         **expert_specs(module, mesh.shape["ep"], mesh.shape["tp"]),
     }
     compiled = [(re.compile(pattern), spec) for pattern, spec in (rules or {}).items()]
-    whole = _grouped_convolution_weights(module, mesh.shape["fsdp"])
+    whole = {
+        f"{path}.weight".lstrip(".")
+        for path, conv in module.named_modules()  # grouped convolutions
+        if isinstance(conv, nn.modules.conv._ConvNd) and conv.groups > 1 and conv.groups % mesh.shape["fsdp"]
+    }
     specs = {}
     for name, shape in shapes.items():
         user = next((spec for pattern, spec in compiled if pattern.search(name)), None)
@@ -69,15 +71,6 @@ def parameter_specs(
         spec = _padded(model_specs.get(name, ()), len(shape))
         specs[name] = PartitionSpec(*(spec if name in whole else add_axis(spec, shape, ("fsdp",), mesh, below)))
     return specs
-
-
-def _grouped_convolution_weights(module: nn.Module, fsdp: int) -> set[str]:
-    """The weights of convolutions with ``groups`` that ``fsdp`` does not divide (see the module's docstring)."""
-    return {
-        f"{path}.weight" if path else "weight"
-        for path, layer in module.named_modules()
-        if isinstance(layer, nn.modules.conv._ConvNd) and layer.groups > 1 and layer.groups % fsdp
-    }
 
 
 def optimizer_specs(specs: Mapping[str, PartitionSpec], shapes: Mapping[str, tuple], mesh: Mesh, shard: bool):
