@@ -165,6 +165,23 @@ CONFIGS: dict[str, dict] = {
         "nproc": 2,
         "phases": [with_args(SDP2_DT_BF16, max_steps=2), with_args(SDP2_DT_BF16, max_steps=4, load_partial=1)],
     },
+    # issue 55 item 4, corpus gaps: tensor parallelism with the script's default --prescaled_batch 1 (each tp group
+    # reads one batch), fp16 under sharded data parallelism, and a pipeline with validation on
+    "gpt2_tp2_prescaled_batch": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [with_args(GPT2, tensor_parallel_degree=2, prescaled_batch=1, train_batch_size=4)],
+    },
+    "gpt2_sdp2_fp16": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [with_args(GPT2, sharded_data_parallel_degree=2, fp16=1, max_steps=28)],
+    },
+    "gpt2_pp2_validation": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [with_args(GPT2, pipeline_parallel_degree=2, microbatches=2, max_steps=4, **VALIDATION)],
+    },
     # flan-t5's script reads p.ds_tensor too (its train.py:1090) under sharded data parallelism without the
     # distributed transformer; bf16
     "flan_t5_sdp2_bf16": {
@@ -428,7 +445,8 @@ def reference(name: str, data: Path, initial_state: Path | None = None) -> dict:
     optimizer = opt_class(groups, betas=(args.beta1, args.beta2), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = train["get_learning_rate_scheduler"](optimizer, args)
     pp = max(1, args.pipeline_parallel_degree)
-    ranks = cfg["nproc"] // pp  # SMP's dp_size: the processes that read distinct data (prescaled_batch 0)
+    # the processes that read distinct data: SMP's dp_size, or with prescaled_batch its rdp_size (a tp group reads one)
+    ranks = cfg["nproc"] // pp // (max(1, args.tensor_parallel_degree) if args.prescaled_batch else 1)
     paths = sorted(str(p) for p in (data / "train").glob("*.json.gz"))
     load = train["create_pretraining_dataloader"]
 
