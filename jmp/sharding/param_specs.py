@@ -33,6 +33,7 @@ from jmp.sharding.experts import expert_specs
 from jmp.sharding.tensor_parallel import tensor_parallel_specs
 from jmp.torch_bridge import torch_name
 
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 REPLICATED_BELOW = 1024  # elements; the persistence threshold before smp.init, and ZeRO-1's
 
 Spec = tuple  # one entry per dimension: None, an axis name, or a tuple of axis names
@@ -60,7 +61,7 @@ def parameter_specs(
     whole = {
         f"{path}.weight".lstrip(".")
         for path, conv in module.named_modules()  # grouped convolutions
-        if isinstance(conv, nn.modules.conv._ConvNd) and conv.groups > 1 and conv.groups % mesh.shape["fsdp"]
+        if isinstance(conv, CONVOLUTIONS) and conv.groups > 1 and conv.groups % mesh.shape["fsdp"]
     }
     specs = {}
     for name, shape in shapes.items():
