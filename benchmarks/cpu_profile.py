@@ -133,15 +133,14 @@ def main() -> None:
     smp.init({"microbatches": 1}, devices=jax.devices()[:1])
     model = smp.DistributedModel(make_model())
     optimizer = smp.DistributedOptimizer(make_optimizer(model.module.parameters()))
-    step = lm_step  # an @smp.step
 
     def jmp_iteration():
         optimizer.zero_grad()
-        loss = step(model, ids).reduce_mean()
+        loss = lm_step(model, ids).reduce_mean()  # lm_step is an @smp.step
         optimizer.step()
         return loss, model.training_state.params
 
-    jmp_hlo = step.lower(model, ids).compile().as_text()  # the update's fusions are not in it: "unknown"
+    jmp_hlo = lm_step.lower(model, ids).compile().as_text()  # the update's fusions are not in it: "unknown"
     handwritten_step, state, tokens = step_speed.handwritten_jax_step(ids)
     handwritten_hlo = handwritten_step.lower(*state, tokens).compile().as_text()
 

@@ -24,7 +24,7 @@ from jmp.runtime.comm import (
     recv_from,
     send,
     tp_barrier,
-)  # fmt: skip
+)
 from jmp.runtime.process_groups import (
     get_dp_process_group,
     get_mp_process_group,
@@ -32,7 +32,7 @@ from jmp.runtime.process_groups import (
     get_rdp_process_group,
     get_tp_process_group,
     get_world_process_group,
-)  # fmt: skip
+)
 
 __all__ = [
     "CommGroup", "DP_GROUP", "MP_GROUP", "PP_GROUP", "RDP_GROUP", "RankType", "TP_GROUP", "WORLD", "allgather",
