@@ -22,6 +22,7 @@ import torch
 import jmp as smp
 from jmp.eager import plain_optimizers
 from jmp.errors import StepError
+from tests.helpers import assert_close
 from tests.sharding.models import causal_lm, token_batches
 
 transformers = pytest.importorskip("transformers")
@@ -226,6 +227,9 @@ def test_the_loop_computes_what_the_same_loop_with_a_step_function_computes():
         for optimizer in optimizers.values():
             optimizer.step()
             optimizer.zero_grad()
-    assert losses["eager"] == losses["step"]  # the same program: the same numbers, bit for bit
+    assert losses["eager"] == losses["step"]  # the same forward program: the same numbers, bit for bit
+    # the eager loop's backward is a program of its own: its sums may round differently in the last bit (they do
+    # under XLA:CPU's elemental emitters, the suite's: tests/conftest.py; 1e-7 of each gradient)
     stepped = models["step"].state_dict()
-    assert all(torch.equal(value, stepped[name]) for name, value in models["eager"].state_dict().items())
+    for name, value in models["eager"].state_dict().items():
+        assert_close(value, stepped[name], 1e-6)

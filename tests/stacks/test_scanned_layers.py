@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -300,8 +301,11 @@ def test_buffers_of_scanned_layers_update_as_in_pytorch():
         assert_close(state[name], value, 1e-5, floor=1e-7)
     grads = named_grads(model.grads)
     largest = max(float(p.grad.abs().max()) for p in reference.parameters())
-    for name, p in reference.named_parameters():  # (a bias before batch norm has a gradient of rounding noise)
-        assert_close(grads[name], p.grad, 1e-4, floor=1e-3 * largest)
+    for name, p in reference.named_parameters():
+        if name.endswith("linear.bias"):  # before a batch norm: a gradient of zero, here and in PyTorch rounding noise
+            assert np.abs(grads[name]).max() < 1e-2 * largest and float(p.grad.abs().max()) < 1e-2 * largest
+        else:
+            assert_close(grads[name], p.grad, 1e-4, floor=1e-3 * largest)
 
 
 class _BatchNormAct(torch.nn.BatchNorm2d):
