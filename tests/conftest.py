@@ -54,7 +54,96 @@ _LONG_FIRST = (
 )
 
 
+# The slow tier, run with ``--slow``: the rest of sweeps the suite samples (each test keeps a case of every kind:
+# model family, layout, precision, launcher) and whole-script runs that benchmarks/ also makes. What a file or test
+# name selects alone (the whole test, every case) or with its ids (those cases). The suite's time on 2 cores is
+# the budget (docs/testing.md).
+SLOW = {
+    # AWS's SMP v2 script: benchmarks/smp_v2_examples.py runs it; tests/tsm/test_launched.py launches an SMP v2
+    # script's start in the suite
+    "tests/front_end/test_aws_smp_v2_examples.py::test_the_script_runs_unchanged_and_logs_every_step": (),
+    "tests/front_end/test_aws_smp_v2_examples.py::test_logged_losses_track_pytorch": (),
+    # AWS's SMP v1 gpt2 script: the suite keeps its pipeline in fp16 with manual partitioning
+    "tests/front_end/test_aws_smp_v1_examples.py::test_script_runs_unchanged_and_logs_every_step": (
+        "gpt2_sdp2_fp16", "gpt2_pp2_validation", "gpt2_tp2_prescaled_batch",
+    ),
+    "tests/front_end/test_aws_smp_v1_examples.py::test_logged_losses_track_pytorch": (
+        "gpt2_sdp2_fp16", "gpt2_pp2_validation", "gpt2_tp2_prescaled_batch",
+    ),
+    "tests/notebooks/test_notebooks.py::test_notebook_runs_and_its_checks_pass": (
+        "02_hf_llm_sharded", "04_memory_tradeoffs",
+    ),
+    "tests/compiled_step/test_cpu_convolutions.py::test_shufflenet_v2_in_train_mode_steps_as_float64_pytorch_with_xlas_optimisations_on": (),  # noqa: E501
+    "tests/multiprocess/test_training.py::test_two_processes_train_gpt2_like_one": ("cp2xfsdp2xtp2-jmp.launch",),
+    "tests/multiprocess/test_replica_gradients.py::test_each_replica_keeps_its_gradients_through_the_loop_and_reduces_them_once": (  # noqa: E501
+        "4-1",
+    ),
+    "tests/sharding/test_parity.py::test_one_step_equals_the_single_device_run": (
+        "gpt2-dp2xfsdp4", "gpt2-tp4xdp2", "llama-dp2xfsdp4", "llama-tp2xfsdp4", "mixtral-dp2xfsdp4",
+        "mixtral-tp2xfsdp4", "mixtral-tp4xdp2", "mixtral-fsdp8",
+    ),
+    "tests/sharding/test_context_parallel.py::test_llama_in_a_pipeline_at_pp2_cp2_dp2_equals_pytorch_on_the_same_microbatches": (),  # noqa: E501
+    "tests/compiled_step/test_memory_estimate.py::test_estimate_is_within_ten_percent_of_the_built_model_and_its_compiled_step": (  # noqa: E501
+        "fsdp8", "tp2xdp4-checkpointed", "pp2xdp4", "pp2xfsdp2xdp2-zero1",
+    ),
+    "tests/optim/kernels/test_fused_optimizers.py::test_kernels_update_each_devices_shards_as_the_optax_path_does": (
+        "adam-pp2", "sgd-nesterov-tp2xfsdp2",
+    ),
+    "tests/optim/test_tied_weights.py::test_clipping_counts_a_tied_gradient_once": (
+        "pp2-clip_master_grads", "tp2-clip_grad_norm_",
+    ),
+    "tests/precision/test_transformers.py::test_half_precision_tracks_float32_and_torch_autocast": (
+        "gpt2-fp16-pp2", "llama-bf16-pp2",
+    ),
+    "tests/saving/test_resume.py::test_resume_in_the_same_layout_is_bitwise": ("pp2",),
+    "tests/saving/test_resume.py::test_resume_under_another_layout": ("fsdp4xtp2-to-fsdp8",),
+    "tests/saving/test_crash.py::test_sigkill_inside_save_checkpoint": ("kill-finalising",),
+    "tests/eager/test_parallel_loops.py::test_bf16_eager_loop_equals_the_step_function_loop_bit_for_bit": (),
+    "tests/eager/test_parallel_loops.py::test_activation_checkpointing_changes_no_loss_of_the_eager_loop": (),
+    "tests/eager/test_training_loop.py::test_the_loop_trains_as_pytorch_eager": ("fsdp4xtp2",),
+    "tests/front_end/test_smp_example_scripts.py::test_smp_style_script_tracks_pytorch": ("gptj-tp2xfsdp2xdp2",),
+    "tests/pipeline/test_3d.py::test_gradients_and_three_adamw_steps_equal_pytorch": ("llama-pp2xfsdp4-zero1",),
+    "tests/pipeline/test_pipeline.py::test_interleaved_memory_follows_stages_not_microbatches": (),
+    "tests/remat/test_strategies_and_policies.py::test_grouping_strategies_checkpoint_runs_of_layers_with_unchanged_gradients": (  # noqa: E501
+        "contiguous-1-1",
+    ),
+    # the main job under the launcher: its processes train as one process with their global batch (kept)
+    "tests/multiprocess/test_step_outputs_per_process.py::test_the_main_job_under_the_launcher_reports_an_accuracy_over_both_processes_digits": (),  # noqa: E501
+    "tests/pipeline/test_pipeline.py::test_dropout_in_checkpointed_layers_is_the_same_kept_or_recomputed": (),
+    "tests/pipeline/test_pipeline.py::test_gpt2_four_stages_equal_pytorch": ("simple-True",),
+    "tests/pipeline/test_3d.py::test_layers_checkpointed_inside_sharded_stages_equal_pytorch": ("gpt2-pp2xtp2xfsdp2",),
+    "tests/eager/test_accelerate_loop.py::test_accelerates_loop_trains_a_distributed_model_as_pytorch": ("replicated",),
+    "tests/stacks/test_stacked_storage.py::test_an_optimizer_that_cannot_update_stacked_weights_runs_the_layers_one_by_one": (  # noqa: E501
+        "param-groups",
+    ),
+    "tests/remat/test_strategies_and_policies.py::test_policies_keep_what_they_name_for_the_backward_pass_with_unchanged_gradients": (  # noqa: E501
+        "annotation1-config1-kept1-0",
+    ),
+    "tests/sharding/test_parity.py::test_ten_training_steps_track_the_single_device_run": ("gpt2-tp2xfsdp4", "llama-zero1"),  # noqa: E501
+    "tests/sharding/test_replica_gradients.py::test_language_model_reduces_gradients_after_the_loop_with_torch_numbers": (  # noqa: E501
+        "gpt2-dp8-first-layer-checkpointed",
+    ),
+}  # fmt: skip
+
+
+def _in_slow_tier(item) -> bool:
+    path, _, rest = item.nodeid.partition("::")
+    name, _, ids = rest.partition("[")
+    for key in (path, f"{path}::{name}"):
+        if key in SLOW:
+            return not SLOW[key] or ids.rstrip("]") in SLOW[key]
+    return False
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (docs/testing.md)")
+
+
 def pytest_collection_modifyitems(session, config, items):
+    slow = [item for item in items if _in_slow_tier(item)]
+    if slow and not config.getoption("--slow"):
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not _in_slow_tier(item)]
     items.sort(key=lambda item: not item.nodeid.startswith(_LONG_FIRST))  # stable: the order within each kept
 
 

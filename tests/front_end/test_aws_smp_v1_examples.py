@@ -19,8 +19,6 @@ pytest.importorskip("h5py", reason="the vendored data_pipeline.py imports h5py (
 from benchmarks import smp_examples  # noqa: E402
 from benchmarks.script_runs import arg_value  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):

@@ -21,7 +21,6 @@ pytest.importorskip("accelerate", reason="the vendored train_lib.py imports acce
 from benchmarks import smp_v2_examples  # noqa: E402
 from benchmarks.script_runs import arg_value  # noqa: E402
 
-pytestmark = pytest.mark.slow
 NAME = "llama_hs2_fp32"
 
 

@@ -214,7 +214,6 @@ def _temp_bytes(schedule: str, microbatches: int, recompute: bool = False) -> in
     return lm_step.lower(model, ids).compile().memory_analysis().temp_size_in_bytes  # lowering cuts the stages
 
 
-@pytest.mark.slow
 def test_interleaved_memory_follows_stages_not_microbatches():
     interleaved = [_temp_bytes("interleaved", m) for m in (4, 16)]
     simple = [_temp_bytes("simple", m) for m in (4, 16)]
