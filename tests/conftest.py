@@ -81,10 +81,13 @@ SLOW = {
     "tests/multiprocess/test_training.py::test_processes_with_different_configs_all_stop_with_an_error": (),
     "tests/multiprocess/test_replica_gradients.py": (),  # its rule in one process: tests/sharding/'s
     "tests/multiprocess/test_experts_across_processes.py": (),
+    # the main job's accuracy over both processes (the suite keeps its processes against one process's global batch)
+    "tests/multiprocess/test_step_outputs_per_process.py::test_the_main_job_under_the_launcher_reports_an_accuracy_over_both_processes_digits": (),  # noqa: E501
     "tests/sharding/test_parity.py::test_one_step_equals_the_single_device_run": (
         "gpt2-dp2xfsdp4", "gpt2-tp4xdp2", "llama-dp2xfsdp4", "llama-tp2xfsdp4", "mixtral-dp2xfsdp4",
         "mixtral-tp2xfsdp4", "mixtral-tp4xdp2", "mixtral-fsdp8",
     ),
+    "tests/sharding/test_parity.py::test_ten_training_steps_track_the_single_device_run": ("gpt2-tp2xfsdp4", "llama-zero1"),  # noqa: E501
     "tests/sharding/test_context_parallel.py::test_llama_in_a_pipeline_at_pp2_cp2_dp2_equals_pytorch_on_the_same_microbatches": (),  # noqa: E501
     "tests/compiled_step/test_memory_estimate.py::test_estimate_is_within_ten_percent_of_the_built_model_and_its_compiled_step": (  # noqa: E501
         "fsdp8", "tp2xdp4-checkpointed", "pp2xdp4", "pp2xfsdp2xdp2-zero1",
@@ -106,23 +109,20 @@ SLOW = {
     "tests/eager/test_training_loop.py::test_the_loop_trains_as_pytorch_eager": ("fsdp4xtp2",),
     "tests/front_end/test_smp_example_scripts.py::test_smp_style_script_tracks_pytorch": ("gptj-tp2xfsdp2xdp2",),
     "tests/pipeline/test_3d.py::test_gradients_and_three_adamw_steps_equal_pytorch": ("llama-pp2xfsdp4-zero1",),
+    "tests/pipeline/test_3d.py::test_layers_checkpointed_inside_sharded_stages_equal_pytorch": ("gpt2-pp2xtp2xfsdp2",),
     "tests/pipeline/test_pipeline.py::test_interleaved_memory_follows_stages_not_microbatches": (),
-    "tests/remat/test_strategies_and_policies.py::test_grouping_strategies_checkpoint_runs_of_layers_with_unchanged_gradients": (  # noqa: E501
-        "contiguous-1-1",
-    ),
-    # the main job under the launcher: its processes train as one process with their global batch (kept)
-    "tests/multiprocess/test_step_outputs_per_process.py::test_the_main_job_under_the_launcher_reports_an_accuracy_over_both_processes_digits": (),  # noqa: E501
     "tests/pipeline/test_pipeline.py::test_dropout_in_checkpointed_layers_is_the_same_kept_or_recomputed": (),
     "tests/pipeline/test_pipeline.py::test_gpt2_four_stages_equal_pytorch": ("simple-True",),
-    "tests/pipeline/test_3d.py::test_layers_checkpointed_inside_sharded_stages_equal_pytorch": ("gpt2-pp2xtp2xfsdp2",),
-    "tests/eager/test_accelerate_loop.py::test_accelerates_loop_trains_a_distributed_model_as_pytorch": ("replicated",),
-    "tests/stacks/test_stacked_storage.py::test_an_optimizer_that_cannot_update_stacked_weights_runs_the_layers_one_by_one": (  # noqa: E501
-        "param-groups",
+    "tests/remat/test_strategies_and_policies.py::test_grouping_strategies_checkpoint_runs_of_layers_with_unchanged_gradients": (  # noqa: E501
+        "contiguous-1-1",
     ),
     "tests/remat/test_strategies_and_policies.py::test_policies_keep_what_they_name_for_the_backward_pass_with_unchanged_gradients": (  # noqa: E501
         "annotation1-config1-kept1-0",
     ),
-    "tests/sharding/test_parity.py::test_ten_training_steps_track_the_single_device_run": ("gpt2-tp2xfsdp4", "llama-zero1"),  # noqa: E501
+    "tests/eager/test_accelerate_loop.py::test_accelerates_loop_trains_a_distributed_model_as_pytorch": ("replicated",),
+    "tests/stacks/test_stacked_storage.py::test_an_optimizer_that_cannot_update_stacked_weights_runs_the_layers_one_by_one": (  # noqa: E501
+        "param-groups",
+    ),
     "tests/sharding/test_replica_gradients.py::test_language_model_reduces_gradients_after_the_loop_with_torch_numbers": (  # noqa: E501
         "gpt2-dp8-first-layer-checkpointed",
     ),
@@ -139,14 +139,15 @@ def _in_slow_tier(item) -> bool:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (docs/testing.md)")
+    parser.addoption("--slow", action="store_true", help="also run the slow tier (SLOW in tests/conftest.py)")
 
 
 def pytest_collection_modifyitems(session, config, items):
-    slow = [item for item in items if _in_slow_tier(item)]
-    if slow and not config.getoption("--slow"):
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not _in_slow_tier(item)]
+    if not config.getoption("--slow"):
+        slow = [item for item in items if _in_slow_tier(item)]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item not in slow]
     items.sort(key=lambda item: not item.nodeid.startswith(_LONG_FIRST))  # stable: the order within each kept
 
 
