@@ -3,10 +3,11 @@
     python -m benchmarks.smp_examples [--only NAME ...] [--out benchmarks/results/smp_examples.json]
 
 Each configuration runs the vendored ``train.py`` (gpt2/ or flan_t5/) unmodified, as SageMaker would: one
-process per device (``python -m jmp.launch -n P --cpu-devices 1``), SageMaker's ``SM_*`` variables set (the
-scripts read their defaults from them), tiny models and a few steps through the scripts' own arguments, on
-synthetic data in their own input format (``make_data.py``). ``cpu_host.py`` wraps the script with what the
-launcher does not provide yet (it says what, on stderr; recorded as ``harness``).
+process per device (``python -m jmp.launch -n P --cpu-devices 1``; one configuration drives 8 devices from one
+process), SageMaker's ``SM_*`` variables set (the scripts read their defaults from them), tiny models and a few
+steps through the scripts' own arguments, on synthetic data in their own input format (``make_data.py``).
+``cpu_host.py`` wraps the script with what the launcher does not provide yet (it says what, on stderr; recorded
+as ``harness``).
 
 For each configuration: ran or not, the first error (type, message, the innermost frame and the vendored
 script's frame), the logged ``Batch N Loss`` / ``Validation loss`` values, and the same training in plain
@@ -61,6 +62,7 @@ from pathlib import Path
 
 from benchmarks.script_runs import (
     TIMEOUT_S,
+    arg_value,
     first_error,
     jmp_tree,
     launch,
@@ -182,12 +184,46 @@ CONFIGS: dict[str, dict] = {
         "nproc": 2,
         "phases": [with_args(GPT2, pipeline_parallel_degree=2, microbatches=2, max_steps=4, **VALIDATION)],
     },
+    # issue 55 item 3 in one process driving 8 devices (one rank, as a one-process PyTorch run): its batches of 2
+    # (training) and 4 (validation) are smaller than the 8 devices, so each device computes all of them
+    "gpt2_one_process_8_devices_val_batch_size4": {
+        "script": "gpt2",
+        "nproc": 1,
+        "cpu_devices": 8,
+        "phases": [with_args(GPT2, val_batch_size=4, max_steps=4, **VALIDATION)],
+    },
+    # issue 55 item 4, the script's other model types (--model_type gpt_neox | bloom)
+    "gpt_neox_tp2": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [with_args(GPT2, model_type="gpt_neox", tensor_parallel_degree=2)],
+    },
+    "bloom_sdp2": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [with_args(GPT2, model_type="bloom", sharded_data_parallel_degree=2)],
+    },
+    # --save_final_full_model, then --load_full: a new run from the saved weights (no optimizer state, step 0)
+    "gpt2_dp2_full_model_load_full": {
+        "script": "gpt2",
+        "nproc": 2,
+        "phases": [
+            with_args(GPT2, max_steps=2, save_final_full_model=1),
+            with_args(GPT2, max_steps=3, load_full=1),
+        ],
+    },
     # flan-t5's script reads p.ds_tensor too (its train.py:1090) under sharded data parallelism without the
     # distributed transformer; bf16
     "flan_t5_sdp2_bf16": {
         "script": "flan_t5",
         "nproc": 2,
         "phases": [with_args(T5, sharded_data_parallel_degree=2, bf16=1)],
+        "env": {"SMP_EXAMPLES_T5_DROPOUT_RATE": "0"},
+    },
+    "flan_t5_dp2_validation": {
+        "script": "flan_t5",
+        "nproc": 2,
+        "phases": [with_args(T5, max_steps=4, **VALIDATION)],
         "env": {"SMP_EXAMPLES_T5_DROPOUT_RATE": "0"},
     },
     # model_config fixes T5's dropout_rate at 0.1 and no argument turns it off; jmp's dropout masks are not
@@ -250,7 +286,8 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
     record["ran"] = True
     for phase_args in cfg["phases"]:
         args = [*phase_args, "--checkpoint-dir", str(work / "checkpoints")]
-        command = [sys.executable, "-m", "jmp.launch", "-n", str(cfg["nproc"]), "--cpu-devices", "1"]
+        devices = str(cfg.get("cpu_devices", 1))
+        command = [sys.executable, "-m", "jmp.launch", "-n", str(cfg["nproc"]), "--cpu-devices", devices]
         command += [str(CPU_HOST), str(script), *args]
         log, code, seconds = launch(command, work, _environment(work, data, cfg), timeout_s)
         (work / f"phase{len(record['phases'])}.log").write_text(log)
@@ -440,10 +477,6 @@ def reference(name: str, data: Path, initial_state: Path | None = None) -> dict:
         model.load_state_dict(jmp_init)
     if not args.same_seed:
         transformers.set_seed(args.seed)  # seed + tp_rank of rank 0
-    groups = train["get_param_groups_by_weight_decay"](model)
-    opt_class = torch.optim.AdamW if args.use_adamw > 0 else torch.optim.Adam
-    optimizer = opt_class(groups, betas=(args.beta1, args.beta2), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = train["get_learning_rate_scheduler"](optimizer, args)
     pp = max(1, args.pipeline_parallel_degree)
     # the processes that read distinct data: SMP's dp_size, or with prescaled_batch its rdp_size (a tp group reads one)
     ranks = cfg["nproc"] // pp // (max(1, args.tensor_parallel_degree) if args.prescaled_batch else 1)
@@ -473,48 +506,60 @@ def reference(name: str, data: Path, initial_state: Path | None = None) -> dict:
             copy = copy.to(dtype)
             half = float(copy(input_ids=first[0], attention_mask=first[1], labels=first[0])["loss"].float())
             result["half_forward_gap"][str(dtype).removeprefix("torch.")] = abs(half - full) / abs(full)
-    scaler = _DynamicLossScaler() if args.fp16 else None
     fp16_copy = auto.from_config(model_config).to(torch.float16).train() if args.fp16 else None
     params = [p for p in model.parameters() if p.requires_grad]
-    transformers.set_seed(args.seed)
-    model.train()
-    steps = 0
-    for index in range(args.epochs * len(paths)):
-        if steps >= args.max_steps:
-            break
-        for batches in zip(*loaders([paths[index % len(paths)]], args.train_batch_size, args.same_seed < 1)):
+    # --load_full restarts from the weights the phase before saved (fullmodel.pt): a new optimizer and schedule,
+    # step 0 and the first batch again (the script's resume keeps no optimizer state); its losses are the record
+    restart = next((i for i, a in enumerate(cfg["phases"]) if arg_value(a, "load_full") == "1"), None)
+    phases = cfg["phases"][restart - 1 : restart + 1] if restart else [argv]
+    for phase_argv in phases:
+        sys.argv = ["train.py", *phase_argv]
+        args = train["parse_args"]()
+        result |= {"losses_rank0": [], "losses_mean": [], "val_losses": {}, "skipped_steps": []}
+        groups = train["get_param_groups_by_weight_decay"](model)
+        opt_class = torch.optim.AdamW if args.use_adamw > 0 else torch.optim.Adam
+        optimizer = opt_class(groups, betas=(args.beta1, args.beta2), lr=args.lr, weight_decay=args.weight_decay)
+        scheduler = train["get_learning_rate_scheduler"](optimizer, args)
+        scaler = _DynamicLossScaler() if args.fp16 else None
+        transformers.set_seed(args.seed)
+        model.train()
+        steps = 0
+        for index in range(args.epochs * len(paths)):
             if steps >= args.max_steps:
                 break
-            optimizer.zero_grad(set_to_none=True)
-            per_rank = [loss_of(ids, mask) for ids, mask in batches]
-            loss = torch.stack(per_rank).mean()
-            loss.backward()
-            overflow = False
-            if scaler is not None:  # SMP skips a step whose fp16 backward of the scaled loss overflowed
-                overflow = _fp16_backward_overflows(fp16_copy, model, batches, args.microbatches, scaler.scale)
-                scaler.update(overflow)
-            if overflow:
-                result["skipped_steps"].append(steps)
-            else:
-                # as the script clips: clip_master_grads only when sharded_data_parallel_degree < 1 (never, with
-                # its default of 1), sdp_gradient_clipping when it is above 1
-                if args.sharded_data_parallel_degree != 1:
-                    torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-                optimizer.step()
-                scheduler.step()
-            result["losses_rank0"].append(float(per_rank[0]))
-            result["losses_mean"].append(float(loss))
-            steps += 1
-            if args.validation_freq and steps % args.validation_freq == 0:
-                model.eval()
-                with torch.no_grad():
-                    total = 0.0
-                    for val in loaders(val_files, args.val_batch_size, True):
-                        batches_seen = [float(loss_of(*b)) for i, b in zip(range(args.validation_batches), val)]
-                        total += sum(batches_seen) / len(batches_seen) if batches_seen else math.nan
-                # the script's eval_model logs -1.0 when its rank's loader has no batch (drop_last)
-                result["val_losses"][steps - 1] = total / ranks if not math.isnan(total) else -1.0
-                model.train()
+            for batches in zip(*loaders([paths[index % len(paths)]], args.train_batch_size, args.same_seed < 1)):
+                if steps >= args.max_steps:
+                    break
+                optimizer.zero_grad(set_to_none=True)
+                per_rank = [loss_of(ids, mask) for ids, mask in batches]
+                loss = torch.stack(per_rank).mean()
+                loss.backward()
+                overflow = False
+                if scaler is not None:  # SMP skips a step whose fp16 backward of the scaled loss overflowed
+                    overflow = _fp16_backward_overflows(fp16_copy, model, batches, args.microbatches, scaler.scale)
+                    scaler.update(overflow)
+                if overflow:
+                    result["skipped_steps"].append(steps)
+                else:
+                    # as the script clips: clip_master_grads only when sharded_data_parallel_degree < 1 (never, with
+                    # its default of 1), sdp_gradient_clipping when it is above 1
+                    if args.sharded_data_parallel_degree != 1:
+                        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+                    optimizer.step()
+                    scheduler.step()
+                result["losses_rank0"].append(float(per_rank[0]))
+                result["losses_mean"].append(float(loss))
+                steps += 1
+                if args.validation_freq and steps % args.validation_freq == 0:
+                    model.eval()
+                    with torch.no_grad():
+                        total = 0.0
+                        for val in loaders(val_files, args.val_batch_size, True):
+                            batches_seen = [float(loss_of(*b)) for i, b in zip(range(args.validation_batches), val)]
+                            total += sum(batches_seen) / len(batches_seen) if batches_seen else math.nan
+                    # the script's eval_model logs -1.0 when its rank's loader has no batch (drop_last)
+                    result["val_losses"][steps - 1] = total / ranks if not math.isnan(total) else -1.0
+                    model.train()
     result["val_losses"] = [result["val_losses"].get(k, math.nan) for k in range(steps)]
     if getattr(model_config, "dropout_rate", 0.0) > 0:
         result["dropout"] = True

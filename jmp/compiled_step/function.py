@@ -156,14 +156,15 @@ class StepFunction:
         feeding, processes = state.feeding_share() if jax.process_count() > 1 else (0, 1)
         fed_over = state.feeding_axes() if processes > 1 else state.DATA_AXES
         placed = place_arguments(
-            bound, flat, mesh, microbatches, self.non_split_inputs, self.input_split_axes, processes, fed_over
-        )
+            bound, flat, mesh, microbatches, self.non_split_inputs, self.input_split_axes, processes, fed_over,
+            model.pipeline is not None,
+        )  # fmt: skip
         scaling = model.loss_scaling
         signature = StepSignature(
             spec,
             placed.leaves,
             microbatches,
-            batching.data_shards(mesh, fed_over),
+            batching.data_shards(mesh, placed.fed_over),
             scaling is not None and scaling.scales_in_step,
             torch.is_grad_enabled(),
             model.average_grads_across_microbatches,

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 
 from jmp.errors import StepError
 from jmp.runtime import mesh_state as state
+from jmp.runtime import notices
 from jmp.sharding.batch_spec import batch_spec
 
 
@@ -30,11 +31,13 @@ def data_shards(mesh: jax.sharding.Mesh, axes: tuple[str, ...] = state.DATA_AXES
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def over_data_axes(x: jax.Array, axis: int, mesh: jax.sharding.Mesh) -> jax.Array:
+def over_data_axes(
+    x: jax.Array, axis: int, mesh: jax.sharding.Mesh, axes: tuple[str, ...] = state.DATA_AXES
+) -> jax.Array:
     """The batch laid out over the data axes alone: processes of a tensor-parallel group feed different rows
     (SMP's rule without ``prescaled_batch``), and the group computes on all of them. The sequence stays split
     over "cp" (``batch_spec``)."""
-    spec = batch_spec(x.shape, axis, state.DATA_AXES, mesh)
+    spec = batch_spec(x.shape, axis, axes, mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -62,6 +65,23 @@ def whole_batch(array: Any, sharding: NamedSharding, shape: tuple[int, ...]) -> 
     return jax.make_array_from_process_local_data(sharding, np.asarray(array), shape)
 
 
+def whole_on_every_device(rows: list[int], microbatches: int, shards: int) -> bool:
+    """Whether one process's batch (of ``rows`` in each split input) is given whole to every device: its ``shards``
+    data-parallel devices cannot share it equally (a validation batch smaller than their number, a short last
+    batch), but it divides into the microbatches. Every device then computes all of it, as a one-process PyTorch
+    run does; said once."""
+    parts = microbatches * shards
+    if shards == 1 or all(n % parts == 0 for n in rows) or any(n % microbatches for n in rows):
+        return False
+    notices.info_once(
+        "step:whole-batch",
+        "a step's batch of %d rows does not divide into %d microbatches x %d data-parallel shards: every device "
+        "computes the whole batch (a multiple of %d rows is split over them)",
+        *(next(n for n in rows if n % parts), microbatches, shards, parts),
+    )
+    return True
+
+
 def check_divisible(name: str, shape: tuple, axis: int, microbatches: int, shards: int, processes: int = 1) -> None:
     """Refuse a batch that does not divide into ``microbatches`` x ``shards`` (or lacks the axis)."""
     if axis >= len(shape):
@@ -75,17 +95,11 @@ def check_divisible(name: str, shape: tuple, axis: int, microbatches: int, shard
                 f"{max(1, microbatches * shards // processes)} rows (DataLoader(..., drop_last=True) drops the "
                 "short last batch)."
             )
-        per_device = (
-            f" This one process drives all {shards} data-parallel devices, so the batch it passes is the whole "
-            f"batch over them; under SMP a script's batch size is per process, one process per device. To keep "
-            f"that meaning, launch one process per device: python -m jmp.launch -n {jax.device_count()} script.py "
-            "(on a machine without GPUs each process gets one emulated CPU device)."
-            if shards > 1
-            else ""
-        )
+        parts, rows = microbatches * shards, shape[axis]
         raise StepError(
-            f"step input '{name}' has batch size {shape[axis]} (axis {axis}), which does not divide into "
-            f"{microbatches} microbatches x {shards} data-parallel shards = {microbatches * shards}. Use a batch "
-            "size that is a multiple of that (DataLoader(..., drop_last=True) drops the short last batch), or "
-            f"list the argument in non_split_inputs.{per_device}"
+            f"step input '{name}' has batch size {rows} (axis {axis}), which does not divide into {microbatches} "
+            f"microbatches x {shards} data-parallel shards = {parts}. Pad the batch to {-(-rows // parts) * parts} "
+            f"rows and keep the first {rows} rows of what it returns, drop the short last batch (DataLoader(..., "
+            "drop_last=True)), or list the argument in non_split_inputs. (Outside a pipeline, one process's batch "
+            f"of a multiple of {microbatches} rows runs whole on every device.)"
         )

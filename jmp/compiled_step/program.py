@@ -121,7 +121,9 @@ def run(fn: Callable, model: DistributedModel, signature: StepSignature, traced:
     microbatches, split = signature.microbatches, signature.split_axes
     mesh = model.layout.mesh
     pieces = [
-        batching.over_data_axes(batching.split(a, axis, microbatches, signature.data_shards), axis + 1, mesh)
+        batching.over_data_axes(
+            batching.split(a, axis, microbatches, signature.data_shards), axis + 1, mesh, signature.batch_axes
+        )
         if axis is not None
         else a
         for a, axis in zip(arrays, split)

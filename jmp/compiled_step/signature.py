@@ -19,6 +19,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import microbatches as batching
+from jmp.compiled_step.microbatches import data_shards
+from jmp.runtime import mesh_state as state
 from jmp.sharding.batch_spec import batch_spec
 from jmp.torch_bridge import JaxTensor
 from jmp.torch_bridge.dtypes import to_torch_dtype
@@ -101,6 +103,12 @@ class StepSignature:
         object.__setattr__(self, "graphdef_id", id(self.graphdef))
 
     @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes a microbatch is laid out over inside the program: the data axes, or none when the batch is
+        given whole to every device (``place_arguments``)."""
+        return state.DATA_AXES if self.data_shards > 1 else ()
+
+    @property
     def split_axes(self) -> list[int | None]:
         """The batch axis of each array input (None: given whole to every microbatch); the loss scale comes last."""
         return [leaf.split_axis for leaf in self.leaves if leaf.kind == "array"] + [None]
@@ -112,6 +120,7 @@ class PlacedArguments:
 
     leaves: tuple[Leaf, ...]
     arrays: list[jax.Array]
+    fed_over: tuple[str, ...]  # the mesh axes the batch is sharded over; () when every device computes all of it
 
 
 def place_arguments(
@@ -123,36 +132,52 @@ def place_arguments(
     split_axes: Mapping[str, int],
     processes: int,
     fed_over: tuple[str, ...],
+    pipelined: bool = False,
 ) -> PlacedArguments:
     """Sort the flattened arguments ``flat`` of ``bound`` into leaves; tensors go to the devices, those with a
     batch axis (``split_axes``, default 0, none for names in ``non_split``) sharded over the data axes.
 
     ``processes`` feed equal shares of the batch (1: this process feeds all of it), each to the devices of
     the process that feeds it: the batch is sharded over the mesh axes ``fed_over`` (the program lays it out
-    over the data axes).
+    over the data axes). One process's batch that its data-parallel devices cannot share equally is given whole
+    to each (``microbatches.whole_on_every_device``), unless the model is ``pipelined``.
     """
-    shards = batching.data_shards(mesh, fed_over)
+    names = _argument_names(bound)
+    tensors = {
+        i: _host_or_device_array(v) for i, v in enumerate(flat) if isinstance(v, (torch.Tensor, np.ndarray, jax.Array))
+    }
+    axes = {i: _batch_axis(array, names[i], non_split, split_axes) for i, (array, _) in tensors.items()}
+    shapes = {
+        i: batching.whole_batch_shape(tensors[i][0], axis, processes) for i, axis in axes.items() if axis is not None
+    }
+    rows = [shapes[i][axis] for i, axis in axes.items() if axis is not None and axis < len(shapes[i])]
+    if processes == 1 and not pipelined and batching.whole_on_every_device(rows, microbatches, data_shards(mesh)):
+        fed_over = ()
+    shards = data_shards(mesh, fed_over)
     leaves: list[Leaf] = []
     arrays: list[jax.Array] = []
-    for value, name in zip(flat, _argument_names(bound)):
+    for i, value in enumerate(flat):
         if isinstance(value, DistributedModel):
             leaves.append(Leaf("model"))
-        elif isinstance(value, (torch.Tensor, np.ndarray, jax.Array)):
-            array, dtype = _host_or_device_array(value)
-            axis = None if name in non_split else split_axes.get(name, 0)
-            if axis is not None and array.ndim == 0:
-                axis = None  # a scalar has no batch to split
+        elif i in tensors:
+            (array, dtype), axis = tensors[i], axes[i]
             if axis is not None:
-                shape = batching.whole_batch_shape(array, axis, processes)
-                batching.check_divisible(name, shape, axis, microbatches, shards, processes)
-                sharding = NamedSharding(mesh, batch_spec(shape, axis, fed_over, mesh))
-                arrays.append(batching.whole_batch(array, sharding, shape))
+                batching.check_divisible(names[i], shapes[i], axis, microbatches, shards, processes)
+                sharding = NamedSharding(mesh, batch_spec(shapes[i], axis, fed_over, mesh))
+                arrays.append(batching.whole_batch(array, sharding, shapes[i]))
             else:  # the same value on every process
                 arrays.append(jax.device_put(array, NamedSharding(mesh, PartitionSpec())))
             leaves.append(Leaf("array", axis, dtype))
         else:
             leaves.append(Leaf("static", static=Static(value)))
-    return PlacedArguments(tuple(leaves), arrays)
+    return PlacedArguments(tuple(leaves), arrays, fed_over)
+
+
+def _batch_axis(array: Any, name: str, non_split: Container[str], split_axes: Mapping[str, int]) -> int | None:
+    """The axis a step input is split on: None for a name in ``non_split`` or a scalar."""
+    if name in non_split or array.ndim == 0:
+        return None
+    return split_axes.get(name, 0)
 
 
 def rebuild(spec: Any, leaves: tuple[Leaf, ...], arrays: list[jax.Array], model: DistributedModel) -> Any:

@@ -19,11 +19,9 @@ import dataclasses
 import weakref
 from typing import Any
 
-import jax
 import torch
 import torch.utils._pytree as torch_pytree
 
-from jmp.compiled_step import microbatches as batching
 from jmp.compiled_step.function import step
 from jmp.compiled_step.outputs import StepOutput
 from jmp.eager import generation, plain_optimizers
@@ -141,7 +139,6 @@ class Recording:
         refs = [self._leaf(leaf, model_input=True) for leaf in leaves]
         if not self.differentiable:
             generation.check_no_cache(leaves)
-            self._whole_if_indivisible()
         self.autocast = _autocast_region()
         forward = Plan(Call(None, tuple(refs), spec, (), self.autocast), (), None, None, None, tuple(self.split))
         if not self.differentiable:  # gradients off: nothing to record, the forward runs at once
@@ -222,34 +219,6 @@ class Recording:
                 outputs.append(leaf)
                 indices.append(None)
         return outputs, indices
-
-    def _whole_if_indivisible(self) -> None:
-        """A forward under ``no_grad`` whose batch the data-parallel devices cannot share equally (a generation's
-        one prompt) is given whole: every device computes all of it. Only where nothing needs the batch split
-        (one microbatch, no pipeline); with several processes the step says how each one's share must divide."""
-        config = self.model.layout.config
-        shards = batching.data_shards(self.model.layout.mesh)
-        parts = config.microbatches * shards
-        rows = next((t.shape[0] for t, split in zip(self.inputs, self.split) if split and t.shape[0] % parts), None)
-        if rows is None or jax.process_count() > 1:
-            return
-        if config.microbatches > 1 or self.model.pipeline is not None:
-            raise StepError(
-                f"a forward under torch.no_grad() on a batch of {rows} rows: the config splits each batch into "
-                f"{config.microbatches} microbatches x {shards} data-parallel shards"
-                f"{' for its pipeline' if self.model.pipeline is not None else ''}, so it takes a multiple of "
-                f"{parts} rows. Pad the batch to {-(-rows // parts) * parts} rows (copies of a prompt) and keep "
-                f"the first {rows} rows of what it returns."
-            )
-        self.split = [False] * len(self.split)
-        notices.info_once(
-            "eager:whole-batch",
-            "a forward under torch.no_grad() on a batch of %d rows, which %d data-parallel shards cannot share "
-            "equally: every device computes the whole batch (a multiple of %d rows is split over them)",
-            rows,
-            shards,
-            shards,
-        )
 
     # --- running ----------------------------------------------------------------------------------------
 

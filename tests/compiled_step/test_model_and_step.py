@@ -1,5 +1,7 @@
 """DistributedModel and @smp.step: outputs, evaluation steps, state dicts, compilation, and misuse."""
 
+import copy
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from torch import nn
 
 import jmp as smp
 from jmp.errors import StateDictError, StepError
+from jmp.runtime import notices
 from tests.front_end.helpers import SmallNet, batches, compilations, train_step
 
 
@@ -144,6 +147,35 @@ def test_backward_needs_one_scalar_loss(model):
 def test_a_batch_that_does_not_divide_gets_the_sizes_and_drop_last_advice(model):
     with pytest.raises(StepError, match="batch size 30 .* 4 microbatches x 8 data-parallel shards = 32.*drop_last"):
         train_step(model, torch.randn(30, 10), torch.randint(0, 5, (30,)))
+
+
+def test_a_batch_the_data_parallel_devices_cannot_share_runs_whole_on_each_and_trains_as_torch(
+    model, monkeypatch, caplog
+):
+    """One process driving 8 devices is one rank: a batch of 4 (AWS's gpt2 script's default --val_batch_size) or
+    a short last batch of 12 is its whole batch, as in a one-process PyTorch run, computed whole on every device."""
+    monkeypatch.setattr(notices, "_SAID", set())
+    caplog.set_level("INFO", logger="jmp")
+    reference = copy.deepcopy(model.module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model.eval()
+    x, _ = batches(1, batch=4)[0]
+    np.testing.assert_allclose(eval_step(model, x).concat(), reference(x).detach(), rtol=1e-5, atol=1e-6)
+    model.train()
+    for x, y in batches(2, batch=12, seed=3):
+        expected = [F.cross_entropy(reference(xm), ym) / 4 for xm, ym in zip(x.chunk(4), y.chunk(4))]
+        torch_optimizer.zero_grad()
+        sum(expected).backward()
+        torch_optimizer.step()
+        optimizer.zero_grad()
+        output, loss = train_step(model, x, y)
+        optimizer.step()
+        np.testing.assert_allclose([float(v) for v in loss.outputs], [4 * float(v) for v in expected], rtol=1e-5)
+        assert tuple(output.concat().shape) == (12, 5)
+    for name, value in model.state_dict().items():
+        np.testing.assert_allclose(value, reference.state_dict()[name], rtol=1e-5, atol=1e-6)
+    assert caplog.text.count("every device computes the whole batch") == 1
 
 
 def test_non_split_inputs_and_split_axes(model):
