@@ -6,18 +6,25 @@ Each row is one model (``MODELS``: small timm and torchvision classifiers, 10 cl
 ``IMAGE``, seed 0, train mode: batch-norm on batch statistics; dropout off, since jmp draws its own masks) in one
 variant (``plain``; ``channels_last``: the model and its input in torch's channels-last memory format; ``fx``: the
 model traced by ``torch.fx.symbolic_trace``, a ``GraphModule``; ``jit_norm``: timm's norm-act layers
-``torch.jit.script``-ed as timm does for ``jit=True``, which jmp refuses by design: ``unsupported``)
-and one config, in a subprocess with a time limit. The step is ``loss = F.cross_entropy(model(x), y);
-model.backward(loss)``. The reference is PyTorch in float64 on the same weights (the float32 gradients of a bias
-that a later normalisation cancels, or of a layer behind a batch-norm in train mode, are ill-conditioned: float32
-PyTorch itself is 1e-3 off on some of them), and PyTorch in float32 is measured against it too. A gradient's error
-is its largest absolute difference over the largest magnitude of the float64 gradient, floored at ``FLOOR`` times
-the model's largest gradient (a gradient that is zero in exact arithmetic is float noise below that). A row
-passes when the losses agree within ``LOSS_RTOL`` and every gradient is within ``GRAD_RTOL`` or within ``SLACK``
-times float32 PyTorch's own error on it; the batch-norm running statistics after the step are compared with
-PyTorch's (one forward over the whole batch: jmp's step normalises over the global batch, as SyncBatchNorm would)
-in the same way. Each row records the status, the worst gradient, and per parameter kind (the owning module's
-class and ``weight``/``bias``) jmp's and float32 PyTorch's largest error.
+``torch.jit.script``-ed as timm does for ``jit=True``, which jmp refuses by design: ``unsupported``; ``drop_path``:
+stochastic depth on, see below) and one config, in a subprocess with a time limit. The step is ``loss =
+F.cross_entropy(model(x), y); model.backward(loss)``. The reference is PyTorch in float64 on the same weights (the
+float32 gradients of a bias that a later normalisation cancels, or of a layer behind a batch-norm in train mode, are
+ill-conditioned: float32 PyTorch itself is 1e-3 off on some of them), and PyTorch in float32 is measured against it
+too. A gradient's error is its largest absolute difference over the largest magnitude of the float64 gradient,
+floored at ``FLOOR`` times the model's largest gradient (a gradient that is zero in exact arithmetic is float noise
+below that). A row passes when the losses agree within ``LOSS_RTOL`` and every gradient is within ``GRAD_RTOL`` or
+within ``SLACK`` times float32 PyTorch's own error on it; the batch-norm running statistics after the step are
+compared with PyTorch's (one forward over the whole batch: one process is one rank, so jmp's step normalises over
+its whole batch across the 8 devices) in the same way. Each row records the status, the worst gradient, and per
+parameter kind (the owning module's class and ``weight``/``bias``) jmp's and float32 PyTorch's largest error.
+
+Stochastic depth: jmp draws its own masks (one keep/drop per row and per ``DropPath``), so the reference reads
+them back. The step also returns the logits; for each row, PyTorch (float64) computes that row's logits under
+every combination of the model's masks, and exactly one must match jmp's (within ``MASK_RTOL`` of the row's
+largest logit, the next within no less than ``MASK_GAP`` times that). The reference then runs the whole batch
+under those masks (each ``DropPath`` multiplying its row by 0 or 1 / keep probability, as timm's ``drop_path``
+does), and the row is compared as any other. The row records how often each mask kept its path.
 
 Its environment: PyPI's torchvision is a CUDA build whose ``_C`` extension cannot load on this CPU torch (and its
 missing ops make ``transformers`` refuse to import its models), so it lives in a venv of its own that reuses the
@@ -41,6 +48,7 @@ Results in ``benchmarks/results/image_zoo.json``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -53,6 +61,7 @@ RESULTS = Path(__file__).parent / "results" / "image_zoo.json"
 TIMEOUT_S = 420
 DEVICES, BATCH, IMAGE, CLASSES = 8, 8, 64, 10
 LOSS_RTOL, GRAD_RTOL, FLOOR, SLACK = 1e-5, 1e-4, 1e-3, 4.0
+MASK_RTOL, MASK_GAP = 1e-4, 100.0
 CONFIGS = {"dp8": {}, "sdp8": {"sharded_data_parallel_degree": 8}}
 
 # (source, name, constructor keywords, variant)
@@ -74,6 +83,11 @@ MODELS: list[tuple[str, str, dict, str]] = [
     ("torchvision", "shufflenet_v2_x0_5", {}, "plain"),
     ("torchvision", "efficientnet_b0", {"stochastic_depth_prob": 0.0}, "channels_last"),
     ("torchvision", "squeezenet1_1", {}, "plain"),
+    # stochastic depth (timm's DropPath, drop_path_rate 0.5 spread over the blocks): no batch norm, so each row's
+    # output depends on its own masks only, which the reference reads back from jmp's outputs (``drop_path_masks``)
+    ("timm", "vit_tiny_patch16_224", {"img_size": IMAGE, "depth": 3, "drop_path_rate": 0.5}, "drop_path"),
+    # ConvNeXt's layer scale starts at 1e-6, so its blocks' paths would change the logits below float32 rounding
+    ("timm", "convnext_atto", {"depths": (1, 1, 1, 1), "drop_path_rate": 0.5, "ls_init_value": 1.0}, "drop_path"),
 ]
 
 
@@ -166,10 +180,55 @@ def _named(tree) -> dict:
     }
 
 
+def drop_paths(model) -> list[tuple[object, float]]:
+    """(module, keep probability) of each stochastic-depth module of ``model`` that can drop its path: timm's
+    ``DropPath`` and torchvision's ``StochasticDepth`` (either mode), found by class name."""
+    found = []
+    for module in model.modules():
+        p = {"DropPath": "drop_prob", "StochasticDepth": "p"}.get(type(module).__name__)
+        if p is not None and getattr(module, p) > 0:
+            found.append((module, 1 - getattr(module, p)))
+    return found
+
+
+def with_masks(model, masks) -> None:
+    """Each of ``model``'s stochastic-depth modules multiplies row i by ``masks[k][i]`` (1: kept) over its keep
+    probability, as timm's ``drop_path`` and torchvision's ``stochastic_depth`` do with the masks they draw."""
+    import torch
+
+    for (module, keep), mask in zip(drop_paths(model), masks):
+        rows = torch.as_tensor(mask, dtype=torch.float64)
+        module.forward = lambda x, rows=rows, keep=keep: x * (rows / keep).to(x.dtype).view(-1, *[1] * (x.ndim - 1))
+
+
+def drop_path_masks(model, x, logits) -> tuple[list[list[int]], float, float]:
+    """The masks jmp drew, read back from its ``logits`` row by row: ([module][row] kept, worst match, nearest
+    other combination)."""
+    import itertools
+
+    import numpy as np
+    import torch
+
+    reference = copy.deepcopy(model).double()
+    count = len(drop_paths(reference))
+    combos = list(itertools.product((0, 1), repeat=count))
+    masks, worst, nearest = [[0] * len(x) for _ in range(count)], 0.0, float("inf")
+    for row in range(len(x)):
+        errors = []
+        for combo in combos:
+            with_masks(reference, [[c] for c in combo])
+            with torch.no_grad():
+                out = reference(x[row : row + 1].double()).numpy()[0]
+            errors.append(float(np.max(np.abs(out - logits[row]))) / float(np.max(np.abs(out))))
+        order = np.argsort(errors)
+        worst, nearest = max(worst, errors[order[0]]), min(nearest, errors[order[1]])
+        for k, kept in enumerate(combos[order[0]]):
+            masks[k][row] = kept
+    return masks, worst, nearest
+
+
 def run_row(source: str, name: str, kwargs: dict, variant: str, config: dict) -> dict:
     """One model, one variant, one config: the comparison as a dict."""
-    import copy
-
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -181,18 +240,24 @@ def run_row(source: str, name: str, kwargs: dict, variant: str, config: dict) ->
     if variant == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
     kinds = _kinds(model)
-    references = {}
-    for dtype in (torch.float64, torch.float32):
-        reference = copy.deepcopy(model).to(dtype)
-        loss = F.cross_entropy(reference(x.to(dtype)), y)
-        loss.backward()
-        grads = {n: p.grad.double().numpy() for n, p in reference.named_parameters() if p.grad is not None}
-        buffers = {
-            n: b.double().numpy() for n, b in reference.named_buffers() if n.endswith(("running_mean", "running_var"))
-        }
-        references[dtype] = (float(loss), grads, buffers)
-    loss64, g64, b64 = references[torch.float64]
-    loss32, g32, b32 = references[torch.float32]
+    initial = copy.deepcopy(model)
+
+    def torch_step(masks=None) -> dict:
+        references = {}
+        for dtype in (torch.float64, torch.float32):
+            reference = copy.deepcopy(initial).to(dtype)
+            if masks is not None:
+                with_masks(reference, masks)
+            loss = F.cross_entropy(reference(x.to(dtype)), y)
+            loss.backward()
+            grads = {n: p.grad.double().numpy() for n, p in reference.named_parameters() if p.grad is not None}
+            buffers = {
+                n: b.double().numpy()
+                for n, b in reference.named_buffers()
+                if n.endswith(("running_mean", "running_var"))
+            }
+            references[dtype] = (float(loss), grads, buffers)
+        return references
 
     import jmp as smp
 
@@ -201,13 +266,25 @@ def run_row(source: str, name: str, kwargs: dict, variant: str, config: dict) ->
 
     @smp.step
     def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
         model.backward(loss)
-        return loss
+        return logits, loss
 
     start = time.perf_counter()
-    loss = float(train_step(distributed, x, y).reduce_mean())
+    logits, loss = train_step(distributed, x, y)
+    loss = float(loss.reduce_mean())
     seconds = time.perf_counter() - start
+    drawn = {}
+    if variant == "drop_path":
+        masks, match, nearest = drop_path_masks(initial, x, logits.concat().detach().numpy())
+        drawn = {"mask_match": match, "nearest_other_mask": nearest, "kept_per_mask": [sum(m) for m in masks]}
+        drawn["distinct_rows"] = len(set(zip(*masks)))
+        if match > MASK_RTOL or nearest < MASK_GAP * match:
+            return {"status": "mismatch", "error": "no single mask combination gives jmp's logits", **drawn}
+    references = torch_step(masks if variant == "drop_path" else None)
+    loss64, g64, b64 = references[torch.float64]
+    loss32, g32, b32 = references[torch.float32]
     actual = _named(distributed.grads)
     state = distributed.state_dict()
     buffers = {n: state[n].double().numpy() for n in b64 if n in state}
@@ -259,6 +336,7 @@ def run_row(source: str, name: str, kwargs: dict, variant: str, config: dict) ->
         "max_buffer_rel_error": max((j for j, _ in buffer_errors.values()), default=None),
         "failing_buffers": bad_buffers[:10],
         "step_seconds_with_compile": round(seconds, 1),
+        **drawn,
     }
 
 
