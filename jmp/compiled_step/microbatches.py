@@ -76,8 +76,9 @@ def whole_on_every_device(rows: list[int], microbatches: int, shards: int) -> bo
     notices.info_once(
         "step:whole-batch",
         "a step's batch of %d rows does not divide into %d microbatches x %d data-parallel shards: every device "
-        "computes the whole batch (a multiple of %d rows is split over them)",
-        *(next(n for n in rows if n % parts), microbatches, shards, parts),
+        "computes the whole batch (a multiple of %d rows is split over them). This one process is one rank; under "
+        "SMP a script's batch size is per process: python -m jmp.launch -n %d script.py runs one per device",
+        *(next(n for n in rows if n % parts), microbatches, shards, parts, shards),
     )
     return True
 

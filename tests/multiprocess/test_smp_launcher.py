@@ -119,23 +119,29 @@ def test_output_passes_through_less_gloos_connection_lines():
         )
 
 
-def test_one_process_driving_every_device_says_its_batch_is_global_and_how_to_launch_one_per_device():
-    """The gpt2 script's ``--train_batch_size 4`` in one process over 8 devices: the error explains the
-    difference from SMP's per-process batch and names the launch that keeps it."""
+def test_one_process_driving_every_device_computes_a_small_batch_whole_and_says_how_to_launch_one_per_device(
+    monkeypatch, caplog
+):
+    """The gpt2 script's ``--train_batch_size 4`` in one process over 8 devices: it runs, each device computing the
+    whole batch, and the notice explains the difference from SMP's per-process batch and names the launch that
+    keeps it."""
     import jmp as smp
+    from jmp.runtime import notices
 
+    monkeypatch.setattr(notices, "_SAID", set())
+    caplog.set_level("INFO", logger="jmp")
     smp.init({})
-    model = smp.DistributedModel(torch.nn.Linear(3, 2))
+    module = torch.nn.Linear(3, 2)
+    model = smp.DistributedModel(module)
 
     @smp.step
     def forward(model, data):
         return model(data)
 
-    with pytest.raises(smp.StepError) as error:
-        forward(model, torch.randn(4, 3))
-    message = str(error.value)
-    assert "batch size 4" in message and "1 microbatches x 8 data-parallel shards" in message
-    assert "batch size is per process" in message and "python -m jmp.launch -n 8 script.py" in message
+    data = torch.randn(4, 3)
+    torch.testing.assert_close(forward(model, data).concat(), module(data).detach())
+    assert "batch of 4 rows does not divide into 1 microbatches x 8 data-parallel shards" in caplog.text
+    assert "batch size is per process" in caplog.text and "python -m jmp.launch -n 8 script.py" in caplog.text
 
 
 def test_an_uncaught_error_after_smp_init_shows_its_traceback(tmp_path):
