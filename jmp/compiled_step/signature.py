@@ -19,7 +19,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.compiled_step import microbatches as batching
-from jmp.compiled_step.microbatches import data_shards
 from jmp.runtime import mesh_state as state
 from jmp.sharding.batch_spec import batch_spec
 from jmp.torch_bridge import JaxTensor
@@ -151,9 +150,13 @@ def place_arguments(
         i: batching.whole_batch_shape(tensors[i][0], axis, processes) for i, axis in axes.items() if axis is not None
     }
     rows = [shapes[i][axis] for i, axis in axes.items() if axis is not None and axis < len(shapes[i])]
-    if processes == 1 and not pipelined and batching.whole_on_every_device(rows, microbatches, data_shards(mesh)):
+    if (
+        processes == 1
+        and not pipelined
+        and batching.whole_on_every_device(rows, microbatches, batching.data_shards(mesh))
+    ):
         fed_over = ()
-    shards = data_shards(mesh, fed_over)
+    shards = batching.data_shards(mesh, fed_over)
     leaves: list[Leaf] = []
     arrays: list[jax.Array] = []
     for i, value in enumerate(flat):
