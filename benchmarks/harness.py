@@ -43,13 +43,15 @@ def time_interleaved(
     steps: int,
     warmup: int = 2,
     prepare: Mapping[str, Callable[[], Any]] | None = None,
+    block: int = 1,
 ) -> dict[str, list[float]]:
     """Seconds of each call of each run: ``warmup`` untimed rounds, then ``steps`` timed rounds.
 
-    A round calls every run once; the order is reversed every other round so that drift on a shared machine
-    falls on all runs alike. A call is timed until what it returns is ready (``jax.block_until_ready``: JAX
-    dispatches asynchronously). ``prepare[name]``, if given, runs untimed before each call of that run (e.g.
-    ``smp.init`` with the config the run's model was built under).
+    A round calls every run once, or ``block`` times in a row (as a training loop runs its step; the first call
+    of a block, the one after another run's, is then untimed); the order is reversed every other round so that
+    drift on a shared machine falls on all runs alike. A call is timed until what it returns is ready
+    (``jax.block_until_ready``: JAX dispatches asynchronously). ``prepare[name]``, if given, runs untimed before
+    each block of that run (e.g. ``smp.init`` with the config the run's model was built under).
     """
     prepare = prepare or {}
     order = list(runs)
@@ -58,10 +60,11 @@ def time_interleaved(
         for name in order if i % 2 else order[::-1]:
             if name in prepare:
                 prepare[name]()
-            start = time.perf_counter()
-            jax.block_until_ready(runs[name]())
-            if i >= warmup:
-                samples[name].append(time.perf_counter() - start)
+            for call in range(block):
+                start = time.perf_counter()
+                jax.block_until_ready(runs[name]())
+                if i >= warmup and (call > 0 or block == 1):
+                    samples[name].append(time.perf_counter() - start)
     return samples
 
 

@@ -26,8 +26,6 @@ import argparse
 import contextlib
 import functools
 import os
-import statistics
-import time
 from unittest import mock
 
 import jax
@@ -35,7 +33,16 @@ import torch
 import transformers
 
 from benchmarks import step_speed
-from benchmarks.harness import causal_lm, gpt2_config, lm_step, machine, token_ids, write_results
+from benchmarks.harness import (
+    causal_lm,
+    gpt2_config,
+    lm_step,
+    machine,
+    medians,
+    time_interleaved,
+    token_ids,
+    write_results,
+)
 
 _SCAN = jax.lax.scan
 
@@ -50,22 +57,6 @@ def _variant(name: str):
 
 def _config(name: str) -> dict:
     return {"microbatches": 1, **({"scan_layers": False} if name == "unscanned" else {})}
-
-
-def time_in_blocks(runs, prepare, rounds: int, block: int) -> dict[str, float]:
-    """Median seconds of a call of each run, over ``rounds`` blocks of ``block`` consecutive calls each."""
-    samples = {name: [] for name in runs}
-    order = list(runs)
-    for r in range(rounds):
-        for name in order if r % 2 else order[::-1]:
-            if name in prepare:
-                prepare[name]()
-            for i in range(block):
-                start = time.perf_counter()
-                jax.block_until_ready(runs[name]())
-                if i:
-                    samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def main() -> None:
@@ -101,7 +92,7 @@ def main() -> None:
                 make_model, make_optimizer, _config(name), 1, lambda model: lm_step(model, ids)
             )
     prepare = {name: functools.partial(step_speed.init, _config(name), 1) for name in variants}
-    median = time_in_blocks(runs, prepare, args.rounds, args.block)
+    median = medians(time_interleaved(runs, args.rounds, warmup=0, prepare=prepare, block=args.block))
     result = {
         "machine": machine(),
         "command": f"python -m benchmarks.scan_variants --rounds {args.rounds} --block {args.block}",
