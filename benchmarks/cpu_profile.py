@@ -32,7 +32,7 @@ from jax.profiler import ProfileData  # noqa: E402
 
 import jmp as smp  # noqa: E402
 from benchmarks import step_speed  # noqa: E402
-from benchmarks.harness import causal_lm, gpt2_config, lm_step, machine, token_ids, write_results  # noqa: E402
+from benchmarks.harness import lm_step, machine, token_ids, write_results  # noqa: E402
 
 _WRAPPERS = ("ThunkExecutor", "SlinkyThreadPool", "$", "Pjit", "PjRt", "TfrtCpu")
 
@@ -124,15 +124,9 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     ids = token_ids(step_speed.GPT2_BATCH, step_speed.GPT2_SEQUENCE, step_speed.GPT2["vocab"])
 
-    def make_model():
-        return causal_lm(gpt2_config(**step_speed.GPT2))
-
-    def make_optimizer(params):
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)
-
     smp.init({"microbatches": 1}, devices=jax.devices()[:1])
-    model = smp.DistributedModel(make_model())
-    optimizer = smp.DistributedOptimizer(make_optimizer(model.module.parameters()))
+    model = smp.DistributedModel(step_speed.gpt2_model())
+    optimizer = smp.DistributedOptimizer(step_speed.gpt2_optimizer(model.module.parameters()))
 
     def jmp_iteration():
         optimizer.zero_grad()
@@ -149,7 +143,7 @@ def main() -> None:
         return loss
 
     torch_iteration, _ = step_speed.torch_run(
-        make_model, make_optimizer, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss
+        step_speed.gpt2_model, step_speed.gpt2_optimizer, step_speed.gpt2_loss(ids)
     )
     result = {
         "machine": machine(),

@@ -39,9 +39,7 @@ import jmp as smp
 from benchmarks import step_speed
 from benchmarks.harness import (
     all_reduce_bytes,
-    causal_lm,
     emulate_devices,
-    gpt2_config,
     lm_step,
     machine,
     medians,
@@ -186,15 +184,15 @@ def main() -> None:
     ):
         result[key] = measure(
             name,
-            lambda: causal_lm(gpt2_config(**step_speed.GPT2)),
-            lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4),
+            step_speed.gpt2_model,
+            step_speed.gpt2_optimizer,
             lm_step,
             lambda: (ids,),
             args.steps,
             config,
         )
     result["gpt2"]["torch_one_replica"] = torch_one_replica(
-        causal_lm(gpt2_config(**step_speed.GPT2)),
+        step_speed.gpt2_model(),
         lambda model, x: model(input_ids=x, labels=x, use_cache=False).loss,
         (ids[:4],),
         args.steps,

@@ -34,8 +34,6 @@ import transformers
 
 from benchmarks import step_speed
 from benchmarks.harness import (
-    causal_lm,
-    gpt2_config,
     lm_step,
     machine,
     medians,
@@ -71,15 +69,7 @@ def main() -> None:
     load_at_start = list(os.getloadavg())
     ids = token_ids(step_speed.GPT2_BATCH, step_speed.GPT2_SEQUENCE, step_speed.GPT2["vocab"])
 
-    def make_model():
-        return causal_lm(gpt2_config(**step_speed.GPT2))
-
-    def make_optimizer(params):
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)
-
-    def loss_of(model):
-        return model(input_ids=ids, labels=ids, use_cache=False).loss
-
+    make_model, make_optimizer, loss_of = step_speed.gpt2_model, step_speed.gpt2_optimizer, step_speed.gpt2_loss(ids)
     runs, first = {}, {}
     runs["torch_eager"], first["torch_eager"] = step_speed.torch_run(make_model, make_optimizer, loss_of)
     runs["torch_compile"], first["torch_compile"], _ = step_speed.torch_compiled_run(

@@ -75,6 +75,21 @@ IMAGES = 64
 GPT2 = dict(vocab=2048, positions=128, d_model=256, layers=4, heads=4)
 GPT2_BATCH, GPT2_SEQUENCE = 8, 128
 
+
+def gpt2_model() -> torch.nn.Module:
+    """The GPT-2 these timings train (``GPT2``'s sizes, random weights of torch seed 0)."""
+    return causal_lm(gpt2_config(**GPT2))
+
+
+def gpt2_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4)
+
+
+def gpt2_loss(ids: torch.Tensor):
+    """The GPT-2's loss on ``ids`` as their own labels, as a function of the model (PyTorch's side)."""
+    return lambda model: model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
 # name -> (config, devices: None = all)
 GROUPED_NET_RUNS = {
     "jmp_1dev_mb1": ({"microbatches": 1}, 1),
@@ -184,7 +199,7 @@ def handwritten_jax_step(ids: torch.Tensor):
     copied in) split once into arrays, and ``jax.jit`` of loss, gradient and optax AdamW with the parameters and
     optimizer state donated: (the jitted step, its [parameters, optimizer state], the tokens)."""
     reference = ReferenceGPT2(GPT2["vocab"], GPT2["positions"], GPT2["d_model"], GPT2["layers"], GPT2["heads"])
-    from_hf(reference, causal_lm(gpt2_config(**GPT2)))
+    from_hf(reference, gpt2_model())
     graphdef, params = nnx.split(reference)
     update = optax.adamw(1e-4, weight_decay=1e-4)
 
@@ -276,9 +291,9 @@ def gpt2(steps: int, one_device: bool) -> dict:
     extra = {"handwritten_jax": handwritten_jax_run(ids)} if one_device else None
     result = measure(
         "GPT-2",
-        lambda: causal_lm(gpt2_config(**GPT2)),
-        lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4),
-        lambda model: model(input_ids=ids, labels=ids, use_cache=False).loss,
+        gpt2_model,
+        gpt2_optimizer,
+        gpt2_loss(ids),
         lambda model: lm_step(model, ids),
         one_device_runs(GPT2_RUNS, one_device),
         steps,
