@@ -1,6 +1,6 @@
 """A script written like SMP's GPT examples runs with only its import changed, and tracks PyTorch.
 
-The script (seed_scripts/train_gpt_smp.py) reads its configuration from ``SM_HP_MP_PARAMETERS``, as on
+The script (train_gpt_smp.py, beside this file) reads its configuration from ``SM_HP_MP_PARAMETERS``, as on
 SageMaker; the reference is the same training in plain PyTorch (same init, param groups, AdamW, gradient
 clipping, warmup schedule, batches). float32 losses agree to 1e-4 relative (reduction order differs).
 """
@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-SCRIPT = pathlib.Path(__file__).parent / "seed_scripts" / "train_gpt_smp.py"
+SCRIPT = pathlib.Path(__file__).parent / "train_gpt_smp.py"
 LAYOUTS = {
     "tp2xfsdp2xdp2": {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "microbatches": 2, "ddp": True},
     "pp2": {"partitions": 2, "microbatches": 2, "ddp": True, "horovod": False},

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import jmp as smp
-from tests.multiprocess import mnist_seed
+from tests.multiprocess import seed_recipe_script
 from tests.multiprocess.reports import json_objects
 from tests.multiprocess.train_gpt2 import train
 from tests.sharding.models import causal_lm, token_batches
@@ -129,17 +129,17 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor, rank: int, size: int) -> floa
     return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
 
 
-def test_the_seed_mnist_script_with_two_processes_equals_one(monkeypatch):
+def test_the_seed_recipe_with_two_processes_equals_one(monkeypatch):
     config = {"microbatches": 2, "ddp": True}
     # one device per process: data parallel over processes as with four (which makes each step 4x slower on CPU)
-    mnist = _launch("tests/multiprocess/mnist_seed.py", devices=1, SM_HP_MP_PARAMETERS=json.dumps(config))
-    reports = _reports(mnist)
+    script = "tests/multiprocess/seed_recipe_script.py"
+    reports = _reports(_launch(script, devices=1, SM_HP_MP_PARAMETERS=json.dumps(config)))
     # one process, the same global batches: each step joins the two processes' batches of that step
     smp.init(config)
-    images, labels = mnist_seed.dataset().tensors
-    half = mnist_seed.ROWS // 2
+    images, labels = seed_recipe_script.dataset().tensors
+    half = seed_recipe_script.ROWS // 2
     torch.manual_seed(0)
-    model = smp.DistributedModel(mnist_seed.GroupedNet())
+    model = smp.DistributedModel(seed_recipe_script.Digits())
     optimizer = smp.DistributedOptimizer(torch.optim.Adadelta(model.parameters(), lr=4.0))
     losses = {0: [], 1: []}  # each process's loss is its own rows' (the step function ran on them, as SMP's)
     for step in range(2):
@@ -147,7 +147,7 @@ def test_the_seed_mnist_script_with_two_processes_equals_one(monkeypatch):
             [torch.arange(64 * step, 64 * step + 64), torch.arange(half + 64 * step, half + 64 * step + 64)]
         )
         optimizer.zero_grad()
-        output, _ = mnist_seed.train_step(model, images[rows], labels[rows])
+        output, _ = seed_recipe_script.train_step(model, images[rows], labels[rows])
         optimizer.step()
         for rank, (log_probs, targets) in enumerate(zip(output.concat().chunk(2), labels[rows].chunk(2))):
             losses[rank].append(float(torch.nn.functional.nll_loss(log_probs, targets)))
