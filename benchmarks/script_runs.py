@@ -1,6 +1,7 @@
-"""What the runners of vendored example scripts share (``smp_examples`` for SMP v1, ``smp_v2_examples`` for v2):
-a script's arguments, its launch under ``jmp.launch`` and the first error in its log, a reference run in a process
-of its own, and the tolerance of a logged loss by precision."""
+"""What the runners of AWS's example scripts share (``smp_examples`` for SMP v1, ``smp_v2_examples`` for v2; the
+scripts come from a checkout given by path, ``aws_scripts/checkout.py``): a script's arguments, its launch under
+``jmp.launch`` and the first error in its log, a reference run in a process of its own, and the tolerance of a
+logged loss by precision."""
 
 from __future__ import annotations
 
@@ -65,9 +66,9 @@ def launch(command: list[str], work: Path, env: dict[str, str], timeout_s: int) 
 
 def first_error(log: str, scripts: Path, interleaved: re.Pattern) -> dict | None:
     """The first traceback in ``log``: exception type and message, innermost frame, and the last frame in a
-    vendored script under ``scripts`` (its CPU host wrapper not counted). Each process's traceback may interleave
-    with the others' (lines ``interleaved`` matches are stepped over); where torch's ``@record`` prefixes each
-    rank's lines (``[rank2]: ...``), one rank's is read: the lowest whose error is not a peer gone from a
+    script under ``scripts`` (the checkout's folder, which names such frames). Each process's traceback may
+    interleave with the others' (lines ``interleaved`` matches are stepped over); where torch's ``@record`` prefixes
+    each rank's lines (``[rank2]: ...``), one rank's is read: the lowest whose error is not a peer gone from a
     collective (the consequence of another rank's failure), else the one the launcher says failed first."""
     ranked = [(int(m.group(1)), line[m.end() :]) for line in log.splitlines() if (m := _RANKED.match(line))]
     failed = sorted({rank for rank, text in ranked if text.startswith("Traceback")})
@@ -89,8 +90,8 @@ def first_error(log: str, scripts: Path, interleaved: re.Pattern) -> dict | None
         if j >= len(lines):
             continue
         kind, _, message = lines[j].partition(":")
-        script = [f for f in frames if str(scripts) in f[0] and not f[0].endswith("cpu_host.py")]
-        where = lambda f: f"{short_path(f[0])}:{f[1]} in {f[2]}" if f else None
+        script = [f for f in frames if str(scripts) in f[0]]
+        where = lambda f: f"{short_path(f[0], scripts)}:{f[1]} in {f[2]}" if f else None
         return {
             "type": kind.strip(),
             "message": message.strip()[:600],
@@ -100,9 +101,9 @@ def first_error(log: str, scripts: Path, interleaved: re.Pattern) -> dict | None
     return None
 
 
-def short_path(path: str) -> str:
-    """``path`` from site-packages or the repository root."""
-    for marker in ("site-packages/", str(ROOT) + "/"):
+def short_path(path: str, scripts: Path | None = None) -> str:
+    """``path`` from site-packages, the scripts' folder or the repository root."""
+    for marker in ("site-packages/", *([str(scripts) + "/"] if scripts else []), str(ROOT) + "/"):
         if marker in path:
             return path.split(marker, 1)[1]
     return path

@@ -1,19 +1,27 @@
-"""AWS's SMP v1 example scripts (tests/vendored/smp_v1_examples) under ``jmp.launch``, against plain PyTorch.
+"""AWS's SMP v1 example scripts under ``jmp.launch``, against plain PyTorch.
 
-    python -m benchmarks.smp_examples [--only NAME ...] [--out benchmarks/results/smp_examples.json]
+    python -m benchmarks.smp_examples --examples DIR [--only NAME ...] [--out benchmarks/results/smp_examples.json]
 
-Each configuration runs the vendored ``train.py`` (gpt2/ or flan_t5/) unmodified, as SageMaker would: one
+The scripts are not in this repository: DIR is a clone of aws/amazon-sagemaker-examples made outside it
+(``git clone https://github.com/aws/amazon-sagemaker-examples DIR``), from which
+``benchmarks/aws_scripts/checkout.py`` takes ``training/distributed_training/pytorch/model_parallel/{gpt2,flan-t5}/``
+at the commit measured (the last that has them), each file checked against its recorded blob. Without
+``--examples`` this says how to get it and stops (exit 0). The scripts' ``data_pipeline.py`` imports h5py:
+``pip install -e ".[aws-examples]"``.
+
+Each configuration runs the checkout's ``train.py`` (gpt2/ or flan-t5/) unmodified, as SageMaker would: one
 process per device (``python -m jmp.launch -n P --cpu-devices 1``; one configuration drives 8 devices from one
 process), SageMaker's ``SM_*`` variables set (the scripts read their defaults from them), tiny models and a few
-steps through the scripts' own arguments, on synthetic data in their own input format (``make_data.py``).
-``cpu_host.py`` wraps the script with what the launcher does not provide yet (it says what, on stderr; recorded
-as ``harness``).
+steps through the scripts' own arguments, on synthetic data in their own input format
+(``benchmarks/aws_scripts/make_data.py``). ``benchmarks/aws_scripts/smp_v1_host.py`` wraps the script with what a
+CPU host lacks (it says what, on stderr; recorded as ``harness``). Before the runs, every SMP name the scripts read
+must be listed in ``tests/runtime/test_smp_module_paths.py``, whose test resolves each (``smp_names_unlisted``).
 
-For each configuration: ran or not, the first error (type, message, the innermost frame and the vendored
-script's frame), the logged ``Batch N Loss`` / ``Validation loss`` values, and the same training in plain
+For each configuration: ran or not, the first error (type, message, the innermost frame and the script's frame),
+the logged ``Batch N Loss`` / ``Validation loss`` values, and the same training in plain
 PyTorch on CPU (``reference``): the script's own ``parse_args``, model config, ``set_seed`` order, param
-groups, optimizer, ``AnnealingLR`` schedule and ``create_pretraining_dataloader`` (imported from the vendored
-files, with a single-process stand-in for ``smp``, so jmp takes no part), one batch per data-parallel rank
+groups, optimizer, ``AnnealingLR`` schedule and ``create_pretraining_dataloader`` (imported from the
+checkout's files, with a single-process stand-in for ``smp``, so jmp takes no part), one batch per data-parallel rank
 per step, the update from their mean loss, ``clip_grad_norm_(grad_clip)``. What SMP logs is rank 0's loss
 (``loss_mb.reduce_mean()`` is over that rank's microbatches); the reference records it and the mean over
 ranks, and the comparison says which one jmp's value matched.
@@ -34,10 +42,10 @@ running each data-parallel rank's backward of the scaled loss (``_fp16_backward_
 its fp32 weights when none overflowed.
 T5: the script's ``model_config`` fixes T5's ``dropout_rate`` at 0.1 (no argument turns it off) and jmp's
 dropout masks are not torch's, so the configuration sets ``SMP_EXAMPLES_T5_DROPOUT_RATE=0``, which
-``cpu_host.py`` applies to every ``T5Config`` (said on stderr) and the reference to its own.
+``smp_v1_host.py`` applies to every ``T5Config`` (said on stderr) and the reference to its own.
 ``delayed_parameter_initialization``: jmp draws the initial weights on the devices (JAX's generator; SMP draws
 them on its GPUs), not with torch's CPU generator, so such a configuration (``"initial_weights": "jmp"``) has its
-jmp run save them (``cpu_host.py``, ``SMP_EXAMPLES_INITIAL_STATE``) and the reference trains from them, after
+jmp run save them (``smp_v1_host.py``, ``SMP_EXAMPLES_INITIAL_STATE``) and the reference trains from them, after
 checking them against torch's own initialisation of the model (``initial_weights``: constants equal, each drawn
 tensor's mean and standard deviation within 5 standard errors of torch's draw).
 Data: the test file holds 64 rows, 8 data-parallel ranks x 2 validation batches x the script's default
@@ -51,6 +59,7 @@ reference makes the same no-op, so both start from the same weights.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -60,6 +69,8 @@ import tempfile
 import types
 from pathlib import Path
 
+from benchmarks.aws_scripts import checkout, smp_names
+from benchmarks.aws_scripts.make_data import make_data as write_data
 from benchmarks.script_runs import (
     TIMEOUT_S,
     arg_value,
@@ -73,8 +84,7 @@ from benchmarks.script_runs import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "tests" / "vendored" / "smp_v1_examples"
-CPU_HOST = EXAMPLES / "cpu_host.py"
+CPU_HOST = ROOT / "benchmarks" / "aws_scripts" / "smp_v1_host.py"
 RESULTS = ROOT / "benchmarks" / "results" / "smp_examples.json"
 
 DATA = {"vocab": 256, "seq_len": 32, "train_files": 2, "train_rows": 32, "test_rows": 64, "seed": 1234}
@@ -100,7 +110,8 @@ SDP2_DT_BF16 = with_args(
 )  # fmt: skip
 PP2_FP16 = with_args(GPT2, pipeline_parallel_degree=2, microbatches=2, fp16=1, manual_partition=1, max_steps=28)
 
-# name -> (script folder, processes, phases: each a list of the script's arguments). One device per process.
+# name -> (the checkout's script folder, processes, phases: each a list of the script's arguments). One device per
+# process.
 CONFIGS: dict[str, dict] = {
     "gpt2_dp2_fp32": {"script": "gpt2", "nproc": 2, "phases": [GPT2]},
     # fp16: SMP's scaler starts at 2^32, and a step is skipped until the fp16 backward stays finite (17 of the
@@ -215,21 +226,21 @@ CONFIGS: dict[str, dict] = {
     # flan-t5's script reads p.ds_tensor too (its train.py:1090) under sharded data parallelism without the
     # distributed transformer; bf16
     "flan_t5_sdp2_bf16": {
-        "script": "flan_t5",
+        "script": "flan-t5",
         "nproc": 2,
         "phases": [with_args(T5, sharded_data_parallel_degree=2, bf16=1)],
         "env": {"SMP_EXAMPLES_T5_DROPOUT_RATE": "0"},
     },
     "flan_t5_dp2_validation": {
-        "script": "flan_t5",
+        "script": "flan-t5",
         "nproc": 2,
         "phases": [with_args(T5, max_steps=4, **VALIDATION)],
         "env": {"SMP_EXAMPLES_T5_DROPOUT_RATE": "0"},
     },
     # model_config fixes T5's dropout_rate at 0.1 and no argument turns it off; jmp's dropout masks are not
-    # torch's, so the harness sets it to 0 (cpu_host.py, said on stderr) here and in the reference
+    # torch's, so the harness sets it to 0 (smp_v1_host.py, said on stderr) here and in the reference
     "flan_t5_tp2_activation_checkpointing": {
-        "script": "flan_t5",
+        "script": "flan-t5",
         "nproc": 2,
         "phases": [with_args(T5, tensor_parallel_degree=2, activation_checkpointing=1)],
         "env": {"SMP_EXAMPLES_T5_DROPOUT_RATE": "0"},
@@ -265,20 +276,16 @@ def initial_state_file(work: Path) -> Path:
 
 
 def make_data(out: Path) -> Path:
-    """The synthetic dataset (``make_data.py``, fixed seed) under ``out``."""
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        from make_data import make_data as write
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    write(out, **DATA)
+    """The synthetic dataset (``aws_scripts/make_data.py``, fixed seed) under ``out``."""
+    write_data(out, **DATA)
     return out
 
 
-def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) -> dict:
-    """Run configuration ``name`` through ``jmp.launch``; its record (not the reference)."""
+def run_config(name: str, work: Path, data: Path, scripts: Path, timeout_s: int = TIMEOUT_S) -> dict:
+    """Run configuration ``name`` through ``jmp.launch``, the scripts from ``scripts`` (the checkout's
+    ``model_parallel/`` folder); its record (not the reference)."""
     cfg = CONFIGS[name]
-    script = EXAMPLES / cfg["script"] / "train.py"
+    script = scripts / cfg["script"] / "train.py"
     record: dict = {"name": name, "script": f"{cfg['script']}/train.py", "nproc": cfg["nproc"], "phases": []}
     losses: dict[int, float] = {}
     val_losses: dict[int, float] = {}
@@ -303,7 +310,7 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
                 "returncode": code,
                 "seconds": seconds,
                 "finished": finished,
-                "first_error": first_error(log, EXAMPLES, _OTHER_PROCESS) if not finished else None,
+                "first_error": first_error(log, scripts, _OTHER_PROCESS) if not finished else None,
             }
         )
         if not finished:
@@ -319,12 +326,12 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
     return record
 
 
-def run_reference(name: str, data: Path, work: Path | None = None) -> dict:
+def run_reference(name: str, data: Path, scripts: Path, work: Path | None = None) -> dict:
     """The plain-PyTorch reference of ``name``, in a process of its own (no jmp imported there); ``work`` is the
     jmp run's folder, read for its initial weights when the configuration starts from jmp's."""
     cfg = CONFIGS[name]
     env_for = lambda folder: _environment(folder, data, {k: v for k, v in cfg.items() if k != "initial_weights"})
-    arguments = [name, "--data", str(data)]
+    arguments = [name, "--data", str(data), "--scripts", str(scripts)]
     if cfg.get("initial_weights") == "jmp":
         if work is None:
             raise ValueError(f"{name} starts from the weights its jmp run saved: give run_reference that run's folder")
@@ -364,7 +371,7 @@ def compare(record: dict, reference: dict) -> dict:
 
 
 def _standin_smp() -> None:
-    """A single-process ``smp`` with what the vendored files call outside training (rank 0 of one)."""
+    """A single-process ``smp`` with what the scripts' files call outside training (rank 0 of one)."""
     import torch
 
     smp = types.ModuleType("smdistributed.modelparallel.torch")
@@ -444,18 +451,21 @@ def _initial_weights_check(torch_init: dict, jmp_init: dict) -> dict:
     return {"drawn_tensors": drawn, "max_z": z_max, "constant_tensors_unequal": unequal}
 
 
-def reference(name: str, data: Path, initial_state: Path | None = None) -> dict:
-    """The configuration's training in plain PyTorch (fp32, CPU), built with the vendored script's own code;
-    from the weights in ``initial_state`` (a jmp run's, see ``cpu_host.py``) when given."""
+def reference(name: str, data: Path, scripts: Path, initial_state: Path | None = None) -> dict:
+    """The configuration's training in plain PyTorch (fp32, CPU), built with the script's own code (from
+    ``scripts``); from the weights in ``initial_state`` (a jmp run's, see ``smp_v1_host.py``) when given."""
     import runpy
 
     import torch
     import transformers
 
+    from benchmarks.aws_scripts.smp_v1_host import t5_flash_attn_without_flash_attn
+
     cfg = CONFIGS[name]
     argv = cfg["phases"][-1]
-    folder = EXAMPLES / cfg["script"]
+    folder = scripts / cfg["script"]
     _standin_smp()
+    t5_flash_attn_without_flash_attn(str(folder))
     sys.path.insert(0, str(folder))
     train = runpy.run_path(str(folder / "train.py"), run_name="smp_reference")
     sys.argv = ["train.py", *argv]
@@ -567,33 +577,56 @@ def reference(name: str, data: Path, initial_state: Path | None = None) -> dict:
     return result
 
 
+H5PY = 'The scripts\' data_pipeline.py imports h5py: pip install -e ".[aws-examples]"'
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=Path, default=None, help="a clone of aws/amazon-sagemaker-examples")
     parser.add_argument("--only", nargs="*", default=None, help="configuration names (default: all)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--scripts", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--initial-state", type=Path, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.reference:
-        print(json.dumps(reference(options.reference, options.data, options.initial_state)))
+        print(json.dumps(reference(options.reference, options.data, options.scripts, options.initial_state)))
         return
+    if options.examples is None:
+        print(checkout.how_to_get("benchmarks.smp_examples", checkout.SMP_V1, H5PY) + "\nSkipped: no --examples DIR.")
+        return
+    if importlib.util.find_spec("h5py") is None:
+        parser.error(H5PY)
     names = options.only or list(CONFIGS)
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown:
+        parser.error(f"no configuration {unknown}; there are {list(CONFIGS)}")
     results = json.loads(options.out.read_text()) if options.out.exists() and options.only else {}
     results.setdefault("configurations", {})
     with tempfile.TemporaryDirectory(prefix="smp-examples-") as tmp:
+        try:
+            scripts = checkout.materialise(options.examples, checkout.SMP_V1, Path(tmp) / "examples")
+        except checkout.CheckoutError as e:
+            parser.error(str(e))
+        results["smp_names_unlisted"] = smp_names.unlisted(sorted(scripts.rglob("*.py")), scripts)
+        print(smp_names.status_line(results["smp_names_unlisted"]), flush=True)
         data = make_data(Path(tmp) / "data")
         for name in names:  # one at a time: each runs its processes on every core
             work = Path(tmp) / name
             work.mkdir()
-            record = run_config(name, work, data)
-            record["reference"] = run_reference(name, data, work)
+            record = run_config(name, work, data, scripts)
+            record["reference"] = run_reference(name, data, scripts, work)
             record["comparison"] = compare(record, record["reference"])
             results["configurations"][name] = record
             print(status_line(name, record), flush=True)
     results["data"] = DATA
     results["jmp_tree"] = jmp_tree()
-    results["command"] = "python -m jmp.launch -n P --cpu-devices 1 tests/vendored/smp_v1_examples/cpu_host.py ..."
+    results["scripts"] = {"origin": checkout.ORIGIN, "commit": checkout.SMP_V1.commit, "folder": checkout.SMP_V1.folder}
+    results["command"] = (
+        "python -m jmp.launch -n P --cpu-devices 1 benchmarks/aws_scripts/smp_v1_host.py "
+        "DIR/training/distributed_training/pytorch/model_parallel/{gpt2,flan-t5}/train.py ..."
+    )
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(json.dumps(results, indent=1) + "\n")
 

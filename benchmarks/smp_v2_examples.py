@@ -1,22 +1,29 @@
-"""AWS's SMP v2 training script (tests/vendored/smp_v2/shared-scripts/train.py) under ``jmp.launch``, against
-plain PyTorch.
+"""AWS's SMP v2 training script (``shared-scripts/train.py``) under ``jmp.launch``, against plain PyTorch.
 
-    python -m benchmarks.smp_v2_examples [--only NAME ...] [--out benchmarks/results/smp_v2_examples.json]
+    python -m benchmarks.smp_v2_examples --examples DIR [--only NAME ...] [--out benchmarks/results/...json]
 
-Each configuration runs the vendored ``train.py`` unmodified, as SageMaker runs it: one process per device
+The script is not in this repository: DIR is a clone of aws/amazon-sagemaker-examples made outside it
+(``git clone https://github.com/aws/amazon-sagemaker-examples DIR``), from which
+``benchmarks/aws_scripts/checkout.py`` takes ``      build_and_train_models/sm-distributed_model_parallel_v2/
+shared-scripts/`` (the folder's name starts with six spaces) at the commit measured, each file checked against its
+recorded blob. Without ``--examples`` this says how to get it and stops (exit 0).
+
+Each configuration runs the checkout's ``train.py`` unmodified, as SageMaker runs it: one process per device
 (``python -m jmp.launch -n P --cpu-devices 1``), the SMP parameters as ``SM_HP_MP_PARAMETERS``
 (``--mp-parameters``), the notebooks' flags (docs/smp_v2_census.md, section 6) with a tiny Llama 2
 (``--hidden_width 64 --num_layers 2 --num_heads 4 --max_context_width 32 --vocab_size 128``) and a few steps,
-``--fp8 0``, on synthetic data in the script's ``gpt_jsonl`` format (``tests/vendored/smp_v1_examples/make_data.py``).
-``cpu_host.py`` wraps the script with what a CPU host lacks (it says what, on stderr; recorded as ``harness``).
+``--fp8 0``, on synthetic data in the script's ``gpt_jsonl`` format (``benchmarks/aws_scripts/make_data.py``).
+``benchmarks/aws_scripts/smp_v2_host.py`` wraps the script with what a CPU host lacks (it says what, on stderr;
+recorded as ``harness``). Before the runs, every SMP name the scripts read must be listed in
+``tests/runtime/test_smp_module_paths.py``, whose test resolves each (``smp_names_unlisted``).
 
 Process counts. The notebooks run 8 GPUs (hybrid shard 4 x replicate 2 at tp 1, tp 2 x hybrid shard 4). On two
 cores, 8 processes each compiling their own program take minutes per configuration, so the layouts run on 4
 (hybrid shard 2 x replicate 2; tp 2 x hybrid shard 2): the same three kinds of group (shard, replica, tp peers)
 with every degree above 1. The 8-process forms are configurations too (``..._8proc``), run when named.
 
-For each configuration: ran or not, the first error (type, message, the innermost frame and the vendored
-script's frame), the logged ``Batch N Loss`` values (rank 0's ``loss.item()``: its own rows' loss, as on SMP) and
+For each configuration: ran or not, the first error (type, message, the innermost frame and the script's
+frame), the logged ``Batch N Loss`` values (rank 0's ``loss.item()``: its own rows' loss, as on SMP) and
 ``Validation loss`` values (every 2 steps, as the notebooks validate at each save: ``eval_model``'s all-reduced
 mean; after a resume the script's validation loader skips the batches the saved job had read, and so does the
 reference's), and the same training in plain PyTorch in one process (``reference``): the script's own
@@ -45,7 +52,7 @@ Measured over 4 steps: torch's bf16 is 0.9e-4 to 1.9e-4 from fp32; jmp's 2.7e-5 
 1.5e-4 to 2e-4 from torch's bf16: the two round differently; XLA:CPU computes many bf16 ops in float32). What the
 tolerance must catch is ten times above it: one update more or less moves the loss by 1-4% from step to step.
 fp8 (``--fp8 1 --bf16 1``, with activation checkpointing: TE's ``fp8_autocast`` with ``DelayedScaling``, which
-``cpu_host.py`` gives as jmp's fp8):
+``smp_v2_host.py`` gives as jmp's fp8):
 2e-2 against the fp32 reference. E4M3 keeps 3 mantissa bits (unit roundoff 2^-4) on every Linear's inputs and
 weights, E5M2 2 bits on its output gradients, with per-tensor scales; the logged loss averages the roundings over
 every dot's contraction and 64 tokens. jmp's own fp8 runs 0.8% at most from fp32 over 200 steps
@@ -73,6 +80,8 @@ import tempfile
 import types
 from pathlib import Path
 
+from benchmarks.aws_scripts import checkout, smp_names
+from benchmarks.aws_scripts.make_data import make_data as write_data
 from benchmarks.script_runs import (
     TIMEOUT_S,
     arg_value,
@@ -80,16 +89,15 @@ from benchmarks.script_runs import (
     jmp_tree,
     launch,
     reference_in_own_process,
+    short_path,
     status_line,
     tolerance,
     with_args,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "tests" / "vendored" / "smp_v2"
-V1_EXAMPLES = ROOT / "tests" / "vendored" / "smp_v1_examples"  # its make_data.py writes the same format
-SCRIPTS = EXAMPLES / "shared-scripts"
-CPU_HOST = EXAMPLES / "cpu_host.py"
+HOSTS = ROOT / "benchmarks" / "aws_scripts"
+CPU_HOST = HOSTS / "smp_v2_host.py"
 RESULTS = ROOT / "benchmarks" / "results" / "smp_v2_examples.json"
 
 DATA = {"vocab": 128, "seq_len": 32, "train_files": 2, "train_rows": 32, "test_rows": 32, "seed": 1234}
@@ -121,7 +129,7 @@ def _save_then_resume(base: list[str]) -> list[list[str]]:
 
 # name -> processes, SMP parameters, phases (each a list of the script's arguments). One device per process.
 CONFIGS: dict[str, dict] = {
-    # the suite's configuration (tests/front_end/test_aws_smp_v2_examples.py): FULL_SHARD-like over 2 processes
+    # FULL_SHARD-like over 2 processes
     "llama_hs2_fp32": {"nproc": 2, "mp": HS2, "phases": [LLAMA]},
     "llama_hs2_rep2_fp32": {"nproc": 4, "mp": HS2, "phases": [LLAMA]},
     "llama_hs2_rep2_bf16": {"nproc": 4, "mp": HS2, "phases": [with_args(LLAMA, bf16=1)]},
@@ -133,7 +141,7 @@ CONFIGS: dict[str, dict] = {
     "llama_tp2_hs2_save_resume": {"nproc": 4, "mp": TP2_HS2, "phases": _save_then_resume(LLAMA)},
     # the GPT-NeoX notebooks' model type (tsm.transform says what jmp's tp rules split of it)
     "gpt_neox_tp2_hs2_bf16": {"nproc": 4, "mp": TP2_HS2, "phases": [with_args(LLAMA, model_type="gpt_neox", bf16=1)]},
-    # --fp8 1 (every notebook on H100s): TE's fp8_autocast and DelayedScaling recipe are jmp's fp8 (cpu_host.py);
+    # --fp8 1 (every notebook on H100s): TE's fp8_autocast and DelayedScaling recipe are jmp's fp8 (smp_v2_host.py);
     # with the notebooks' activation checkpointing, whose TE checkpoint_fn takes tsm.state.get_rng_state_tracker
     "llama_hs2_fp8_bf16": {"nproc": 2, "mp": HS2, "phases": [with_args(LLAMA, fp8=1, bf16=1)]},
     # the notebooks' 8-GPU layouts, run when named (--only)
@@ -172,24 +180,20 @@ def _environment(work: Path, data: Path, nproc: int) -> dict[str, str]:
 
 
 def make_data(out: Path) -> Path:
-    """The synthetic dataset (fixed seed) under ``out``: the SMP v1 examples' ``make_data.py``, as the v2 script's
-    ``gpt_jsonl`` format is their pretraining data's (gzip'd JSON lines of ``input_ids`` and ``attention_mask``)."""
-    sys.path.insert(0, str(V1_EXAMPLES))
-    try:
-        from make_data import make_data as write
-    finally:
-        sys.path.remove(str(V1_EXAMPLES))
-    write(out, **DATA)
+    """The synthetic dataset (fixed seed) under ``out``: ``aws_scripts/make_data.py``, as the v2 script's
+    ``gpt_jsonl`` format is the v1 scripts' pretraining data's (gzip'd JSON lines of ``input_ids`` and
+    ``attention_mask``)."""
+    write_data(out, **DATA)
     return out
 
 
-def command(cfg: dict, args: list[str]) -> list[str]:
-    """The launch: ``jmp.launch`` running ``cpu_host.py`` around the vendored ``train.py`` with ``args``."""
+def command(cfg: dict, args: list[str], scripts: Path) -> list[str]:
+    """The launch: ``jmp.launch`` running ``smp_v2_host.py`` around ``scripts``' ``train.py`` with ``args``."""
     launch = [sys.executable, "-m", "jmp.launch", "-n", str(cfg["nproc"]), "--cpu-devices", "1"]
-    return [*launch, "--mp-parameters", json.dumps(cfg["mp"]), str(CPU_HOST), str(SCRIPTS / "train.py"), *args]
+    return [*launch, "--mp-parameters", json.dumps(cfg["mp"]), str(CPU_HOST), str(scripts / "train.py"), *args]
 
 
-def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) -> dict:
+def run_config(name: str, work: Path, data: Path, scripts: Path, timeout_s: int = TIMEOUT_S) -> dict:
     """Run configuration ``name`` through ``jmp.launch``: first its initial weights (``--max_steps 0
     --save_final_model 1`` into ``work/init``), then its phases; its record (not the reference)."""
     cfg = CONFIGS[name]
@@ -204,7 +208,8 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
     phases = [("init", init), *(("train", p) for p in cfg["phases"])]
     for kind, phase_args in phases:
         args = [a.format(checkpoints=checkpoints) for a in phase_args] + ["--checkpoint_dir", str(checkpoints)]
-        log, code, seconds = launch(command(cfg, args), work, _environment(work, data, cfg["nproc"]), timeout_s)
+        launched = command(cfg, args, scripts)
+        log, code, seconds = launch(launched, work, _environment(work, data, cfg["nproc"]), timeout_s)
         (work / f"phase{len(record['phases'])}.log").write_text(log)
         if kind == "train":
             for step, value in _LOSS.findall(log):
@@ -216,11 +221,11 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
         record["phases"].append(
             {
                 "kind": kind,
-                "command": command(cfg, args)[2:],
+                "command": [short_path(a, scripts) for a in launched[2:]],
                 "returncode": code,
                 "seconds": seconds,
                 "finished": finished,
-                "first_error": first_error(log, SCRIPTS, _INTERLEAVED) if not finished else None,
+                "first_error": first_error(log, scripts, _INTERLEAVED) if not finished else None,
             }
         )
         if not finished:
@@ -237,9 +242,9 @@ def run_config(name: str, work: Path, data: Path, timeout_s: int = TIMEOUT_S) ->
     return record
 
 
-def run_reference(name: str, data: Path, initial_weights: Path) -> dict:
+def run_reference(name: str, data: Path, scripts: Path, initial_weights: Path) -> dict:
     """The plain-PyTorch reference of ``name``, in a process of its own (no jmp imported there)."""
-    arguments = [name, "--data", str(data), "--initial-weights", str(initial_weights)]
+    arguments = [name, "--data", str(data), "--scripts", str(scripts), "--initial-weights", str(initial_weights)]
     env_for = lambda folder: _environment(folder, data, CONFIGS[name]["nproc"])
     return reference_in_own_process("benchmarks.smp_v2_examples", arguments, env_for)
 
@@ -293,8 +298,9 @@ def _standin_tsm() -> None:
     sys.modules |= {"torch.sagemaker": tsm, "torch.sagemaker.logger": logger}
 
 
-def reference(name: str, data: Path, initial_weights: Path) -> dict:
-    """The configuration's training in plain PyTorch (CPU, one process), built with the vendored script's code."""
+def reference(name: str, data: Path, scripts: Path, initial_weights: Path) -> dict:
+    """The configuration's training in plain PyTorch (CPU, one process), built with the script's code (from
+    ``scripts``)."""
     import copy
 
     import torch
@@ -307,11 +313,11 @@ def reference(name: str, data: Path, initial_weights: Path) -> dict:
         i = argv.index("--resume_from_checkpoint")
         del argv[i : i + 2]
         resumed_at = int(arg_value(cfg["phases"][0], "max_steps"))
-    sys.path[:0] = [str(SCRIPTS), str(EXAMPLES)]
-    import cpu_host
+    sys.path[:0] = [str(scripts)]
+    from benchmarks.aws_scripts import smp_v2_host
 
-    sys.meta_path.append(cpu_host.StandInFinder())  # datasets (data/pipelines imports it)
-    cpu_host.sdpa_for_flash_attention_2()
+    sys.meta_path.append(smp_v2_host.StandInFinder())  # datasets (data/pipelines imports it)
+    smp_v2_host.sdpa_for_flash_attention_2()
     _standin_tsm()
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # AnnealingLR and the pipeline ask
@@ -407,26 +413,40 @@ def reference(name: str, data: Path, initial_weights: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=Path, default=None, help="a clone of aws/amazon-sagemaker-examples")
     parser.add_argument("--only", nargs="*", default=None, help="configuration names (default: all but *_8proc)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--scripts", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--initial-weights", type=Path, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.reference:
-        print(json.dumps(reference(options.reference, options.data, options.initial_weights)))
+        print(json.dumps(reference(options.reference, options.data, options.scripts, options.initial_weights)))
+        return
+    if options.examples is None:
+        print(checkout.how_to_get("benchmarks.smp_v2_examples", checkout.SMP_V2) + "\nSkipped: no --examples DIR.")
         return
     names = options.only or DEFAULT_RUN
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown:
+        parser.error(f"no configuration {unknown}; there are {list(CONFIGS)}")
     results = json.loads(options.out.read_text()) if options.out.exists() and options.only else {}
     results.setdefault("configurations", {})
     with tempfile.TemporaryDirectory(prefix="smp-v2-examples-") as tmp:
+        try:
+            scripts = checkout.materialise(options.examples, checkout.SMP_V2, Path(tmp) / "examples")
+        except checkout.CheckoutError as e:
+            parser.error(str(e))
+        results["smp_names_unlisted"] = smp_names.unlisted(sorted(scripts.rglob("*.py")), scripts)
+        print(smp_names.status_line(results["smp_names_unlisted"]), flush=True)
         data = make_data(Path(tmp) / "data")
         for name in names:  # one at a time: each runs its processes on every core
             work = Path(tmp) / name
             work.mkdir()
-            record = run_config(name, work, data)
+            record = run_config(name, work, data, scripts)
             if record["phases"][0]["finished"]:
-                record["reference"] = run_reference(name, data, Path(record["initial_weights"]))
+                record["reference"] = run_reference(name, data, scripts, Path(record["initial_weights"]))
                 record["comparison"] = compare(record, record["reference"])
             else:
                 record["reference"], record["comparison"] = None, {"note": "no initial weights: the init run failed"}
@@ -435,9 +455,10 @@ def main() -> None:
             print(status_line(name, record), flush=True)
     results["data"] = DATA
     results["jmp_tree"] = jmp_tree()
+    results["scripts"] = {"origin": checkout.ORIGIN, "commit": checkout.SMP_V2.commit, "folder": checkout.SMP_V2.folder}
     results["command"] = (
-        "python -m jmp.launch -n P --cpu-devices 1 --mp-parameters JSON tests/vendored/smp_v2/cpu_host.py "
-        "tests/vendored/smp_v2/shared-scripts/train.py ..."
+        "python -m jmp.launch -n P --cpu-devices 1 --mp-parameters JSON benchmarks/aws_scripts/smp_v2_host.py "
+        "DIR/'      build_and_train_models/sm-distributed_model_parallel_v2/shared-scripts'/train.py ..."
     )
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -48,7 +48,6 @@ def pytest_sessionfinish(session, exitstatus):
 _LONG_FIRST = (
     "tests/multiprocess/",
     "tests/notebooks/",
-    "tests/front_end/test_aws_smp_",
     "tests/torch_bridge/test_opinfo.py",
     "tests/pipeline/",
 )
@@ -57,34 +56,14 @@ _LONG_FIRST = (
 # The slow tier, run with ``--slow``: the rest of sweeps the suite samples (each test keeps a case of every kind:
 # model family, layout, precision, launcher) and whole-script runs that benchmarks/ also makes. What a file or test
 # name selects alone (the whole test, every case) or with its ids (those cases). The suite's time on 2 cores is
-# the budget (docs/testing.md).
-# AWS's SMP v1 gpt2 script's other model types (Hugging Face's zoo in benchmarks/hf_zoo.py holds them), --load_full
-# (full checkpoints: tests/saving/test_full.py), one process driving 8 devices (the whole batch on every device:
-# tests/compiled_step/test_model_and_step.py) and T5's validation (T5's script: flan_t5_sdp2_bf16 in benchmarks/)
-AWS_GPT2_SCRIPT_SLOW = (
-    "gpt2_one_process_8_devices_val_batch_size4",
-    "gpt_neox_tp2",
-    "bloom_sdp2",
-    "gpt2_dp2_full_model_load_full",
-    "flan_t5_dp2_validation",
-)
+# the budget (docs/testing.md). AWS's SMP example scripts are not in this repository: benchmarks/smp_examples.py and
+# benchmarks/smp_v2_examples.py run them from a checkout given by path.
 SLOW = {
-    # AWS's SMP v2 script: benchmarks/smp_v2_examples.py runs it; tests/tsm/test_launched.py launches an SMP v2
-    # script's start in the suite
-    "tests/front_end/test_aws_smp_v2_examples.py::test_the_script_runs_unchanged_and_logs_every_step": (),
-    "tests/front_end/test_aws_smp_v2_examples.py::test_logged_losses_track_pytorch": (),
-    # AWS's SMP v1 gpt2 script: the suite keeps its pipeline in fp16 with manual partitioning
-    "tests/front_end/test_aws_smp_v1_examples.py::test_script_runs_unchanged_and_logs_every_step": (
-        "gpt2_sdp2_fp16", "gpt2_pp2_validation", "gpt2_tp2_prescaled_batch", *AWS_GPT2_SCRIPT_SLOW,
-    ),
-    "tests/front_end/test_aws_smp_v1_examples.py::test_logged_losses_track_pytorch": (
-        "gpt2_sdp2_fp16", "gpt2_pp2_validation", "gpt2_tp2_prescaled_batch", *AWS_GPT2_SCRIPT_SLOW,
-    ),
     "tests/notebooks/test_notebooks.py::test_notebook_runs_and_its_checks_pass": (
         "02_hf_llm_sharded", "03_pipeline", "04_memory_tradeoffs",
     ),
     "tests/compiled_step/test_cpu_convolutions.py::test_shufflenet_v2_in_train_mode_steps_as_float64_pytorch_with_xlas_optimisations_on": (),  # noqa: E501
-    # launched processes (each imports jax, torch and jmp, and compiles): the suite keeps the seed's MNIST script,
+    # launched processes (each imports jax, torch and jmp, and compiles): the suite keeps the seed's recipe script,
     # the main job, the eager loop, pipeline inputs, restarts and HF Trainer across processes; a cluster's torchrun
     # environment read in one process is tests/runtime/test_config.py's
     "tests/multiprocess/test_training.py::test_two_processes_train_gpt2_like_one": (),

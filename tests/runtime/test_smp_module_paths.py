@@ -1,13 +1,15 @@
 """Every public name of SMP v1 (``smdistributed.modelparallel.torch``) and SMP v2 (``torch.sagemaker``) that the seed
-documents, AWS's example scripts (``tests/vendored``) and Hugging Face's ``transformers`` read resolves, under the
+documents, AWS's example scripts and Hugging Face's ``transformers`` read resolves, under the
 launcher's import path, to what SMP has there: ``smp.model.DistributedModel`` is ``smp.DistributedModel``,
 ``smp.checkpoint`` is the activation-checkpointing function while ``smdistributed.modelparallel.torch.checkpoint`` is
 the module of ``save`` / ``load`` / ``save_checkpoint``, ``smp.state.cfg.fp16`` is a bool, ...
 
 ``PATHS`` is the list, each entry with where it was taken from; ``smp_paths_probe.py`` resolves it in a fresh
 process whose ``PYTHONPATH`` starts with ``jmp/runtime/smp_import_path``, as the launcher's processes'. The last
-tests read the vendored scripts and the installed ``transformers`` again, so a name they start reading fails here
-until it is listed (and resolves).
+tests read the installed ``transformers`` and ``accelerate`` again, so a name they start reading fails here until it
+is listed (and resolves). AWS's scripts are not in this repository: the benchmarks that run them from a checkout
+(``benchmarks/smp_examples.py``, ``benchmarks/smp_v2_examples.py``) check their names against this list with
+``reads`` and ``listed`` (``benchmarks/aws_scripts/smp_names.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("smp_paths_probe.py")
 IMPORT_PATH = ROOT / "jmp" / "runtime" / "smp_import_path"
-VENDORED = ROOT / "tests" / "vendored"
 SMP = "smdistributed.modelparallel.torch"
 TSM = "torch.sagemaker"
 
@@ -54,13 +55,13 @@ def _same_as_package(module: str, source: str, kind: str, *names: str) -> list[S
 
 SEED_001 = "seed 001 (modifying a PyTorch training script)"
 SEED_000 = "seed 000 (activation checkpointing)"
-V1_SCRIPTS = "tests/vendored/smp_v1_examples/{gpt2,flan_t5}/train.py"
+V1_SCRIPTS = "AWS's SMP v1 examples, {gpt2,flan-t5}/train.py"
 HF_TRAINER = "transformers trainer.py"
 HF_ARGS = "transformers training_args.py"
 HF_PT_UTILS = "transformers trainer_pt_utils.py"
 HF_MODELING = "transformers modeling_utils.py"
 SMP_LAYOUT = "SMP v1's package: the module smp.X lives in"
-V2 = "tests/vendored/smp_v2/shared-scripts/"
+V2 = "AWS's SMP v2 shared-scripts/"
 RANKS = ("rank", "size", "local_rank", "dp_rank", "dp_size", "rdp_rank", "rdp_size", "pp_rank", "pp_size")
 
 PATHS: list[SmpPath] = [
@@ -188,7 +189,7 @@ def test_smp_name_resolves_to_what_smp_has_there(failures, index):
 ROOTS = ("smdistributed", "torch.sagemaker")
 
 
-def _aliases(tree: ast.Module) -> tuple[dict[str, str], set[str]]:
+def aliases_of(tree: ast.Module) -> tuple[dict[str, str], set[str]]:
     """The names a file binds to SMP's modules and objects (``smp`` -> ``smdistributed.modelparallel.torch``, ``state``
     -> ``torch.sagemaker.state``), and the dotted names its import statements themselves reach."""
     aliases, imported = {}, set()
@@ -208,11 +209,11 @@ def _aliases(tree: ast.Module) -> tuple[dict[str, str], set[str]]:
     return aliases, imported
 
 
-def _reads(path: Path) -> set[str]:
+def reads(path: Path) -> set[str]:
     """The dotted SMP names ``path`` reaches: its imports, and each longest attribute chain (``smp.state.cfg.fp16``)
     on a name bound to SMP (comments are not code, so ``# > smp.nn.huggingface...`` is no read)."""
     tree = ast.parse(path.read_text())
-    aliases, found = _aliases(tree)
+    aliases, found = aliases_of(tree)
     inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute) or id(node) in inner:
@@ -226,7 +227,7 @@ def _reads(path: Path) -> set[str]:
     return {name for name in found if name.startswith(ROOTS) and name != "smdistributed"}
 
 
-def _listed(name: str) -> bool:
+def listed(name: str) -> bool:
     """Whether ``name``, or a longer chain through it (``smp.state`` for ``smp.state.cfg.fp16``), is in ``PATHS``, or
     ``name`` lies under a name listed as absent (``SMStateDictType.SM_LOCAL_STATE_DICT``: its import fails first)."""
     return any(
@@ -237,26 +238,13 @@ def _listed(name: str) -> bool:
     )
 
 
-AWS_SCRIPTS = sorted(
-    [*(VENDORED / "smp_v1_examples").glob("*/*.py"), *(VENDORED / "smp_v2" / "shared-scripts").rglob("*.py")]
-)
-
-
-def test_every_smp_name_the_vendored_aws_scripts_read_is_listed():
-    assert len(AWS_SCRIPTS) > 20  # gpt2, flan_t5 and the SMP v2 shared-scripts
-    unlisted = {
-        f"{name} ({path.relative_to(ROOT)})" for path in AWS_SCRIPTS for name in _reads(path) if not _listed(name)
-    }
-    assert not unlisted, "add to PATHS (and make them resolve):\n" + "\n".join(sorted(unlisted))
-
-
 @pytest.mark.parametrize("package", ["transformers", "accelerate"])
 def test_every_smp_name_the_installed_hugging_face_package_reads_is_listed(package):
     location = Path(pytest.importorskip(package).__file__).parent
     readers = [path for path in location.rglob("*.py") if "smdistributed" in path.read_text(errors="ignore")]
     assert readers  # transformers' trainer and its helpers; accelerate's smddp import
     unlisted = {
-        f"{name} ({path.relative_to(location)})" for path in readers for name in _reads(path) if not _listed(name)
+        f"{name} ({path.relative_to(location)})" for path in readers for name in reads(path) if not listed(name)
     }
     assert not unlisted, "add to PATHS (and make them resolve):\n" + "\n".join(sorted(unlisted))
 
@@ -269,11 +257,11 @@ def test_the_coverage_check_reads_attribute_chains_and_imports_but_not_comments(
         "if smp.state.cfg.fp16 and state.tp_rank == 0:\n"
         "    smp.DistributedModel(model).module  # smp.nn.huggingface.gpt2 is a comment\n"
     )
-    assert _reads(script) == {
+    assert reads(script) == {
         SMP,
         f"{TSM}.state",
         f"{SMP}.state.cfg.fp16",
         f"{TSM}.state.tp_rank",
         f"{SMP}.DistributedModel",
     }
-    assert _listed(f"{SMP}.state.cfg") and not _listed(f"{SMP}.state.cfg.fp17")
+    assert listed(f"{SMP}.state.cfg") and not listed(f"{SMP}.state.cfg.fp17")

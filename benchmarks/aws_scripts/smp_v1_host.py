@@ -1,4 +1,5 @@
-"""Run a vendored SMP v1 script as SageMaker would, on a host without CUDA: ``cpu_host.py SCRIPT [args...]``.
+"""Run one of AWS's SMP v1 example scripts as SageMaker would, on a host without CUDA: ``smp_v1_host.py SCRIPT
+[args...]``, SCRIPT the ``train.py`` of a checkout's ``gpt2/`` or ``flan-t5/`` (``checkout.py``).
 
 What this adds around the unmodified script is what ``jmp.launch`` does not do yet (each piece says so when it
 acts, on stderr, once per process), so the scripts need no edit for it:
@@ -9,6 +10,10 @@ acts, on stderr, once per process), so the scripts need no edit for it:
   call them on every step / once, and a CPU build of torch raises on both (``AssertionError: Torch not
   compiled with CUDA enabled``; ``AttributeError: ... _cuda_setDevice``). There is nothing to synchronise,
   and JAX, not torch, picks the device of a jmp process;
+- flan-t5's ``t5_flash_attn.py`` imports ``flash_attn`` (a CUDA-only package) at its top: without the package,
+  the module is imported here first with a stand-in ``flash_attn`` whose ``FlashAttention`` raises when built
+  (``train.py`` builds it only with ``--flash_attention 1``; the runs pass 0). The stand-in is visible to that
+  import alone: Hugging Face's own checks for ``flash_attn`` still find none;
 - with ``SMP_EXAMPLES_T5_DROPOUT_RATE`` set, every ``T5Config`` takes that ``dropout_rate`` (flan-t5's
   ``model_config.py`` fixes it at 0.1, and a comparison with PyTorch needs the same, mask-free, forward);
 - with ``SMP_EXAMPLES_INITIAL_STATE`` set, rank 0 saves the ``state_dict()`` of each ``DistributedModel`` as
@@ -23,6 +28,7 @@ would; an error it raises is printed here too (see ``main``).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import runpy
 import sys
@@ -77,6 +83,37 @@ def cuda_calls_as_no_ops() -> list[str]:
     return names
 
 
+def t5_flash_attn_without_flash_attn(folder: str) -> bool:
+    """Import ``folder``'s ``t5_flash_attn`` (flan-t5's) with a stand-in ``flash_attn`` when that package is
+    missing, the stand-in removed again after; True if it was. The script's own import then finds the module."""
+    if not os.path.isfile(os.path.join(folder, "t5_flash_attn.py")) or importlib.util.find_spec("flash_attn"):
+        return False
+    import transformers.models.t5.modeling_t5  # noqa: F401 (its own checks for flash_attn run without the stand-in)
+
+    class FlashAttention:
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError(
+                "flash_attn is not installed (it builds for CUDA only): run flan-t5's train.py with --flash_attention 0"
+            )
+
+    root = types.ModuleType("flash_attn")
+    root.__path__ = []
+    module = types.ModuleType("flash_attn.flash_attention")
+    module.FlashAttention = FlashAttention
+    root.flash_attention = module
+    stand_ins = {"flash_attn": root, "flash_attn.flash_attention": module}
+    sys.modules |= stand_ins
+    sys.path.insert(0, folder)
+    try:
+        importlib.import_module("t5_flash_attn")
+    finally:
+        sys.path.remove(folder)
+        for name in stand_ins:
+            sys.modules.pop(name)
+    _note("flash_attn is not installed: t5_flash_attn imported with a stand-in whose FlashAttention raises when built")
+    return True
+
+
 def t5_dropout_from_environment() -> float | None:
     """``T5Config``'s ``dropout_rate`` forced to ``$SMP_EXAMPLES_T5_DROPOUT_RATE`` when that is set."""
     if "SMP_EXAMPLES_T5_DROPOUT_RATE" not in os.environ:
@@ -119,10 +156,11 @@ def initial_state_to_file() -> str | None:
 
 def main(argv: list[str]) -> None:
     if not argv:
-        raise SystemExit("usage: cpu_host.py SCRIPT [args...]")
+        raise SystemExit("usage: smp_v1_host.py SCRIPT [args...]")
     script = os.path.abspath(argv[0])
     alias_smdistributed()
     cuda_calls_as_no_ops()
+    t5_flash_attn_without_flash_attn(os.path.dirname(script))
     t5_dropout_from_environment()
     initial_state_to_file()
     sys.argv = [script, *argv[1:]]

@@ -1,4 +1,5 @@
-"""Run AWS's vendored SMP v2 ``train.py`` as SageMaker would, on a host without CUDA: ``cpu_host.py SCRIPT [args...]``.
+"""Run AWS's SMP v2 ``train.py`` as SageMaker would, on a host without CUDA: ``smp_v2_host.py SCRIPT [args...]``, SCRIPT
+the ``train.py`` of a checkout's ``shared-scripts/`` (``checkout.py``).
 
 ``python -m jmp.launch`` provides what jmp stands for (``torch.sagemaker``, PyTorch's FSDP wrapper names, the
 ``smddp`` backend). What this adds around the unmodified script is what a CPU host lacks and jmp has no business
@@ -213,7 +214,7 @@ def sdpa_for_flash_attention_2() -> bool:
 
 def main(argv: list[str]) -> None:
     if not argv:
-        raise SystemExit("usage: cpu_host.py SCRIPT [args...]")
+        raise SystemExit("usage: smp_v2_host.py SCRIPT [args...]")
     script = os.path.abspath(argv[0])
     sys.meta_path.append(StandInFinder())
     cuda_calls_for_a_cpu_host()
@@ -224,7 +225,7 @@ def main(argv: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
     except BaseException:
         # printed here as well: under jmp.launch, once jmp has started, an uncaught error's traceback may not
-        # reach the launcher's output before the process ends (as for the SMP v1 scripts' cpu_host.py)
+        # reach the launcher's output before the process ends (as for the SMP v1 scripts' smp_v1_host.py)
         traceback.print_exc()
         sys.stderr.flush()
         raise

@@ -1,15 +1,15 @@
-"""Tiny, deterministic pretraining data in the format the vendored scripts' ``data_pipeline`` reads.
+"""Tiny, deterministic pretraining data in the format AWS's SMP example scripts read.
 
-``GPTPretrainingDataset`` (gpt2/ and flan_t5/ share it) reads every ``*.json.gz`` file (``--zipped_data 1``,
-the default) of ``--training_dir`` / ``--test_dir``: gzip'd text, one JSON object per line,
+The SMP v1 scripts' ``GPTPretrainingDataset`` (gpt2/ and flan-t5/ share it) reads every ``*.json.gz`` file
+(``--zipped_data 1``, the default) of ``--training_dir`` / ``--test_dir``: gzip'd text, one JSON object per line,
 ``{"input_ids": [...], "attention_mask": [...]}`` of token ids, cropped at random to ``--max_context_width``
-when longer. Here every row is exactly ``seq_len`` long (so no crop, no randomness in reading) with an all-ones
-mask, and the tokens follow a noisy affine recurrence mod ``vocab`` so that a tiny model's loss goes down.
-Same arguments, same bytes: a fixed seed and gzip with mtime 0. No download, no tokenizer: the scripts read
-token ids.
+when longer; the SMP v2 script's ``gpt_jsonl`` format is the same. Here every row is exactly ``seq_len`` long
+(so no crop, no randomness in reading) with an all-ones mask, and the tokens follow a noisy affine recurrence mod
+``vocab`` so that a tiny model's loss goes down. Same arguments, same bytes: a fixed seed and gzip with mtime 0. No
+download, no tokenizer: the scripts read token ids.
 
-``python tests/vendored/smp_v1_examples/make_data.py OUT [--vocab V] [--seq-len L] ...`` writes
-``OUT/train/train_00.json.gz ...`` and ``OUT/test/test_00.json.gz``.
+``python -m benchmarks.aws_scripts.make_data OUT [--vocab V] [--seq-len L] ...`` writes ``OUT/train/train_00.json.gz
+...`` and ``OUT/test/test_00.json.gz``.
 """
 
 from __future__ import annotations
