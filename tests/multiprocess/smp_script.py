@@ -7,7 +7,10 @@ MODE [hyperparameters...]``, MODE one of:
   process of what SMP's names resolved to, ``smp.state``, and ``torch.distributed`` collectives on SMP's
   process groups (also after a second ``smp.init`` that pipelines over the two processes); then train one SGD
   step of a linear model on this process's batch of 4 rows (SMP: the batch size is per process) and print the
-  loss and weights.
+  loss and weights; then the same at tensor parallelism 2 (one process per tp rank) without and with
+  ``prescaled_batch``, each process taking its rows as AWS's SMP v1 GPT-2 script does: by ``smp.dp_rank()`` of
+  ``smp.dp_size()``, or with ``prescaled_batch`` by ``smp.rdp_rank()`` of ``smp.rdp_size()`` (a tp group reads one
+  batch).
 - ``find-spec``: print whether ``smdistributed`` can be found (no jmp imported).
 """
 
@@ -48,11 +51,13 @@ def collectives(smp, dist, torch) -> dict:
     return out
 
 
-def one_sgd_step(smp, torch) -> dict:
-    """One step on this process's 4 rows of the 8 rows every process generates alike."""
+def one_sgd_step(smp, torch, share: int | None = None) -> dict:
+    """One step on this process's 4 rows of the 8 rows every process generates alike: the ``share``-th 4 rows
+    (default: ``smp.dp_rank()``'s)."""
     torch.manual_seed(0)
     data, target = torch.randn(8, 3), torch.randn(8, 2)
-    mine = slice(4 * smp.dp_rank(), 4 * smp.dp_rank() + 4)
+    share = smp.dp_rank() if share is None else share
+    mine = slice(4 * share, 4 * share + 4)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model = smp.DistributedModel(model)
@@ -99,6 +104,11 @@ def smp_mode(hyperparameters: list[str]) -> None:
     report["pipelined"] = collectives(smp, dist, torch)
     smp.init({})
     report["step"] = one_sgd_step(smp, torch)
+    for prescaled in (False, True):
+        smp.init({"tensor_parallel_degree": 2, "prescaled_batch": prescaled})
+        share, shares = (smp.rdp_rank(), smp.rdp_size()) if prescaled else (smp.dp_rank(), smp.dp_size())
+        step = one_sgd_step(smp, torch, share) | {"share": [share, shares]}
+        report["tp2_prescaled_step" if prescaled else "tp2_step"] = step
     emit(report)
 
 

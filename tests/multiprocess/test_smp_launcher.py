@@ -85,6 +85,30 @@ def test_each_process_passes_its_own_batch_and_the_update_is_the_global_batchs(r
             torch.testing.assert_close(torch.tensor(report["step"]["state"][name]), value, rtol=1e-5, atol=1e-6)
 
 
+def _sgd_step_on(rows: slice) -> dict[str, torch.Tensor]:
+    """PyTorch's one SGD step on ``rows`` of the 8 rows the script generates: the weights after it."""
+    torch.manual_seed(0)
+    data, target = torch.randn(8, 3), torch.randn(8, 2)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    torch.nn.functional.mse_loss(model(data[rows]), target[rows]).backward()
+    optimizer.step()
+    return model.state_dict()
+
+
+def test_tensor_parallel_ranks_pass_their_own_rows_unless_the_batch_is_prescaled(reports):
+    """At tp 2 over the two processes, without ``prescaled_batch`` each tp rank passes its own 4 rows and the step
+    is over all 8 (SMP: each tp rank loads its own batch, the tp group computes on them all); with it the tp group
+    reads one batch (AWS's GPT-2 script shards the data by ``rdp_rank`` of ``rdp_size``, 1 here) and the step is
+    over those 4 rows once."""
+    for key, shares, rows in (("tp2_step", 2, slice(0, 8)), ("tp2_prescaled_step", 1, slice(0, 4))):
+        expected = _sgd_step_on(rows)
+        for me, report in reports.items():
+            assert report[key]["share"] == [me if shares == 2 else 0, shares], key
+            for name, value in expected.items():
+                torch.testing.assert_close(torch.tensor(report[key]["state"][name]), value, rtol=1e-5, atol=1e-6)
+
+
 def test_jmps_notices_print_once_per_job_and_gloos_connection_lines_not_at_all(launched, reports):
     output = launched.stdout + launched.stderr
     assert output.count("config key 'ddp' has no effect in jmp") == 1, output[-5000:]
