@@ -69,7 +69,7 @@ import tempfile
 import types
 from pathlib import Path
 
-from benchmarks.aws_scripts import checkout, smp_names
+from benchmarks.aws_scripts import checkout, smp_names, smp_v1_host
 from benchmarks.aws_scripts.make_data import make_data as write_data
 from benchmarks.script_runs import (
     TIMEOUT_S,
@@ -249,7 +249,7 @@ CONFIGS: dict[str, dict] = {
 
 _LOSS = re.compile(r"Batch (\d+) Loss: (\S+?),")
 _VAL = re.compile(r"Batch (\d+) Validation loss: (\S+)")
-_OTHER_PROCESS = re.compile(r"^(\d{4}-\d\d-\d\d[:T ]|\[transformers\]|smp_v1_examples|[WEIF]\d{4} |jmp\.launch:)")
+_OTHER_PROCESS = re.compile(r"^(\d{4}-\d\d-\d\d[:T ]|\[transformers\]|smp_v1_host:|[WEIF]\d{4} |jmp\.launch:)")
 
 
 def _environment(work: Path, data: Path, cfg: dict) -> dict[str, str]:
@@ -302,7 +302,9 @@ def run_config(name: str, work: Path, data: Path, scripts: Path, timeout_s: int 
             losses[int(step)] = float(value)
         for step, value in _VAL.findall(log):
             val_losses[int(step)] = float(value)
-        harness |= {line.split(":", 1)[1].strip() for line in log.splitlines() if line.startswith("smp_v1_examples")}
+        harness |= {
+            line.split(":", 1)[1].strip() for line in log.splitlines() if line.startswith(smp_v1_host.HARNESS_NOTE)
+        }
         finished = code == 0 and "SMP training finished successfully" in log
         record["phases"].append(
             {

@@ -80,7 +80,7 @@ import tempfile
 import types
 from pathlib import Path
 
-from benchmarks.aws_scripts import checkout, smp_names
+from benchmarks.aws_scripts import checkout, smp_names, smp_v2_host
 from benchmarks.aws_scripts.make_data import make_data as write_data
 from benchmarks.script_runs import (
     TIMEOUT_S,
@@ -164,7 +164,7 @@ _LOSS = re.compile(r"Batch (\d+) Loss: (\S+?),")
 _VAL = re.compile(r"Batch (\d+) Validation loss: (\S+)")
 _FINISHED = "FSDP training finished successfully"
 _INTERLEAVED = re.compile(
-    r"^(\d{4}-\d\d-\d\d[:T ]|\[\d{4}-|\[transformers\]|smp_v2_examples|[WEIF]\d{4} |jmp\.launch:|/|Traceback \(most)"
+    r"^(\d{4}-\d\d-\d\d[:T ]|\[\d{4}-|\[transformers\]|smp_v2_host:|[WEIF]\d{4} |jmp\.launch:|/|Traceback \(most)"
 )
 
 
@@ -216,7 +216,9 @@ def run_config(name: str, work: Path, data: Path, scripts: Path, timeout_s: int 
                 losses[int(step)] = float(value)
             for step, value in _VAL.findall(log):
                 val_losses[int(step)] = float(value)
-        harness |= {line.split(":", 1)[1].strip() for line in log.splitlines() if line.startswith("smp_v2_examples")}
+        harness |= {
+            line.split(":", 1)[1].strip() for line in log.splitlines() if line.startswith(smp_v2_host.HARNESS_NOTE)
+        }
         finished = code == 0 and _FINISHED in log
         record["phases"].append(
             {
@@ -314,8 +316,6 @@ def reference(name: str, data: Path, scripts: Path, initial_weights: Path) -> di
         del argv[i : i + 2]
         resumed_at = int(arg_value(cfg["phases"][0], "max_steps"))
     sys.path[:0] = [str(scripts)]
-    from benchmarks.aws_scripts import smp_v2_host
-
     sys.meta_path.append(smp_v2_host.StandInFinder())  # datasets (data/pipelines imports it)
     smp_v2_host.sdpa_for_flash_attention_2()
     _standin_tsm()

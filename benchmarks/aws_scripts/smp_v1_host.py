@@ -35,7 +35,7 @@ import sys
 import traceback
 import types
 
-HARNESS_NOTE = "smp_v1_examples harness:"
+HARNESS_NOTE = "smp_v1_host:"
 
 
 def _note(message: str) -> None:

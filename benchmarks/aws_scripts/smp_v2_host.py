@@ -41,7 +41,7 @@ import sys
 import traceback
 import types
 
-HARNESS_NOTE = "smp_v2_examples harness:"
+HARNESS_NOTE = "smp_v2_host:"
 _noted: set[str] = set()
 
 
