@@ -1,9 +1,9 @@
-"""Stochastic depth (torchvision's ``StochasticDepth``, vendored) in a train-mode ``@smp.step`` under sharded data
-parallelism. jmp draws its own masks, so they are read back from the step's logits (``benchmarks.image_zoo``'s
-``drop_path_masks``: exactly one combination of kept and dropped paths gives each row's logits), and PyTorch in
-float64 under those masks is the reference for the loss and every gradient. Mode "row" draws a mask per row; mode
-"batch" one for the whole batch, the same on every device. ``benchmarks/image_zoo.py`` does the same with timm's
-ViT and ConvNeXt.
+"""Stochastic depth (a ``StochasticDepth`` module with torchvision's semantics, written here) in a train-mode
+``@smp.step`` under sharded data parallelism. jmp draws its own masks, so they are read back from the step's logits
+(``benchmarks.image_zoo``'s ``drop_path_masks``: exactly one combination of kept and dropped paths gives each row's
+logits), and PyTorch in float64 under those masks is the reference for the loss and every gradient. Mode "row" draws
+a mask per row; mode "batch" one for the whole batch, the same on every device. ``benchmarks/image_zoo.py`` does the
+same with timm's ViT and ConvNeXt.
 """
 
 from __future__ import annotations
@@ -20,9 +20,28 @@ import jmp as smp
 from benchmarks.image_zoo import drop_path_masks, with_masks
 from tests.front_end.helpers import named_grads
 from tests.helpers import assert_close
-from tests.vendored.torchvision.stochastic_depth import StochasticDepth
 
 ROWS, WIDTH, CLASSES = 16, 32, 5
+
+
+class StochasticDepth(nn.Module):
+    """Keeps its input with probability ``1 - p``, scaled by ``1 / (1 - p)``, per row (``mode="row"``) or for the
+    whole batch (``"batch"``), drawn as torchvision's ``stochastic_depth`` draws it: a fresh ``torch.empty`` filled
+    in place by ``bernoulli_`` and divided in place."""
+
+    def __init__(self, p: float, mode: str):
+        super().__init__()
+        self.p, self.mode = p, mode
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        keep = 1.0 - self.p
+        shape = [x.shape[0]] + [1] * (x.ndim - 1) if self.mode == "row" else [1] * x.ndim
+        noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
+        if keep > 0.0:
+            noise.div_(keep)
+        return x * noise
 
 
 class ResidualNet(nn.Module):
