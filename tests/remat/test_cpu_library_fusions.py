@@ -1,6 +1,5 @@
-"""The step program on XLA:CPU keeps XLA's default library fusions (dots through YNNPACK; convolutions too, since
-sending them to Eigen gave wrong gradients: tests/compiled_step/test_cpu_convolutions.py), and its gradients are
-torch's."""
+"""The step program's XLA:CPU options: convolutions on XLA's own (Eigen) path, dots still through YNNPACK, and the
+step's gradients torch's (at XLA's real kernels: tests/compiled_step/test_cnn_numerics.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ def _library_computations(hlo: str) -> dict[str, str]:
     return {name: body for name, body in bodies if name in called}
 
 
-def test_cpu_step_hands_dots_to_ynnpack_and_matches_torch():
+def test_cpu_step_keeps_convolutions_out_of_ynnpack_and_dots_in_and_matches_torch():
     torch.manual_seed(0)
     net = PooledNet()
     images = torch.randn(
@@ -37,6 +36,7 @@ def test_cpu_step_hands_dots_to_ynnpack_and_matches_torch():
     hlo = classifier_step.lower(model, images, labels).compile().as_text()
     library = _library_computations(hlo)
     assert len(re.findall(r" convolution\(", hlo)) >= 5  # two forward, two filter gradients, one input gradient
+    assert not [name for name, body in library.items() if " convolution(" in body], library
     assert any(" dot(" in body for body in library.values()), "the linear layer's dots left YNNPACK too"
 
     classifier_step(model, images, labels)
