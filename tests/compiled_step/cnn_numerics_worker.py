@@ -7,10 +7,8 @@ Run by ``test_cnn_numerics.py`` in a process of its own with XLA's optimisation 
     python -m tests.compiled_step.cnn_numerics_worker resnet18:dp8:2 shufflenet_v2:sdp8:4
 
 Each run is a model of ``kinked_cnns.MODELS``, a layout (``dp8``: ``{}``; ``sdp8``:
-``{"sharded_data_parallel_degree": 8}``) and the rows each of the 8 devices gets. A parameter's error is the root
-mean square of its change's difference from float64's change over that change's, floored at ``FLOOR`` times the
-largest parameter's (a bias that a later batch norm cancels changes by rounding only); a running statistic's is
-measured against ``_statistic_scale``.
+``{"sharded_data_parallel_degree": 8}``) and the rows each of the 8 devices gets. Errors are measured as
+``benchmarks.cnn_numerics.errors`` measures them.
 """
 
 from __future__ import annotations
@@ -28,11 +26,10 @@ import torch
 import torch.nn.functional as F
 
 import jmp as smp
+from benchmarks.cnn_numerics import DEVICES, LAYOUTS, LR, MOMENTUM, STEPS, errors
 from tests.compiled_step.kinked_cnns import MODELS
 
-DEVICES, IMAGE, STEPS, LR, MOMENTUM, FLOOR = 8, 32, 2, 0.05, 0.9, 1e-3
-BN_MOMENTUM = 0.1  # nn.BatchNorm2d's
-LAYOUTS = {"dp8": {}, "sdp8": {"sharded_data_parallel_degree": 8}}
+IMAGE = 32
 
 
 def _batches(rows: int):
@@ -96,42 +93,6 @@ def _jmp(net, batches, layout: str):
         optimizer.step()
         decisions.append([d.concat() for d in taken])
     return _state(model), decisions
-
-
-def errors(initial, actual, expected) -> dict[str, float]:
-    """Each tensor's error (module docstring): the root mean square of its change's difference from the expected
-    change, over the expected change's, floored at ``FLOOR`` times the largest parameter's; a running statistic's
-    against ``_statistic_scale``."""
-    changes = {k: expected[k] - initial[k] for k in expected}
-    largest = max(_rms(c) for k, c in changes.items() if not _statistic(k))
-    out = {}
-    for k, change in changes.items():
-        difference = (actual[k] - initial[k]) - change
-        if _statistic(k):
-            out[k] = _rms(difference / _statistic_scale(k, expected))
-        else:
-            out[k] = _rms(difference) / max(_rms(change), FLOOR * largest)
-    return out
-
-
-def _rms(x) -> float:
-    return float(np.sqrt(np.mean(np.square(x))))
-
-
-def _statistic(name: str) -> bool:
-    return name.endswith(("running_mean", "running_var"))
-
-
-def _statistic_scale(name: str, expected) -> np.ndarray:
-    """Per channel, the size of what the steps added to a running statistic. A mean is as accurate as the values it
-    averages and cancels where they do (behind a batch norm with no bias a channel's mean is zero in exact
-    arithmetic): its error is measured against the added weight times the channels' standard deviation, from
-    float64's ``running_var`` (which started at 1); a variance, a mean of squares, against what was added to it."""
-    kept = (1 - BN_MOMENTUM) ** STEPS
-    added_var = expected[name.replace("running_mean", "running_var")] - kept
-    if name.endswith("running_var"):
-        return added_var
-    return (1 - kept) * np.sqrt(added_var / (1 - kept))
 
 
 def run(name: str, layout: str, rows: int) -> dict:
