@@ -11,9 +11,9 @@ devices, and GPT-2 at cp 2 x fsdp 2 x tp 2, each with the ring and with the all-
 one step on four rows of 16 tokens (two right-padded) against
 PyTorch on the whole sequences: the loss's relative difference and the largest per-tensor relative difference of
 the gradients (``||g - g_torch|| / ||g_torch||``). In a pipeline (Llama at pp 2 x cp 2 x tp 2 and pp 2 x cp 4,
-GPT-2 at pp 2 x cp 2 x fsdp 2, Mixtral at pp 2 x cp 2 x ep 2; the suite runs Llama at pp 2 x cp 2 x dp 2): eight
-rows (three right-padded) in 2 microbatches, against PyTorch on the same microbatches (``microbatch_rows``), the
-mean of their losses.
+GPT-2 at pp 2 x cp 2 x fsdp 2, Mixtral at pp 2 x cp 2 x ep 2; the suite's --slow tier runs Llama at pp 2 x cp 2 x
+dp 2): eight rows (three right-padded) in 2 microbatches, against PyTorch on the same microbatches
+(``microbatch_rows``), the mean of their losses.
 
 Pipeline memory (``--pipeline-lengths``): ``PIPELINE_MODEL`` (``MEMORY_MODEL`` with 4 layers) in 2 stages at
 cp 1, 2 and 4 (2, 4 and 8 devices), two rows in 2 microbatches: the compiled temporaries per device and the

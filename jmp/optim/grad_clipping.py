@@ -1,13 +1,14 @@
 """``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on a ``DistributedModel``'s parameters.
 
-jmp keeps gradients on the devices (the model's training state), not in ``p.grad``: torch's own
-functions would find no gradient and silently clip nothing. ``import jmp`` replaces them in
-``torch.nn.utils`` with these, which clip a DistributedModel's gradients where they are (the norm is
-global across devices and processes, as torch's is over one process' tensors) and hand any other
-tensors to torch's originals. The norm is that of the unscaled gradients when the loss is scaled.
+jmp keeps gradients on the devices (the model's training state; ``p.grad`` reads a copy gathered to the
+host). ``import jmp`` replaces torch's functions in ``torch.nn.utils`` with these, which clip a
+DistributedModel's gradients where they are, inside the compiled update (the norm is global across
+devices and processes, as torch's is over one process' tensors), and hand any other tensors to torch's
+originals. The norm is that of the unscaled gradients when the loss is scaled.
 
 A script that bound torch's function before jmp was imported (``from torch.nn.utils import
-clip_grad_norm_`` above ``import jmp``) keeps torch's, which finds no gradient: import jmp first.
+clip_grad_norm_`` above ``import jmp``) keeps torch's, which does not clip the devices' gradients:
+import jmp first.
 """
 
 from __future__ import annotations

@@ -383,7 +383,7 @@ def rank() -> int:
 
 
 def size() -> int:
-    """The number of processes (``jax.process_count()``); each drives all devices of its host."""
+    """The number of processes (``jax.process_count()``); a process may drive several devices (a rank is one)."""
     return jax.process_count()
 
 
