@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -24,18 +25,27 @@ logger = logging.getLogger("jmp")
 
 
 def generate_of(model: Any) -> Callable[..., Any]:
-    """``model.generate``: the wrapped module's ``generate`` running on ``model``'s forward. AttributeError when
+    """``model.generate``: a Hugging Face module's ``generate`` running on ``model``'s forward (another module's
+    ``generate`` is a method of ``model``, ``self`` the model). AttributeError when
     the module has no ``generate``, so that ``hasattr(model, "generate")`` answers as for the module."""
     module = model.__dict__.get("torch_module")
     method = getattr(module, "generate", None)
     if not callable(method):
         raise AttributeError("generate")  # DistributedModel.__getattr__ then says what the module lacks
+    if not _is_hugging_face_generator(module):  # the user's own generate: a method of the model, self the model
+        return inspect.getattr_static(type(module), "generate").__get__(model, type(model))
 
     @functools.wraps(method)
     def generate(*args: Any, **kwargs: Any) -> Any:
         return run_generate(model, method, args, kwargs)
 
     return generate
+
+
+def _is_hugging_face_generator(module: Any) -> bool:
+    generation = sys.modules.get("transformers.generation.utils")  # never imports transformers itself
+    mixin = getattr(generation, "GenerationMixin", None)
+    return mixin is not None and isinstance(module, mixin)
 
 
 def run_generate(model: Any, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

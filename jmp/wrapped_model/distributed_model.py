@@ -47,7 +47,7 @@ from jmp.torch_bridge import (
 )
 from jmp.torch_bridge.interop import array_to_tensor, local_piece, tensor_to_array
 from jmp.torch_bridge.layers.linear import Linear
-from jmp.wrapped_model import delayed_init, sdp_partitions, smp_paths
+from jmp.wrapped_model import delayed_init, sdp_partitions, smp_paths, torch_compile, user_class
 from jmp.wrapped_model.module_surface import ModelOptions, ModuleSurface
 from jmp.wrapped_model.param_grads import ParamGrads
 from jmp.wrapped_model.parameter_store import ParameterStore, StackStore, StageStore, TreeStore
@@ -209,6 +209,8 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         self._graphdef = self._graphdefs.setdefault(graphdef, graphdef)
         if not self.abstract:
             model_registry.register(self)
+        if type(self) is DistributedModel:  # the wrapped model is the module (FSDP2's design); subclasses stay theirs
+            user_class.adopt(self, DistributedModel)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -273,6 +275,10 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         return trace.module.torch_call(*args, **kwargs)
 
     forward = __call__
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module.compile()``: nothing to do, the step is already one compiled XLA program (said once)."""
+        torch_compile.say_once()
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
         """Mark what the step differentiates, as ``torch.autograd.backward(tensors, grad_tensors)`` (SMP's API).
@@ -636,6 +642,9 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
             f"DistributedModel({type(self.torch_module).__name__}, {self.layout.parameter_count():,} parameters, "
             f"mesh {dict(self.layout.mesh.shape)})"
         )
+
+
+torch_compile.install(DistributedModel)
 
 
 def _check_fit(state_dict: dict, variables: dict, strict: bool) -> None:

@@ -5,8 +5,9 @@
 - ``ModuleSurface``: the ``nn.Module`` methods scripts call on the wrapped model: parameter and module
   iteration (the torch module's own tensors, so torch optimizers and param groups built on them are found
   by ``DistributedOptimizer``), SMP's ``local_*`` views, ``partitioned`` and post-partition hooks, device
-  moves (no-ops), dtype casts (refused: the dtype is fixed when the model is laid out) and read-only
-  delegation of other attributes (``model.config`` of a Hugging Face model) to the torch module.
+  moves (no-ops), dtype casts (refused: the dtype is fixed when the model is laid out) and delegation of the
+  torch module's instance attributes (``model.config`` of a Hugging Face model, its submodules); the methods of
+  the user's class come with the class the model takes (``jmp.wrapped_model.user_class``).
 
 The torch module keeps the values it had when it was wrapped (or last loaded): it is the model's names and
 identities, not its current weights; ``model.state_dict()`` gathers those.
@@ -387,13 +388,14 @@ class ModuleSurface:
             f"(with smp.model_creation(dtype={dtype}): ...) or set the config key 'bf16' / 'fp16', then wrap it."
         )
 
-    # --- other attributes: the torch module's, read-only ----------------------------------------------------
+    # --- other attributes: the torch module's ---------------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:
-        # Called only for names DistributedModel lacks. Private names and names asked for while the model is
-        # being built (before self.module exists) are not delegated: they are the model's own, missing.
+        # Called only for names DistributedModel (and the user's class it takes: jmp.wrapped_model.user_class) lack:
+        # the wrapped module's instance attributes (``config``, submodules, tensors). Dunder names, jmp's marks and
+        # names asked for while the model is being built (before self.torch_module exists) are not delegated.
         module = self.__dict__.get("torch_module")
-        if name.startswith("_") or module is None:
+        if module is None or _is_dunder(name) or name.startswith(("_jmp", "_smp")) or not _delegated(module, name):
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         try:
             value = getattr(module, name)
@@ -401,10 +403,31 @@ class ModuleSurface:
             raise AttributeError(
                 f"'{type(self).__name__}' object has no attribute '{name}', nor has its {type(module).__name__} module"
             ) from None
-        if inspect.ismethod(value) or inspect.isfunction(value):
+        if isinstance(value, (nn.Module, torch.Tensor)):
+            return getattr(self.current_module, name)  # with the current values, as model.module's
+        if inspect.ismethod(value) and value.__self__ is module:
             raise AttributeError(
-                f"'{type(self).__name__}' object has no method '{name}'. The wrapped {type(module).__name__}'s "
-                f"{name}() would run on the torch module, not on the distributed model; call "
-                f"model.module.{name}() if that is what you mean."
+                f"'{type(self).__name__}' object has no method '{name}': the wrapped {type(module).__name__}'s "
+                f"{name}() is bound to the torch module ({_bound_why(self, module, name)}) and would run on it, not "
+                f"on the distributed model; call model.module.{name}() if that is what you mean."
             )
         return value
+
+
+def _is_dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
+def _delegated(module: nn.Module, name: str) -> bool:
+    """Public names always; a private one only where the module holds it itself (its ``__dict__`` or registered
+    tensors and submodules), not torch's or a wrapper's probes of the class (``_orig_mod``, ``_hf_hook``)."""
+    if not name.startswith("_"):
+        return True
+    held = (module.__dict__, module._modules, module._parameters, module._buffers)
+    return any(name in where for where in held)
+
+
+def _bound_why(model: Any, module: nn.Module, name: str) -> str:
+    if name in module.__dict__:
+        return "set on the instance"
+    return f"a {type(model).__name__} is not a {type(module).__name__}"

@@ -179,8 +179,10 @@ def test_attributes_of_the_wrapped_module_are_readable():
     model = smp.DistributedModel(module)
     assert model.config is module.config and model.config.n_layer == 1
     assert model.lm_head is module.lm_head
-    with pytest.raises(AttributeError, match=r"model\.module\.prepare_inputs_for_generation\(\)"):
-        model.prepare_inputs_for_generation  # noqa: B018 - a torch method would not act on the distributed model
+    assert model.prepare_inputs_for_generation.__self__ is model  # the class's methods run on the model
+    module.head_of_module = module.get_output_embeddings  # bound to the torch module: it would not act on the model
+    with pytest.raises(AttributeError, match=r"set on the instance.*model\.module\.head_of_module\(\)"):
+        model.head_of_module  # noqa: B018
     with pytest.raises(AttributeError, match="nor has its GPT2LMHeadModel"):
         model.no_such_thing  # noqa: B018
     with pytest.raises(AttributeError):
