@@ -43,6 +43,7 @@ from jmp.runtime import compilation_cache as compilation
 from jmp.runtime import live_models as model_registry
 from jmp.runtime import mesh_state as state
 from jmp.runtime import programs_in_flight
+from jmp.torch_bridge import index_checks
 from jmp.wrapped_model.distributed_model import DistributedModel, current_trace
 
 __all__ = ["StepFunction", "StepOutput", "is_tracing", "step"]
@@ -85,6 +86,7 @@ class StepFunction:
             raise StepError(f"@smp.step of {fn.__name__}: {sorted(unknown)} are not arguments of the function")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        index_checks.raise_ready()  # an earlier step's bad indices, once its values are ready (no wait)
         with compilation.timed(self.__name__):  # logs only when this call compiled something
             call = self._prepare(args, kwargs)
             if call.model.pipeline is not None and not call.traced.checked:
@@ -102,8 +104,9 @@ class StepFunction:
                 return self(*args, **kwargs)
         if not call.traced.has_backward and outputs:  # a forward-only loop (evaluation) has no update to wait at
             programs_in_flight.admit(min(outputs, key=lambda output: output.size))
+        sown, checks = index_checks.taken_from(sown)
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, sown)
-        returned = results(call.traced.output_leaves, outputs, call.shards, call.share)
+        returned = results(call.traced.output_leaves, outputs, call.shards, call.share, checks)
         call.model.run_post_step_hooks()
         return torch_pytree.tree_unflatten(returned, call.traced.output_spec)
 

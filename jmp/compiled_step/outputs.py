@@ -22,6 +22,7 @@ from jmp.errors import StepError
 from jmp.stacks.scan import is_cache
 from jmp.torch_bridge import JaxTensor
 from jmp.torch_bridge.dtypes import to_torch_dtype
+from jmp.torch_bridge.index_checks import Pending
 from jmp.torch_bridge.interop import array_to_tensor, local_piece, tensor_to_array
 
 logger = logging.getLogger("jmp")
@@ -53,8 +54,14 @@ class StepOutput:
     """
 
     def __init__(
-        self, stacked: jax.Array, torch_dtype: torch.dtype, data_shards: int, share: ProcessShare | None = None
+        self,
+        stacked: jax.Array,
+        torch_dtype: torch.dtype,
+        data_shards: int,
+        share: ProcessShare | None = None,
+        checks: Pending | None = None,
     ):
+        self._checks = checks  # the step's index checks: reading a value raises torch's IndexError if one failed
         self._stacked = stacked  # [microbatches, ...], or [microbatches, processes, ...] with several shares
         self._torch_dtype = torch_dtype
         self._data_shards = data_shards
@@ -63,6 +70,8 @@ class StepOutput:
 
     def _mine(self) -> jax.Array:
         """[microbatches, ...]: this process's values, on one of its devices."""
+        if self._checks is not None:
+            self._checks.raise_if_failed()
         if self._own is None:
             value, share = self._stacked, self._share
             if share is not None and not value.is_fully_addressable:
@@ -215,11 +224,13 @@ def as_tensor_shape(stacked: jax.ShapeDtypeStruct, per_process: bool) -> tuple[i
     return () if not value else (microbatches * value[0], *value[1:])
 
 
-def results(leaves: tuple, arrays: list[jax.Array], data_shards: int, share: ProcessShare | None) -> list[Any]:
+def results(
+    leaves: tuple, arrays: list[jax.Array], data_shards: int, share: ProcessShare | None, checks: Pending | None = None
+) -> list[Any]:
     """The returned leaves of a call: a ``StepOutput`` for each tensor leaf (from ``arrays``, in order), the
-    other values as they are."""
+    other values as they are; reading one first reads the step's index ``checks``."""
     values = iter(arrays)
     return [
-        StepOutput(next(values), leaf, data_shards, share) if isinstance(leaf, torch.dtype) else leaf.value
+        StepOutput(next(values), leaf, data_shards, share, checks) if isinstance(leaf, torch.dtype) else leaf.value
         for leaf in leaves
     ]

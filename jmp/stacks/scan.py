@@ -77,7 +77,7 @@ class _Ran:
     hooks: Hashable
     leaves: list[Any]
     spec: Any
-    quiet: bool  # it wrote no module state, drew no random numbers and sowed nothing: running it again is harmless
+    quiet: bool  # it wrote no module state, drew no random numbers, sowed no sum: running it again is harmless
 
 
 class StackedLayers:
@@ -127,7 +127,8 @@ class StackedLayers:
             side_outputs.sow_all(sown)
         shape = _output_shape(out, args[0], other[0]) if other is not None else None
         if shape is not None:
-            quiet = not sown and _same_leaves(before, _state_leaves(module))
+            # sown maxima and minima (index checks) are the same when the layer runs again; a sum is not
+            quiet = side_outputs.idempotent(sown) and _same_leaves(before, _state_leaves(module))
             ran = _Ran(module, call, args[0], _hidden(out), shape, hooks, *other, quiet)
             self._ran[stack.container][index] = ran
         else:

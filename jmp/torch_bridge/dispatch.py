@@ -35,7 +35,15 @@ import torch.compiler
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from jmp.errors import JmpError, LoweringError, TracedControlFlowError, UnsupportedOpError
-from jmp.torch_bridge import autocast, higher_order_ops, keyword_aliases, registry, replica_calls, value_checks
+from jmp.torch_bridge import (
+    autocast,
+    higher_order_ops,
+    index_checks,
+    keyword_aliases,
+    registry,
+    replica_calls,
+    value_checks,
+)
 from jmp.torch_bridge.context_vars import set_within
 from jmp.torch_bridge.patching import SharedPatch
 from jmp.torch_bridge.tensor import JaxTensor, contains_tensor, unwrap_tree, wrap
@@ -211,6 +219,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     entry = registry.lookup(func)
     if entry is None:
         return _not_lowered(func, args, kwargs)
+    checked = index_checks.CHECKED.get(func)
+    if checked is not None:  # indices out of range raise torch's IndexError (outside any per-replica shard_map)
+        index_checks.run(checked, where(), unwrap_tree(args), unwrap_tree(kwargs))
     try:
         casting = autocast.active()
         if casting is not None:  # torch.autocast: cast the arguments by func's policy

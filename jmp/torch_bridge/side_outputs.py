@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 
 from jmp.torch_bridge.context_vars import set_within
@@ -46,6 +47,7 @@ class Sown:
 jax.tree_util.register_dataclass(Sown, data_fields=["value"], meta_fields=["reduce", "report"])
 
 _COLLECTOR: contextvars.ContextVar[SideOutputs | None] = contextvars.ContextVar("jmp_side_outputs", default=None)
+_TRACE: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_side_outputs_trace", default=None)
 
 
 def sow(name: str, value: Any, reduce: str = "sum", report: Callable[[Any], None] | None = None) -> None:
@@ -74,8 +76,20 @@ def sow_all(side_outputs: SideOutputs) -> None:
 def collecting() -> Iterator[SideOutputs]:
     """Collects the side outputs sown inside the block (not those of blocks nested in it) into the dict yielded."""
     collected: SideOutputs = {}
-    with set_within(_COLLECTOR, collected):
+    with set_within(_COLLECTOR, collected), set_within(_TRACE, jax.extend.core.get_opaque_trace_state()):
         yield collected
+
+
+def in_collecting_trace() -> bool:
+    """Whether a value traced here can be sown: a ``collecting()`` block is open, and JAX is tracing what it was
+    opened in, not a transform's body entered since (``torch.func.vmap``'s, ``torch.cond``'s), whose values
+    cannot leave it."""
+    return _COLLECTOR.get() is not None and _TRACE.get() == jax.extend.core.get_opaque_trace_state()
+
+
+def idempotent(side_outputs: SideOutputs) -> bool:
+    """Whether sowing these again changes nothing: each is combined by its maximum or minimum."""
+    return all(sown.reduce in ("max", "min") for sown in side_outputs.values())
 
 
 def combine(a: Sown, b: Sown) -> Sown:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jmp.errors import ConversionError
-from jmp.torch_bridge import replica_calls
+from jmp.torch_bridge import dispatch, index_checks, replica_calls
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering.nn_functional import embedding_lookup
 from jmp.torch_bridge.module import ArrayModule
@@ -28,4 +28,5 @@ class Embedding(ArrayModule):
         self.padding_idx = torch_module.padding_idx
 
     def forward(self, input):
+        index_checks.embedding_check(input, self.num_embeddings, dispatch.where())
         return replica_calls.call(F.embedding, embedding_lookup, (input, self.weight[...], self.padding_idx), {})

@@ -1,0 +1,241 @@
+"""Out-of-range indices raise as PyTorch raises them, not a silent nan or zero loss.
+
+JAX's gathers fill or clamp an index out of range, so a token id past the vocabulary trains on nan and a label
+past the classes on a zero loss. The lowerings that index a table by the data (``nn.Embedding`` /
+``F.embedding``, the class targets of ``F.cross_entropy`` / ``F.nll_loss``) check their indices where they read
+them: with concrete values (op by op, the converter alone) the error is raised at once; inside a traced
+forward the largest offending index (a reduction over indices the program reads anyway) is a side output
+(``side_outputs.sow``) that the step takes out of what it records and hands to its outputs as ``Pending``:
+reading any of the step's values raises the error torch raises (``IndexError: index out of range in self``,
+``IndexError: Target 7 is out of bounds.``), naming the module path, and so does the next step call once that
+step's values are ready. No host sync is added: the check is read with the values the script reads.
+``JMP_INDEX_CHECKS=0`` turns the checks off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from jmp.torch_bridge import side_outputs
+
+PREFIX = "index_check"  # side outputs under this name's prefix are checks, not values a user reads
+NONE_BAD = np.iinfo(np.int32).min  # the largest offending index when none is (the "max" reduction's identity)
+# side output name -> (torch's exception type, its message with "{index}" for the offending index, where)
+_MESSAGES: dict[str, tuple[type[Exception], str, str]] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("JMP_INDEX_CHECKS", "1") != "0"
+
+
+def check(
+    indices: Any,
+    low: int,
+    high: int,
+    message: str,
+    where: str,
+    ignore_index: int | None = None,
+    error: type[Exception] = IndexError,
+) -> None:
+    """Raise ``error(message)`` (``{index}``: the offending index) when an entry of ``indices`` is outside
+    ``[low, high)`` and not ``ignore_index``: now when the indices are concrete, else when the step's values are
+    read. ``where`` is the dispatcher's ``' (in module ...)'``."""
+    if not enabled() or indices is None:
+        return
+    indices = jnp.asarray(indices)
+    if not jnp.issubdtype(indices.dtype, jnp.integer) or indices.size == 0:
+        return
+    bad = (indices < low) | (indices >= high)
+    if ignore_index is not None:
+        bad = bad & (indices != ignore_index)
+    largest = jnp.max(jnp.where(bad, indices.astype(jnp.int32), NONE_BAD))
+    if not isinstance(largest, jax.core.Tracer):
+        if int(largest) != NONE_BAD:
+            raise error(message.format(index=int(largest)) + where)
+        return
+    if not side_outputs.in_collecting_trace():  # no step collecting it, or inside a transform's body: unchecked
+        return
+    name = f"{PREFIX}{where}: {message}"
+    _MESSAGES[name] = (error, message, where)
+    side_outputs.sow(name, largest, reduce="max")
+
+
+# --- the torch functions checked, by their arguments (the dispatcher calls these before the lowering) ----------
+# The messages are torch 2.13's on CPU.
+
+_IN_SELF = "index out of range in self"
+_TARGET = "Target {index} is out of bounds."
+_DIMENSION = "index {index} is out of bounds for dimension {dim} with size {size}"
+
+
+def _embedding(where: str, input: Any, weight: Any, *args: Any, **kwargs: Any) -> None:
+    check(input, 0, weight.shape[0], _IN_SELF, where)
+
+
+def _target(where: str, input: Any, target: Any, weight: Any = None, *args: Any, **kwargs: Any) -> None:
+    ignore_index = kwargs.get("ignore_index", args[1] if len(args) > 1 else -100)
+    if jnp.issubdtype(jnp.asarray(target).dtype, jnp.floating):  # class probabilities: no index
+        return
+    classes = input.shape[1 if input.ndim > 1 else 0]
+    check(target, 0, classes, _TARGET, where, ignore_index)
+
+
+def _index_select(where: str, input: Any, dim: int, index: Any) -> None:
+    ndim = max(jnp.ndim(input), 1)
+    dim = dim % ndim
+    size = jnp.shape(input)[dim] if jnp.ndim(input) else 1
+    if dim == 0:
+        check(index, 0, size, _IN_SELF, where)
+    else:
+        check(
+            index,
+            0,
+            size,
+            f"INDICES element is out of DATA bounds, id={{index}} axis_dim={size}",
+            where,
+            error=RuntimeError,
+        )
+
+
+def _gather(where: str, input: Any, dim: int, index: Any, **kwargs: Any) -> None:
+    if jnp.ndim(input) == 0:
+        return
+    dim = dim % jnp.ndim(input)
+    size = jnp.shape(input)[dim]
+    check(index, 0, size, _DIMENSION.format(index="{index}", dim=dim, size=size), where, error=RuntimeError)
+
+
+def _take(where: str, input: Any, index: Any) -> None:
+    size = int(np.prod(jnp.shape(input)))
+    message = f"out of range: tried to access index {{index}} on a tensor of {size} elements."
+    check(index, -size, size, message, where)
+
+
+def _one_hot(where: str, tensor: Any, num_classes: int = -1) -> None:
+    check(tensor, 0, np.iinfo(np.int32).max, "Class values must be non-negative.", where, error=RuntimeError)
+    if num_classes >= 0:
+        check(
+            tensor,
+            -np.iinfo(np.int32).max,
+            num_classes,
+            "Class values must be smaller than num_classes.",
+            where,
+            error=RuntimeError,
+        )
+
+
+def _getitem(where: str, input: Any, index: Any) -> None:
+    """``x[i]``: each integer tensor or list in the index, against the dimension it indexes (torch numbers the
+    dimension among the tensor indices)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    consumed = sum(_dims_taken(part) for part in parts if part is not None and part is not Ellipsis)
+    dim, tensors = 0, 0
+    for part in parts:
+        if part is Ellipsis:
+            dim += jnp.ndim(input) - consumed
+            continue
+        if part is None:
+            continue
+        if isinstance(part, (list, jax.Array, np.ndarray)) and dim < jnp.ndim(input):
+            part = jnp.asarray(part)
+            if jnp.issubdtype(part.dtype, jnp.integer):
+                size = jnp.shape(input)[dim]
+                check(part, -size, size, _DIMENSION.format(index="{index}", dim=tensors, size=size), where)
+                tensors += 1
+        dim += _dims_taken(part)
+
+
+def _dims_taken(part: Any) -> int:
+    if isinstance(part, (jax.Array, np.ndarray)) and part.dtype == np.bool_:
+        return part.ndim
+    return 1
+
+
+CHECKED: dict[Any, Callable[..., None]] = {
+    F.embedding: _embedding,
+    F.cross_entropy: _target,
+    F.nll_loss: _target,
+    torch.index_select: _index_select,
+    torch.Tensor.index_select: _index_select,
+    torch.gather: _gather,
+    torch.Tensor.gather: _gather,
+    torch.take: _take,
+    torch.Tensor.take: _take,
+    F.one_hot: _one_hot,
+    torch.Tensor.__getitem__: _getitem,
+}
+
+
+def run(checked: Callable[..., None], where: str, args: tuple, kwargs: dict) -> None:
+    """The dispatcher's call of a check (arguments the check cannot bind are the lowering's to reject)."""
+    try:
+        checked(where, *args, **kwargs)
+    except TypeError:
+        return
+
+
+def embedding_check(input: Any, num_embeddings: int, where: str) -> None:
+    """The check of an ``nn.Embedding`` layer's call (the layer runs its lookup without the dispatcher)."""
+    check(input, 0, num_embeddings, _IN_SELF, where)
+
+
+# --- the step's side -----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class Pending:
+    """One step's index checks, read when one of its values is (``raise_if_failed``)."""
+
+    largest: dict[str, jax.Array]  # side output name -> the largest offending index, NONE_BAD when none
+    read: bool = False
+
+    def is_ready(self) -> bool:
+        return all(value.is_ready() for value in self.largest.values())
+
+    def raise_if_failed(self, later: bool = False) -> None:
+        """Raise the torch error of the first failed check (``later``: found at a later step call)."""
+        if self.read:
+            return
+        values = jax.device_get([_local(value) for value in self.largest.values()])
+        self.read = True
+        if self in _unread:
+            _unread.remove(self)
+        for name, value in zip(self.largest, values):
+            if int(value) != NONE_BAD:
+                error, message, where = _MESSAGES[name]
+                later_note = " (in the data of an earlier step call)" if later else ""
+                raise error(message.format(index=int(value)) + where + later_note)
+
+
+_unread: list[Pending] = []  # steps whose checks no read has seen yet
+
+
+def taken_from(sown: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], Pending | None]:
+    """A step's side outputs -> (those the model records, the step's index checks or None)."""
+    checks = {name: value for name, value in sown.items() if name.startswith(PREFIX)}
+    if not checks:
+        return sown, None
+    pending = Pending(checks)
+    _unread.append(pending)
+    return {name: value for name, value in sown.items() if name not in checks}, pending
+
+
+def raise_ready() -> None:
+    """At a step call: the checks of earlier steps whose values are ready (no wait) raise if they failed."""
+    for pending in list(_unread):
+        if pending.is_ready():
+            pending.raise_if_failed(later=True)
+
+
+def _local(value: jax.Array) -> jax.Array:
+    """A scalar total every device holds: this process's copy (it may span processes)."""
+    return value if value.is_fully_addressable else value.addressable_data(0)
