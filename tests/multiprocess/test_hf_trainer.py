@@ -66,7 +66,8 @@ def test_trainer_takes_the_smp_path_under_the_launcher_only(runs):
     smp = runs["smp"]
     assert smp["sagemaker_mp_enabled"] is True
     assert smp["is_smp_distributed_model"] and smp["is_smp_distributed_optimizer"]  # Trainer wrapped both
-    assert smp["wrapped"] == "jmp.wrapped_model.distributed_model.DistributedModel"
+    # the DistributedModel takes a subclass of the user's class, named after it (as FSDP2's FSDP<Name>)
+    assert smp["wrapped"] == "transformers.models.gpt2.modeling_gpt2.DistributedGPT2LMHeadModel"
     assert smp["mesh"]["dp"] == 2  # the process's 4 rows are split over its 2 devices
 
 
