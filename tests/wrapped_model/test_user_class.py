@@ -198,3 +198,27 @@ def test_torch_compile_gives_back_the_model_said_once(caplog):
     compiled = torch.compile(nn.Linear(2, 2))  # other modules compile as torch does
     assert type(compiled).__name__ == "OptimizedModule"
     assert math.isfinite(model.estimate_mfu(1, 1.0))
+
+
+def test_a_class_the_model_cannot_take_is_said_once_and_its_methods_are_refused_at_the_call(caplog):
+    smp.init({})
+
+    class Slotted(nn.Linear):  # slots change the instance layout: no class of the model can have it
+        __slots__ = ("extra",)
+
+        def hello(self):
+            return "hi"
+
+        def backward(self):  # a name DistributedModel has: its own wins
+            return "the user's"
+
+    with caplog.at_level(logging.INFO, logger="jmp"):
+        model = smp.DistributedModel(Slotted(2, 2))
+        smp.DistributedModel(Slotted(2, 2))
+    said = [r.getMessage() for r in caplog.records if "cannot take a subclass of Slotted" in r.getMessage()]
+    assert len(said) == 1 and "model.module.<method>()" in said[0]
+    assert any("model.backward is DistributedModel's" in r.getMessage() for r in caplog.records)
+    assert type(model) is smp.DistributedModel and not isinstance(model, Slotted)
+    with pytest.raises(AttributeError, match=r"a DistributedModel is not a Slotted.*model\.module\.hello\(\)"):
+        model.hello()
+    assert model.module.hello() == "hi"
