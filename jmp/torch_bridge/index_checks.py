@@ -54,15 +54,16 @@ def check(
     indices = jnp.asarray(indices)
     if not jnp.issubdtype(indices.dtype, jnp.integer) or indices.size == 0:
         return
+    traced = isinstance(indices, jax.core.Tracer)
+    if traced and not side_outputs.in_collecting_trace():  # no step collecting it, or in a transform's body
+        return
     bad = (indices < low) | (indices >= high)
     if ignore_index is not None:
         bad = bad & (indices != ignore_index)
     largest = jnp.max(jnp.where(bad, indices.astype(jnp.int32), NONE_BAD))
-    if not isinstance(largest, jax.core.Tracer):
+    if not traced:
         if int(largest) != NONE_BAD:
             raise error(message.format(index=int(largest)) + where)
-        return
-    if not side_outputs.in_collecting_trace():  # no step collecting it, or inside a transform's body: unchecked
         return
     name = f"{PREFIX}{where}: {message}"
     _MESSAGES[name] = (error, message, where)
