@@ -23,6 +23,10 @@ class LoweringError(JmpError):
     """A lowered torch op failed on the values it was given."""
 
 
+class ShapeMismatchError(LoweringError, RuntimeError):
+    """Shapes a torch op rejects (a Linear fed the wrong features): torch's RuntimeError and message."""
+
+
 class TracedControlFlowError(JmpError):
     """Python needed a concrete value (bool, int, shape) from a traced array."""
 

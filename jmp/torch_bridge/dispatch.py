@@ -42,6 +42,7 @@ from jmp.torch_bridge import (
     keyword_aliases,
     registry,
     replica_calls,
+    shape_checks,
     value_checks,
 )
 from jmp.torch_bridge.context_vars import set_within
@@ -222,6 +223,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     checked = index_checks.CHECKED.get(func)
     if checked is not None:  # indices out of range raise torch's IndexError (outside any per-replica shard_map)
         index_checks.run(checked, where(), unwrap_tree(args), unwrap_tree(kwargs))
+    shaped = shape_checks.CHECKED.get(func)
+    if shaped is not None:  # shapes torch rejects raise torch's RuntimeError, before JAX's wording would
+        shape_checks.run(shaped, where, unwrap_tree(args), unwrap_tree(kwargs))
     try:
         casting = autocast.active()
         if casting is not None:  # torch.autocast: cast the arguments by func's policy

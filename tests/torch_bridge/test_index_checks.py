@@ -227,3 +227,36 @@ def test_checks_in_a_layer_scan_and_in_transformed_bodies(caplog):
     out = picker_step(model, h, index)
     with pytest.raises(IndexError, match=re.escape("index 6 is out of bounds for dimension 0 with size 6 (in mod")):
         out.reduce_sum()
+
+
+class Misfit(nn.Module):
+    """A ``Linear(16, 2)``, a ``Conv2d(3, 4, 3)`` and a ``matmul``, each fed the wrong size by ``kind``."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.head = nn.Linear(16, 2)
+        self.mix = nn.Parameter(torch.randn(16, 2))
+
+    def forward(self, x):
+        if self.kind == "linear":
+            return self.head(x.flatten(1)[:, :8]).sum()
+        if self.kind == "conv":
+            return self.conv(x[:, :, :, :5].reshape(2, 5, 8, 3)).sum()
+        return torch.matmul(x.flatten(1)[:, :8], self.mix).sum()
+
+
+@pytest.mark.parametrize(
+    "kind, where",
+    [("linear", "in module 'head' (Linear)"), ("conv", "in module 'conv' (Conv2d)"), ("matmul", "<root>' (Misfit)")],
+)
+def test_shape_errors_read_as_torchs_with_the_module(kind, where):
+    smp.init({})
+    net = Misfit(kind)
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.raises(RuntimeError) as torch_error:
+        net(x)
+    model = smp.DistributedModel(net)
+    with pytest.raises(RuntimeError, match="^" + re.escape(str(torch_error.value)) + r" \(.*" + re.escape(where)):
+        picker_step(model, x)

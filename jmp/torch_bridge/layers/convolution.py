@@ -7,7 +7,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch import nn
 
-from jmp.torch_bridge import autocast
+from jmp.torch_bridge import autocast, dispatch, shape_checks
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering.convolution import conv, conv_transpose
 from jmp.torch_bridge.lowering.nn_functional import pad
@@ -35,6 +35,7 @@ class Conv(ArrayModule):
         if self.padding_mode != "zeros":  # torch pads first, then convolves without padding
             input, padding = pad(input, self.explicit_padding, mode=self.padding_mode), 0
         arguments = (self.weight[...], bias, self.stride, padding, self.dilation, self.groups)
+        shape_checks.convolution(dispatch.where, input, *arguments)
         return autocast.call(_CONV[len(self.stride)], conv, input, *arguments)
 
 

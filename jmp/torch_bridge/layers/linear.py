@@ -13,7 +13,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch import nn
 
-from jmp.torch_bridge import autocast, dispatch
+from jmp.torch_bridge import autocast, dispatch, shape_checks
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering.nn_functional import linear
 from jmp.torch_bridge.module import ArrayModule, TorchModule
@@ -28,6 +28,7 @@ class Linear(ArrayModule):
         self.fp8 = None  # an Fp8Meta when the model trains in fp8
 
     def forward(self, input):
+        shape_checks.linear(dispatch.where, input, self.weight[...])
         bias = None if self.bias is None else self.bias[...]
         if self.fp8 is not None:
             fp8 = functools.partial(self.fp8.linear, across=dispatch.batch_axis())
