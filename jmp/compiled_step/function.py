@@ -86,9 +86,9 @@ class StepFunction:
             raise StepError(f"@smp.step of {fn.__name__}: {sorted(unknown)} are not arguments of the function")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        index_checks.raise_ready()  # an earlier step's bad indices, once its values are ready (no wait)
         with compilation.timed(self.__name__):  # logs only when this call compiled something
             call = self._prepare(args, kwargs)
+            index_checks.raise_ready(call.model)  # an earlier step's bad indices, once its values are ready
             if call.model.pipeline is not None and not call.traced.checked:
                 # XLA's collectives checked before they run (the call then loads the program from JAX's cache)
                 engine.check_compiled(call.program.lower(*call.arguments).compile())
@@ -104,7 +104,7 @@ class StepFunction:
                 return self(*args, **kwargs)
         if not call.traced.has_backward and outputs:  # a forward-only loop (evaluation) has no update to wait at
             programs_in_flight.admit(min(outputs, key=lambda output: output.size))
-        sown, checks = index_checks.taken_from(sown)
+        sown, checks = index_checks.taken_from(sown, call.model)
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, sown)
         returned = results(call.traced.output_leaves, outputs, call.shards, call.share, checks)
         call.model.run_post_step_hooks()

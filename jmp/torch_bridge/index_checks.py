@@ -7,8 +7,8 @@ them: with concrete values (op by op, the converter alone) the error is raised a
 forward the largest offending index (a reduction over indices the program reads anyway) is a side output
 (``side_outputs.sow``) that the step takes out of what it records and hands to its outputs as ``Pending``:
 reading any of the step's values raises the error torch raises (``IndexError: index out of range in self``,
-``IndexError: Target 7 is out of bounds.``), naming the module path, and so does the next step call once that
-step's values are ready. No host sync is added: the check is read with the values the script reads.
+``IndexError: Target 7 is out of bounds.``), naming the module path, and so does the model's next step call once
+that step's values are ready. No host sync is added: the check is read with the values the script reads.
 ``JMP_INDEX_CHECKS=0`` turns the checks off.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -197,6 +198,7 @@ class Pending:
     """One step's index checks, read when one of its values is (``raise_if_failed``)."""
 
     largest: dict[str, jax.Array]  # side output name -> the largest offending index, NONE_BAD when none
+    unread: list[Pending]  # the list of its owner's unread checks it is on until read
     read: bool = False
 
     def is_ready(self) -> bool:
@@ -208,8 +210,8 @@ class Pending:
             return
         values = jax.device_get([_local(value) for value in self.largest.values()])
         self.read = True
-        if self in _unread:
-            _unread.remove(self)
+        if self in self.unread:
+            self.unread.remove(self)
         for name, value in zip(self.largest, values):
             if int(value) != NONE_BAD:
                 error, message, where = _MESSAGES[name]
@@ -217,22 +219,24 @@ class Pending:
                 raise error(message.format(index=int(value)) + where + later_note)
 
 
-_unread: list[Pending] = []  # steps whose checks no read has seen yet
+_unread: weakref.WeakKeyDictionary[Any, list[Pending]] = weakref.WeakKeyDictionary()  # by model: steps not read
 
 
-def taken_from(sown: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], Pending | None]:
-    """A step's side outputs -> (those the model records, the step's index checks or None)."""
+def taken_from(sown: dict[str, jax.Array], owner: Any) -> tuple[dict[str, jax.Array], Pending | None]:
+    """A step's side outputs -> (those the model records, the step's index checks or None). ``owner`` (the
+    model) is whose next step call raises them if no value of the step was read by then."""
     checks = {name: value for name, value in sown.items() if name.startswith(PREFIX)}
     if not checks:
         return sown, None
-    pending = Pending(checks)
-    _unread.append(pending)
+    unread = _unread.setdefault(owner, [])
+    pending = Pending(checks, unread)
+    unread.append(pending)
     return {name: value for name, value in sown.items() if name not in checks}, pending
 
 
-def raise_ready() -> None:
-    """At a step call: the checks of earlier steps whose values are ready (no wait) raise if they failed."""
-    for pending in list(_unread):
+def raise_ready(owner: Any) -> None:
+    """At a step call on ``owner``: its earlier steps' checks whose values are ready (no wait) raise if failed."""
+    for pending in list(_unread.get(owner, ())):
         if pending.is_ready():
             pending.raise_if_failed(later=True)
 

@@ -81,11 +81,13 @@ def test_out_of_range_ids_and_labels_raise_torchs_index_error_in_a_step(config):
         out.reduce_mean()
 
 
-def test_an_unread_bad_step_raises_at_the_next_step_call():
+def test_an_unread_bad_step_raises_at_the_models_next_step_call():
     smp.init({})
     model = smp.DistributedModel(Tagger())
     out = train_step(model, *_batch(bad_label=True))
     out._stacked.block_until_ready()  # the step has run: its check is ready without a wait
+    other = smp.DistributedModel(Tagger())
+    train_step(other, *_batch())  # another model's step: not this one's error
     with pytest.raises(IndexError, match=r"Target 7 is out of bounds\..*in the data of an earlier step call"):
         train_step(model, *_batch())
     train_step(model, *_batch()).reduce_mean()  # reported once; good data trains on
