@@ -3,9 +3,10 @@
 JAX's gathers fill or clamp an index out of range, so a token id past the vocabulary trains on nan and a label
 past the classes on a zero loss. The lowerings that index a table by the data (``nn.Embedding`` /
 ``F.embedding``, the class targets of ``F.cross_entropy`` / ``F.nll_loss``) check their indices where they read
-them: with concrete values (op by op, the converter alone) the error is raised at once; inside a traced
-forward the largest offending index (a reduction over indices the program reads anyway) is a side output
-(``side_outputs.sow``) that the step takes out of what it records and hands to its outputs as ``Pending``:
+them: outside a step, on concrete values (the converter alone), the error is raised at once; inside a step's
+forward, traced or run op by op (no host sync per op), the largest offending index (a reduction over indices
+the program reads anyway) is a side output (``side_outputs.sow``) that the step takes out of what it records
+and hands to its outputs as ``Pending``:
 reading any of the step's values raises the error torch raises (``IndexError: index out of range in self``,
 ``IndexError: Target 7 is out of bounds.``), naming the module path, and so does the model's next step call once
 that step's values are ready. No host sync is added: the check is read with the values the script reads.
@@ -55,14 +56,14 @@ def check(
     indices = jnp.asarray(indices)
     if not jnp.issubdtype(indices.dtype, jnp.integer) or indices.size == 0:
         return
-    traced = isinstance(indices, jax.core.Tracer)
-    if traced and not side_outputs.in_collecting_trace():  # no step collecting it, or in a transform's body
+    collected = side_outputs.in_collecting_trace()
+    if isinstance(indices, jax.core.Tracer) and not collected:  # no step collecting it, or in a transform's body
         return
     bad = (indices < low) | (indices >= high)
     if ignore_index is not None:
         bad = bad & (indices != ignore_index)
     largest = jnp.max(jnp.where(bad, indices.astype(jnp.int32), NONE_BAD))
-    if not traced:
+    if not collected:  # concrete values outside a step: raise now
         if int(largest) != NONE_BAD:
             raise error(message.format(index=int(largest)) + where)
         return

@@ -262,3 +262,41 @@ def test_shape_errors_read_as_torchs_with_the_module(kind, where):
     model = smp.DistributedModel(net)
     with pytest.raises(RuntimeError, match="^" + re.escape(str(torch_error.value)) + r" \(.*" + re.escape(where)):
         picker_step(model, x)
+
+
+class Selecting(nn.Module):
+    """Keeps rows with ``nonzero`` (a data-dependent size): its step runs op by op, its checks are still read."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        h = self.embed(ids).mean(1)
+        keep = torch.nonzero(h[:, 0] > -100).squeeze(1)
+        return self.head(h[keep]), keep
+
+
+@smp.step
+def selecting_step(model, ids, labels):
+    logits, keep = model(ids)
+    loss = F.cross_entropy(logits, labels[keep])
+    model.backward(loss)
+    return loss
+
+
+def test_a_step_run_op_by_op_raises_when_its_values_are_read():
+    smp.init({})
+    net = Selecting()
+    ids, labels = _batch()
+    labels[5] = 1
+    expected = F.cross_entropy(net(ids)[0], labels).detach()
+    model = smp.DistributedModel(net)
+    torch.testing.assert_close(selecting_step(model, ids, labels).reduce_mean(), expected, rtol=1e-5, atol=1e-6)
+    for bad, message in [({"bad_id": True}, "index out of range in self"), ({"bad_label": True}, "Target 7 is")]:
+        bad_ids, bad_labels = _batch(**bad)
+        bad_labels[5] = 1
+        out = selecting_step(model, bad_ids, bad_labels)  # no host sync per checked op: raised at the read
+        with pytest.raises(IndexError, match=re.escape(message)):
+            out.reduce_mean()
