@@ -53,23 +53,29 @@ def check(
     read. ``where`` is the dispatcher's ``' (in module ...)'``."""
     if not enabled() or indices is None:
         return
+    collected = side_outputs.in_collecting_trace()
+    if isinstance(indices, jax.core.Tracer):
+        if not collected:  # no step collecting it, or in a transform's body: unchecked
+            return
+    elif not collected:  # concrete values outside a step: checked now, in numpy (nothing staged into a trace)
+        values = np.asarray(indices)
+        if np.issubdtype(values.dtype, np.integer) and values.size:
+            bad = _bad(values, low, high, ignore_index)
+            if bad.any():
+                raise error(message.format(index=int(values[bad].max())) + where)
+        return
     indices = jnp.asarray(indices)
     if not jnp.issubdtype(indices.dtype, jnp.integer) or indices.size == 0:
         return
-    collected = side_outputs.in_collecting_trace()
-    if isinstance(indices, jax.core.Tracer) and not collected:  # no step collecting it, or in a transform's body
-        return
-    bad = (indices < low) | (indices >= high)
-    if ignore_index is not None:
-        bad = bad & (indices != ignore_index)
-    largest = jnp.max(jnp.where(bad, indices.astype(jnp.int32), NONE_BAD))
-    if not collected:  # concrete values outside a step: raise now
-        if int(largest) != NONE_BAD:
-            raise error(message.format(index=int(largest)) + where)
-        return
+    largest = jnp.max(jnp.where(_bad(indices, low, high, ignore_index), indices.astype(jnp.int32), NONE_BAD))
     name = f"{PREFIX}{where}: {message}"
     _MESSAGES[name] = (error, message, where)
     side_outputs.sow(name, largest, reduce="max")
+
+
+def _bad(indices: Any, low: int, high: int, ignore_index: int | None) -> Any:
+    bad = (indices < low) | (indices >= high)
+    return bad if ignore_index is None else bad & (indices != ignore_index)
 
 
 # --- the torch functions checked, by their arguments (the dispatcher calls these before the lowering) ----------
@@ -149,8 +155,8 @@ def _getitem(where: str, input: Any, index: Any) -> None:
         if part is None:
             continue
         if isinstance(part, (list, jax.Array, np.ndarray)) and dim < jnp.ndim(input):
-            part = jnp.asarray(part)
-            if jnp.issubdtype(part.dtype, jnp.integer):
+            part = np.asarray(part) if isinstance(part, list) else part  # a list: concrete, nothing staged
+            if np.issubdtype(part.dtype, np.integer):
                 size = jnp.shape(input)[dim]
                 check(part, -size, size, _DIMENSION.format(index="{index}", dim=tensors, size=size), where)
                 tensors += 1
