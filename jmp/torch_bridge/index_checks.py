@@ -87,14 +87,15 @@ _DIMENSION = "index {index} is out of bounds for dimension {dim} with size {size
 
 
 def _embedding(where: str, input: Any, weight: Any, *args: Any, **kwargs: Any) -> None:
-    check(input, 0, weight.shape[0], _IN_SELF, where)
+    if jnp.ndim(weight):  # else the lowering's error
+        check(input, 0, jnp.shape(weight)[0], _IN_SELF, where)
 
 
 def _target(where: str, input: Any, target: Any, weight: Any = None, *args: Any, **kwargs: Any) -> None:
     ignore_index = kwargs.get("ignore_index", args[1] if len(args) > 1 else -100)
-    if jnp.issubdtype(jnp.asarray(target).dtype, jnp.floating):  # class probabilities: no index
+    if jnp.ndim(input) == 0 or jnp.issubdtype(jnp.asarray(target).dtype, jnp.floating):  # probabilities: no index
         return
-    classes = input.shape[1 if input.ndim > 1 else 0]
+    classes = jnp.shape(input)[1 if jnp.ndim(input) > 1 else 0]
     check(target, 0, classes, _TARGET, where, ignore_index)
 
 
