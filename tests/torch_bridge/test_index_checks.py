@@ -165,7 +165,11 @@ def _picks(**bad) -> list[torch.Tensor]:
     return list(picks.values())
 
 
-@pytest.mark.parametrize("config", [{}, {"sharded_data_parallel_degree": 8}], ids=["dp8", "sdp8"])
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"sharded_data_parallel_degree": 8}, CONFIGS["tp2-microbatches"]],
+    ids=["dp8", "sdp8", "tp2-microbatches"],
+)
 def test_index_select_gather_indexing_and_one_hot_raise_as_torch(config):
     smp.init(config)
     torch.manual_seed(0)
@@ -186,6 +190,33 @@ def test_index_select_gather_indexing_and_one_hot_raise_as_torch(config):
         with pytest.raises(
             torch_error.type, match="^" + re.escape(f"{torch_error.value} (in module '<root>' (Picker)")
         ):
+            out.reduce_sum()
+
+
+class TwoPickers(nn.Module):
+    """Two ``Picker``s, one a pipeline stage each."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Picker(), Picker()
+
+    def forward(self, *indices):
+        return self.first(*indices) + self.second(*indices)
+
+
+def test_index_select_gather_indexing_and_one_hot_raise_as_torch_in_a_pipeline():
+    smp.init(CONFIGS["pipeline"])
+    torch.manual_seed(0)
+    net = TwoPickers()
+    expected = net(*_picks()).detach()
+    model = smp.DistributedModel(net)
+    torch.testing.assert_close(picker_step(model, *_picks()).reduce_sum(), expected, rtol=1e-5, atol=1e-5)
+    for bad in [{"selected": (3, 6)}, {"gathered": ((2, 1), 4)}, {"indexed": (1, -7)}, {"classes": (0, 4)}]:
+        with pytest.raises(Exception) as torch_error:
+            net(*_picks(**bad))
+        out = picker_step(model, *_picks(**bad))
+        where = r" \(in module '(first|second)' \(Picker\)"
+        with pytest.raises(torch_error.type, match="^" + re.escape(str(torch_error.value)) + where):
             out.reduce_sum()
 
 
