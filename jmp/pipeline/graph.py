@@ -62,6 +62,52 @@ def calls_of(eqn: core.JaxprEqn) -> tuple[Call, ...]:
     return tuple(calls)
 
 
+def casts_at_their_readers(jaxpr: core.ClosedJaxpr, params: int) -> core.ClosedJaxpr:
+    """``jaxpr`` with each cast of a parameter (its first ``params`` inputs) made where the cast value is read.
+
+    Mixed precision casts every parameter to its compute dtype at the top of the forward, outside any module call
+    (``jmp.precision.policy``): left there, the first stage would read every parameter and send the cast copies on,
+    and the cut would differ from float32's. Each equation reading a cast gets its own copy of the cast just before
+    it, in its module calls (its name stack), so the cut sees the parameter read where float32 reads it. A stage
+    reading a cast more than once casts once: XLA merges the copies.
+    """
+    inner = jaxpr.jaxpr
+    casts: dict[core.Var, core.JaxprEqn] = {}
+    for eqn in inner.eqns:
+        source = eqn.invars[0] if eqn.invars else None
+        if (
+            eqn.primitive.name == "convert_element_type"
+            and isinstance(source, core.Var)
+            and (source in casts or source in inner.invars[:params])
+            and not calls_of(eqn)
+        ):
+            casts[eqn.outvars[0]] = eqn
+    returned = {v for v in inner.outvars if isinstance(v, core.Var)}
+    moved = {v: eqn for v, eqn in casts.items() if v not in returned}
+    if not moved:
+        return jaxpr
+    eqns: list[core.JaxprEqn] = []
+
+    def cast_here(var: core.Var, reader: core.JaxprEqn) -> core.Var:
+        cast = moved[var]
+        source = cast.invars[0]
+        if source in moved:  # a cast of a cast: the chain comes along
+            source = cast_here(source, reader)
+        value = core.Var(var.aval)
+        eqns.append(cast.replace(invars=[source], outvars=[value], source_info=reader.source_info))
+        return value
+
+    for eqn in inner.eqns:
+        if eqn.outvars and eqn.outvars[0] in moved:
+            continue
+        if any(isinstance(v, core.Var) and v in moved for v in eqn.invars):
+            eqn = eqn.replace(
+                invars=[cast_here(v, eqn) if isinstance(v, core.Var) and v in moved else v for v in eqn.invars]
+            )
+        eqns.append(eqn)
+    return core.ClosedJaxpr(inner.replace(eqns=eqns), jaxpr.consts)
+
+
 def run_equations(eqns: Sequence[core.JaxprEqn], env: dict) -> dict:
     """Evaluate ``eqns`` in order, reading inputs from ``env`` (Var -> value) and adding their outputs."""
     for eqn in eqns:

@@ -167,7 +167,11 @@ def automatic(
 
 
 def _entries(calls: list[tuple[Call, ...]], depth: int) -> list[tuple[int, Call]]:
-    """(equation index, call) where a call at ``depth`` or shallower begins, in execution order."""
+    """(equation index, call) where a call at ``depth`` or shallower begins, in execution order.
+
+    The equations before the first call (the step's glue) join the first call's segment: alone they would make a
+    stage that holds no parameters and runs no module.
+    """
     seen: set[Call] = set()
     entries = []
     for index, enclosing in enumerate(calls):
@@ -175,8 +179,6 @@ def _entries(calls: list[tuple[Call, ...]], depth: int) -> list[tuple[int, Call]
         seen.update(fresh)
         if fresh:
             entries.append((index, fresh[-1]))
-    if not entries or entries[0][0] != 0:
-        entries.insert(0, (0, Call("<start>", 0)))
     return entries
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from jmp.errors import PipelineError
 from jmp.pipeline import engine, placement, schedule
 from jmp.pipeline.engine import StepInputs, StepOutputs
-from jmp.pipeline.graph import module_scopes
+from jmp.pipeline.graph import casts_at_their_readers, module_scopes
 from jmp.pipeline.split import StagePrograms
 from jmp.pipeline.stage_buffers import COPIES, StageLayout
 from jmp.runtime import marks as module_marks
@@ -59,7 +59,8 @@ class Pipeline:
         # traced as inside the pipeline's shard_map (pp manual): the jaxpr's types then name that mesh
         inside = self.mesh.abstract_mesh.update_axis_types({"pp": AxisType.Manual})
         with module_scopes(self.paths), module_marks.traced_stages(marks), jax.sharding.use_abstract_mesh(inside):
-            return jax.make_jaxpr(flat_forward)(*avals)
+            jaxpr = jax.make_jaxpr(flat_forward)(*avals)
+        return casts_at_their_readers(jaxpr, len(jax.tree.leaves(avals[0])))
 
     def plan(
         self, jaxpr: core.ClosedJaxpr, names: Sequence[str], rest_count: int, labels: Mapping[str, str]
@@ -73,6 +74,7 @@ class Pipeline:
             constants = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
             self.partition = placement.automatic(jaxpr.jaxpr.eqns, sizes, constants, self.stages, weight)
         programs = self.programs(jaxpr, names, rest_count, check=False)
+        self._check_every_stage_holds_something(jaxpr, programs)
         usage = programs.stage_usage
         shapes = {n: tuple(v.aval.shape) for n, v in zip(names, params)}
         dtypes = {n: v.aval.dtype for n, v in zip(names, params)}
@@ -106,6 +108,25 @@ class Pipeline:
                         "cut, so later step functions must call the model's modules in the same order"
                     )
         return programs
+
+    def _check_every_stage_holds_something(self, jaxpr: core.ClosedJaxpr, programs: StagePrograms) -> None:
+        """Refuse a cut with a stage that reads no parameter and runs no module call of its own: its devices would
+        store nothing and compute only the glue between modules, while a step waits for them."""
+        calls = placement.describe(jaxpr.jaxpr.eqns, programs.stage_of, self.stages)
+        empty = [s for s in range(self.stages) if not programs.stage_params[s] and not calls[s]]
+        if not empty:
+            return
+        if self.config.auto_partition:
+            fix = "lower pipeline_parallel_degree, or split the model into more modules"
+        else:
+            fix = (
+                "place a module with parameters on every stage (smp.partition / smp.set_partition), in the order "
+                "the forward calls them, or lower pipeline_parallel_degree"
+            )
+        raise PipelineError(
+            f"pipeline stage(s) {empty} of {self.stages} would hold no parameters and run no module, only the code "
+            f"between modules: their devices would store and compute nothing of the model. To fix it, {fix}."
+        )
 
     def _log(self, jaxpr: core.ClosedJaxpr, programs: StagePrograms) -> None:
         names = placement.describe(jaxpr.jaxpr.eqns, programs.stage_of, self.stages)
