@@ -10,7 +10,7 @@ stages whose equations read them.
 - Automatic: cuts go at module calls, chosen to minimise the largest stage cost, where a stage's cost
   mixes its share of the forward FLOPs (XLA's cost analysis) and of the parameter bytes, weighted by
   ``memory_weight`` (``optimize="memory"``: bytes only). Calls are taken from the outermost levels of the
-  module tree first, going deeper until the stages balance.
+  module tree first, going deeper until the stages balance. The step's code before the first call goes with it.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def partition(index: int) -> Iterator[None]:
     Raises:
         ConfigError: ``index`` is not a non-negative integer; at the first step, a mark not below
             ``pipeline_parallel_degree``.
-        PipelineError: at the first step, a stage that got no computation (stages must follow the order in
-            which the forward calls the modules).
+        PipelineError: at the first step, a stage that got no computation, or that holds no parameters and runs
+            no module (stages must follow the order in which the forward calls the modules).
     """
     _check_index(index, "smp.partition")
     with module_marks.marking_created(STAGE, index):
@@ -70,8 +70,8 @@ def set_partition(module: nn.Module, index: int) -> None:
         ArgumentTypeError: ``module`` is not a ``torch.nn.Module``.
         ConfigError: ``index`` is not a non-negative integer; at the first step, an index not below
             ``pipeline_parallel_degree``.
-        PipelineError: at the first step, a stage that got no computation (stages must follow the order in
-            which the forward calls the modules).
+        PipelineError: at the first step, a stage that got no computation, or that holds no parameters and runs
+            no module (stages must follow the order in which the forward calls the modules).
     """
     if not isinstance(module, nn.Module):
         raise ArgumentTypeError(f"smp.set_partition takes a torch nn.Module, not {type(module).__name__}")

@@ -184,7 +184,7 @@ def test_bf16_and_fp16_cut_our_model_exactly_as_float32(pp, how, caplog):
         assert cut("tower", pp, how, precision, caplog) == (logged, sizes, stages), precision
 
 
-CASES = [  # (model, pp, precision, partition); the suite runs the first, the slow tier the rest
+CASES = [  # (model, pp, precision, partition); the suite runs the first, the slow tier the rest (tests/conftest.py)
     ("llama", 2, "bf16", "auto"),
     ("llama", 4, "bf16", "auto"),
     ("llama", 4, "fp16", "manual"),
