@@ -96,15 +96,18 @@ MODELS = {  # name: (build, step, torch loss, the layers in order, the modules a
 
 
 def _init(pp: int, how: str, precision: str) -> None:
+    """``how``: "auto" or "manual", and "-sdp2" for stages split over sharded data parallelism."""
     config = {"pipeline_parallel_degree": pp, "microbatches": pp, "ddp": True, **PRECISIONS[precision]}
-    if how == "manual":
+    if how.startswith("manual"):
         config |= {"auto_partition": False, "default_partition": 0}
+    if how.endswith("-sdp2"):
+        config["sharded_data_parallel_degree"] = 2
     smp.init(config)
 
 
 def _placed(model, name: str, pp: int, how: str):
     """By hand: the layers in ``pp`` equal runs, the embedding on the first stage, the head on the last."""
-    if how == "manual":
+    if how.startswith("manual"):
         _, _, _, layers, last = MODELS[name]
         blocks = list(model.module.get_submodule(layers))
         for i, block in enumerate(blocks):
@@ -194,6 +197,8 @@ CASES = [  # (model, pp, precision, partition); the suite runs the first, the sl
     ("tower", 4, "bf16", "auto"),
     ("tower", 2, "float32", "auto"),
     ("llama", 4, "float32", "manual"),
+    ("llama", 4, "bf16", "auto-sdp2"),
+    ("gpt2", 2, "fp16", "manual-sdp2"),
 ]
 
 
