@@ -200,13 +200,18 @@ class StageLayout:
         cells = jax.lax.slice_in_dim(buffer[row], place.offset, place.offset + place.size, axis=-1)
         return self.packing[name].from_cells(cells)
 
-    def sync_tied(self, grads: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """Every copy of a parameter used by several stages gets the sum of the copies' gradients."""
+    def sync_tied(self, grads: Mapping[str, jax.Array], read_as: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """Every copy of a parameter used by several stages gets the sum of the copies' gradients.
+
+        The sum is taken in the dtype the forward reads the parameter in (``read_as``; default: its own), as one
+        half-precision gradient of the tied weight would be: an fp16 overflow of the sum is then an overflow here.
+        """
         grads = dict(grads)
         for name, places in self.places.items():
             if len(places) < 2:
                 continue
-            total = sum(self._read(grads[p.key], p, name) for p in places)
+            dtype = read_as.get(name, self.buffers[places[0].key].dtype)
+            total = sum(self._read(grads[p.key], p, name).astype(dtype) for p in places)
             for place in places:
                 grads[place.key] = _write(grads[place.key], place, self.packing[name].to_cells(total))
         return grads

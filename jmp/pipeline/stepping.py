@@ -47,6 +47,7 @@ class Pipeline:
         self.paths = [path for path, _ in module.named_modules(remove_duplicate=False)]
         self.partition: placement.Partition | None = None
         self.layout: StageLayout | None = None
+        self.read_as: dict[str, Any] = {}  # parameter -> the dtype its forward reads it in, where it is cast
 
     @property
     def ready(self) -> bool:
@@ -78,6 +79,7 @@ class Pipeline:
         usage = programs.stage_usage
         shapes = {n: tuple(v.aval.shape) for n, v in zip(names, params)}
         dtypes = {n: v.aval.dtype for n, v in zip(names, params)}
+        self.read_as = _cast_dtypes(jaxpr, dict(zip(params, names)))
         self.layout = StageLayout(shapes, dtypes, self.specs, usage, labels, self.mesh, config.shard_optimizer_state)
         self._log(jaxpr, programs)
         return self.layout
@@ -182,9 +184,18 @@ class Pipeline:
         outputs = engine.run(programs, self.layout, plan, inputs, self.config.pipeline_recompute)
         if outputs.grads is None:
             return outputs
-        grads = self.layout.sync_tied(outputs.grads)
+        grads = self.layout.sync_tied(outputs.grads, self.read_as)
         grads = jax.lax.with_sharding_constraint(grads, {k: self.layout.shardings[k] for k in grads})
         return outputs._replace(grads=grads)
+
+
+def _cast_dtypes(jaxpr: core.ClosedJaxpr, names: Mapping[core.Var, str]) -> dict[str, Any]:
+    """Parameter name -> the dtype the forward casts it to (mixed precision's compute dtype)."""
+    return {
+        names[eqn.invars[0]]: eqn.outvars[0].aval.dtype
+        for eqn in jaxpr.jaxpr.eqns
+        if eqn.primitive.name == "convert_element_type" and isinstance(eqn.invars[0], core.Var) and eqn.invars[0] in names
+    }
 
 
 def _check_restarted(programs: StagePrograms, rest: Any) -> None:

@@ -386,6 +386,6 @@ def test_each_stage_row_holds_its_own_parameters_and_the_tied_one(stage_layout):
 def test_tied_copies_get_the_sum_of_their_gradients(stage_layout):
     layout, values = stage_layout
     grads = layout.pack({n: jnp.ones_like(v) for n, v in values.items()})
-    synced = layout.unpack(layout.sync_tied(grads))
+    synced = layout.unpack(layout.sync_tied(grads, {}))
     np.testing.assert_array_equal(np.asarray(synced["tied.weight"]), 2.0)
     np.testing.assert_array_equal(np.asarray(synced["a.weight"]), 1.0)
