@@ -194,7 +194,9 @@ def _cast_dtypes(jaxpr: core.ClosedJaxpr, names: Mapping[core.Var, str]) -> dict
     return {
         names[eqn.invars[0]]: eqn.outvars[0].aval.dtype
         for eqn in jaxpr.jaxpr.eqns
-        if eqn.primitive.name == "convert_element_type" and isinstance(eqn.invars[0], core.Var) and eqn.invars[0] in names
+        if eqn.primitive.name == "convert_element_type"
+        and isinstance(eqn.invars[0], core.Var)
+        and eqn.invars[0] in names
     }
 
 
