@@ -389,3 +389,14 @@ def test_tied_copies_get_the_sum_of_their_gradients(stage_layout):
     synced = layout.unpack(layout.sync_tied(grads, {}))
     np.testing.assert_array_equal(np.asarray(synced["tied.weight"]), 2.0)
     np.testing.assert_array_equal(np.asarray(synced["a.weight"]), 1.0)
+
+
+def test_tied_copies_are_summed_in_the_dtype_the_forward_reads_them_in(stage_layout):
+    """Two fp16 gradient copies of 40,000 each overflow fp16 when summed, as one fp16 gradient of the tied weight
+    does in PyTorch (the step is then skipped); summed in float32 they would not."""
+    layout, values = stage_layout
+    grads = layout.pack({n: jnp.full_like(v, 40000.0) for n, v in values.items()})
+    in_fp16 = layout.unpack(layout.sync_tied(grads, {"tied.weight": jnp.float16}))
+    assert np.all(np.isinf(np.asarray(in_fp16["tied.weight"])))
+    in_fp32 = layout.unpack(layout.sync_tied(grads, {}))
+    np.testing.assert_array_equal(np.asarray(in_fp32["tied.weight"]), 80000.0)
