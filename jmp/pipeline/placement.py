@@ -7,7 +7,11 @@ stages whose equations read them.
 
 - Manual: a module's stage is its mark (``with smp.partition(i):`` at creation, or
   ``smp.set_partition``), ``default_partition`` for unmarked modules.
-- Automatic: cuts go at module calls, chosen to minimise the largest stage cost, where a stage's cost
+- Automatic, for a model whose body is one stack of identical layers (``jmp.stacks``; the only layer list with
+  at least as many layers as stages): equal layer counts a stage, as MaxText's pipeline does; the code before
+  the stack goes to the first stage, the code after it to the last. Each stage's layers then run as one scan,
+  so tracing and compiling do not grow with depth.
+- Automatic, otherwise: cuts go at module calls, chosen to minimise the largest stage cost, where a stage's cost
   mixes its share of the forward FLOPs (XLA's cost analysis) and of the parameter bytes, weighted by
   ``memory_weight`` (``optimize="memory"``: bytes only). Calls are taken from the outermost levels of the
   module tree first, going deeper until the stages balance. The step's code before the first call goes with it.
@@ -27,6 +31,7 @@ from torch import nn
 from jmp.errors import ArgumentTypeError, ConfigError, PipelineError
 from jmp.pipeline.graph import Call, calls_of, flops
 from jmp.runtime import marks as module_marks
+from jmp.stacks import LayerStack
 
 logger = logging.getLogger("jmp")
 
@@ -117,6 +122,19 @@ def manual(root: nn.Module, stages: int, default: int) -> Partition:
                 f"is {stages} (stages 0..{stages - 1}); fix the smp.partition / smp.set_partition index"
             )
         marks[path] = stage
+    return Partition(stages, marks=marks)
+
+
+def even_layers(root: nn.Module, stacks: Sequence[LayerStack], stages: int) -> Partition | None:
+    """The automatic cut of a model whose body is one layer stack (see the module docstring), or None."""
+    long = [stack for stack in stacks if len(stack.paths) >= stages]
+    if len(long) != 1:
+        return None
+    layers = long[0].paths
+    marks = {path: 0 for path, _ in root.named_modules(remove_duplicate=False)}
+    for i, layer in enumerate(layers):
+        for path, _ in root.get_submodule(layer).named_modules(prefix=layer, remove_duplicate=False):
+            marks[path] = i * stages // len(layers)
     return Partition(stages, marks=marks)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -181,16 +181,19 @@ class StageLayout:
         """(full arrays by name, arrays whose dtypes the buffers take (default: the parameters')) -> buffers."""
 
         def pack(named, like):
-            out = {
-                k: jnp.zeros((self.pp, *self.buffers[k].grid_sizes, self.buffers[k].length), self.buffers[k].dtype)
-                if k not in like
-                else jnp.zeros_like(like[k])
-                for k in keys
-            }
+            rows: dict[tuple[str, int], list[tuple[Place, jax.Array]]] = {}
             for name, places in self.places.items():
                 for place in places:
-                    if place.key in out:
-                        out[place.key] = _write(out[place.key], place, self.packing[name].to_cells(named[name]))
+                    if place.key in keys:
+                        rows.setdefault((place.key, place.stage), []).append(
+                            (place, self.packing[name].to_cells(named[name]))
+                        )
+            out = {}
+            for k in keys:
+                buffer = self.buffers[k]
+                dtype = like[k].dtype if k in like else buffer.dtype
+                empty = jnp.zeros((*buffer.grid_sizes, buffer.length), dtype)
+                out[k] = jnp.stack([_joined(rows.get((k, stage), []), empty) for stage in range(self.pp)])
             return out
 
         return jax.jit(pack, out_shardings={k: self.shardings[k] for k in keys})
@@ -284,19 +287,11 @@ class StageLayout:
         """``copies`` ``[replicas, 1, *grid, length]`` (a buffer's per-replica sums on this device) plus each
         replica's ``values`` of parameters by name ``[replicas, *shape]``, at their places on ``stage``: one
         concatenation of their cells (zeros between), which XLA fuses into the sum."""
-        places = sorted(((self.place(name, stage), name) for name in values), key=lambda pair: pair[0].offset)
-        pieces, end = [], 0
-        for place, name in places:
-            cells = jax.vmap(self.packing[name].to_cells)(values[name]).astype(copies.dtype)
-            if place.offset > end:
-                pieces.append(jnp.zeros((*cells.shape[:-1], place.offset - end), copies.dtype))
-            pieces.append(cells)
-            end = place.offset + place.size
-        if not pieces:
+        if not values:
             return copies
-        if copies.shape[-1] > end:
-            pieces.append(jnp.zeros((*pieces[0].shape[:-1], copies.shape[-1] - end), copies.dtype))
-        return copies + jnp.concatenate(pieces, axis=-1)[:, None]
+        cells = [(self.place(name, stage), jax.vmap(self.packing[name].to_cells)(v)) for name, v in values.items()]
+        empty = jnp.zeros((copies.shape[0], *copies.shape[2:]), copies.dtype)
+        return copies + _joined(cells, empty)[:, None]
 
     def stage_names(self, stage: int) -> list[str]:
         return [name for name, places in self.places.items() if any(p.stage == stage for p in places)]
@@ -342,6 +337,22 @@ def _without(buffer: jax.Array, places: list[Place]) -> jax.Array:
         [(row == p.stage) & (column >= p.offset) & (column < p.offset + p.size) for p in places],
     )
     return jnp.where(inside, jnp.zeros((), buffer.dtype), buffer)
+
+
+def _joined(cells: Sequence[tuple[Place, jax.Array]], empty: jax.Array) -> jax.Array:
+    """``empty`` (a stage row ``[..., length]``) with each piece of ``cells`` at its place: one concatenation of
+    the pieces, zeros between them (one op for XLA, where a write per parameter is one op each)."""
+    pieces, end = [], 0
+    for place, piece in sorted(cells, key=lambda pair: pair[0].offset):
+        if place.offset > end:
+            pieces.append(jnp.zeros((*empty.shape[:-1], place.offset - end), empty.dtype))
+        pieces.append(piece.astype(empty.dtype))
+        end = place.offset + place.size
+    if not pieces:
+        return empty
+    if empty.shape[-1] > end:
+        pieces.append(jnp.zeros((*empty.shape[:-1], empty.shape[-1] - end), empty.dtype))
+    return jnp.concatenate(pieces, axis=-1)
 
 
 def _write(buffer: jax.Array, place: Place, cells: jax.Array) -> jax.Array:

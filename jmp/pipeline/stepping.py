@@ -28,6 +28,7 @@ from jmp.pipeline.stage_buffers import COPIES, StageLayout
 from jmp.runtime import marks as module_marks
 from jmp.runtime import notices
 from jmp.runtime.config import Config
+from jmp.stacks import find_stacks
 from jmp.torch_bridge import torch_name
 
 logger = logging.getLogger("jmp")
@@ -45,6 +46,7 @@ class Pipeline:
         self.stages = config.pipeline_parallel_degree
         self.specs = dict(specs)
         self.paths = [path for path, _ in module.named_modules(remove_duplicate=False)]
+        self.stacks = find_stacks(module) if config.scan_layers else []
         self.partition: placement.Partition | None = None
         self.layout: StageLayout | None = None
         self.read_as: dict[str, Any] = {}  # parameter -> the dtype its forward reads it in, where it is cast
@@ -53,9 +55,16 @@ class Pipeline:
     def ready(self) -> bool:
         return self.layout is not None
 
+    def layer_stages(self) -> dict[str, int] | None:
+        """Torch path -> stage, where the cut is known before the forward is traced (manual, or even layers): the
+        layer stacks then run as one scan a stage; None: they run one by one, cut at module calls."""
+        return self.partition.marks if self.partition is not None else None
+
     def trace(self, flat_forward: Callable, *avals: Any) -> core.ClosedJaxpr:
         if self.partition is None and not self.config.auto_partition:
             self.partition = placement.manual(self.module, self.stages, self.config.default_partition)
+        elif self.partition is None:
+            self.partition = placement.even_layers(self.module, self.stacks, self.stages)
         marks = self.partition.marks if self.partition is not None else None
         # traced as inside the pipeline's shard_map (pp manual): the jaxpr's types then name that mesh
         inside = self.mesh.abstract_mesh.update_axis_types({"pp": AxisType.Manual})
@@ -69,7 +78,7 @@ class Pipeline:
         """Decide the cut from the first step's forward and lay the parameters out by stage."""
         config = self.config
         params = jaxpr.jaxpr.invars[: len(names)]
-        if config.auto_partition:
+        if self.partition is None:
             weight = 1.0 if config.optimize == "memory" else config.memory_weight
             sizes = {v: math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in params}
             constants = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))

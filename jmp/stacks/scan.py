@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import torch
 import torch.utils._pytree as torch_pytree
 from flax import nnx
-from jax.extend import core
+from jax.extend import core, source_info_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp.errors import JmpError
@@ -81,10 +81,20 @@ class _Ran:
 
 
 class StackedLayers:
-    """Call hook on the layers of ``stacks`` for one trace (``jmp.torch_bridge.call_hooks``)."""
+    """Call hook on the layers of ``stacks`` for one trace (``jmp.torch_bridge.call_hooks``).
 
-    def __init__(self, stacks: Sequence[LayerStack], shardings: Mapping[str, NamedSharding]):
+    ``stages`` (torch path -> pipeline stage; None: no pipeline): a chain never joins layers of two stages, and a
+    chain runs before the next stage's first layer starts, so each stage's layers are a scan of their own.
+    """
+
+    def __init__(
+        self,
+        stacks: Sequence[LayerStack],
+        shardings: Mapping[str, NamedSharding],
+        stages: Mapping[str, int] | None = None,
+    ):
         self._shardings = shardings  # torch name -> the parameter's sharding
+        self._stages = stages
         self._stack_of = {path: stack for stack in stacks for path in stack.paths}
         self._open: dict[str, _Chain] = {}  # container -> the chain later layers may join
         # container -> layer index -> the layers run as they are since the last chain
@@ -111,6 +121,9 @@ class StackedLayers:
             self._refused.setdefault(stack.container, type(refused).__name__)
         scannable = other is not None and hooks is not None and refused is None
         chain = self._open.pop(stack.container, None)
+        if chain is not None and not self._same_stage(stack, chain.start, index):
+            chain.run()  # its equations come before this stage's
+            chain = None
         if scannable and chain is not None and chain.joins(index, stack, hooks, args[0], *other):
             self._open[stack.container] = chain
             return self._joined(stack, chain.add(module, call, other[0]))
@@ -143,7 +156,7 @@ class StackedLayers:
         ran = [self._ran[stack.container][i] for i in range(index - period, index)]
         shapes = [r.shape for r in ran]
         context = contextvars.copy_context()
-        if all(r.quiet for r in ran):
+        if all(r.quiet for r in ran) and self._same_stage(stack, index - period, index):
             chain = _Chain(stack, index - period, period, ran[0].input, context, self._shardings, shapes)
             chain.take_ran(ran)
             if chain.joins(index, stack, hooks, first, *other):
@@ -151,6 +164,11 @@ class StackedLayers:
         chain = _Chain(stack, index, period, first, context, self._shardings, shapes)
         chain.joins(index, stack, hooks, first, *other)  # the first call sets its position's pattern
         return chain
+
+    def _same_stage(self, stack: LayerStack, first: int, second: int) -> bool:
+        if self._stages is None:
+            return True
+        return self._stages.get(stack.paths[first]) == self._stages.get(stack.paths[second])
 
     def report(self) -> None:
         """Say once per stack how its layers ran in this trace: how many as one scan, or that none did."""
@@ -251,6 +269,7 @@ class _Chain:
         self.shapes = shapes  # per position: what the layer returns (``_output_shape``)
         self.first_input = first_input
         self.context = context
+        self.name_stack = source_info_util.current_name_stack()  # the scan is named as the layers it runs
         self.shardings = shardings
         self.calls: list[_Call] = []
         self.patterns: list[tuple[Hashable, Any]] = []  # per position in the period: (hook signature, argument spec)
@@ -304,10 +323,15 @@ class _Chain:
     def _value_of(self, tensor: PendingTensor) -> jax.Array:
         """The value of one of the chain's outputs: the first read runs the whole chain once, computing every
         call's outputs (layers called after it start a chain of their own)."""
+        self.run()
+        return tensor.aval
+
+    def run(self) -> None:
+        """Run the chain's calls (once)."""
         if not self.closed:
             self.closed = True
-            self.context.copy().run(self._run)
-        return tensor.aval
+            with source_info_util.set_name_stack(self.name_stack):
+                self.context.copy().run(self._run)
 
     def _run(self) -> None:
         count = len(self.calls)

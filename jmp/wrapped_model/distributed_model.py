@@ -195,8 +195,8 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         self.call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
         _log_layout(self.layout.specs, mesh)
         self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs)
-        # repeated identical layers run as one scan (jmp.stacks); a pipeline cuts the layers into stages instead
-        self.stacks = stacks.find_stacks(module) if config.scan_layers and self.pipeline is None else []
+        # repeated identical layers run as one scan (jmp.stacks); in a pipeline, one scan a stage
+        self.stacks = stacks.find_stacks(module) if config.scan_layers else []
         self.store: ParameterStore = TreeStore(self.layout)  # a StageStore once a pipeline's stages are cut
         self._stack_storage()
         sdp_partitions.attach(self)  # p.ds_tensor, as SMP's sharded data parallelism (DeepSpeed's) has it
@@ -343,9 +343,11 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         trace = Trace(self, module, loss_scale)
         token = _TRACE.set(trace)
         scanned = None
-        if self.stacks and not concrete_run.active():  # a step run op by op runs its layers one by one
-            shardings = {name: self.layout.sharding(name) for name in self.layout.names}
-            scanned = stacks.StackedLayers(self.stacks, shardings)
+        stages = self.pipeline.layer_stages() if self.pipeline is not None else None
+        # a step run op by op runs its layers one by one, as does a pipeline cut between layers at module calls
+        if self.stacks and not concrete_run.active() and (self.pipeline is None or stages is not None):
+            shardings = {name: self.layout.sharding(name) for name in self.layout.names} if stages is None else {}
+            scanned = stacks.StackedLayers(self.stacks, shardings, stages)
         try:
             with (
                 call_hooks(self._embedding_hooks()),
@@ -433,6 +435,8 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         """Under ``scan_layers``, keep each stack weight as one array of all its layers (``StackStore``): the step
         program then takes one array per stack weight whatever the depth."""
         layout = self.layout
+        if self.pipeline is not None:
+            return  # a pipeline keeps its stages' parameters in stage buffers
         groups = stacks.stacked_groups(self.stacks, layout.names, layout.shapes, layout.dtypes, layout.specs)
         if not groups:
             return
