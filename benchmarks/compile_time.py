@@ -4,9 +4,10 @@
         [--out benchmarks/results/compile_time.json]
 
 A Hugging Face Llama (hidden 64, 4 heads, 2 key/value heads) under fsdp over 8 emulated devices, the default config
-(``{"sharded_data_parallel_degree": 8}``: stacks scanned) against ``scan_layers: False`` and against two pipeline
-stages x 4-way data parallelism (``pipelined``: a pipeline runs each stage's layers one by one), one training step
-(forward and backward) on a batch of 8 x 32 tokens. For each depth and config: seconds to trace and
+(``{"sharded_data_parallel_degree": 8}``: stacks scanned) against ``scan_layers: False``, and pipelines
+(``pipelined``: pp2 x dp4; ``pipelined_pp4``: pp4 x dp2; each stage's layers one scan, or one by one with
+``_unrolled``), one training step (forward and backward) on a batch of 8 x 32 tokens. For each depth and
+config: seconds to trace and
 lower the step, seconds for XLA to compile it (each the least over ``--repeats`` rounds that compile every program
 once, JAX's in-memory caches cleared before each: one compile on this shared machine varies by 0.2-1 s, and a
 burst of load then falls on one round of all programs), the StableHLO text's size and the
@@ -50,8 +51,11 @@ def llama(layers: int) -> torch.nn.Module:
 CONFIGS = {
     "unrolled": {"sharded_data_parallel_degree": 8, "scan_layers": False},  # the way out of the default
     "scanned": {"sharded_data_parallel_degree": 8},  # the default config: layer stacks scanned
-    # two pipeline stages x 4-way data parallelism: the layers run one by one inside each stage (jmp.pipeline)
+    # pipeline stages x data parallelism: each stage's layers one scan (the default), or one by one
     "pipelined": {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True},
+    "pipelined_unrolled": {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "scan_layers": False},
+    "pipelined_pp4": {"pipeline_parallel_degree": 4, "microbatches": 4, "ddp": True},
+    "pipelined_pp4_unrolled": {"pipeline_parallel_degree": 4, "microbatches": 4, "ddp": True, "scan_layers": False},
 }
 
 
