@@ -1,6 +1,6 @@
 """A torchrun DDP script as people write it, with no jmp in it: ``init_process_group``, ``DDP(model,
 device_ids=[local_rank])`` from torchrun's ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE``, gradient accumulation with
-``no_sync()``, host-tensor collectives, ``model.module``, ``destroy_process_group``.
+``no_sync()``, an optimizer built on the module before it is wrapped, host-tensor collectives, ``model.module``, ``destroy_process_group``.
 
 ``torchrun --nproc-per-node 2 tests/fsdp/ddp_script.py gloo`` runs it on PyTorch's DDP on CPU, ``python -m jmp.launch
 -n 2 tests/fsdp/ddp_script.py nccl cuda`` on jmp's, as the script would run on GPUs: the backend is the script's (jmp
@@ -39,8 +39,9 @@ def main(backend: str, device: str) -> None:
     dist.init_process_group(backend)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     torch.manual_seed(rank)  # each process its own initial weights: DDP gives every one process 0's
-    model = DDP(net(), device_ids=[local_rank] if device == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    module = net()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.2, momentum=0.9)  # built before wrapping, as often
+    model = DDP(module, device_ids=[local_rank] if device == "cuda" else None)
     losses, syncing = [], []
     for step in range(STEPS):
         for micro in range(ACCUMULATE):
