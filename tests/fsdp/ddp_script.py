@@ -1,6 +1,7 @@
 """A torchrun DDP script as people write it, with no jmp in it: ``init_process_group``, ``DDP(model,
 device_ids=[local_rank])`` from torchrun's ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE``, gradient accumulation with
-``no_sync()``, an optimizer built on the module before it is wrapped, host-tensor collectives, ``model.module``, ``destroy_process_group``.
+``no_sync()``, an optimizer built on the module before it is wrapped, host-tensor collectives, ``model.module``,
+``destroy_process_group``.
 
 ``torchrun --nproc-per-node 2 tests/fsdp/ddp_script.py gloo`` runs it on PyTorch's DDP on CPU, ``python -m jmp.launch
 -n 2 tests/fsdp/ddp_script.py nccl cuda`` on jmp's, as the script would run on GPUs: the backend is the script's (jmp
