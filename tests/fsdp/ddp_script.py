@@ -3,10 +3,10 @@ device_ids=[local_rank])`` from torchrun's ``RANK`` / ``LOCAL_RANK`` / ``WORLD_S
 ``no_sync()``, an optimizer built on the module before it is wrapped, host-tensor collectives, ``model.module``,
 ``destroy_process_group``.
 
-``torchrun --nproc-per-node 2 tests/fsdp/ddp_script.py gloo`` runs it on PyTorch's DDP on CPU, ``python -m jmp.launch
--n 2 tests/fsdp/ddp_script.py nccl cuda`` on jmp's, as the script would run on GPUs: the backend is the script's (jmp
-starts gloo for any), and ``cuda`` passes ``device_ids=[local_rank]`` (PyTorch's DDP takes them for GPU modules only).
-Each process prints one JSON line: what it saw, its losses, and the trained weights
+``torchrun --nproc-per-node 2 tests/fsdp/ddp_script.py gloo cpu`` runs it on PyTorch's DDP on CPU, ``python -m
+jmp.launch -n 2 tests/fsdp/ddp_script.py nccl cuda`` on jmp's, as the script would run on GPUs: the backend is the
+script's (jmp starts gloo for any), and ``cuda`` passes ``device_ids=[local_rank]`` (PyTorch's DDP takes them for
+GPU modules only). Each process prints one JSON line: what it saw, its losses, and the trained weights
 (``tests/fsdp/test_data_parallel.py``).
 """
 
