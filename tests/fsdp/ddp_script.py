@@ -63,6 +63,7 @@ def main(backend: str, device: str) -> None:
         "world": dist.get_world_size(),
         "env": [rank, local_rank, int(os.environ["WORLD_SIZE"])],
         "ddp_class": DDP.__module__,
+        "ddp_class_in_distributed": torch.nn.parallel.distributed.DistributedDataParallel.__module__,
         "syncing": syncing,
         "all_reduce": total.item(),
         "losses": losses,

@@ -47,7 +47,7 @@ def test_a_torchrun_ddp_script_with_no_sync_trains_under_jmp_launch_as_on_pytorc
     for rank in range(PROCESSES):
         ours, theirs = jmp[rank], pytorch[rank]
         assert theirs["ddp_class"] == "torch.nn.parallel.distributed"
-        assert ours["ddp_class"] == "jmp.fsdp.data_parallel"
+        assert ours["ddp_class"] == ours["ddp_class_in_distributed"] == "jmp.fsdp.data_parallel"
         assert ours["env"] == [rank, rank, PROCESSES] and ours["world"] == PROCESSES
         assert ours["all_reduce"] == theirs["all_reduce"] == 3.0
         assert ours["syncing"] == theirs["syncing"] == syncing * ddp_script.STEPS
