@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.nn.parallel.distributed import _MixedPrecision
 
+import jmp as smp
 from jmp.errors import ArgumentTypeError
 from jmp.fsdp import DistributedDataParallel
 from tests.fsdp import ddp_script
@@ -58,7 +60,31 @@ def test_a_torchrun_ddp_script_with_no_sync_trains_under_jmp_launch_as_on_pytorc
     assert jmp[0]["losses"] != jmp[1]["losses"]  # each process's loss is its own rows'
 
 
+def test_ddp_mixed_precision_trains_as_jmps_own_bf16_loop_bit_for_bit():
+    def train(model) -> list[float]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+        losses = []
+        for step in range(2):
+            x, y = ddp_script.rows(0, step, 0)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    smp.init({})
+    torch.manual_seed(0)
+    model = DistributedDataParallel(ddp_script.net(), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    assert smp.get_config().bf16 and model.precision.mixed
+    losses = train(model)
+    smp.init({"bf16": True})
+    torch.manual_seed(0)
+    assert train(smp.DistributedModel(ddp_script.net())) == losses
+
+
 def test_ddp_loads_pytorch_ddps_state_dict_keys_and_refuses_what_ddp_does_not_take():
+    smp.init({})
     torch.manual_seed(0)
     net = ddp_script.net()
     model = DistributedDataParallel(ddp_script.net())
