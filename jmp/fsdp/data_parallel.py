@@ -31,7 +31,6 @@ _DEFAULTS = {  # argument -> the value that needs no notice
     "device_ids": None,
     "output_device": None,
     "dim": 0,
-    "broadcast_buffers": None,
     "bucket_cap_mb": None,
     "find_unused_parameters": False,
     "check_reduction": False,
@@ -46,7 +45,7 @@ _DEFAULTS = {  # argument -> the value that needs no notice
     "forward_sync_buffers": None,
 }
 _XLA = "XLA schedules the gradients' reduction inside the compiled step"
-_QUIET = {"device_ids", "output_device", "broadcast_buffers"}  # what torchrun scripts pass routinely
+_QUIET = {"device_ids", "output_device"}  # what torchrun scripts pass routinely
 
 
 class DistributedDataParallel(DistributedModel):
@@ -85,8 +84,7 @@ class DistributedDataParallel(DistributedModel):
         unknown = sorted(set(reducer) - set(_DEFAULTS))
         if unknown:
             raise ArgumentTypeError(f"{WHERE} got unexpected keyword arguments {unknown}")
-        given = reducer | {"device_ids": device_ids, "output_device": output_device, "dim": dim}
-        given["broadcast_buffers"] = broadcast_buffers
+        given = {"device_ids": device_ids, "output_device": output_device, "dim": dim, **reducer}
         for name, value in given.items():
             if name not in _QUIET and value != _DEFAULTS[name]:
                 layout.log_once("%s(%s=%r): has no effect in jmp: %s", WHERE, name, value, _XLA)
@@ -124,6 +122,7 @@ class DistributedDataParallel(DistributedModel):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Load a state dict under the module's names, or under PyTorch DDP's (``module.`` first); ``state_dict()``
         gives the module's names, as jmp's FSDP and SMP's ``DistributedModel``."""
-        if state_dict and all(key.startswith(PREFIX) for key in state_dict):
+        own = set(self.layout.names)  # a module whose own child is named "module" keeps its keys
+        if state_dict and all(key.startswith(PREFIX) for key in state_dict) and not own & set(state_dict):
             state_dict = {key.removeprefix(PREFIX): value for key, value in state_dict.items()}
         DistributedModel.load_state_dict(self, dict(state_dict), strict)

@@ -18,6 +18,7 @@ from torch.nn.parallel.distributed import _MixedPrecision
 import jmp as smp
 from jmp.errors import ArgumentTypeError
 from jmp.fsdp import DistributedDataParallel
+from jmp.runtime import notices
 from tests.fsdp import ddp_script
 from tests.multiprocess.reports import json_objects
 
@@ -83,11 +84,15 @@ def test_ddp_mixed_precision_trains_as_jmps_own_bf16_loop_bit_for_bit():
     assert train(smp.DistributedModel(ddp_script.net())) == losses
 
 
-def test_ddp_loads_pytorch_ddps_state_dict_keys_and_refuses_what_ddp_does_not_take():
+def test_ddp_loads_pytorch_ddps_state_dict_keys_and_refuses_what_ddp_does_not_take(caplog, monkeypatch):
+    caplog.set_level("INFO", logger="jmp")
+    monkeypatch.setattr(notices, "_SAID", set())  # said once per process: as if this were the first wrapper
     smp.init({})
     torch.manual_seed(0)
     net = ddp_script.net()
-    model = DistributedDataParallel(ddp_script.net())
+    model = DistributedDataParallel(ddp_script.net(), device_ids=[0], find_unused_parameters=True)
+    assert "DistributedDataParallel(find_unused_parameters=True): has no effect" in caplog.text
+    assert "device_ids" not in caplog.text  # what every GPU script passes goes unsaid
     model.load_state_dict({f"module.{name}": value for name, value in net.state_dict().items()})
     for name, value in net.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
