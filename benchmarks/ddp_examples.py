@@ -94,8 +94,13 @@ def compare(jmp: list[dict], torch_runs: list[dict]) -> dict:
         within = within and np.allclose(ours["losses"], theirs["losses"], rtol=RTOL, atol=ATOL)
     for name, value in torch_runs[0]["weights"].items():
         within = within and np.allclose(jmp[0]["weights"][name], value, rtol=RTOL, atol=ATOL)
+    update = max(
+        float(np.max(np.abs(np.asarray(value) - np.asarray(torch_runs[0]["initial_weights"][name]))))
+        for name, value in torch_runs[0]["weights"].items()
+    )
     return {
         "ddp_classes": [jmp[0]["ddp"], torch_runs[0]["ddp"]],
+        "max_weight_update_pytorch": update,  # how far training moved the weights: the gap is measured against it
         "losses_per_process": len(jmp[0]["losses"]),
         "max_loss_gap": loss_gap,
         "max_weight_gap": weight_gap,

@@ -10,10 +10,11 @@ What this adds around the unmodified script is what a CPU host lacks, each piece
 CPU module, as PyTorch's DDP takes them for GPU modules only, and ``init_process_group("nccl")`` starts gloo (NCCL
 needs CUDA); jmp's DDP is given them as written, and jmp's launcher starts gloo for any backend itself.
 
-To compare runs: torch's generator is seeded with the process's rank before the script runs (the scripts draw
-their data and initial weights unseeded: the same draws under both launchers; DDP gives every process process 0's
-weights), each ``backward()``'s tensor and each DDP model are kept, and at ``destroy_process_group`` this process writes
-``OUT/rank{RANK}.json``: the losses backpropagated and the DDP model's ``module.state_dict()``.
+To compare runs: torch's generator is seeded with the process's rank before the script runs (the scripts draw their
+data and initial weights unseeded: the same draws under both launchers; DDP gives every process process 0's
+weights), each ``backward()``'s tensor and each DDP model are kept, and at ``destroy_process_group`` this process
+writes ``OUT/rank{RANK}.json``: the losses backpropagated and the DDP model's ``module.state_dict()``, once wrapped
+and at the end.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def record(out: Path) -> None:
         return backward(self, *args, **kwargs)
 
     torch.Tensor.backward = keeping_the_loss
+    initial: dict[str, list] = {}  # the first model's weights once wrapped (process 0's, DDP having sent them)
     models: list[torch.nn.Module] = []  # kept alive: a script's model may be gone before destroy_process_group
     init = DistributedDataParallel.__init__
 
@@ -99,6 +101,7 @@ def record(out: Path) -> None:
     def keeping_the_model(self, *args, **kwargs):
         init(self, *args, **kwargs)
         models.append(self)
+        initial.update({name: value.tolist() for name, value in self.module.state_dict().items()})
 
     DistributedDataParallel.__init__ = keeping_the_model
     destroy = dist.destroy_process_group
@@ -111,6 +114,7 @@ def record(out: Path) -> None:
             "ddp": DistributedDataParallel.__module__,
             "losses": [loss.item() for loss in losses],
             "weights": weights,
+            "initial_weights": initial,
         }
         (out / f"rank{report['rank']}.json").write_text(json.dumps(report))
         return destroy(*args, **kwargs)
