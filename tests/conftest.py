@@ -47,6 +47,7 @@ def pytest_sessionfinish(session, exitstatus):
 # others have nothing left.
 _LONG_FIRST = (
     "tests/multiprocess/",
+    "tests/fsdp/test_data_parallel.py",
     "tests/notebooks/",
     "tests/torch_bridge/test_opinfo.py",
     "tests/pipeline/",

@@ -6,6 +6,7 @@
 - ``FullyShardedDataParallel`` (``fully_sharded``): a ``DistributedModel`` laid out as FSDP's arguments ask
   (``layout``), with FSDP's methods and class-level API (``state_dict_type``, ``optim_state_dict``,
   ``summon_full_params``, ``clip_grad_norm_``, ...; ``state_dicts``).
+- ``DistributedDataParallel`` (``data_parallel``): PyTorch's DDP as FSDP's ``NO_SHARD`` layout.
 - ``fully_shard`` (FSDP2, ``fully_shard``): marks modules and swaps their class in place; the root runs a
   ``FullyShardedDataParallel`` from its first call.
 - ``apply_activation_checkpointing``, ``checkpoint_wrapper``, ``offload_wrapper`` (``activation_checkpointing``):
@@ -19,6 +20,7 @@
 
 from jmp.fsdp import options
 from jmp.fsdp.activation_checkpointing import apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper
+from jmp.fsdp.data_parallel import DistributedDataParallel
 from jmp.fsdp.fully_shard import FSDPModule, fully_shard
 from jmp.fsdp.fully_sharded import FullyShardedDataParallel
 from jmp.fsdp.options import *  # noqa: F403  (torch's option types and wrap policies, as options.__all__ lists)
@@ -27,6 +29,7 @@ FSDP = FullyShardedDataParallel
 
 __all__ = [
     "FSDP",
+    "DistributedDataParallel",
     "FSDPModule",
     "FullyShardedDataParallel",
     "apply_activation_checkpointing",

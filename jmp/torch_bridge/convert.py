@@ -132,8 +132,9 @@ def _check_convertible(torch_module: Any, path: str) -> None:
         )
     if isinstance(torch_module, torch.nn.parallel.DistributedDataParallel):
         raise ConversionError(
-            f"{where} is wrapped in DistributedDataParallel; pass the inner module (ddp.module): "
-            "jmp does data parallelism itself."
+            f"{where} is wrapped in PyTorch's DistributedDataParallel; pass the inner module (ddp.module): jmp does "
+            "data parallelism itself (jmp.fsdp.DistributedDataParallel, what a script's torch DDP is under "
+            "python -m jmp.launch)."
         )
 
 

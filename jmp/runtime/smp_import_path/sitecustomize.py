@@ -13,8 +13,10 @@
   SMP v2's container patches torch's FSDP constructor: ``torch.distributed.fsdp.FullyShardedDataParallel`` and
   ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``'s ``apply_activation_checkpointing``,
   ``checkpoint_wrapper``, ``offload_wrapper``; with them ``FSDP.state_dict_type`` and the other class-level calls
-  are jmp's. ``ShardingStrategy``, ``MixedPrecision``, ``StateDictType``, the wrap policies stay torch's (jmp
-  takes torch's own). And ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict`` takes
+  are jmp's; so is ``torch.nn.parallel.DistributedDataParallel`` (and ``torch.nn.parallel.distributed``'s), FSDP
+  with every parameter replicated. ``ShardingStrategy``, ``MixedPrecision``, ``StateDictType``, the wrap policies
+  stay torch's (jmp takes torch's own).
+  And ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict`` takes
   SMP's ``process_group=``, and ``torch.distributed.checkpoint``'s ``save_state_dict`` / ``load_state_dict`` SMP's
   global ``coordinator_rank`` (``jmp.fsdp.distributed_checkpoint``); its ``save`` / ``load`` / ``async_save`` write
   and read a state dict holding jmp's arrays with Orbax (``jmp.fsdp.dcp_orbax``), and
@@ -171,6 +173,8 @@ def _run_shadowed_sitecustomize() -> None:
 AFTER_IMPORT = {
     _DISTRIBUTED: patch_init_process_group,
     "torch.distributed.fsdp": JmpNames("jmp.fsdp", ("FullyShardedDataParallel",)),
+    "torch.nn.parallel": JmpNames("jmp.fsdp", ("DistributedDataParallel",)),
+    "torch.nn.parallel.distributed": JmpNames("jmp.fsdp", ("DistributedDataParallel",)),
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper": JmpNames(
         "jmp.fsdp", ("apply_activation_checkpointing", "checkpoint_wrapper", "offload_wrapper")
     ),
