@@ -7,7 +7,7 @@ The model is transformers' ``LlamaForCausalLM`` with Llama 3 70B's shape (hidden
 intermediate 28,672, vocabulary 128,256) built on the meta device, in bf16 (``"bf16": True``), each decoder layer
 checkpointed, AdamW, a batch of 64 x 512 tokens in 8 microbatches. For each config: the seconds
 ``smp.estimate_memory`` takes (the step traced, cut into stages and compiled ahead of time, nothing run), its
-per-device figures, and for a pipeline how many decoder layers each stage holds (from the partition it logged).
+per-device figures, and for a pipeline the decoder layers and parameter bytes of each stage (from its partition log).
 """
 
 from __future__ import annotations
@@ -64,10 +64,13 @@ class _PartitionLog(logging.Handler):
             self.messages.append(record.getMessage())
 
 
-def layers_per_stage(message: str) -> list[int]:
-    """Decoder layers on each stage, read from the partition log line."""
+def stages_of(message: str) -> dict[str, list]:
+    """Decoder layers and MiB of parameters on each stage, read from the partition log line."""
     stages = re.split(r"; stage \d+: ", message.split(": stage 0: ", 1)[1])
-    return [len(re.findall(r"model\.layers\.\d+\b(?![.\d])", stage)) for stage in stages]
+    return {
+        "layers": [len(re.findall(r"model\.layers\.\d+\b(?![.\d])", stage)) for stage in stages],
+        "parameter_mib": [float(re.search(r"\[([\d.]+) MiB of parameters\]", stage).group(1)) for stage in stages],
+    }
 
 
 def main() -> None:
@@ -92,9 +95,9 @@ def main() -> None:
         row = {"config": CONFIGS[name], "seconds": seconds, "per_device_gib": estimate.total / 2**30}
         row["estimate"] = {k: v / 2**30 for k, v in vars(estimate).items() if isinstance(v, int)}
         if log.messages:
-            row["layers_per_stage"] = layers_per_stage(log.messages[-1])
+            row["stages"] = stages_of(log.messages[-1])
         rows[name] = row
-        print(f"{name}: {seconds:.1f} s, {row['per_device_gib']:.1f} GiB a device, {row.get('layers_per_stage')}")
+        print(f"{name}: {seconds:.1f} s, {row['per_device_gib']:.1f} GiB a device, {row.get('stages')}")
     write_results(
         args.out,
         {
