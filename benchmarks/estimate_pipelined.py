@@ -68,7 +68,7 @@ def stages_of(message: str) -> dict[str, list]:
     """Decoder layers and MiB of parameters on each stage, read from the partition log line."""
     stages = re.split(r"; stage \d+: ", message.split(": stage 0: ", 1)[1])
     return {
-        "layers": [len(re.findall(r"model\.layers\.\d+\b(?![.\d])", stage)) for stage in stages],
+        "layers": [sum(int(b) - int(a) + 1 for a, b in re.findall(r"model\.layers\.(\d+)-(\d+)", s)) for s in stages],
         "parameter_mib": [float(re.search(r"\[([\d.]+) MiB of parameters\]", stage).group(1)) for stage in stages],
     }
 

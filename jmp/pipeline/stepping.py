@@ -140,7 +140,10 @@ class Pipeline:
         )
 
     def _log(self, jaxpr: core.ClosedJaxpr, programs: StagePrograms) -> None:
-        names = placement.describe(jaxpr.jaxpr.eqns, programs.stage_of, self.stages)
+        names = [
+            self._layer_ranges(s, n)
+            for s, n in enumerate(placement.describe(jaxpr.jaxpr.eqns, programs.stage_of, self.stages))
+        ]
         sizes = self.layout.stage_bytes()
         how = "automatic" if self.config.auto_partition else "manual"
         logger.info(
@@ -154,6 +157,20 @@ class Pipeline:
             ),
         )
         self._warn_if_uneven(how)
+
+    def _layer_ranges(self, stage: int, names: list[str]) -> list[str]:
+        """``names`` with each layer stack's layers on ``stage`` as one range (``model.layers.0-7``); a scanned
+        stage's layers all run in the equations of its first ones, so the layers are read from the cut's marks."""
+        marks = self.partition.marks
+        for stack in self.stacks:
+            listed = [i for i, name in enumerate(names) if name in stack.paths]
+            if not listed:
+                continue
+            layers = [p for p in stack.paths if marks.get(p) == stage] if marks else [names[i] for i in listed]
+            label = layers[0] if len(layers) == 1 else f"{layers[0]}-{layers[-1].rsplit('.', 1)[-1]}"
+            rest = [name for name in names if name not in stack.paths]
+            names = rest[: listed[0]] + [label] + rest[listed[0] :]
+        return names
 
     def _warn_if_uneven(self, how: str) -> None:
         own, held = self.layout.device_bytes()
