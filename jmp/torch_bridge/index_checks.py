@@ -1,16 +1,9 @@
-"""Out-of-range indices raise as PyTorch raises them, not a silent nan or zero loss.
+"""Out-of-range indices raise as PyTorch raises them, not a silent nan or zero loss (JAX fills or clamps them).
 
-JAX's gathers fill or clamp an index out of range, so a token id past the vocabulary trains on nan and a label
-past the classes on a zero loss. The lowerings that index a table by the data (``nn.Embedding`` /
-``F.embedding``, the class targets of ``F.cross_entropy`` / ``F.nll_loss``) check their indices where they read
-them: outside a step, on concrete values (the converter alone), the error is raised at once; inside a step's
-forward, traced or run op by op (no host sync per op), the largest offending index (a reduction over indices
-the program reads anyway) is a side output (``side_outputs.sow``) that the step takes out of what it records
-and hands to its outputs as ``Pending``:
-reading any of the step's values raises the error torch raises (``IndexError: index out of range in self``,
-``IndexError: Target 7 is out of bounds.``), naming the module path, and so does the model's next step call once
-that step's values are ready. No host sync is added: the check is read with the values the script reads.
-``JMP_INDEX_CHECKS=0`` turns the checks off.
+``F.embedding`` and the class targets of ``F.cross_entropy`` / ``F.nll_loss`` check where they read: on concrete
+values at once; inside a step, the largest offending index is a side output (``side_outputs.sow``) handed to the
+step's outputs as ``Pending``, so reading the step's values (or the next step call) raises torch's error naming
+the module, with no added host sync. ``JMP_INDEX_CHECKS=0`` turns the checks off.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Torch's NumPy-style keyword aliases (``torch.cumsum(x, axis=0)``, ``x.sum(keepdims=True)``).
+"""Torch's NumPy-style keyword aliases (``axis``, ``keepdims``, ...) renamed before lowering, where torch accepts them.
 
-Torch's C++ argument parser accepts, for every function it parses (``torch.*`` and ``Tensor`` methods
-implemented in C++, not Python-level functions such as ``F.softmax``), the NumPy names of four of its
-arguments (``numpy_compatibility_arg_names`` in torch/csrc/utils/python_arg_parser.cpp). Lowerings take
-torch's own names; the dispatcher renames the aliases first, for the callables torch would accept them on.
+Torch's C++ argument parser takes them for the functions it parses (``numpy_compatibility_arg_names``).
 """
 
 from __future__ import annotations

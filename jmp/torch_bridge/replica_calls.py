@@ -1,14 +1,9 @@
-"""Calls on parameters run once per data-parallel replica, each on its own copy of the parameters, so that their
-gradients stay on the replica (``jmp.compiled_step.replica_gradients`` reduces them once per step).
+"""Calls on parameters run once per data-parallel replica on its own parameter copy, so gradients stay local.
 
-A call qualifies when it is *row-local* in one of its arrays along a dimension that holds the batch: each entry of
-its result along that dimension depends only on the same entry of that array and on parameters. ``Linear``, a
-convolution over a batch, an embedding lookup, a layer / group / RMS norm, and a parameter added to, subtracted
-from, multiplying or dividing an array it broadcasts along that dimension are. Running such a call on a block of
-rows with an identical copy of the parameters gives those rows of the result exactly, so the result is the whole
-call's; what changes is the gradient: each replica's copy receives the gradient of its rows only, a partial sum
-that needs no communication until the step adds the replicas'. Any other call (batch norm's statistics, a
-reduction over the batch, a parameter read through a view or a cast) runs as before, on the whole batch.
+A call qualifies when it is *row-local* along a batch dimension of one of its arrays (``Linear``, a convolution,
+an embedding, layer / group / RMS norm, a parameter broadcast in elementwise arithmetic): its result is the
+whole call's exactly, and each copy's gradient is its rows' partial sum, reduced once per step
+(``jmp.compiled_step.replica_gradients``). Any other call runs on the whole batch.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Python value checks on traced tensors: ``if labels.max() >= vocab_size: raise ValueError(...)``.
+"""Python value checks on traced tensors (``if labels.max() >= n: raise ...``, ``assert``) run as the program runs.
 
-Under ``jit`` such a condition has no value while the program is traced. A branch whose body only raises, or
-an ``assert`` (``assert lengths.max().item() <= slen``, XLM's), is a check on the data, not control flow: the
-trace goes on as if the check passed, and the compiled program tests the condition as it runs, raising when
-the data is bad (``jax.debug.callback``), as PyTorch does.
-Any other Python branch on a traced value stays a ``TracedControlFlowError``.
+A branch whose body only raises, or an ``assert``, is traced as passing and tested by ``jax.debug.callback``;
+any other branch on a traced value stays a ``TracedControlFlowError``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Parameter-free layers (activations, pooling, flatten, padding, upsampling) as one NNX class.
-
-Each torch layer class maps to the torch function its forward calls and the
-attributes it passes; the lowering of that function does the work, so a layer
-and its functional form can never disagree.
-"""
+"""Parameter-free layers as one NNX class: each runs the torch function its forward calls, with its attributes."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""nn.LayerNorm, nn.RMSNorm, nn.GroupNorm and nn.BatchNorm{1,2,3}d.
-
-BatchNorm follows torch exactly: in training it normalises with the batch
-statistics and updates ``running_mean`` / ``running_var`` (unbiased variance,
-``momentum``, or a cumulative average when momentum is None) and
-``num_batches_tracked``; in evaluation it uses the running statistics.
-"""
+"""nn.LayerNorm, nn.RMSNorm, nn.GroupNorm and nn.BatchNorm{1,2,3}d, BatchNorm's running statistics as torch's."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Loss functions, following ATen's formulas (reductions, weights, ``ignore_index``, smoothing).
-
-Cross entropy and NLL on bfloat16 / float16 accumulate in float32 and return the input's dtype, as torch's
-CPU kernels do (cross entropy's log-softmax is rounded to the input's dtype first, as torch's is).
-"""
+"""Loss functions, following ATen's formulas (half-precision cross entropy and NLL accumulate in float32)."""
 
 from __future__ import annotations
 
@@ -38,9 +34,8 @@ def _class_axis(input):
 def _pick(input, index, ax):
     """``take_along_axis(input, index)`` along the class axis, as a masked sum (the same value exactly).
 
-    A gather whose gathered axis is split over a mesh axis aborts XLA's SPMD partitioner inside a partially
-    manual ``shard_map`` (the pipeline's, under tensor parallelism's vocabulary-split logits); the masked sum
-    partitions as Megatron's vocabulary-parallel cross entropy does: a local sum, then one all-reduce.
+    A gather along an axis split over the mesh aborts XLA's partitioner inside a partially manual ``shard_map``;
+    the masked sum partitions as a local sum and one all-reduce.
     """
     classes = jax.lax.broadcasted_iota(index.dtype, input.shape, ax)
     chosen = classes == jnp.expand_dims(index, ax)
@@ -246,10 +241,11 @@ def ctc_loss_of_tensors(log_probs, targets, *args, **kwargs):
 
 
 def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
-    """Connectionist temporal classification (``optax.ctc_loss``) on torch's layouts: ``log_probs`` (T, N, C)
-    or (T, C); ``targets`` padded (N, S) or concatenated (sum of ``target_lengths``), the latter gathered into
-    rows of static length (the concatenation's); ``mean`` divides each sequence's loss by its target length.
-    A sequence no alignment fits costs ``inf`` (0 with ``zero_infinity``), as in torch."""
+    """Connectionist temporal classification (``optax.ctc_loss``) on torch's layouts and reductions.
+
+    ``targets`` padded (N, S) or concatenated (gathered into rows of static length); an impossible alignment
+    costs ``inf`` (0 with ``zero_infinity``).
+    """
     reduction = {0: "none", 1: "mean", 2: "sum"}.get(reduction, reduction)  # torch.ctc_loss takes ATen's enum
     unbatched = log_probs.ndim == 2
     if unbatched:

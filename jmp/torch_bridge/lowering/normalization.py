@@ -1,8 +1,4 @@
-"""Normalisation: layer, RMS, group, batch and instance norm.
-
-Statistics are computed in float32 (or wider) and the result cast back to the
-input's dtype, as torch does for half-precision inputs.
-"""
+"""Layer, RMS, group, batch and instance norm; statistics in float32 (or wider), results in the input's dtype."""
 
 from __future__ import annotations
 
