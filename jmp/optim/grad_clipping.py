@@ -1,14 +1,8 @@
 """``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on a ``DistributedModel``'s parameters.
 
-jmp keeps gradients on the devices (the model's training state; ``p.grad`` reads a copy gathered to the
-host). ``import jmp`` replaces torch's functions in ``torch.nn.utils`` with these, which clip a
-DistributedModel's gradients where they are, inside the compiled update (the norm is global across
-devices and processes, as torch's is over one process' tensors), and hand any other tensors to torch's
-originals. The norm is that of the unscaled gradients when the loss is scaled.
-
-A script that bound torch's function before jmp was imported (``from torch.nn.utils import
-clip_grad_norm_`` above ``import jmp``) keeps torch's, which does not clip the devices' gradients:
-import jmp first.
+``import jmp`` replaces torch's functions with these, which clip a DistributedModel's gradients on the devices
+inside the compiled update (a global norm, of the unscaled gradients) and hand other tensors to torch's. A
+script that bound torch's function before importing jmp keeps torch's: import jmp first.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""``torch.optim`` optimizers (and apex's fused ones, ``jmp.optimizers``) as optax transformations with their
-exact update rules.
+"""``torch.optim`` optimizers (and apex's, ``jmp.optimizers``) as optax chains with their exact update rules.
 
-Each supported optimizer is a chain of small optax pieces, reusing optax's own
-where it computes what torch computes (``scale_by_adam``, ``scale_by_adadelta``,
-``scale_by_rms`` / ``scale_by_stddev`` with eps outside the square root,
-``trace``, ``add_decayed_weights``) and a few torch-specific pieces where torch
-differs (momentum whose first step is undamped, AMSGrad on the raw second
-moment, Adagrad with ``lr_decay`` and eps outside the root).
-
-Numeric hyper-parameters are injected (``optax.inject_hyperparams``), so values
-that torch LR schedulers write into ``param_groups`` take effect on the next
-step without recompiling; settings that change the structure (``nesterov``,
-``amsgrad``, ``centered``, ``maximize``, momentum on/off) are fixed.
+optax's pieces where they compute what torch does, torch-specific ones where it differs (undamped first
+momentum step, AMSGrad on the raw second moment, Adagrad's ``lr_decay``). Numeric hyper-parameters are
+injected, so LR schedulers' writes take effect without recompiling; structural settings are fixed.
 """
 
 from __future__ import annotations
@@ -415,11 +406,7 @@ def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
 def group_transform(
     rule: Rule, group: dict, fused: Callable[[Callable, dict], Callable | None] | None = None
 ) -> optax.GradientTransformation:
-    """One param group's transformation, its numeric hyper-parameters injected (changeable per step).
-
-    ``fused(factory, static_options)`` may give a fused factory computing the same (``jmp.optim.kernels``); None
-    from it, or no ``fused``, keeps the optax chain.
-    """
+    """One param group's transformation, hyper-parameters injected; ``fused`` may give a kernel computing the same."""
     numeric, static = rule.hyperparams(group)
     factory = (fused(rule.factory, static) if fused is not None else None) or rule.factory
     injected = optax.inject_hyperparams(factory, static_args=tuple(static))

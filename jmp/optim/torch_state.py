@@ -1,14 +1,9 @@
 """torch's optimizer ``state_dict`` format <-> ``DistributedOptimizer``'s optax state.
 
-The optax state is an ``optax.multi_transform`` state with one entry per torch param group (``group<i>``,
-an ``inject_hyperparams`` state around the group's chain) and one for the parameters torch does not own
-(``frozen``). torch's format keys each parameter's state by its index in ``param_groups`` order; a
-``Rule``'s ``state_fields`` name the torch entry of each optax state field. Parameter-shaped fields are
-read and written through the model's parameter store (``model.store``), so a pipelined model's packed
-stage buffers need no branch here.
-
-The ``multi_transform`` itself is built here too (``optimizer_transform``), so its labels are defined once.
-Also here: the loss scaler's and the float32 masters' entries of SMP's fp16 optimizer ``state_dict``.
+The state is an ``optax.multi_transform`` (built here, ``optimizer_transform``) with one ``group<i>`` entry per
+param group and one ``frozen``; torch keys state by parameter index in ``param_groups`` order, and a ``Rule``'s
+``state_fields`` name each field's torch entry. Parameter-shaped fields go through ``model.store``, so packed
+pipeline buffers need no branch. Also SMP's fp16 optimizer entries (loss scaler, float32 masters).
 """
 
 from __future__ import annotations
@@ -103,9 +98,8 @@ def param_labels(torch_optimizer: torch.optim.Optimizer, model: Any) -> dict[str
 class TorchStateAdapter:
     """Converts a ``DistributedOptimizer``'s optax state to torch's ``state_dict`` format and back.
 
-    ``torch_optimizer`` None: an optax transformation's, whose state is kept as it is, under ``"optax_state"``.
-    Assumes ``torch_optimizer``'s parameters are ``model``'s module's and that the optax state was built by
-    ``rule`` over ``model.store``'s layout (``optimizer_transform``).
+    ``torch_optimizer`` None: an optax transformation's state, kept as is under ``"optax_state"``. Assumes the
+    state was built by ``rule`` over ``model.store``'s layout.
     """
 
     def __init__(self, torch_optimizer: torch.optim.Optimizer | None, rule: torch_rules.Rule | None, model: Any):

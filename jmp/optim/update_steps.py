@@ -1,19 +1,9 @@
-"""What a training step does to the gradients around the optimizer's own rule: unscale them (loss scaling), clip
-them (torch's ``clip_grad_norm_`` rule, apex LAMB's), and skip the update on an inf/nan gradient (fp16).
+"""Around the optimizer's rule: unscale the gradients, clip them (torch's or apex LAMB's rule), skip inf/nan steps.
 
-Both ways ``DistributedOptimizer`` updates take the same three scalars, computed once per step by
-:func:`step_scalars` from reductions over the gradients as the backward left them: ``grad_scale`` (the
-gradients are cast to float32 and multiplied by it), ``grad_divisor`` (then divided by it) and ``skip`` (a
-device bool: the parameters and the optimizer state stay as they were, as torch's ``GradScaler`` skips
-``optimizer.step()``). The fused kernels (``jmp.optim.kernels``) read them as extra arguments;
-:func:`taking_step_scalars` makes an optax transformation read them the same way, so the two paths give the
-same numbers.
-
-optax's own pieces compute other numbers: ``clip_by_global_norm`` multiplies by ``max_norm / norm`` (torch:
-``max_norm / (norm + 1e-6)``, apex: divides by ``norm / max_norm``), ``scale`` keeps a half-precision gradient's
-dtype for a weakly typed factor, and ``apply_if_finite`` wraps the inner state in its own (it would change the
-checkpointed state tree), gives up skipping after ``max_consecutive_errors`` and returns a zero update where
-torch keeps the parameters bit for bit. ``optax.stateless`` builds the unscaling.
+``step_scalars`` gives both update paths the same three scalars (``grad_scale``, ``grad_divisor``, ``skip``);
+the kernels take them as arguments and ``taking_step_scalars`` makes an optax chain read them. optax's own
+pieces differ: ``clip_by_global_norm`` has no torch ``1e-6``, ``scale`` keeps a half dtype, and
+``apply_if_finite`` changes the state tree and returns zero updates instead of keeping the parameters.
 """
 
 from __future__ import annotations
@@ -93,11 +83,9 @@ def step_scalars(
 ) -> StepScalars:
     """This step's scalars, from gradients multiplied by ``1 / inv_scale``.
 
-    ``clip``: torch's ``clip_grad_norm_`` to this global norm, folded into ``grad_scale`` (0: none).
-    ``clip_before``: apex LAMB's clipping to this global norm, after that (0 or less: none). ``checked``: an
-    inf/nan among the gradients the rule would see skips the update (else only ``known_inf`` does).
-    ``counted_once``: the gradients with each parameter once (the model store's: a pipeline keeps a copy of a
-    tied parameter in each stage using it), which the global norms are taken over.
+    ``clip``: torch's ``clip_grad_norm_`` to this norm (0: none); ``clip_before``: apex LAMB's, after it.
+    ``checked``: an inf/nan gradient skips the update. ``counted_once``: the gradients with each parameter once,
+    for the norms (a pipeline copies tied parameters).
     """
     if clip:
         inv_scale = inv_scale * torch_norm_and_factor(counted_once(grads), clip, inv_scale)[1]

@@ -1,26 +1,11 @@
 """Fused optimizer updates: each a Pallas kernel over all of a param group's tensors, as an optax transformation.
 
 ``fused_adam``, ``fused_sgd``, ``fused_adagrad`` and ``fused_lamb`` compute what ``jmp.optim.torch_rules``'
-optax chains for ``torch.optim.Adam`` / ``AdamW``, ``SGD``, ``Adagrad`` and apex's ``FusedLAMB``
-(``smp.optimizers``) compute, in the same order of operations, and keep the chains' own state, tree for tree
-(torch-format state dicts and checkpoints are the same on both paths). The tensors of each dtype go through
-one ``pallas_call`` (see ``jmp.optim.kernels.multi_tensor``), which reads gradient, parameter and state and writes
-the update and the new state in place. Like any optax transformation, the result is an update to add with
-``optax.apply_updates``.
-
-``update`` also takes what a mixed-precision step needs done in the same pass (optax's extra arguments, passed
-by ``DistributedOptimizer``; other transformations ignore them):
-
-- ``grad_scale``: the gradients are cast to float32 and multiplied by it in the kernel (``1 / loss scale``:
-  the gradients come as the backward left them, fp16 or bf16 included, and no unscaled copy is written);
-- ``grad_divisor``: then divided by it (clipping by a global norm computed beforehand, as apex LAMB clips);
-- ``skip``: a device bool; when true (an overflow step) the parameters and this transformation's state are
-  kept, as torch's fused optimizers do with ``found_inf``;
-- ``return_params``: the result is the new parameters, written over the old in place, not an update to add
-  (one pass over the parameters instead of two).
-
-``interpret=True`` runs the kernels in Pallas' interpret mode: on a CPU (which Pallas does not compile for)
-they then give the compiled kernels' numbers, slowly; this is how the tests check them without a GPU.
+chains compute, in the same order, with the chains' own state tree; one ``pallas_call`` per dtype
+(``multi_tensor``) updates in place. ``update`` also takes, as extra arguments: ``grad_scale`` (gradients cast
+to float32 and multiplied by it), ``grad_divisor`` (then divided by it), ``skip`` (a device bool: keep
+parameters and state) and ``return_params`` (return the new parameters instead of an update). ``interpret=True``
+runs Pallas' interpret mode, which gives the compiled numbers on a CPU.
 """
 
 from __future__ import annotations
@@ -207,11 +192,7 @@ def _adam_step(decoupled: bool, maximize: bool):
 def fused_adam(
     lr, beta1, beta2, eps, weight_decay, *, amsgrad=False, maximize=False, decoupled=False, interpret=False
 ) -> optax.GradientTransformationExtraArgs:
-    """torch's ``Adam`` (``decoupled=True``: ``AdamW``) in one kernel per dtype.
-
-    Its state is the optax chain's (``jmp.optim.torch_rules.adam`` / ``adamw``), tree for tree, so a checkpoint
-    of either path resumes on the other.
-    """
+    """torch's ``Adam`` (``decoupled=True``: ``AdamW``) in one kernel per dtype, with the optax chain's state tree."""
     if amsgrad:
         raise ValueError("fused_adam has no AMSGrad; use jmp.optim.torch_rules.adam(..., amsgrad=True)")
     chain = (torch_optimizers.adamw if decoupled else torch_optimizers.adam)(
