@@ -1,9 +1,6 @@
 """Activation checkpointing and offloading: ``jax.checkpoint`` around converted modules.
 
-- ``policies``: what a checkpointed module keeps for the backward pass (presets -> ``jax.checkpoint_policies``);
-- ``strategies``: how the layers of a container are grouped into checkpoints;
-- ``context``: which model a step is tracing, and the converted twin each torch module's calls reach;
-- ``region``: one ``jax.checkpoint`` around a run of converted modules, their state threaded through;
-- ``groups``: the call hook that runs an annotated container's layers group by group;
-- ``api``: the smp functions (``checkpoint``, ``checkpoint_sequential``, ``set_activation_checkpointing``).
+``policies`` (what a checkpoint keeps), ``strategies`` (how a container's layers are grouped), ``context``
+(the model a step traces and its twins), ``region`` (one ``jax.checkpoint``), ``groups`` (running a container
+group by group) and ``api`` (the smp functions).
 """
