@@ -1,13 +1,7 @@
-"""Preemption: a SIGTERM (a spot reclaim, a node replacement, a launcher passing one on) ends the run at a step
-boundary with a checkpoint, instead of losing the steps since the last one.
+"""Preemption: a SIGTERM ends the run at a step boundary with a checkpoint.
 
-With ``JMP_PREEMPTION_CHECKPOINT_DIR`` set (``python -m jmp.launch --preemption-checkpoint-dir DIR`` sets it),
-a process that gets SIGTERM finishes its step and goes on until every process reaches the same step boundary
-(JAX's preemption sync point, ``multihost_utils.reached_preemption_sync_point``: SIGTERM to one process is
-enough); there all of them save the stepping optimizer's model and state as partial checkpoint ``preempted`` in
-DIR (``newest`` names it), wait for the write, and exit 0. A restarted script's ``smp.resume_from_checkpoint(DIR)``
-continues from it. Its ``user_content`` is what the function given to ``smp.set_preemption_user_content``
-returns at that moment (the script's step, data position, LR scheduler), else None.
+With ``JMP_PREEMPTION_CHECKPOINT_DIR`` set, every process reaches JAX's preemption sync point, saves partial
+checkpoint ``preempted`` there (with ``smp.set_preemption_user_content``'s content), waits, and exits 0.
 """
 
 from __future__ import annotations

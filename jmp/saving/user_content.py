@@ -1,13 +1,8 @@
 """``save_checkpoint``'s ``user_content``: pickled as SMP does, loaded back without running arbitrary code.
 
-SMP pickles ``user_content`` whole, and scripts store more than plain data in it: numpy scalars (a parameter
-count from ``np.prod``), a Hugging Face ``PretrainedConfig``, ``argparse.Namespace``. Here it is written by
-``torch.save`` and read by ``torch.load(weights_only=True)`` with exactly these classes allowed besides torch's
-own: numpy's scalars, arrays and dtypes, Hugging Face configs and ``argparse.Namespace`` (their unpickling sets
-attributes and runs none of the checkpoint's code), and whatever the user allowed with
-``torch.serialization.add_safe_globals``. The classes allowed on load are those the pickle names *and* this
-rule admits, so a checkpoint naming another class cannot make a resume run it. Anything else is refused when
-saving, naming the class and how to allow it, not discovered when resuming.
+Written by ``torch.save`` and read with ``weights_only=True``, allowing besides torch's own only numpy scalars,
+arrays and dtypes, Hugging Face configs, ``argparse.Namespace`` and the user's ``add_safe_globals``. Anything
+else is refused when saving, naming the class and how to allow it.
 """
 
 from __future__ import annotations
