@@ -1,12 +1,8 @@
-"""Hugging Face ``generate()`` on a ``DistributedModel``: the wrapped module's own generation loop (search,
-sampling, logits processors, stopping criteria), its forward calls run by jmp.
+"""Hugging Face ``generate()`` on a ``DistributedModel``: the module's own loop, its forwards run by jmp.
 
-Each forward is a model call under ``torch.no_grad()`` outside a step function (``recording``): a forward-only
-program, cached by its inputs' shapes. A key/value cache cannot cross the compiled forward (a step's cache is in
-microbatch pieces on the devices, and each call would bake a new cache object into a new program), so generation
-runs without one: every new token runs the forward on the whole sequence so far, which computes the same tokens.
-A generation of N tokens from a prompt of length L runs programs for the lengths L .. L+N-1: N programs the first
-time, none for a later generation over the same lengths (and batch size).
+Each forward is a forward-only program cached by input shapes. A key/value cache cannot cross the compiled
+forward, so every new token runs the whole sequence so far (the same tokens): N new tokens compile N programs
+once.
 """
 
 from __future__ import annotations

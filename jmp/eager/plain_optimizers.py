@@ -1,17 +1,8 @@
-"""A plain torch optimizer built on a ``DistributedModel``'s parameters (``torch.optim.AdamW(model.parameters())``,
-never wrapped) becomes a ``DistributedOptimizer`` at its first ``step()``.
+"""A plain torch optimizer on a ``DistributedModel``'s parameters becomes a ``DistributedOptimizer`` at its first step.
 
-A step's gradients are on the devices (``param.grad`` reads them lazily, ``jmp.wrapped_model.param_grads``);
-torch's own ``step()`` would update the host's copies of the parameters, not the model. A global optimizer step
-pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``, installed by the first implicit step) wraps
-such an optimizer in ``smp.DistributedOptimizer`` and runs the wrapper's step before each of torch's, which then
-finds no ``param.grad`` (a post-hook puts them back) and changes nothing; the object's ``zero_grad``,
-``state_dict`` and ``load_state_dict`` become the wrapper's. The loop keeps calling the object it holds, and LR
-schedulers keep wrapping its ``step`` and writing its ``param_groups``, which the wrapper reads at every step.
-It says so once, at INFO.
-
-A state loaded before the first ``step()`` (``optimizer.load_state_dict(saved)`` when a loop resumes) is torch's
-own ``optimizer.state`` until then: the wrapper takes it over at the first ``step()``, before its update.
+Torch's ``step()`` would update host copies, not the model. A global step pre-hook wraps the optimizer and runs
+the wrapper's step before torch's (which then sees no ``param.grad`` and changes nothing); ``zero_grad`` and the
+state-dict methods become the wrapper's, and a state loaded before the first step is taken over then.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""An implicit step: a ``DistributedModel`` called outside a step function, the torch calls made on its outputs,
-and the ``backward()`` that runs them all as one compiled step.
+"""An implicit step: a ``DistributedModel`` called outside a step function, the torch calls on its outputs, and the
+``backward()`` that runs them all as one compiled step.
 
-The recording keeps what the loop did as a ``Plan`` (hashable: the program cache's key, so the second iteration
-of a loop reuses the first one's program), and the real tensors it read (the model's inputs, labels a loss
-takes) as the step's inputs: those with the batch's rows are split into microbatches as ``@smp.step`` splits
-them, the others are given whole. ``backward()`` runs ``implicit_step`` (forward, the recorded calls,
-``model.backward(loss)``): gradients accumulate in the model as a step function's do, until
-``optimizer.zero_grad()``. Every value of the recording still referenced then comes back (as
-``StepOutput.as_tensor()`` gives it: a scalar is the mean over microbatches, a batch is joined in order).
-A call recorded inside a ``torch.autocast`` region is replayed inside the same region in the step, as the calls
-of a step function written inside one run.
+The recording's ``Plan`` is hashable (the program cache's key); the real tensors it read are the step's inputs,
+those with the batch's rows split into microbatches. Gradients accumulate until ``zero_grad()``; values still
+referenced come back as ``StepOutput.as_tensor()`` gives them; autocast regions are replayed.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Convert the seed's GroupedNet to Flax NNX, check it against PyTorch, and train it in JAX.
+"""Convert the seed's GroupedNet to Flax NNX, check it against PyTorch, train it in JAX and export it back.
 
-    python -m jmp.examples.bridge_demo [--epochs 3]
-
-1. Parity: the converted model's outputs and gradients equal PyTorch's.
-2. Lock-step: five SGD steps in PyTorch and in JAX give the same losses.
-3. Training: Adadelta (lr 4.0, as in the seed script) with dropout, on the
-   embedded digits dataset, compiled into one XLA program per step.
-4. Export: the trained weights load back into the torch model, which then
-   scores the same held-out accuracy.
+Run: ``python -m jmp.examples.bridge_demo [--epochs 3]``.
 """
 
 from __future__ import annotations
