@@ -1,10 +1,4 @@
-"""The layout of a split input: its batch axis over the data axes, its sequence over "cp" where it divides.
-
-Context parallelism (a "cp" mesh axis) splits the sequence: the dimension right after the batch axis of every
-split input (``input_ids``, ``attention_mask``, ``labels``, ``position_ids`` as ``[batch, sequence]``) is sharded
-over "cp" when its size divides by the degree, as SMP v2 gives each context-parallel rank a slice of every
-sequence. Other inputs keep that dimension whole.
-"""
+"""The layout of a split input: its batch over the data axes, its sequence (next dimension) over "cp" if it divides."""
 
 from __future__ import annotations
 
