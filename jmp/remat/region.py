@@ -176,8 +176,7 @@ _reduced_before_earlier_layers.defvjp(_tie_forward, _tie_backward)
 
 
 def _unit_name(path: tuple, paths: list[str]) -> str:
-    """The torch name of a leaf of the (units, random stream) state: its path starts with 0 (the units), then
-    the unit's index."""
+    """The torch name of a leaf of the (units, random stream) state (its path: 0, the unit's index, ...)."""
     keys = [k for k in path if isinstance(k, jax.tree_util.DictKey)]
     return ".".join(filter(None, [paths[keys[1].key], torch_name(tuple(keys[2:]))]))
 

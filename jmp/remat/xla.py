@@ -17,8 +17,7 @@ _FP8_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 
 
 def compiler_options(platform: str, fp8: bool = False) -> dict[str, str | bool] | None:
-    """Options for ``jax.jit(..., compiler_options=...)`` of a step program on devices of ``platform``, one that
-    multiplies in fp8 when ``fp8``."""
+    """Options for ``jax.jit(..., compiler_options=...)`` of a step program on ``platform`` (in fp8: ``fp8``)."""
     if platform == "cpu":
         return {**_KEEP_BARRIERS, **_YNNPACK_WITHOUT_CONVOLUTIONS}
     if platform == "gpu" and fp8:

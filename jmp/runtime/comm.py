@@ -121,8 +121,7 @@ def send(obj: Any, dest_rank: int, rank_type: RankType) -> None:
 
 
 def recv_from(src_rank: int, rank_type: RankType) -> Any:
-    """The next object that the process whose rank in ``rank_type``'s group is ``src_rank`` sent this process,
-    by ``send`` or ``broadcast``; waits for it up to ``JMP_COMM_TIMEOUT`` seconds."""
+    """The next object process ``src_rank`` of ``rank_type``'s group sent (waits up to ``JMP_COMM_TIMEOUT`` s)."""
     source = _process_of(src_rank, rank_type, "src_rank")
     me = jax.process_index()
     call = f"smp.recv_from({src_rank}, {rank_type.name})"
@@ -170,8 +169,7 @@ def _group(group: Any) -> CommGroup:
 
 
 def _members(group: CommGroup) -> list[int]:
-    """The process indices of this process's ``group``, in group-rank order (``smp.init`` must have run: it
-    starts the multi-process runtime, which asking JAX for processes before would prevent)."""
+    """The process indices of this process's ``group``, in group-rank order (after ``smp.init``)."""
     return state.group_members(group.name)
 
 

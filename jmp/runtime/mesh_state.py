@@ -154,8 +154,7 @@ step_boundary.after_each_step(programs_in_flight.admit_update)
 
 
 def _check_sequences_within_processes(mesh: Mesh, degree: int) -> None:
-    """Each process passes whole sequences for its rows: the devices a sequence is split over ("cp") must be
-    devices of one process."""
+    """The devices a sequence is split over ("cp") must be one process's: each process passes whole sequences."""
     cp = mesh.axis_names.index(CONTEXT_AXIS)
     groups = np.moveaxis(mesh.devices, cp, -1).reshape(-1, degree)
     if any(len({device.process_index for device in group}) > 1 for group in groups):
@@ -266,8 +265,7 @@ def _exit_without_collecting() -> None:
 
 
 def check_same_on_every_process(what: str, description: str) -> None:
-    """Raise on every process when ``description`` (of the config, of a model) differs between processes,
-    instead of letting them run different programs and hang."""
+    """Raise on every process when ``description`` (of the config, a model) differs between processes, not hang."""
     if jax.process_count() == 1:
         return
     digest = np.uint32(zlib.crc32(description.encode()))
@@ -370,8 +368,7 @@ def local_size() -> int:
 
 
 def dp_rank() -> int:
-    """This process's rank among the processes holding the same pipeline stage (SMP's data-parallel group:
-    its tensor-parallel peers too, as in SMP, where a tensor-parallel group is a subset of it)."""
+    """This process's rank among those holding its pipeline stage (SMP's data-parallel group, tp peers included)."""
     return _process_group(DATA_AXES + ("tp",))[0]
 
 
@@ -381,8 +378,7 @@ def dp_size() -> int:
 
 
 def rdp_rank() -> int:
-    """The reduced-data-parallel rank: this process's rank among those holding the same model slice (the same
-    pipeline stage and tensor-parallel slice)."""
+    """This process's rank among those holding the same model slice (pipeline stage and tensor-parallel slice)."""
     return _process_group(DATA_AXES)[0]
 
 
@@ -404,8 +400,7 @@ def feeding_share() -> tuple[int, int]:
 
 
 def tp_rank() -> int:
-    """This process's rank among processes holding different tensor-parallel slices (0 when one process
-    holds all of a layer's slices)."""
+    """This process's rank among those holding different tensor-parallel slices (0 if one holds them all)."""
     return _process_group(("tp",))[0]
 
 
@@ -415,8 +410,7 @@ def tp_size() -> int:
 
 
 def pp_rank() -> int:
-    """This process's rank among processes holding different pipeline stages (0 when one process holds
-    every stage)."""
+    """This process's rank among those holding different pipeline stages (0 if one holds every stage)."""
     return _process_group(("pp",))[0]
 
 

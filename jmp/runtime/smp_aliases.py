@@ -49,8 +49,7 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class SmpAliasFinder(importlib.abc.MetaPathFinder):
-    """Finds ``smdistributed.modelparallel.torch.X`` as ``jmp.X`` and ``torch.sagemaker[.X]`` as ``jmp.tsm[.X]``
-    (and nothing else)."""
+    """Finds ``smdistributed.modelparallel.torch.X`` as ``jmp.X`` and ``torch.sagemaker[.X]`` as ``jmp.tsm[.X]``."""
 
     def find_spec(self, fullname: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
         name = jmp_name(fullname)

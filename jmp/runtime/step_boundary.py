@@ -28,8 +28,7 @@ def step_ended(optimizer: Any) -> None:
 
 
 def report_progress(environment: Mapping[str, str] = os.environ) -> bool:
-    """With ``JMP_PROGRESS_FILE`` in ``environment``: touch it after each step and dump the stacks on SIGUSR1.
-    Returns whether it was set."""
+    """With ``JMP_PROGRESS_FILE``: touch it after each step, dump stacks on SIGUSR1; returns whether it was set."""
     path = environment.get(PROGRESS_FILE)
     if not path:
         return False

@@ -230,8 +230,7 @@ def _the_model(given: DistributedModel | None) -> DistributedModel:
 
 
 def _matching(current: dict[str, Any], saved: dict[str, dict], prefixes: tuple[str, ...], strict: bool) -> dict:
-    """The current arrays the checkpoint has values for; an error for shapes that differ, and (strict) for
-    keys on one side only."""
+    """The current arrays the checkpoint has values for; an error for other shapes and (``strict``) one-sided keys."""
     in_checkpoint = {k for k in saved if k.startswith(tuple(p + "/" for p in prefixes)) or k in prefixes}
     missing = sorted(set(current) - in_checkpoint)
     unexpected = sorted(in_checkpoint - set(current))

@@ -57,8 +57,7 @@ def save(
     user_content: Any,
     keep: int | None,
 ) -> None:
-    """Start writing ``<root>/<tag>_partial``; ``newest`` points at it (and older ones beyond ``keep`` are
-    deleted) once it is complete."""
+    """Start writing ``<root>/<tag>_partial``; once complete, ``newest`` names it and those beyond ``keep`` go."""
     global _pending
     blob = np.frombuffer(user_content_file.to_bytes(user_content), np.uint8)
     wait_for_saves()

@@ -33,8 +33,7 @@ _handler_installed = False
 
 
 def set_preemption_user_content(user_content: Callable[[], Any] | None) -> None:
-    """Give the function whose result is saved as ``user_content`` with a preemption checkpoint; it is called
-    after the step that ends the run (None: no user content)."""
+    """Set the function whose result a preemption checkpoint saves as ``user_content`` (None: none)."""
     global _user_content
     if user_content is not None and not callable(user_content):
         raise ArgumentTypeError(

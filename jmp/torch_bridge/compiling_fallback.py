@@ -25,8 +25,7 @@ from jmp.torch_bridge.tensor import JaxTensor, contains_tensor
 
 
 def run(path: str, forward: Callable[..., Any], rngs: nnx.Rngs | None, args: tuple, kwargs: dict) -> Any:
-    """``forward(written, *args, **kwargs)`` (``written``: a set the ids of the state variables it wrote go to);
-    if it raises while compiling is reported, again as not compiling, the random stream ``rngs`` rewound."""
+    """``forward(written, *args, **kwargs)``, rerun as not compiling (``rngs`` rewound) if it raised while compiling."""
     if not torch.compiler._is_compiling_flag:
         return forward(set(), *args, **kwargs)
     random_state = nnx.state(rngs) if rngs is not None else None

@@ -51,8 +51,7 @@ class DeviceValue(torch.Tensor):
 
 
 class DeviceArray(DeviceValue):
-    """A JAX array as a torch tensor, copied to the host at its first read (gathered across processes then:
-    a collective every process must make)."""
+    """A JAX array as a torch tensor, copied to the host (gathered across processes: a collective) at its first read."""
 
     @staticmethod
     def __new__(cls, array: jax.Array):

@@ -39,8 +39,7 @@ FUNCTIONS: dict[str, Callable] = _load()
 
 
 def replacements(route: Callable[[Callable], Callable]) -> list[tuple[Any, str, Any]]:
-    """(target, name, router) for every place torch offers a higher-order op under: its defining module,
-    ``torch._higher_order_ops`` and ``torch`` itself (``torch.cond``). ``route(original)`` makes the router."""
+    """(target, name, router) for every place torch offers a higher-order op; ``route(original)`` makes the router."""
     package = importlib.import_module("torch._higher_order_ops")
     triples = []
     for module_name, name in _DEFINED_IN:

@@ -27,8 +27,7 @@ T = torch.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class Copies:
-    """The copies of the parameters a trace reads: ``copies[id(parameter)]`` is [replicas, *shape], split over
-    ``axes`` of ``mesh``."""
+    """The copies of the parameters a trace reads: ``copies[id(parameter)]``, [replicas, *shape] split over ``axes``."""
 
     copies: dict[int, jax.Array]
     held: tuple[jax.Array, ...]  # the parameters themselves, so that their ids stay theirs meanwhile
@@ -59,8 +58,7 @@ def reading(
 
 @contextlib.contextmanager
 def bound(parameters: Sequence[jax.Array], copies: Sequence[jax.Array | None]) -> Iterator[None]:
-    """Within the block ``parameters`` (a scanned layer's, as the scan's body takes them) read ``copies`` (None:
-    that parameter has none)."""
+    """Within the block ``parameters`` (a scanned layer's, as its scan body takes them) read ``copies`` (None: none)."""
     table = _COPIES.get()
     if table is None:
         yield
@@ -88,8 +86,7 @@ def maximum_copies(values: Sequence[jax.Array]) -> Iterator[None]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def copied_for_maximum(value: jax.Array, replicas: int, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
-    """[replicas, *shape]: ``value`` once per replica (laid out as ``sharding``), the copies' cotangents combined by
-    their maximum."""
+    """``value`` once per replica ([replicas, *shape], laid out as ``sharding``); cotangents combine by maximum."""
     copies = jax.numpy.broadcast_to(value[None], (replicas, *value.shape))
     return copies if sharding is None else jax.lax.with_sharding_constraint(copies, sharding)
 
@@ -106,8 +103,7 @@ copied_for_maximum.defvjp(_copied_forward, _copied_backward)
 
 
 def rebound(outer: Sequence[jax.Array], inner: Sequence[jax.Array]) -> contextlib.AbstractContextManager:
-    """Within the block ``inner``, the parameters ``outer`` as a traced sub-function (an activation checkpoint) takes
-    them, read the copies of ``outer``."""
+    """Within the block, ``inner`` (``outer`` as a traced sub-function takes them) read the copies of ``outer``."""
     return bound(inner, copies_of(outer))
 
 
@@ -139,8 +135,7 @@ def _all_dims(args, kwargs) -> Rows:
 
 
 def _leading(args, kwargs) -> Rows:
-    """``Linear`` / ``matmul``: every dimension of an input with at least two but its last (a vector's entries are
-    its features)."""
+    """``Linear`` / ``matmul``: every dimension but the last of an input with at least two (the last is features)."""
     if _ndim(args[0]) < 2 or (len(args) > 1 and _ndim(args[1]) > 2):
         return None
     return 0, tuple(range(_ndim(args[0]) - 1))

@@ -96,8 +96,7 @@ def combine_all(a: SideOutputs, b: SideOutputs) -> SideOutputs:
 
 
 def identity(shapes: SideOutputs) -> SideOutputs:
-    """Side outputs like ``shapes`` (values may be ``jax.ShapeDtypeStruct``) holding each reduction's identity:
-    the start of an accumulation over microbatches."""
+    """Side outputs like ``shapes`` (values may be ``jax.ShapeDtypeStruct``) holding each reduction's identity."""
     return {name: Sown(_REDUCTIONS[s.reduce][1](s.value), s.reduce, s.report) for name, s in shapes.items()}
 
 

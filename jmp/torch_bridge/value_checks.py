@@ -20,8 +20,7 @@ class FailedValueCheck(ValueError):
 
 
 def raising_branch(frame: types.FrameType | None) -> ast.If | ast.Assert | None:
-    """The ``if`` statement the frame is testing, when its body only raises, or the ``assert`` statement it
-    is testing; else None."""
+    """The ``if`` being tested when its body only raises, or the ``assert`` being tested; else None."""
     if frame is None:
         return None
     tree = _parsed(frame.f_code.co_filename)

@@ -1,5 +1,4 @@
-"""nn.MultiheadAttention: its parameters through ``F.multi_head_attention_forward``'s formula
-(``lowering/multi_head_attention.py``), with dropout from the layer's own random stream."""
+"""nn.MultiheadAttention through ``F.multi_head_attention_forward``'s lowering, dropout from its own random stream."""
 
 from __future__ import annotations
 

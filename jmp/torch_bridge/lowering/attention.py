@@ -59,8 +59,7 @@ def requested_implementation() -> str | None:
 
 
 def traced_platform() -> str:
-    """The platform the computation being traced runs on: the mesh's devices where one is set, else JAX's
-    default backend (where jmp's mesh lives)."""
+    """The platform being traced for: the mesh's devices where one is set, else JAX's default backend."""
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     return device.platform if device is not None else jax.default_backend()
 
@@ -238,8 +237,7 @@ def _cudnn_if_causal(attend, q, k, v, mask):
 
 
 def _or_xla(cudnn, xla):
-    """``cudnn()``, or ``xla()`` where JAX refuses cuDNN for a reason the choice did not foresee (a newer JAX's
-    conditions, a cuDNN too old for the device): the same attention either way."""
+    """``cudnn()``, or ``xla()`` (the same attention) where JAX refuses cuDNN for a reason not foreseen here."""
     try:
         return cudnn()
     except (NotImplementedError, RuntimeError, ValueError) as error:

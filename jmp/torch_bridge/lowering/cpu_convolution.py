@@ -22,8 +22,7 @@ PIECE_BYTES = 8 * 2**20
 
 
 def conv_general_dilated(lhs, rhs, *, dimension_numbers, **params):
-    """``lax.conv_general_dilated`` (explicit padding, no group batching) whose forward and
-    backward convolutions all run in XLA:CPU's canonical layout."""
+    """``lax.conv_general_dilated`` (explicit padding, no group batching), every convolution in canonical layout."""
     numbers = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
     options = tuple(sorted((k, _hashable(v)) for k, v in params.items()))
     return _canonical_conv(lhs, rhs, numbers, options)

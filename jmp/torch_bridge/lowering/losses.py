@@ -235,8 +235,7 @@ _CTC_LOG_EPSILON = -1e5  # optax's stand-in for log(0); an alignment-free sequen
 
 @register_lowering(F.ctc_loss, torch.ctc_loss, raw=True)
 def ctc_loss_of_tensors(log_probs, targets, *args, **kwargs):
-    """``ctc_loss`` on the bridge's tensors: concatenated ``targets`` may be ``masked_select``'s padded
-    selection under ``jit`` (the rows are cut by ``target_lengths``, so the padding is never read)."""
+    """``ctc_loss`` on the bridge's tensors, taking ``masked_select``'s padded selection as concatenated ``targets``."""
     return ctc_loss(unwrap(log_probs), selected_or_array(targets), *unwrap_tree(args), **unwrap_tree(kwargs))
 
 
