@@ -211,8 +211,7 @@ def _replicated() -> NamedSharding:
 
 
 def _distributed(optimizer: Any) -> DistributedOptimizer:
-    """The ``DistributedOptimizer`` that ``optimizer`` is, or that a plain torch optimizer on a model's parameters
-    stands for (a loop without a step function leaves its optimizer unwrapped: ``jmp.eager.plain_optimizers``)."""
+    """The ``DistributedOptimizer`` that ``optimizer`` is, or that a plain torch optimizer stands for."""
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -17,8 +17,7 @@ __all__ = ["LazyTensor", "Recording", "call_outside_step"]
 
 
 def call_outside_step(model: DistributedModel, args: tuple, kwargs: dict) -> Any:
-    """``model(*args, **kwargs)`` outside a step function: a recording's values, or (gradients off) the
-    outputs of a forward run at once, as torch tensors."""
+    """``model(*args, **kwargs)`` outside a step: a recording's values, or (gradients off) a forward's outputs."""
     return Recording(model, args, kwargs).returned
 
 

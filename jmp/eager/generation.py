@@ -45,8 +45,7 @@ def _is_hugging_face_generator(module: Any) -> bool:
 
 
 def run_generate(model: Any, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """``method(*args, **kwargs)`` (the module's bound ``generate``) with the module's forward routed to
-    ``model``'s and no key/value cache."""
+    """``method(*args, **kwargs)`` (the module's ``generate``), its forward routed to ``model``'s, no cache."""
     if kwargs.get("past_key_values") is not None:
         raise StepError(
             "DistributedModel.generate(past_key_values=...): a key/value cache cannot enter jmp's compiled forward; "

@@ -76,8 +76,7 @@ class LazyTensor(torch.Tensor):
 
 
 def _autograd_backward_arguments(tensors: Any, grad_tensors: Any = None, *rest: Any, **options: Any) -> tuple:
-    """(tensor, gradient) of ``torch.autograd.backward(tensors, grad_tensors)`` with one tensor, as
-    ``Tensor.backward`` takes them."""
+    """(tensor, gradient) of a one-tensor ``torch.autograd.backward(tensors, grad_tensors)``."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     grads = [grad_tensors] if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
     if len(tensors) != 1:

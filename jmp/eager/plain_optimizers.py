@@ -71,8 +71,7 @@ def _show_grads_again(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
 
 
 def _take_over_loaded_state(optimizer: torch.optim.Optimizer, distributed: DistributedOptimizer) -> None:
-    """Move what torch's ``load_state_dict`` put in ``optimizer.state`` before the first ``step()`` to the devices
-    (the wrapper's load empties torch's copy)."""
+    """Move what torch's ``load_state_dict`` put in ``optimizer.state`` before the first ``step()`` to the devices."""
     loaded = torch.optim.Optimizer.state_dict(optimizer)  # torch's own: state_dict is the wrapper's now
     if not loaded["state"]:
         return

@@ -62,8 +62,7 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What an implicit step computes: the model call, the calls on its values, what it differentiates and
-    what it returns (``keep``; ``None``: the model call's own result)."""
+    """What an implicit step computes: the model call, the calls on its values, what it differentiates and ``keep``s."""
 
     model_call: Call
     calls: tuple[Call, ...]
@@ -75,8 +74,7 @@ class Plan:
 
 @step(non_split_inputs=["whole"])
 def implicit_step(model, batch: list, whole: list, plan: Plan):
-    """The recorded loop as a step function: ``batch`` the tensors split into microbatches, ``whole`` those
-    given whole (``plan`` is a compile-time constant)."""
+    """The recorded loop as a step function: ``batch`` split into microbatches, ``whole`` given whole."""
     pieces, wholes = iter(batch), iter(whole)
     inputs = [next(pieces) if is_split else next(wholes) for is_split in plan.split]
     values: dict[int, Any] = {}
@@ -115,8 +113,7 @@ def _resolve(leaf: Any, inputs: list, values: dict) -> Any:
 
 
 class Recording:
-    """One implicit step being recorded (see the module docstring); with gradients off, a forward run at once.
-    ``returned`` is what the model call returns."""
+    """One implicit step being recorded (with gradients off, a forward run at once); ``returned``: the call's result."""
 
     def __init__(self, model: Any, args: tuple, kwargs: dict):
         plain_optimizers.install()

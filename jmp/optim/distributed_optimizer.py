@@ -146,8 +146,7 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
         return self._state_shardings
 
     def parameters_moved(self) -> None:
-        """Called by the model when a pipelined model moves its parameters into the stages' buffers (first step):
-        the state moves with them (a loaded or resumed state survives)."""
+        """Called when a pipelined model moves its parameters into the stages' buffers: the state moves with them."""
         arrays = portable_state.optimizer_arrays(self)
         self._build()
         self.opt_state, self.scale_state = portable_state.optimizer_state_from(self, arrays)
@@ -195,8 +194,7 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
         step_boundary.step_ended(self)
 
     def update_master_grads(self) -> None:
-        """SMP's fp16 call between backward and step: here it only checks the gradients for inf/nan
-        (``overflow`` then answers before ``step()``); the unscaling into float32 happens inside the update."""
+        """SMP's fp16 call between backward and step: checks for inf/nan gradients (``overflow``)."""
         grads, _ = self.model.training_state.kept_grads()  # a pending clipping factor keeps them finite or not
         if grads is not None and self.scaling.kind == "dynamic":
             self._found_inf = update_steps.has_inf(grads)

@@ -35,8 +35,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> torch.Tensor:
-    """torch's ``clip_grad_norm_``: scale the gradients so that their total norm is at most ``max_norm``;
-    returns the total norm before clipping."""
+    """torch's ``clip_grad_norm_``: scale the gradients to a total norm of at most ``max_norm``; the norm before."""
     tensors = _listed(parameters)
     owner = _owner(tensors, "clip_grad_norm_")
     if owner is None:

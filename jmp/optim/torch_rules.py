@@ -185,8 +185,7 @@ def apex_adam(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correcti
 
 
 def lamb(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correction, grad_averaging, use_nvlamb):
-    """apex's ``FusedLAMB`` per param group (its global gradient clipping comes first, over all groups:
-    ``apex_clip_divisor``)."""
+    """apex's ``FusedLAMB`` per param group (its global clipping over all groups is ``apex_clip_divisor``)."""
     return _steps(
         None if adam_w_mode else optax.add_decayed_weights(weight_decay),
         apex_moments(beta1, beta2, eps, bias_correction=bias_correction, grad_averaging=grad_averaging),

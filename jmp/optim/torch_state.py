@@ -122,8 +122,7 @@ class TorchStateAdapter:
         return saved
 
     def from_torch(self, opt_state: Any, state_dict: dict) -> Any:
-        """``opt_state`` holding ``state_dict``'s; the torch optimizer takes its ``param_groups``, the model its
-        float32 masters."""
+        """``opt_state`` holding ``state_dict``'s (``param_groups`` to the torch optimizer, masters to the model)."""
         if self.torch_optimizer is None:
             return jax.tree.map(
                 lambda old, new: jax.device_put(jnp.asarray(new, old.dtype), old.sharding),

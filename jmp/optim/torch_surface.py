@@ -44,8 +44,7 @@ class TorchOptimizerSurface:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | optax.GradientTransformation:
-        """The wrapped optimizer (SMP's ``DistributedOptimizer.optimizer``): the torch optimizer, or the optax
-        transformation given."""
+        """The wrapped optimizer (SMP's ``DistributedOptimizer.optimizer``): torch's, or the optax transformation."""
         return self.torch_optimizer if self.torch_optimizer is not None else self._optax
 
     @property

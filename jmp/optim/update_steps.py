@@ -26,8 +26,7 @@ def torch_clip_factor(norm: jax.Array, max_norm: float | jax.Array) -> jax.Array
 
 
 def torch_norm_and_factor(grads: Any, max_norm: float | jax.Array, inv_scale: jax.Array) -> tuple[jax.Array, Any]:
-    """(norm, factor): the global 2-norm of the gradients multiplied by ``inv_scale`` (unscaled, in float32), and
-    torch's clipping factor for it."""
+    """(norm, factor): the global 2-norm of the gradients times ``inv_scale`` (float32), and torch's clipping factor."""
     norm = optax.global_norm(loss_scaling.unscaled(grads, inv_scale))
     return norm, torch_clip_factor(norm, max_norm)
 
@@ -50,8 +49,7 @@ def reported_norm_and_factor(
 
 
 def prepared(grads: Any, grad_scale: jax.Array, grad_divisor: jax.Array | None = None) -> Any:
-    """The gradients as the optimizer's rule takes them: float32, multiplied by ``grad_scale``, divided by
-    ``grad_divisor`` (None: not divided)."""
+    """The gradients as the rule takes them: float32, times ``grad_scale``, over ``grad_divisor`` (if given)."""
     grads = loss_scaling.unscaled(grads, grad_scale)
     if grad_divisor is None:
         return grads

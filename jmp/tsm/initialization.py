@@ -82,8 +82,7 @@ def pending_value(key: str) -> Any:
 
 
 def assign_degree(key: str, value: int) -> None:
-    """``tsm.state.<key> = value`` for one of ``DEGREES``: kept for the next ``tsm.init`` before it, else the mesh
-    is built again with it."""
+    """``tsm.state.<key> = value`` for a ``DEGREES`` key: kept for the next ``tsm.init``, or the mesh rebuilt."""
     parse({key: value}, f"tsm.state.{key}")
     run = current_run()
     if run is not None:

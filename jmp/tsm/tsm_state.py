@@ -50,8 +50,7 @@ class Ranker:
         return [list(group) for group in process_groups.partition_of(mesh, ("dp",))]
 
     def get_rep_rank(self, rank: int | None = None) -> int:
-        """``rank``'s index in its replication group (default: this process's); 0 on the first replica, the one
-        that writes sharded checkpoints."""
+        """``rank``'s index in its replication group (default: this process's); 0 writes sharded checkpoints."""
         rank = jax.process_index() if rank is None else rank
         for group in self.get_rep_groups():
             if rank in group:

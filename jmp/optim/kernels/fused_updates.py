@@ -384,8 +384,7 @@ def _adagrad_step(maximize: bool):
 def fused_adagrad(
     lr, lr_decay, weight_decay, eps, *, initial_accumulator_value, maximize, interpret=False
 ) -> optax.GradientTransformationExtraArgs:
-    """torch's ``Adagrad`` (``lr_decay``, eps outside the root) in one kernel per dtype; state: the optax
-    chain's."""
+    """torch's ``Adagrad`` (``lr_decay``, eps outside the root) in one kernel per dtype; state: the optax chain's."""
     chain = torch_optimizers.adagrad(
         lr, lr_decay, weight_decay, eps, initial_accumulator_value=initial_accumulator_value, maximize=maximize
     )
