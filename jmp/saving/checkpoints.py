@@ -52,14 +52,7 @@ def save_checkpoint(
     tag = directory.check_tag(tag)
     if model is not None and not isinstance(model, DistributedModel):
         raise ArgumentTypeError(f"save_checkpoint(model=...) takes an smp.DistributedModel, not {type(model).__name__}")
-    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DistributedOptimizer):  # a loop's own
-        optimizer = plain_optimizers.distributed_optimizer_of(optimizer) or optimizer
-    if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
-        raise ArgumentTypeError(
-            f"save_checkpoint(optimizer=...) takes an smp.DistributedOptimizer, not {type(optimizer).__name__}"
-        )
-    if optimizer is not None and model is not None and optimizer.model is not model:
-        raise CheckpointError("save_checkpoint: the optimizer updates another model than the one given")
+    optimizer = _checked_optimizer(optimizer, model, "save_checkpoint")
     if model is None and optimizer is None and user_content is None:
         raise CheckpointError("save_checkpoint: nothing to save; pass model=, optimizer= and/or user_content=")
     if num_kept_partial_checkpoints is not None and (
@@ -110,16 +103,8 @@ def resume_from_checkpoint(
     root = Path(path)
     tag_given = tag
     tag = directory.resolve_tag(root, tag, partial)
-    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DistributedOptimizer):  # a loop's own
-        optimizer = plain_optimizers.distributed_optimizer_of(optimizer) or optimizer
+    optimizer = _checked_optimizer(optimizer, model, "resume_from_checkpoint")
     if optimizer is not None:
-        if not isinstance(optimizer, DistributedOptimizer):
-            raise ArgumentTypeError(
-                "resume_from_checkpoint(optimizer=...) takes an smp.DistributedOptimizer or a torch optimizer of the "
-                f"model's parameters, not {type(optimizer).__name__}"
-            )
-        if model is not None and optimizer.model is not model:
-            raise CheckpointError("resume_from_checkpoint: the optimizer updates another model than the one given")
         model = optimizer.model
     if not partial:
         model = _the_model(model)
@@ -150,6 +135,20 @@ def resume_from_checkpoint(
                 directory.partial_dir(root, before),
             )
     return _on_every_process(functools.partial(load, candidates[-1]))
+
+
+def _checked_optimizer(optimizer: Any, model: DistributedModel | None, call: str) -> DistributedOptimizer | None:
+    """``optimizer`` as a DistributedOptimizer (a loop's own torch optimizer: the one standing for it) of ``model``."""
+    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DistributedOptimizer):
+        optimizer = plain_optimizers.distributed_optimizer_of(optimizer) or optimizer
+    if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
+        raise ArgumentTypeError(
+            f"{call}(optimizer=...) takes an smp.DistributedOptimizer or a torch optimizer of the model's parameters, "
+            f"not {type(optimizer).__name__}"
+        )
+    if optimizer is not None and model is not None and optimizer.model is not model:
+        raise CheckpointError(f"{call}: the optimizer updates another model than the one given")
+    return optimizer
 
 
 def _on_every_process(load: Any) -> Any:
@@ -248,11 +247,9 @@ def _matching(current: dict[str, Any], saved: dict[str, dict], prefixes: tuple[s
         problems.append(f"in the checkpoint but not in the run: {_listed(unexpected)}")
     if problems:
         hint = "" if not strict or mismatched else "; pass strict=False to load the matching part"
+        problems_text = " | ".join(problems)
         raise CheckpointError(
-            "resume_from_checkpoint: the checkpoint was saved from another model or optimizer ("
-            + " | ".join(problems)
-            + ")"
-            + hint
+            f"resume_from_checkpoint: the checkpoint was saved from another model or optimizer ({problems_text}){hint}"
         )
     return {k: v for k, v in current.items() if k in in_checkpoint}
 

@@ -139,22 +139,17 @@ def broadcast_tensors(*tensors):
     return tuple(jnp.broadcast_arrays(*tensors))
 
 
-@register_lowering(torch.atleast_1d)
-def atleast_1d(*tensors):
-    out = jnp.atleast_1d(*_varargs(tensors))
-    return tuple(out) if isinstance(out, list) else out
+def _atleast(jnp_fn, torch_fn):
+    def lowering(*tensors):
+        out = jnp_fn(*_varargs(tensors))
+        return tuple(out) if isinstance(out, list) else out
+
+    lowering.__name__ = jnp_fn.__name__
+    register_lowering(torch_fn)(lowering)
 
 
-@register_lowering(torch.atleast_2d)
-def atleast_2d(*tensors):
-    out = jnp.atleast_2d(*_varargs(tensors))
-    return tuple(out) if isinstance(out, list) else out
-
-
-@register_lowering(torch.atleast_3d)
-def atleast_3d(*tensors):
-    out = jnp.atleast_3d(*_varargs(tensors))
-    return tuple(out) if isinstance(out, list) else out
+for _n in (1, 2, 3):
+    _atleast(getattr(jnp, f"atleast_{_n}d"), getattr(torch, f"atleast_{_n}d"))
 
 
 def _varargs(tensors):
