@@ -2,15 +2,7 @@
 
 Every SMP v1 and v2 key is accepted with SMP's meaning: ``Config``'s fields are the keys with their defaults,
 ``ALIASES`` SMP's other names. An unknown key or a bad value raises ``ConfigError`` naming the key; keys with
-no effect in jmp are logged once (``config_no_effect``). Defaults that differ from SMP's on purpose:
-
-- ``sdp_param_persistence_threshold``: 1024 elements (SMP: 10^6), so every weight matrix is split;
-- ``sharded_data_parallel_degree`` / ``hybrid_shard_degree``: 1 (SMP v2: 0, "all data-parallel devices");
-- ``sdp_gradient_clipping``: None (SMP: 1.0), clipping only when asked;
-- ``active_microbatches``: None, the schedule's own bound;
-- jmp's keys ``pipeline_recompute`` (False: a stage keeps its matmul outputs for its backward) and
-  ``reshard_after_forward`` (True: a layer's gathered weights are dropped between forward and backward);
-- ``fp16_params: True`` trains as ``fp16: True`` (float32 masters either way).
+no effect in jmp are logged once (``config_no_effect``). A default that differs from SMP's says so beside its field.
 """
 
 from __future__ import annotations
@@ -48,15 +40,15 @@ class Config:
     expert_parallel_degree: int = 1
     expert_capacity_factor: float | None = None  # jmp: None sends every token to its experts (none dropped)
     context_parallel_degree: int = 1  # v2: the mesh's "cp" axis splits each sequence (jmp.compiled_step.microbatches)
-    sharded_data_parallel_degree: int = 1  # 0: all data-parallel devices (resolved by smp.init)
+    sharded_data_parallel_degree: int = 1  # SMP v2: 0, all data-parallel devices (resolved by smp.init)
     ddp: bool = False
     placement_strategy: str = "cluster"  # or a permutation of "DPT" (last letter varies fastest)
     optimize: str = "speed"
     memory_weight: float = 0.8
     prescaled_batch: bool = False
     # sharded data parallelism
-    sdp_param_persistence_threshold: int = 1024  # elements; SMP's default is 1_000_000 (see above)
-    sdp_gradient_clipping: float | None = None  # clipped to by DistributedOptimizer.step under fsdp
+    sdp_param_persistence_threshold: int = 1024  # elements (SMP: 1_000_000): every weight matrix is split
+    sdp_gradient_clipping: float | None = None  # SMP: 1.0; given, DistributedOptimizer.step clips to it under fsdp
     sdp_reduce_bucket_size: int = 500_000_000
     sdp_max_live_parameters: int = 1_000_000_000
     sdp_hierarchical_allgather: bool = True
@@ -66,7 +58,7 @@ class Config:
     fsdp_cache_flush_warnings: bool = True  # v2
     # precision, memory, initialisation
     fp16: bool = False
-    fp16_params: bool = False  # implies fp16
+    fp16_params: bool = False  # trains as fp16 does (float32 masters either way)
     bf16: bool = False
     # FP8 Linear matmuls with Transformer Engine's DelayedScaling recipe and its defaults (jmp.precision.fp8_scaling)
     fp8: bool = False
