@@ -1,18 +1,7 @@
 """``smp.optimizers``: NVIDIA apex's fused optimizers as torch optimizers with apex's arguments and update rules.
 
 ``step()`` updates eagerly for a plain ``nn.Module``; ``smp.DistributedOptimizer`` runs the same rule compiled
-(``jmp.optim.torch_rules``; Adam and LAMB as one Pallas kernel with ``fused_optimizer: True``). LAMB and NovoGrad
-take norms per tensor, so a pipelined model (parameters packed per stage) refuses them.
-
-- ``FusedAdam``: ``adam_w_mode=True`` (the default) is ``torch.optim.AdamW``, False ``torch.optim.Adam``.
-- ``FusedLAMB`` (also ``FusedLamb``): gradients scaled to a global norm of at most ``max_grad_norm``; Adam's
-  bias-corrected direction ``m / (sqrt(v) + eps)`` (``m`` weighted 1 without ``grad_averaging``) plus
-  ``weight_decay * p`` (or L2 without ``adam_w_mode``), scaled per tensor by the trust ratio
-  ``||p|| / ||direction||`` (1 where either is 0) when the group decays weights or ``use_nvlamb``.
-- ``FusedNovoGrad``: one running gradient norm ``v`` per tensor (L2: ``sqrt(b2 v^2 + (1 - b2) ||g||^2)``;
-  ``norm_type=0``: largest magnitude; started at the first norm, or 0 with ``init_zero``), bias-corrected by
-  ``sqrt(1 - b2^t)``; step ``m / (v + eps) + weight_decay * p``, or with ``reg_inside_moment`` the moment of
-  ``g / (v + eps) + weight_decay * p``.
+(``jmp.optim.torch_rules``). LAMB and NovoGrad take norms per tensor, so a pipelined model refuses them.
 """
 
 from __future__ import annotations
@@ -94,7 +83,11 @@ class FusedAdam(_ApexOptimizer):
 
 
 class FusedLAMB(_ApexOptimizer):
-    """apex's ``FusedLAMB`` (see the module docstring for its rule)."""
+    """apex's ``FusedLAMB``: Adam's bias-corrected direction plus decay, scaled per tensor by ``||p|| / ||direction||``.
+
+    The gradients of all groups are first scaled to a global norm of at most ``max_grad_norm``; the trust ratio
+    (1 where a norm is 0) applies when the group decays weights or ``use_nvlamb``.
+    """
 
     def __init__(
         self,
@@ -142,7 +135,11 @@ FusedLamb = FusedLAMB
 
 
 class FusedNovoGrad(_ApexOptimizer):
-    """apex's ``FusedNovoGrad`` (see the module docstring for its rule)."""
+    """apex's ``FusedNovoGrad``: Adam's first moment over one running gradient norm per tensor (``_blend_norm``).
+
+    The norm starts at the first gradient's (0 with ``init_zero``) and is bias-corrected by ``sqrt(1 - b2^t)``;
+    with ``reg_inside_moment`` the moment is taken of ``g / (v + eps) + weight_decay * p`` itself.
+    """
 
     def __init__(
         self,

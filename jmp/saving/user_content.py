@@ -36,21 +36,17 @@ def to_bytes(user_content: Any, call: str = "save_checkpoint") -> bytes:
             "by running the checkpoint's code. Save its state_dict() or to_dict() instead, or, if you trust the "
             f"class, allow it before saving and before resuming: torch.serialization.add_safe_globals([{refused[0]}])"
         )
-    _loaded(data, "the checkpoint being saved", call)  # the round trip a resume will make, now
+    from_bytes(data, "the checkpoint being saved", call)  # the round trip a resume will make, now
     return data
-
-
-def from_bytes(data: bytes, where: str) -> Any:
-    """What ``to_bytes`` wrote; ``where`` names the checkpoint in errors."""
-    return _loaded(data, where)
 
 
 def read_file(file: Path) -> Any:
     """A ``user_content`` file written by ``torch.save`` (a full checkpoint's)."""
-    return _loaded(Path(file).read_bytes(), str(file))
+    return from_bytes(Path(file).read_bytes(), str(file))
 
 
-def _loaded(data: bytes, where: str, call: str = "resume_from_checkpoint") -> Any:
+def from_bytes(data: bytes, where: str, call: str = "resume_from_checkpoint") -> Any:
+    """What ``to_bytes`` wrote; ``where`` names the checkpoint, ``call`` the function, in errors."""
     allowed = [obj for name in _named_globals(data) if (obj := _allowed(name)) is not None]
     try:
         with torch.serialization.safe_globals(allowed + _numpy_dtypes()):

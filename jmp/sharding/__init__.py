@@ -1,9 +1,4 @@
-"""Per-parameter layouts on the ``("pp", "dp", "fsdp", "ep", "tp")`` mesh: the sharding rules.
-
-Rules are data keyed by torch parameter names: ``layout`` combines tensor-parallel, expert-parallel, user and
-sharded-data rules into one ``PartitionSpec`` per parameter, and XLA inserts the collectives (the expert
-dispatch is a ``shard_map``). Pipelines are ``jmp.pipeline``.
-"""
+"""Per-parameter layouts on the mesh: rule tables keyed by torch parameter names give each a ``PartitionSpec``."""
 
 from jmp.sharding.param_specs import (
     REPLICATED_BELOW,

@@ -1,8 +1,4 @@
-"""SMP v2's ``torch.sagemaker`` API on jmp (``import jmp.tsm as tsm``; under ``jmp.launch``, ``torch.sagemaker``).
-
-Submodules sit at SMP v2's paths: ``delayed_param``, ``grad_norm``, ``tensor_parallel.transformer``,
-``moe.moe_config``, ``utils.utils``, ``utils.process_group_utils``, ``checkpoint.utils``, ``logger``.
-"""
+"""SMP v2's ``torch.sagemaker`` API on jmp (``import jmp.tsm as tsm``; under ``jmp.launch``, ``torch.sagemaker``)."""
 
 from jmp.tsm.initialization import init, is_initialized
 from jmp.tsm.transformation import transform

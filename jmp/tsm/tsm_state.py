@@ -1,9 +1,7 @@
 """``tsm.state``: SMP v2's state object, under SMP v2's attribute names, read live from the run's config and mesh.
 
 Ranks count processes, as ``smp.tp_rank()`` does (one device per process under ``jmp.launch``: SMP v2's ranks);
-sizes are the degrees. ``hybrid_shard_degree`` is 0 exactly when SMP v2 leaves the sharding to FSDP's
-``sharding_strategy`` (see ``initialization``), else the mesh's ``fsdp`` degree. ``ranker``'s replication is
-across ``dp``. The degrees may be assigned (``initialization``).
+sizes are the degrees, which may be assigned (``initialization``); ``ranker``'s replication is across ``dp``.
 """
 
 from __future__ import annotations
