@@ -40,12 +40,7 @@ class LayerNorm(ArrayModule):
 
 
 @register_layer(nn.RMSNorm)
-class RMSNorm(ArrayModule):
-    def __init__(self, torch_module: nn.RMSNorm, path: str, converter: Any):
-        super().__init__(torch_module, path, converter)
-        self.normalized_shape = tuple(torch_module.normalized_shape)
-        self.eps = torch_module.eps
-
+class RMSNorm(LayerNorm):
     def forward(self, input):
         return rms_norm(input, self.normalized_shape, _value(self.weight), self.eps)
 
