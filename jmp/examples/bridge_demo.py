@@ -1,7 +1,4 @@
-"""Convert the seed's GroupedNet to Flax NNX, check it against PyTorch, train it in JAX and export it back.
-
-Run: ``python -m jmp.examples.bridge_demo [--epochs 3]``.
-"""
+"""Convert the seed's GroupedNet to Flax NNX, check it against PyTorch, train it in JAX and export it back."""
 
 from __future__ import annotations
 

@@ -7,10 +7,7 @@ from torch import nn
 
 
 class DistributedLinear(nn.Linear):
-    """SMP's ``smp.nn.DistributedLinear(in_features, out_features)``: an ``nn.Linear`` of the global sizes.
-
-    jmp splits it over ``tp`` (column-parallel, or row-parallel as the second of a pair; see ``jmp.nn``).
-    """
+    """SMP's ``smp.nn.DistributedLinear``: an ``nn.Linear`` of the global sizes, split over ``tp`` by jmp's rules."""
 
 
 class DistributedEmbedding(nn.Embedding):

@@ -234,10 +234,7 @@ def forced(
 
 
 def call(torch_fn: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``, JAX's form of ``torch_fn``, with its arrays cast by ``torch_fn``'s autocast policy.
-
-    For standard layers written in JAX, whose calls do not pass through the dispatcher.
-    """
+    """``fn(*args, **kwargs)`` (a JAX-written layer's ``torch_fn``), its arrays cast by ``torch_fn``'s policy."""
     state = active()
     if state is None:
         return replica_calls.call(torch_fn, fn, args, kwargs)

@@ -1,7 +1,4 @@
-"""Torch's NumPy-style keyword aliases (``axis``, ``keepdims``, ...) renamed before lowering, where torch accepts them.
-
-Torch's C++ argument parser takes them for the functions it parses (``numpy_compatibility_arg_names``).
-"""
+"""Torch's NumPy-style keyword aliases (``axis``, ``keepdims``, ...) renamed before lowering, where torch takes them."""
 
 from __future__ import annotations
 
