@@ -230,16 +230,9 @@ def _argmax_window(x, window):
     return indices
 
 
-def _max_pool_nd(nd):
-    def lowering(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
-        return max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices, nd)
-
-    return lowering
-
-
-def _max_pool_with_indices_nd(nd):
-    def lowering(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=True):
-        return max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, True, nd)
+def _max_pool_nd(nd, with_indices=False):
+    def lowering(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=with_indices):
+        return max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, with_indices or return_indices, nd)
 
     return lowering
 
@@ -247,9 +240,9 @@ def _max_pool_with_indices_nd(nd):
 register_lowering(F.max_pool1d, torch.max_pool1d)(_max_pool_nd(1))
 register_lowering(F.max_pool2d, torch.max_pool2d)(_max_pool_nd(2))
 register_lowering(F.max_pool3d, torch.max_pool3d)(_max_pool_nd(3))
-register_lowering(F.max_pool1d_with_indices)(_max_pool_with_indices_nd(1))
-register_lowering(F.max_pool2d_with_indices)(_max_pool_with_indices_nd(2))
-register_lowering(F.max_pool3d_with_indices)(_max_pool_with_indices_nd(3))
+register_lowering(F.max_pool1d_with_indices)(_max_pool_nd(1, with_indices=True))
+register_lowering(F.max_pool2d_with_indices)(_max_pool_nd(2, with_indices=True))
+register_lowering(F.max_pool3d_with_indices)(_max_pool_nd(3, with_indices=True))
 
 
 def avg_pool(
