@@ -1,15 +1,11 @@
 """Torch autocast inside converted forwards: the op lists of ``torch.autocast``, applied by the dispatcher.
 
-The tables map each ATen op of torch's autocast policies (``aten/src/ATen/autocast_mode.cpp``: lower precision,
-float32, float32 for half inputs, widest input dtype) to the torch-level callables that reach the registry, per
-device type (``"cpu"``: torch's CPU lists; any other: its CUDA lists). Composites the bridge lowers as one op are
-listed under their result's policy (``F.cross_entropy``: float32 under CUDA autocast).
-
+The tables map the ATen ops of torch's cast policies (``aten/src/ATen/autocast_mode.cpp``) to the torch-level
+callables that reach the registry: torch's CPU lists for ``"cpu"``, its CUDA lists for any other device type.
 The state is jmp's, one per context: ``forced(dtype)`` is jmp's way in, and while a bridge session runs,
-``torch.autocast`` and its variants (``torch.amp`` / ``torch.cpu.amp`` / ``torch.cuda.amp``, Hugging Face's
-``maybe_autocast``) push and pop it, on any device type, and torch's autocast queries answer from it. A torch
-autocast region open when the outermost session starts carries over. As in torch, only non-float64 floating
-tensors are cast, and ``out=`` / in-place calls never.
+``torch.autocast`` and its variants (Hugging Face's ``maybe_autocast`` too) push and pop it on any device type,
+and torch's autocast queries answer from it. As in torch, only non-float64 floating tensors are cast, and
+``out=`` / in-place calls never.
 """
 
 from __future__ import annotations
@@ -398,7 +394,7 @@ _TORCH_IS_ENABLED, _TORCH_GET_DTYPE = torch.is_autocast_enabled, torch.get_autoc
 
 
 def _ambient() -> AutocastState | None:
-    """Torch's own autocast region open in this thread (CUDA's first), as jmp state."""
+    """Torch's autocast region open in this thread (CUDA's first) as jmp state; the outermost session keeps it."""
     for device_type in ("cuda", "cpu"):
         if _TORCH_IS_ENABLED(device_type):
             return AutocastState(True, _TORCH_GET_DTYPE(device_type), device_type)

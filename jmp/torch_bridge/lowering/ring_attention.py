@@ -1,17 +1,12 @@
 """Ring attention: attention over a sequence split across devices, without gathering the keys and values.
 
-Each device keeps its query block and passes its key/value block around the ring (``ppermute`` inside
-``shard_map``; all-to-alls inside a pipeline stage), accumulating with the online softmax; each block step is
-rematerialised in the backward pass, so memory does not grow with the sequence. Masks are torch's (True, or a
-bias of 0, attends); grouped-query attention scores each key/value head against its group of queries.
-
-Causal attention, and attention under a mask with query rows (Hugging Face's causal mask), is load-balanced
-("zigzag"): the sequence is cut into ``2n`` chunks and device ``i`` holds chunks ``i`` and ``2n - 1 - i``
-(reordered on entry and back on exit), so scores above the diagonal are skipped and every device does the same
-work at each ring step; a mask that allows such scores is checked as the program runs (``lax.cond``). Other
-attention, and blocks of odd length, keep the natural order (``JMP_CONTEXT_PARALLEL_ATTENTION=ring_natural``
-skips whole blocks above the diagonal instead). SDPA takes this path while a step splits sequences over a mesh
-axis (``sequences_split_over``) unless ``JMP_CONTEXT_PARALLEL_ATTENTION=all_gather``.
+Each device keeps its query block and passes its key/value block around the ring (``ppermute`` in ``shard_map``;
+all-to-alls inside a pipeline stage), accumulating with the online softmax; each block step is rematerialised
+in the backward pass. Masks are torch's (True, or a bias of 0, attends). Causal attention, and attention under a
+mask with query rows (checked as the program runs), is load-balanced ("zigzag": device ``i`` holds chunks ``i``
+and ``2n - 1 - i`` of ``2n``), so every device skips the same share of scores above the diagonal; other attention
+and odd-length blocks keep the natural order. SDPA takes this path while a step splits sequences over a mesh axis
+(``sequences_split_over``); ``JMP_CONTEXT_PARALLEL_ATTENTION`` picks ``ring_natural`` or ``all_gather`` instead.
 """
 
 from __future__ import annotations
