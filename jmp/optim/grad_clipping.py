@@ -77,9 +77,7 @@ def clip_grad_value_(
     return None
 
 
-def clip_grad_norm(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
-    """torch's deprecated spelling of ``clip_grad_norm_``."""
-    return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+clip_grad_norm = clip_grad_norm_  # torch's deprecated spelling
 
 
 def install() -> None:
