@@ -10,14 +10,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from jmp.errors import StepError
-
-logger = logging.getLogger("jmp")
+from jmp.runtime import notices
 
 
 def generate_of(model: Any) -> Callable[..., Any]:
@@ -51,8 +49,8 @@ def run_generate(model: Any, method: Callable[..., Any], args: tuple, kwargs: di
             "DistributedModel.generate(past_key_values=...): a key/value cache cannot enter jmp's compiled forward; "
             "pass the whole sequence so far as input_ids instead (jmp generates without a cache)"
         )
-    _note_once(
-        "no-cache",
+    notices.info_once(
+        "eager:generate-without-cache",
         "generate() on a DistributedModel runs without a key/value cache (use_cache=False): each new token runs "
         "the forward on the whole sequence so far, one compiled program per sequence length (the same tokens "
         "as with a cache)",
@@ -91,12 +89,3 @@ def check_no_cache(leaves: list) -> None:
                 "cannot enter jmp's compiled forward (and a forward's cache comes back as None). Call the model on "
                 "the whole sequence so far, with use_cache=False, or use model.generate(...), which does that"
             )
-
-
-_noted: set[str] = set()
-
-
-def _note_once(key: str, message: str) -> None:
-    if key not in _noted:
-        _noted.add(key)
-        logger.info(message)

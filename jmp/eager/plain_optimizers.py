@@ -7,7 +7,6 @@ state-dict methods become the wrapper's, and a state loaded before the first ste
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -16,8 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from jmp.errors import OptimizerError
 from jmp.optim import model_lookup
 from jmp.optim.distributed_optimizer import DistributedOptimizer
-
-logger = logging.getLogger("jmp")
+from jmp.runtime import notices
 
 ROUTED = ("zero_grad", "state_dict", "load_state_dict")  # step stays torch's (LR schedulers wrap it); the hook acts
 
@@ -26,7 +24,6 @@ _installed: list[Any] = []
 # would keep every such optimizer, and its model, alive, as its value holds its key
 WRAPPER = "_jmp_distributed_optimizer"
 HIDDEN = "_jmp_hidden_grads"  # the p.grad torch's own step must not see (it would update host copies)
-_noted: set[str] = set()
 
 
 def install() -> None:
@@ -48,7 +45,13 @@ def distributed_optimizer_of(optimizer: torch.optim.Optimizer) -> DistributedOpt
         for name in ROUTED:
             setattr(optimizer, name, getattr(distributed, name))
         _take_over_loaded_state(optimizer, distributed)
-        _note(type(optimizer).__name__)
+        notices.info_once(
+            f"eager:wrapped:{type(optimizer).__name__}",
+            "torch.optim.%s on a smp.DistributedModel's parameters: wrapped in smp.DistributedOptimizer at its "
+            "first step(); each step() updates the model's sharded state, and its zero_grad and state_dict are "
+            "the wrapper's",
+            type(optimizer).__name__,
+        )
     return distributed
 
 
@@ -84,14 +87,3 @@ def _take_over_loaded_state(optimizer: torch.optim.Optimizer, distributed: Distr
             "its load_state_dict"
         )
     distributed.load_state_dict(loaded)
-
-
-def _note(name: str) -> None:
-    if name not in _noted:
-        _noted.add(name)
-        logger.info(
-            "torch.optim.%s on a smp.DistributedModel's parameters: wrapped in smp.DistributedOptimizer at its "
-            "first step(); each step() updates the model's sharded state, and its zero_grad and state_dict are "
-            "the wrapper's",
-            name,
-        )
