@@ -19,9 +19,8 @@ from jmp.runtime import notices
 
 
 def generate_of(model: Any) -> Callable[..., Any]:
-    """``model.generate``: a Hugging Face module's ``generate`` running on ``model``'s forward (another module's
-    ``generate`` is a method of ``model``, ``self`` the model). AttributeError when
-    the module has no ``generate``, so that ``hasattr(model, "generate")`` answers as for the module."""
+    """``model.generate``: the module's Hugging Face ``generate`` on ``model``'s forward (another: a method of
+    ``model``); AttributeError without one, so ``hasattr(model, "generate")`` answers as for the module."""
     module = model.__dict__.get("torch_module")
     method = getattr(module, "generate", None)
     if not callable(method):
@@ -76,9 +75,8 @@ def _forward_routed_to(model: Any) -> Iterator[None]:
 
 
 def check_no_cache(leaves: list) -> None:
-    """Refuse a key/value cache among a forward's inputs: baked into the program as a constant, each call's
-    cache would compile a new program, and the model's in-place cache updates would write traced values into
-    the user's cache object."""
+    """Refuse a key/value cache among a forward's inputs: a program constant, it would compile a new program each
+    call, and the model's in-place updates would write traced values into the user's cache."""
     cache_utils = sys.modules.get("transformers.cache_utils")  # never imports transformers itself
     if cache_utils is None:
         return

@@ -33,9 +33,8 @@ def install() -> None:
 
 
 def distributed_optimizer_of(optimizer: torch.optim.Optimizer) -> DistributedOptimizer | None:
-    """The ``DistributedOptimizer`` a plain torch optimizer on a model's parameters stands for, made now if its
-    first ``step()`` has not come yet (``smp.save_checkpoint`` / ``resume_from_checkpoint`` given the torch
-    optimizer); None for an optimizer of other tensors."""
+    """The ``DistributedOptimizer`` a plain torch optimizer on a model's parameters stands for (made now if its first
+    ``step()`` has not come); None for an optimizer of other tensors."""
     distributed = getattr(optimizer, WRAPPER, None)
     if distributed is None:
         if not model_lookup.owners_of(optimizer):

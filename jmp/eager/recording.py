@@ -274,8 +274,7 @@ class Recording:
 
 
 def _autocast_region() -> tuple[str, torch.dtype] | None:
-    """The ``torch.autocast`` region open where a call is recorded, as (device type, dtype); CUDA's first, as the
-    bridge reads an open region (``jmp.torch_bridge.autocast``)."""
+    """The ``torch.autocast`` region open where a call is recorded, as (device type, dtype), CUDA's first."""
     for device_type in ("cuda", "cpu"):
         if torch.is_autocast_enabled(device_type):
             return device_type, torch.get_autocast_dtype(device_type)

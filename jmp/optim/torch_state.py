@@ -227,8 +227,7 @@ class TorchStateAdapter:
 
 
 def scaler_to_torch(scaling: loss_scaling.LossScaling, scale_state: Any, loss_scale: float, overflow: bool) -> dict:
-    """SMP's fp16 optimizer entries: ``dynamic_loss_scale``, ``loss_scaler`` (the scale, the dynamic scaler's
-    counters and settings) and ``overflow``; none without loss scaling."""
+    """SMP's fp16 optimizer entries (``dynamic_loss_scale``, ``loss_scaler``, ``overflow``); none if not scaling."""
     if scaling.kind is None:
         return {}
     saved: dict[str, Any] = {"dynamic_loss_scale": scaling.kind == "dynamic", "loss_scaler": {"cur_scale": loss_scale}}

@@ -41,9 +41,8 @@ def has_inf(grads: Any) -> jax.Array:
 def reported_norm_and_factor(
     grads: Any, max_norm: jax.Array, loss_scale: jax.Array, *, counted_once: Callable[[Any], Any]
 ) -> tuple[jax.Array, Any]:
-    """(norm, factor) of torch's ``clip_grad_norm_`` rule on the unscaled float32 gradients; an inf/nan norm
-    (an fp16 overflow) is reported as -1, as SMP does (the gradients then stay non-finite and the update is
-    skipped). ``counted_once``: the model store's, so a tied parameter's gradient counts once."""
+    """(norm, factor) of torch's ``clip_grad_norm_`` on the unscaled float32 ``counted_once`` gradients; an inf/nan norm
+    is -1, as SMP reports it (the gradients stay non-finite and the update is skipped)."""
     norm, factor = torch_norm_and_factor(counted_once(grads), max_norm, 1.0 / loss_scale)
     return jnp.where(jnp.isfinite(norm), norm, -1.0), factor
 
@@ -108,9 +107,8 @@ def kept_on_skip(skip: jax.Array, new: Any, old: Any, *, scalars_only: bool = Fa
 
 
 def taking_step_scalars(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """``inner``, taking what the fused kernels take besides the gradients (``StepScalars``' fields, and
-    ``return_params``: the new parameters come back, not the update). Its state is ``inner``'s. ``skip=None``:
-    nothing is checked."""
+    """``inner``, taking the fused kernels' extra arguments (``StepScalars``' fields, ``return_params``) with their
+    meaning; its state is ``inner``'s. ``skip=None``: nothing is checked."""
 
     def update(updates, state, params=None, *, grad_scale=1.0, grad_divisor=None, skip=None, return_params=False):
         grads, _ = unscale(grad_scale, grad_divisor).update(updates, optax.EmptyState())

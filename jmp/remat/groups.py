@@ -65,9 +65,7 @@ class LayerGroups:
         return outputs[0]
 
     def stack_signature(self, path: str) -> tuple[str, Hashable, str] | None:
-        """For ``jmp.stacks``: layers checkpointed one by one by this hook, or by hooks alike (each layer
-        annotated with the same policy), are alike; a layer checkpointed with others in a group cannot be scanned
-        (None)."""
+        """For ``jmp.stacks``: layers this hook (or one alike) checkpoints one by one are alike; None if grouped."""
         index = self.index[path]
         return ("checkpoint each", self.alike, self.chain) if self.group_of[index] == [index] else None
 

@@ -140,9 +140,8 @@ def run(
 
 
 def _gathered(params: nnx.State, paths: list[str], specs: dict[str, Any]) -> nnx.State:
-    """The units' parameters split over fsdp, gathered to their used sharding (``specs``: name -> (used, stored))
-    and tagged ``GATHERED`` (so that a policy can leave them out of what the backward keeps: they are gathered again
-    there, as FSDP's reshard after forward)."""
+    """The units' fsdp-split parameters gathered to their used sharding (``specs``: name -> (used, stored)) and tagged
+    ``GATHERED``, so a policy can leave them out of what the backward keeps (FSDP's reshard after forward)."""
 
     def gather(path: tuple, value: Any) -> Any:
         name = _unit_name(path, paths)

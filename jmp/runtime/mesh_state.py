@@ -388,9 +388,8 @@ def rdp_size() -> int:
 
 
 def feeding_axes() -> tuple[str, ...]:
-    """The mesh axes along which processes pass different rows to a step: the data axes, and tensor parallelism
-    unless ``prescaled_batch`` (SMP's rule: without it each tensor-parallel rank loads its own batch, and the
-    tensor-parallel group computes on all of them)."""
+    """The mesh axes along which processes pass different rows to a step: the data axes, and ``tp`` unless
+    ``prescaled_batch`` (SMP's rule: without it each tensor-parallel rank loads its own batch)."""
     return DATA_AXES if get_config().prescaled_batch else DATA_AXES + ("tp",)
 
 

@@ -52,9 +52,8 @@ def kept() -> int:
 
 
 def admit(result: Any) -> None:
-    """``result`` (an array a step's program produced) was just dispatched: wait until only ``limit()`` steps,
-    this one included, may still be running. A kept array deleted since (donated to a later program) stands for
-    nothing any more; the next newer one is waited for instead."""
+    """``result`` of a step's program was just dispatched: wait until at most ``limit()`` steps may still run (a kept
+    array donated since to a later program is skipped for the next newer one)."""
     if not _limit:
         return
     _kept.append(result)

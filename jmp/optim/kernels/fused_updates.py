@@ -64,9 +64,8 @@ class _Own:
 
 
 def _kernel_body(step: Callable[..., tuple[jax.Array, ...]], first: str) -> Callable[..., tuple[jax.Array, ...]]:
-    """The kernel body around ``step(own scalars, g, *state, p) -> (update, *state)``: the gradient unscaled
-    (and clipped) first, the state kept on a skipped step, and the first result as ``first`` says: the
-    ``"update"``, the ``"param"`` with the update added, or the ``"direction"`` as ``step`` gave it."""
+    """The kernel body around ``step(own scalars, g, *state, p) -> (update, *state)``: ``g`` unscaled (and clipped), the
+    state kept on a skipped step, the first result ``first`` ("update", "param" with it added, or "direction")."""
 
     def body(s, p, g, *state):
         g = ((g.astype(jnp.float32) * s[_GRAD_SCALE]) / s[_GRAD_DIVISOR]).astype(p.dtype)
@@ -93,9 +92,8 @@ def _update_by_dtype(
     interpret: bool,
     name: str,
 ) -> tuple[list[jax.Array], ...]:
-    """``step`` over every tensor (``_kernel_body``), one kernel launch per parameter dtype (or a few, for more
-    tensors than one launch's arguments hold); returns the first result's tensors (written over the parameters
-    when ``first`` is ``"param"``) and the new state's."""
+    """``step`` over every tensor, one kernel launch per parameter dtype (or a few); the first result's tensors
+    (written over the parameters when ``first`` is "param") and the new state's."""
     columns = [params, grads, *state]
     outputs = [0, *range(2, len(columns))]
     in_place = set(range(1, len(outputs))) | ({0} if first == "param" else set())  # the state; the parameters
@@ -269,9 +267,8 @@ def fused_lamb(
     use_nvlamb,
     interpret=False,
 ) -> optax.GradientTransformationExtraArgs:
-    """apex's LAMB (``jmp.optim.torch_rules.lamb``): moments and direction in one kernel per dtype, then each
-    tensor's trust ratio ``||p|| / ||direction||`` from its whole norms (its shards' sums added over the
-    devices holding them, ``multi_tensor.split_over``) scaling its step. State: the optax chain's."""
+    """apex's LAMB (``torch_rules.lamb``): moments and direction in one kernel per dtype, then each tensor's step scaled
+    by its trust ratio from whole norms (shard sums added over devices, ``multi_tensor.split_over``)."""
     chain = torch_optimizers.lamb(
         lr,
         beta1,

@@ -38,8 +38,7 @@ def scalar_vector(*values: jax.Array | float) -> jax.Array:
 
 
 def launches(tensors: Sequence[int], operands: int) -> list[Sequence[int]]:
-    """``tensors`` cut into as few launches as a kernel's argument space allows, each operand (input or
-    output) of each tensor a pointer: 73 tensors per launch for Adam's 7 operands."""
+    """``tensors`` cut into as few launches as a kernel's pointer arguments allow (73 tensors for Adam's 7 operands)."""
     per_launch = max(1, (ARGUMENT_BYTES // 8 - 1) // operands)
     return [tensors[i : i + per_launch] for i in range(0, len(tensors), per_launch)]
 
@@ -125,8 +124,7 @@ def split_over(axes_by_path: dict[tuple, tuple[str, ...]]) -> Iterator[None]:
 
 
 def whole_sums(paths: Sequence[tuple], local: Sequence[jax.Array]) -> list[jax.Array]:
-    """Each tensor's sum from its shard's ``local`` sum: added over the axes splitting the tensor at its path
-    (``split_over``), or as given outside such a block."""
+    """Each tensor's sum from its shard's ``local`` sum, added over the axes ``split_over`` names for its path."""
     axes_by_path = _SPLIT_OVER.get()
     if axes_by_path is None:
         return list(local)
