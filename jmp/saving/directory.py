@@ -1,6 +1,5 @@
 """SMP's checkpoint directory: ``<tag>_partial/`` (Orbax), ``<tag>`` / ``optimizer_<tag>`` / ``user_content_<tag>``
-(full), and ``newest`` (the newest complete tag); files are renamed into place whole.
-"""
+(full), and ``newest`` (the newest complete tag); files are renamed into place whole."""
 
 from __future__ import annotations
 

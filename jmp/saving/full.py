@@ -1,6 +1,5 @@
 """Full checkpoints: gathered torch ``state_dict``s (model, optimizer with float32 masters, user content) that
-plain PyTorch and Hugging Face load; process 0 writes them, then ``newest``.
-"""
+plain PyTorch and Hugging Face load; process 0 writes them, then ``newest``."""
 
 from __future__ import annotations
 

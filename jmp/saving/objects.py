@@ -54,9 +54,8 @@ def load(
     partial: bool = True,
     back_compat: bool = False,
 ) -> Any:
-    """``torch.load`` of what ``smp.save`` wrote (``f_<pp_rank>_<tp_rank>_<rdp_rank>`` when partial and saved with
-    ``v3``, else ``f_<mp_rank>``; ``back_compat``: only the latter, as SMP's). Like ``torch.load`` it
-    refuses to unpickle code unless asked (``pickle_load_args={"weights_only": False}``, trusted files only)."""
+    """``torch.load`` of what ``smp.save`` wrote (its ``v3`` file first unless ``back_compat``), which like
+    ``torch.load`` unpickles code only when asked (``pickle_load_args={"weights_only": False}``)."""
     source = _file(f, partial, "load", v3=not back_compat)
     if not source.is_file():  # not saved with v3=True
         source = _file(f, partial, "load")

@@ -41,9 +41,8 @@ def check(
     ignore_index: int | None = None,
     error: type[Exception] = IndexError,
 ) -> None:
-    """Raise ``error(message)`` (``{index}``: the offending index) when an entry of ``indices`` is outside
-    ``[low, high)`` and not ``ignore_index``: now when the indices are concrete, else when the step's values are
-    read. ``where`` is the dispatcher's ``' (in module ...)'``."""
+    """Raise ``error(message)`` (``{index}``: the offending index, ``where``: the module) for an entry of ``indices``
+    outside ``[low, high)`` and not ``ignore_index``: now if concrete, else when the step's values are read."""
     if not enabled() or indices is None:
         return
     collected = side_outputs.in_collecting_trace()

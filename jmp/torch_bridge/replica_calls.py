@@ -72,9 +72,8 @@ def bound(parameters: Sequence[jax.Array], copies: Sequence[jax.Array | None]) -
 
 @contextlib.contextmanager
 def maximum_copies(values: Sequence[jax.Array]) -> Iterator[None]:
-    """Within the block ``values`` have copies, one per replica, whose cotangents combine by their maximum, not their
-    sum: an fp8 scale, whose cotangent is the amax of the gradient it scales (``jmp.precision.fp8_matmul``), so
-    that a call run per replica gets the whole batch's amax. Outside ``reading`` nothing changes."""
+    """Within ``reading``, ``values`` have one copy per replica whose cotangents combine by maximum, not sum: fp8
+    scales, whose cotangent is an amax (``jmp.precision.fp8_matmul``), so per-replica calls get the batch's amax."""
     table = _COPIES.get()
     if table is None:
         yield
@@ -225,9 +224,8 @@ def _parameter(value: Any) -> bool:
 
 
 def call(func: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
-    """``fn(*args, **kwargs)`` (a lowering of ``func`` on arrays): per replica when ``func`` is row-local in one
-    argument along a dimension holding the batch, and every other array it takes is a parameter with copies; as it
-    is otherwise."""
+    """``fn(*args, **kwargs)`` (``func``'s lowering): per replica when ``func`` is row-local in one argument along a
+    batch dimension and its other arrays are parameters with copies; else as it is."""
     table = _COPIES.get()
     rule = _RULES.get(func) if table is not None else None
     found = rule(args, kwargs) if rule is not None else None
@@ -263,9 +261,8 @@ def call(func: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 def _batch_dim(x: Any, dims: tuple[int, ...], table: Copies) -> int | None:
-    """Which of ``x``'s row-local ``dims`` to split over the replicas: one as long as the microbatch (where the
-    batch is laid out, so that no rows move), else the first when it is a multiple of it (the batch merged with
-    the sequence: ``x.view(-1, d)``); None when neither divides over the replicas."""
+    """Which of ``x``'s row-local ``dims`` to split over the replicas: one as long as the microbatch (no rows move),
+    else the first that is a multiple of it (``x.view(-1, d)``); None when neither divides over the replicas."""
     if not isinstance(x, jax.Array):
         return None
     for dim in dims:

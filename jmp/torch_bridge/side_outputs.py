@@ -73,9 +73,8 @@ def collecting() -> Iterator[SideOutputs]:
 
 
 def in_collecting_trace() -> bool:
-    """Whether a value traced here can be sown: a ``collecting()`` block is open, and JAX is tracing what it was
-    opened in, not a transform's body entered since (``torch.func.vmap``'s, ``torch.cond``'s), whose values
-    cannot leave it."""
+    """Whether a value traced here can be sown: a ``collecting()`` block is open and JAX traces what it was opened
+    in, not a transform's body entered since (``vmap``'s, ``torch.cond``'s), whose values cannot leave it."""
     return _COLLECTOR.get() is not None and _TRACE.get() == jax.extend.core.get_opaque_trace_state()
 
 

@@ -34,9 +34,8 @@ def raising_branch(frame: types.FrameType | None) -> ast.If | ast.Assert | None:
 
 
 def check_at_run_time(condition: jax.Array, frame: types.FrameType, branch: ast.If | ast.Assert) -> bool:
-    """Register the runtime check of ``condition`` and return the value that lets the trace go on: an ``if``
-    raises when the condition holds (False returned: the branch not taken), an ``assert`` when it does not
-    (True returned)."""
+    """Register the runtime check of ``condition``; the value that lets the trace go on (an ``if`` raises when it
+    holds: False, the branch not taken; an ``assert`` when it does not: True)."""
     source = linecache.getline(frame.f_code.co_filename, branch.lineno).strip()
     where = f"{frame.f_code.co_filename}:{branch.lineno}"
     passes = isinstance(branch, ast.Assert)

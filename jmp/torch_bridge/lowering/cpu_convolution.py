@@ -146,9 +146,8 @@ def _in_pieces(lhs, rhs, numbers: lax.ConvDimensionNumbers, params: dict):
 
 
 def _device_blocks() -> int:
-    """How many devices' blocks a batch dimension may be split into here: the product of the automatic axes of
-    the mesh being traced under (1 outside a ``shard_map``, where no mesh is known and pieces are cut from the
-    whole batch). A multiple of the data-parallel split is enough: a block is then within one device's rows."""
+    """How many devices' blocks a batch dimension may be split into: the product of the traced mesh's automatic
+    axes (1 outside a ``shard_map``), a multiple of the data-parallel split, so a block is one device's rows."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return 1

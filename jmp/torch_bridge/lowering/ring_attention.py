@@ -86,8 +86,7 @@ def _permute(x, axis_name: str, pairs: list[tuple[int, int]]):
 
 
 def to_balanced(x, axis_name: str, axis: int = 1):
-    """Inside ``shard_map``: this device's contiguous block (chunks 2i, 2i + 1 of the sequence along ``axis``)
-    -> its balanced block (chunks i, 2n - 1 - i)."""
+    """Inside ``shard_map``: this device's contiguous block (chunks 2i, 2i + 1) -> its balanced one (i, 2n - 1 - i)."""
     count, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     first, second = jnp.split(x, 2, axis=axis)
     first = _permute(first, axis_name, [(i, balanced_home(2 * i, count)) for i in range(count)])
