@@ -98,14 +98,8 @@ def _index_select(where: str, input: Any, dim: int, index: Any) -> None:
     if dim == 0:
         check(index, 0, size, _IN_SELF, where)
     else:
-        check(
-            index,
-            0,
-            size,
-            f"INDICES element is out of DATA bounds, id={{index}} axis_dim={size}",
-            where,
-            error=RuntimeError,
-        )
+        message = f"INDICES element is out of DATA bounds, id={{index}} axis_dim={size}"
+        check(index, 0, size, message, where, error=RuntimeError)
 
 
 def _gather(where: str, input: Any, dim: int, index: Any, **kwargs: Any) -> None:
@@ -123,16 +117,10 @@ def _take(where: str, input: Any, index: Any) -> None:
 
 
 def _one_hot(where: str, tensor: Any, num_classes: int = -1) -> None:
-    check(tensor, 0, np.iinfo(np.int32).max, "Class values must be non-negative.", where, error=RuntimeError)
+    big = np.iinfo(np.int32).max
+    check(tensor, 0, big, "Class values must be non-negative.", where, error=RuntimeError)
     if num_classes >= 0:
-        check(
-            tensor,
-            -np.iinfo(np.int32).max,
-            num_classes,
-            "Class values must be smaller than num_classes.",
-            where,
-            error=RuntimeError,
-        )
+        check(tensor, -big, num_classes, "Class values must be smaller than num_classes.", where, error=RuntimeError)
 
 
 def _getitem(where: str, input: Any, index: Any) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import torch.nn.functional as F
 from torch import nn
@@ -81,14 +80,9 @@ class BatchNorm(ArrayModule):
                 write(self.num_batches_tracked, tracked)
                 if factor is None:  # cumulative moving average
                     factor = 1.0 / tracked.astype(self.running_mean[...].dtype)
-            new_mean, new_var = updated_running_stats(
-                self.running_mean[...],
-                self.running_var[...],
-                jax.lax.stop_gradient(mean),
-                jax.lax.stop_gradient(var),
-                input.size // input.shape[1],
-                0.0 if factor is None else factor,
-            )
+            count, momentum = input.size // input.shape[1], 0.0 if factor is None else factor
+            running = (self.running_mean[...], self.running_var[...])
+            new_mean, new_var = updated_running_stats(*running, mean, var, count, momentum)
             write(self.running_mean, new_mean)
             write(self.running_var, new_var)
         return batch_norm_apply(input, mean, var, weight, bias, self.eps)
