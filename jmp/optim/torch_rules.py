@@ -311,6 +311,7 @@ class Rule:
         return numeric, static
 
 
+_ADAM_NUMERIC = ("lr", "beta1", "beta2", "eps", "weight_decay")
 _ADAM_FIELDS = {
     optax.ScaleByAdamState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"},
     TorchAMSGradState: {
@@ -327,12 +328,8 @@ RULES: dict[type, Rule] = {
         ("nesterov", "maximize", "has_momentum"),
         {TorchMomentumState: {"momentum_buffer": "momentum_buffer"}},
     ),
-    torch.optim.Adam: Rule(
-        adam, ("lr", "beta1", "beta2", "eps", "weight_decay"), ("amsgrad", "maximize"), _ADAM_FIELDS
-    ),
-    torch.optim.AdamW: Rule(
-        adamw, ("lr", "beta1", "beta2", "eps", "weight_decay"), ("amsgrad", "maximize"), _ADAM_FIELDS
-    ),
+    torch.optim.Adam: Rule(adam, _ADAM_NUMERIC, ("amsgrad", "maximize"), _ADAM_FIELDS),
+    torch.optim.AdamW: Rule(adamw, _ADAM_NUMERIC, ("amsgrad", "maximize"), _ADAM_FIELDS),
     torch.optim.Adadelta: Rule(
         adadelta,
         ("lr", "rho", "eps", "weight_decay"),
@@ -356,12 +353,10 @@ RULES: dict[type, Rule] = {
         },
     ),
 }
-RULES[optimizers.FusedAdam] = Rule(
-    apex_adam, ("lr", "beta1", "beta2", "eps", "weight_decay"), ("adam_w_mode", "bias_correction"), _ADAM_FIELDS
-)
+RULES[optimizers.FusedAdam] = Rule(apex_adam, _ADAM_NUMERIC, ("adam_w_mode", "bias_correction"), _ADAM_FIELDS)
 RULES[optimizers.FusedLAMB] = Rule(
     lamb,
-    ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    _ADAM_NUMERIC,
     ("adam_w_mode", "bias_correction", "grad_averaging", "use_nvlamb"),
     _ADAM_FIELDS,
     clip_before="max_grad_norm",
@@ -369,7 +364,7 @@ RULES[optimizers.FusedLAMB] = Rule(
 )
 RULES[optimizers.FusedNovoGrad] = Rule(
     novograd,
-    ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    _ADAM_NUMERIC,
     ("bias_correction", "grad_averaging", "reg_inside_moment", "norm_type", "init_zero"),
     {NovoGradState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}},
     per_tensor=True,
