@@ -158,6 +158,11 @@ class _Moments:
     def counted(self, state: tuple) -> tuple:
         return _replaced(state, self.at, state[self.at]._replace(count=self.kept_count))
 
+    def stepped(self, step: Callable, scalars: jax.Array, first: str, interpret: bool, name: str) -> tuple:
+        """``step`` over these tensors and moments (``_update_by_dtype``): (first results, new mu, new nu)."""
+        columns = (self.params, self.grads, [self.mu, self.nu])
+        return _update_by_dtype(step, scalars, *columns, first=first, interpret=interpret, name=name)
+
     def updated(self, state: tuple, mu: list[jax.Array], nu: list[jax.Array]) -> tuple:
         unflatten = functools.partial(jax.tree.unflatten, self.treedef)
         return _replaced(state, self.at, optax.ScaleByAdamState(self.kept_count, unflatten(mu), unflatten(nu)))
@@ -207,16 +212,7 @@ def fused_adam(
         scalars = extra.scalars(
             lr, beta1, beta2, eps, weight_decay, 1 - beta1**count, 1 - beta2**count, 1 - beta1, 1 - beta2
         )
-        first, mu, nu = _update_by_dtype(
-            step,
-            scalars,
-            moments.params,
-            moments.grads,
-            [moments.mu, moments.nu],
-            first=_first(extra),
-            interpret=interpret,
-            name="adamw" if decoupled else "adam",
-        )
+        first, mu, nu = moments.stepped(step, scalars, _first(extra), interpret, "adamw" if decoupled else "adam")
         return jax.tree.unflatten(moments.treedef, first), moments.updated(state, mu, nu)
 
     return optax.GradientTransformationExtraArgs(chain.init, update)
@@ -255,17 +251,7 @@ def _lamb_step(adam_w_mode: bool):
 
 
 def fused_lamb(
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    *,
-    adam_w_mode,
-    bias_correction,
-    grad_averaging,
-    use_nvlamb,
-    interpret=False,
+    lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correction, grad_averaging, use_nvlamb, interpret=False
 ) -> optax.GradientTransformationExtraArgs:
     """apex's LAMB (``torch_rules.lamb``): moments and direction in one kernel per dtype, then each tensor's step scaled
     by its trust ratio from whole norms (shard sums added over devices, ``multi_tensor.split_over``)."""
@@ -291,16 +277,7 @@ def fused_lamb(
         corrections = (1 - beta1**count, 1 - beta2**count) if bias_correction else (1.0, 1.0)
         keep1 = 1 - beta1 if grad_averaging else 1.0
         scalars = extra.scalars(beta1, beta2, eps, weight_decay, *corrections, keep1, 1 - beta2)
-        directions, mu, nu = _update_by_dtype(
-            step,
-            scalars,
-            ps,
-            moments.grads,
-            [moments.mu, moments.nu],
-            first="direction",
-            interpret=interpret,
-            name="lamb",
-        )
+        directions, mu, nu = moments.stepped(step, scalars, "direction", interpret, "lamb")
         paths = multi_tensor.tree_paths(params)
         p_norms = [jnp.sqrt(x) for x in multi_tensor.whole_sums(paths, [jnp.sum(p * p) for p in ps])]
         d_norms = [jnp.sqrt(x) for x in multi_tensor.whole_sums(paths, [jnp.sum(d * d) for d in directions])]
