@@ -104,14 +104,9 @@ def _update_by_dtype(
         by_dtype.setdefault(jnp.dtype(param.dtype), []).append(i)
     for dtype, indices in by_dtype.items():
         for chunk in multi_tensor.launches(indices, operands=len(columns) + len(outputs)):
+            chunk_columns = [[column[i] for i in chunk] for column in columns]
             new = multi_tensor.elementwise(
-                body,
-                scalars,
-                [[column[i] for i in chunk] for column in columns],
-                outputs,
-                in_place=in_place,
-                interpret=interpret,
-                name=f"{name}_{dtype}",
+                body, scalars, chunk_columns, outputs, in_place=in_place, interpret=interpret, name=f"{name}_{dtype}"
             )
             for j, tensors in enumerate(new):
                 for i, tensor in zip(chunk, tensors):
@@ -399,10 +394,5 @@ def fused_version(factory: Callable, static: dict[str, Any], *, interpret: bool)
     """The fused factory computing what ``factory`` (a ``jmp.optim.torch_rules`` chain) computes with the options
     ``static``, None where there is none (Adadelta, RMSprop, AMSGrad, apex Adam without bias correction)."""
     fused = _FUSED.get(factory)
-    if (
-        fused is None
-        or static.get("amsgrad")
-        or (factory is torch_optimizers.apex_adam and not static["bias_correction"])
-    ):
-        return None
-    return functools.partial(fused, interpret=interpret)
+    unfused_option = static.get("amsgrad") or (factory is torch_optimizers.apex_adam and not static["bias_correction"])
+    return None if fused is None or unfused_option else functools.partial(fused, interpret=interpret)
