@@ -1,14 +1,9 @@
 """``tsm.init``: SMP v2's configuration, read as SMP v2 reads it and given to ``jmp.init``.
 
-SMP v2's keys are jmp config keys already. Where v2's defaults differ:
-
-- ``hybrid_shard_degree`` 0: FSDP's ``sharding_strategy`` decides (without tp), else the largest degree; the
-  mesh's ``fsdp`` spans every data-parallel device and ``tsm.state.hybrid_shard_degree`` stays 0 in the first
-  case, so jmp's FSDP wrapper can tell the two apart (``tsm_state``).
-- ``activation_loading_horizon`` 2: kept for ``tsm.state`` only (XLA schedules offloaded copies itself).
-
-``tsm.state``'s degrees may be assigned: before ``tsm.init`` the value replaces the config's, after it the
-mesh is built again with it.
+SMP v2's keys are jmp's. Its defaults differ for ``hybrid_shard_degree`` (0: FSDP's ``sharding_strategy`` decides
+without tp, else the largest degree; the mesh's ``fsdp`` spans every data-parallel device either way, and
+``tsm.state.hybrid_shard_degree`` says which) and ``activation_loading_horizon`` (2, kept for ``tsm.state`` only).
+``tsm.state``'s degrees may be assigned: kept for the next ``tsm.init``, or the mesh is built again with them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Attention and grouped (per-expert) matrix products, lowered to JAX's high-level ops.
 
 ``F.scaled_dot_product_attention`` becomes ``jax.nn.dot_product_attention`` (ring attention under context
-parallelism: ``ring_attention.py``); grouped matmuls become ``jax.lax.ragged_dot``. XLA's attention
-materialises every head's float32 score matrix, so on a CUDA GPU the lowering asks for cuDNN's flash attention
-wherever cuDNN computes the same attention (``choose_implementation``). A boolean mask traced into the program
-(Hugging Face's causal LMs build one) is compared with the causal pattern when the step runs: ``lax.cond``
-takes cuDNN's causal kernel if it is that pattern and XLA otherwise, each branch under ``jax.checkpoint`` so
-neither keeps the other's residuals. Under the step's per-process ``vmap`` the choice is XLA (JAX batches
-cuDNN's attention along the leading axis only). ``JMP_ATTENTION_IMPLEMENTATION`` (``xla``, ``cudnn``,
-``auto``) overrides the choice at each trace. Other platforms make the XLA call with no ``implementation``.
+parallelism), grouped matmuls ``jax.lax.ragged_dot``. XLA's attention materialises every head's float32 scores,
+so on a CUDA GPU the lowering takes cuDNN's flash attention wherever it computes the same (``choose_implementation``);
+a traced boolean mask (Hugging Face's causal LMs build one) is compared with the causal pattern as the step runs,
+``lax.cond`` taking cuDNN's causal kernel or XLA, each branch under ``jax.checkpoint``. Under the step's
+per-process ``vmap`` it is XLA; ``JMP_ATTENTION_IMPLEMENTATION`` (``xla``, ``cudnn``, ``auto``) overrides the choice.
 """
 
 from __future__ import annotations
