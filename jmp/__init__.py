@@ -1,16 +1,4 @@
-"""jmp: SageMaker-style model parallelism for PyTorch models, on JAX/XLA.
-
-import jmp as smp
-smp.init({"microbatches": 4})
-model = smp.DistributedModel(torch_module)
-optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.module.parameters()))
-
-@smp.step
-def train_step(model, data, target):
-    loss = F.cross_entropy(model(data), target)
-    model.backward(loss)
-    return loss
-"""
+"""jmp: SageMaker-style model parallelism for PyTorch models, on JAX/XLA (``import jmp as smp``; see README.md)."""
 
 import sys as _sys
 

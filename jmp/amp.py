@@ -1,23 +1,7 @@
 """``smp.amp.GradScaler``: torch's ``torch.amp.GradScaler`` for step functions that run on jmp.
 
-A script written for ``torch.autocast`` + ``GradScaler`` keeps its shape::
-
-    scaler = smp.amp.GradScaler()
-
-    @smp.step
-    def train_step(model, data, target):
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = F.cross_entropy(model(data), target)
-        model.backward(scaler.scale(loss))
-        return loss
-
-    train_step(model, data, target)
-    scaler.step(optimizer)
-    scaler.update()
-
-The scale is a device scalar fed to the compiled step (changing it recompiles nothing); inf/nan checks,
-the skipped update and the scale's growth and backoff all run on the devices, so nothing waits for a
-step to finish (torch's scaler reads ``found_inf`` on the host at every ``step``).
+The scale is a device scalar fed to the compiled step (changing it recompiles nothing); the inf/nan check,
+the skipped update and the scale's growth and backoff run on the devices, so nothing waits on the host.
 """
 
 from __future__ import annotations
@@ -47,13 +31,8 @@ _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 class GradScaler:
     """torch.amp.GradScaler's API and update rule, for ``smp.DistributedOptimizer``s.
 
-    Args (as torch's):
-        device: accepted for compatibility; jmp runs on the mesh of ``smp.init``.
-        init_scale: the first scale.
-        growth_factor: the scale is multiplied by it after ``growth_interval`` steps without inf/nan.
-        backoff_factor: the scale is multiplied by it after a step with an inf/nan gradient.
-        growth_interval: clean steps between growths.
-        enabled: False makes every method a pass-through (``scale`` returns the loss, ``step`` steps).
+    Arguments as torch's; ``device`` is accepted and ignored (jmp runs on the mesh of ``smp.init``), and
+    ``enabled=False`` makes every method a pass-through.
     """
 
     # the LossScaleSource of jmp.wrapped_model.seams: the step function multiplies the loss itself (scale())
@@ -93,11 +72,7 @@ class GradScaler:
         return self._scale
 
     def scale(self, outputs: Any) -> Any:
-        """``outputs`` (a tensor, or a list/tuple of them) multiplied by the scale.
-
-        Inside an ``@smp.step`` function the scale is the step program's loss-scale input, so the same
-        program serves every scale.
-        """
+        """``outputs`` (a tensor, or a list/tuple of them) times the scale (a step-program input in ``@smp.step``)."""
         if not self._enabled:
             return outputs
         trace = current_trace()
@@ -236,8 +211,7 @@ def _replicated() -> NamedSharding:
 
 
 def _distributed(optimizer: Any) -> DistributedOptimizer:
-    """The ``DistributedOptimizer`` that ``optimizer`` is, or that a plain torch optimizer on a model's parameters
-    stands for (a loop without a step function leaves its optimizer unwrapped: ``jmp.eager.plain_optimizers``)."""
+    """The ``DistributedOptimizer`` that ``optimizer`` is, or that a plain torch optimizer stands for."""
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -1,10 +1,4 @@
-"""SMP's ``smdistributed.modelparallel.torch.checkpoint``: ``save`` / ``load`` and ``save_checkpoint`` /
-``resume_from_checkpoint`` (``jmp.saving``).
-
-As in SMP, the package's own ``smp.checkpoint`` is another object, the activation-checkpointing function
-(``smp.checkpoint(module, *args)``); this module is reached by its import path only
-(``from smdistributed.modelparallel.torch.checkpoint import save_checkpoint``).
-"""
+"""SMP's ``smdistributed.modelparallel.torch.checkpoint`` path (``jmp.saving``); ``smp.checkpoint`` is remat's."""
 
 from jmp.saving import load, resume_from_checkpoint, save, save_checkpoint
 

@@ -1,9 +1,4 @@
-"""SMP's ``smdistributed.modelparallel.torch.comm``: its process groups (``CommGroup``, ``RankType`` and the group
-shorthands), the collectives on picklable host objects, the barriers and the ``torch.distributed`` process groups.
-
-Scripts and tools import them from this path as well as from ``smp`` itself; the objects are the same. They live in
-``jmp.runtime.comm`` and ``jmp.runtime.process_groups``.
-"""
+"""SMP's ``smdistributed.modelparallel.torch.comm`` path: the same objects as ``smp``'s, from ``jmp.runtime``."""
 
 from jmp.runtime.comm import (
     DP_GROUP,

@@ -60,8 +60,7 @@ class ActivationCheckpointingError(JmpError):
 
 
 class CheckpointError(JmpError, RuntimeError):
-    """A checkpoint cannot be saved or resumed: a missing path or tag, an incomplete or corrupted
-    checkpoint, or one saved from another model."""
+    """A checkpoint cannot be saved or resumed (missing path or tag, incomplete, corrupted, or another model's)."""
 
 
 class UnreadableCheckpointError(CheckpointError):
@@ -69,5 +68,4 @@ class UnreadableCheckpointError(CheckpointError):
 
 
 class CommError(JmpError, RuntimeError):
-    """A barrier, broadcast, send or allgather did not complete: a peer did not make the matching call in
-    time (``JMP_COMM_TIMEOUT``), or the distributed runtime failed."""
+    """A host collective did not complete: a peer missed its call (``JMP_COMM_TIMEOUT``) or the runtime failed."""

@@ -1,8 +1,4 @@
-"""SMP's ``smdistributed.modelparallel.torch.model``: the module that holds ``DistributedModel``.
-
-Scripts and tools test ``isinstance(model, smp.model.DistributedModel)`` (Hugging Face's ``Trainer`` does), so the
-path is SMP's; the class lives in ``jmp.wrapped_model``, which may not take SMP's public name.
-"""
+"""SMP's ``smdistributed.modelparallel.torch.model`` path, for ``isinstance(model, smp.model.DistributedModel)``."""
 
 from jmp.wrapped_model.distributed_model import DistributedModel
 

@@ -1,33 +1,12 @@
-"""``smp.optimizers``: the fused optimizers of NVIDIA apex, for scripts that import them from SMP.
+"""``smp.optimizers``: NVIDIA apex's fused optimizers as torch optimizers with apex's arguments and update rules.
 
-SMP's documentation tells users to drop ``apex.optimizers.FusedAdam`` / ``FusedLAMB`` / ``FusedNovoGrad``
-and take the library's own. These are ``torch.optim.Optimizer`` classes with apex's constructor arguments and
-update rules, so a script runs unchanged: ``step()`` updates eagerly in PyTorch when the model is a plain
-``nn.Module``, and ``smp.DistributedOptimizer`` runs the same rule compiled (``jmp.optim.torch_rules``), Adam
-and LAMB in one Pallas kernel pass per parameter dtype with the config key ``fused_optimizer: True``
-(``jmp.optim.kernels``; by default XLA fuses the same update).
-
-- ``FusedAdam``: Adam; ``adam_w_mode=True`` (apex's default) decays the weights outside the moments, as
-  ``torch.optim.AdamW``; False adds the decay to the gradient (L2), as ``torch.optim.Adam``.
-- ``FusedLAMB`` (also ``FusedLamb``): LAMB (You et al., 2019) as apex computes it: the gradients of every
-  group are first scaled down to a global norm of ``max_grad_norm`` when above it; Adam's moments (the
-  first with weight ``1 - beta1``, or 1 without ``grad_averaging``), bias-corrected; the direction
-  ``m / (sqrt(v) + eps)`` plus ``weight_decay * p`` (``adam_w_mode``; else the decay is added to the
-  gradient); each tensor's step scaled by its trust ratio ``||p|| / ||direction||`` (1 where either is 0)
-  when the group decays weights or ``use_nvlamb``.
-- ``FusedNovoGrad``: NovoGrad (Ginsburg et al., 2019) as apex computes it: each tensor keeps one running
-  gradient norm ``v`` (L2: ``sqrt(b2 v^2 + (1 - b2) ||g||^2)``; ``norm_type=0``: of the largest magnitude;
-  started at the first gradient's norm, or 0 with ``init_zero``), bias-corrected by ``sqrt(1 - b2^t)``;
-  the step is ``m / (v + eps) + weight_decay * p`` with ``m`` Adam's first moment of the gradient, or with
-  ``reg_inside_moment`` the moment of ``g / (v + eps) + weight_decay * p`` itself.
-
-LAMB and NovoGrad take norms per tensor, so they are refused for a pipelined model, whose optimizer updates
-each stage's parameters packed into a few buffers.
+``step()`` updates eagerly for a plain ``nn.Module``; ``smp.DistributedOptimizer`` runs the same rule compiled
+(``jmp.optim.torch_rules``). LAMB and NovoGrad take norms per tensor, so a pipelined model refuses them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
@@ -53,20 +32,26 @@ class _ApexOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
-    def _stepped(self, group: dict, first_state: Callable[[torch.Tensor], dict]) -> Iterator[tuple]:
-        """The group's parameters with a gradient, each with its state (``first_state(p)`` when new) one step on."""
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state.update(step=torch.tensor(0.0), **first_state(p))
-            state["step"] += 1
-            yield p, state
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else torch.enable_grad()(closure)()
+        self._prepare()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), **self._first_state(p, group))
+                state["step"] += 1
+                self._update(p, state, group, *group["betas"])
+        return loss
 
+    def _prepare(self) -> None:
+        """Work over all gradients before the per-parameter updates."""
 
-def _adam_state(p: torch.Tensor) -> dict:
-    return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    def _first_state(self, p: torch.Tensor, group: dict) -> dict:
+        return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 class FusedAdam(_ApexOptimizer):
@@ -93,19 +78,16 @@ class FusedAdam(_ApexOptimizer):
         )  # fmt: skip
         super().__init__(params, defaults, set_grad_none)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None if closure is None else torch.enable_grad()(closure)()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p, state in self._stepped(group, _adam_state):
-                direction = _adam_direction(p, p.grad, state, group, beta1, beta2, grad_averaging=True)
-                p.add_(direction, alpha=-group["lr"])
-        return loss
+    def _update(self, p, state, group, beta1, beta2) -> None:
+        p.add_(_adam_direction(p, p.grad, state, group, beta1, beta2, grad_averaging=True), alpha=-group["lr"])
 
 
 class FusedLAMB(_ApexOptimizer):
-    """apex's ``FusedLAMB`` (see the module docstring for its rule)."""
+    """apex's ``FusedLAMB``: Adam's bias-corrected direction plus decay, scaled per tensor by ``||p|| / ||direction||``.
+
+    The gradients of all groups are first scaled to a global norm of at most ``max_grad_norm``; the trust ratio
+    (1 where a norm is 0) applies when the group decays weights or ``use_nvlamb``.
+    """
 
     def __init__(
         self,
@@ -130,35 +112,34 @@ class FusedLAMB(_ApexOptimizer):
         )  # fmt: skip
         super().__init__(params, defaults, set_grad_none)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None if closure is None else torch.enable_grad()(closure)()
+    def _prepare(self) -> None:
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
-            return loss
+            return
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
         max_norm = self.defaults["max_grad_norm"]
-        clip = norm / max_norm if max_norm > 0 and norm > max_norm else torch.ones(())
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p, state in self._stepped(group, _adam_state):
-                direction = _adam_direction(
-                    p, p.grad / clip, state, group, beta1, beta2, grad_averaging=group["grad_averaging"]
-                )
-                ratio = torch.ones(())
-                if group["weight_decay"] != 0 or group["use_nvlamb"]:
-                    p_norm, d_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(direction)
-                    if p_norm > 0 and d_norm > 0:
-                        ratio = p_norm / d_norm
-                p.add_(direction * ratio, alpha=-group["lr"])
-        return loss
+        self._clip = norm / max_norm if max_norm > 0 and norm > max_norm else torch.ones(())
+
+    def _update(self, p, state, group, beta1, beta2) -> None:
+        grad = p.grad / self._clip
+        direction = _adam_direction(p, grad, state, group, beta1, beta2, grad_averaging=group["grad_averaging"])
+        ratio = torch.ones(())
+        if group["weight_decay"] != 0 or group["use_nvlamb"]:
+            p_norm, d_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(direction)
+            if p_norm > 0 and d_norm > 0:
+                ratio = p_norm / d_norm
+        p.add_(direction * ratio, alpha=-group["lr"])
 
 
 FusedLamb = FusedLAMB
 
 
 class FusedNovoGrad(_ApexOptimizer):
-    """apex's ``FusedNovoGrad`` (see the module docstring for its rule)."""
+    """apex's ``FusedNovoGrad``: Adam's first moment over one running gradient norm per tensor (``_blend_norm``).
+
+    The norm starts at the first gradient's (0 with ``init_zero``) and is bias-corrected by ``sqrt(1 - b2^t)``;
+    with ``reg_inside_moment`` the moment is taken of ``g / (v + eps) + weight_decay * p`` itself.
+    """
 
     def __init__(
         self,
@@ -185,21 +166,14 @@ class FusedNovoGrad(_ApexOptimizer):
         )  # fmt: skip
         super().__init__(params, defaults, set_grad_none)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None if closure is None else torch.enable_grad()(closure)()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+    def _first_state(self, p: torch.Tensor, group: dict) -> dict:
+        start = torch.zeros(()) if group["init_zero"] else _norm(p.grad, group["norm_type"])
+        return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": start}  # the running norm: one per tensor
 
-            def first_state(p, group=group):  # the running norm starts at the first gradient's (or 0)
-                start = torch.zeros(()) if group["init_zero"] else _norm(p.grad, group["norm_type"])
-                return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": start}
-
-            for p, state in self._stepped(group, first_state):
-                norm = _norm(p.grad, group["norm_type"])
-                state["exp_avg_sq"] = _blend_norm(state["exp_avg_sq"], norm, beta2, group["norm_type"])
-                p.sub_(_novograd_step(p, p.grad, state, group, beta1, beta2), alpha=group["lr"])
-        return loss
+    def _update(self, p, state, group, beta1, beta2) -> None:
+        norm = _norm(p.grad, group["norm_type"])
+        state["exp_avg_sq"] = _blend_norm(state["exp_avg_sq"], norm, beta2, group["norm_type"])
+        p.sub_(_novograd_step(p, p.grad, state, group, beta1, beta2), alpha=group["lr"])
 
 
 def _adam_direction(p, grad, state, group, beta1, beta2, *, grad_averaging: bool) -> torch.Tensor:

@@ -1,10 +1,7 @@
-"""PyTorch training loops without a step function: ``loss = model(**batch).loss; loss.backward();
-optimizer.step()`` recorded and run as one compiled step (``recording``), on ``LazyTensor`` values
-(``lazy_tensor``).
+"""PyTorch training loops without a step function, recorded and run as one compiled step (``recording``).
 
-Importing this package makes a ``DistributedModel`` called outside a step function start a recording (with
-gradients on) or run its forward at once (under ``torch.no_grad()``), and gives a model wrapping a Hugging Face
-generating module ``model.generate(...)`` (``generation``).
+Importing it makes a ``DistributedModel`` called outside a step record (or, under ``torch.no_grad()``, run at
+once) and gives a wrapped Hugging Face generating module ``model.generate(...)`` (``generation``).
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ __all__ = ["LazyTensor", "Recording", "call_outside_step"]
 
 
 def call_outside_step(model: DistributedModel, args: tuple, kwargs: dict) -> Any:
-    """``model(*args, **kwargs)`` outside a step function: a recording's values, or (gradients off) the
-    outputs of a forward run at once, as torch tensors."""
+    """``model(*args, **kwargs)`` outside a step: a recording's values, or (gradients off) a forward's outputs."""
     return Recording(model, args, kwargs).returned
 
 

@@ -1,12 +1,8 @@
-"""Hugging Face ``generate()`` on a ``DistributedModel``: the wrapped module's own generation loop (search,
-sampling, logits processors, stopping criteria), its forward calls run by jmp.
+"""Hugging Face ``generate()`` on a ``DistributedModel``: the module's own loop, its forwards run by jmp.
 
-Each forward is a model call under ``torch.no_grad()`` outside a step function (``recording``): a forward-only
-program, cached by its inputs' shapes. A key/value cache cannot cross the compiled forward (a step's cache is in
-microbatch pieces on the devices, and each call would bake a new cache object into a new program), so generation
-runs without one: every new token runs the forward on the whole sequence so far, which computes the same tokens.
-A generation of N tokens from a prompt of length L runs programs for the lengths L .. L+N-1: N programs the first
-time, none for a later generation over the same lengths (and batch size).
+Each forward is a forward-only program cached by input shapes. A key/value cache cannot cross the compiled
+forward, so every new token runs the whole sequence so far (the same tokens): N new tokens compile N programs
+once.
 """
 
 from __future__ import annotations
@@ -14,20 +10,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from jmp.errors import StepError
-
-logger = logging.getLogger("jmp")
+from jmp.runtime import notices
 
 
 def generate_of(model: Any) -> Callable[..., Any]:
-    """``model.generate``: a Hugging Face module's ``generate`` running on ``model``'s forward (another module's
-    ``generate`` is a method of ``model``, ``self`` the model). AttributeError when
-    the module has no ``generate``, so that ``hasattr(model, "generate")`` answers as for the module."""
+    """``model.generate``: the module's Hugging Face ``generate`` on ``model``'s forward (another: a method of
+    ``model``); AttributeError without one, so ``hasattr(model, "generate")`` answers as for the module."""
     module = model.__dict__.get("torch_module")
     method = getattr(module, "generate", None)
     if not callable(method):
@@ -49,15 +42,14 @@ def _is_hugging_face_generator(module: Any) -> bool:
 
 
 def run_generate(model: Any, method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """``method(*args, **kwargs)`` (the module's bound ``generate``) with the module's forward routed to
-    ``model``'s and no key/value cache."""
+    """``method(*args, **kwargs)`` (the module's ``generate``), its forward routed to ``model``'s, no cache."""
     if kwargs.get("past_key_values") is not None:
         raise StepError(
             "DistributedModel.generate(past_key_values=...): a key/value cache cannot enter jmp's compiled forward; "
             "pass the whole sequence so far as input_ids instead (jmp generates without a cache)"
         )
-    _note_once(
-        "no-cache",
+    notices.info_once(
+        "eager:generate-without-cache",
         "generate() on a DistributedModel runs without a key/value cache (use_cache=False): each new token runs "
         "the forward on the whole sequence so far, one compiled program per sequence length (the same tokens "
         "as with a cache)",
@@ -83,9 +75,8 @@ def _forward_routed_to(model: Any) -> Iterator[None]:
 
 
 def check_no_cache(leaves: list) -> None:
-    """Refuse a key/value cache among a forward's inputs: baked into the program as a constant, each call's
-    cache would compile a new program, and the model's in-place cache updates would write traced values into
-    the user's cache object."""
+    """Refuse a key/value cache among a forward's inputs: a program constant, it would compile a new program each
+    call, and the model's in-place updates would write traced values into the user's cache."""
     cache_utils = sys.modules.get("transformers.cache_utils")  # never imports transformers itself
     if cache_utils is None:
         return
@@ -96,12 +87,3 @@ def check_no_cache(leaves: list) -> None:
                 "cannot enter jmp's compiled forward (and a forward's cache comes back as None). Call the model on "
                 "the whole sequence so far, with use_cache=False, or use model.generate(...), which does that"
             )
-
-
-_noted: set[str] = set()
-
-
-def _note_once(key: str, message: str) -> None:
-    if key not in _noted:
-        _noted.add(key)
-        logger.info(message)

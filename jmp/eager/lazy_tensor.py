@@ -1,10 +1,7 @@
 """``LazyTensor``: a torch tensor that stands for a value of a recording (``jmp.eager.recording``).
 
-A model called outside a step function returns LazyTensors: they have torch's shape and dtype but no value
-yet. Torch calls on them are recorded (their result's shape and dtype computed on the ``meta`` device), until
-``backward()`` runs the recording as one compiled step. Reading a value (``item()``, ``float()``, printing,
-``.cpu()``, ``.numpy()``) gives the recording's result, running the recording's forward first if it has not
-run (a sync the loop pays there); once the recording ran, torch calls run on the values, as on any tensor.
+Torch calls on it are recorded (shapes and dtypes from the ``meta`` device) until ``backward()`` runs the
+recording; reading a value first runs the recording's forward if needed; afterwards it is an ordinary tensor.
 """
 
 from __future__ import annotations
@@ -79,8 +76,7 @@ class LazyTensor(torch.Tensor):
 
 
 def _autograd_backward_arguments(tensors: Any, grad_tensors: Any = None, *rest: Any, **options: Any) -> tuple:
-    """(tensor, gradient) of ``torch.autograd.backward(tensors, grad_tensors)`` with one tensor, as
-    ``Tensor.backward`` takes them."""
+    """(tensor, gradient) of a one-tensor ``torch.autograd.backward(tensors, grad_tensors)``."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     grads = [grad_tensors] if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
     if len(tensors) != 1:

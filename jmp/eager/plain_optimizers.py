@@ -1,22 +1,12 @@
-"""A plain torch optimizer built on a ``DistributedModel``'s parameters (``torch.optim.AdamW(model.parameters())``,
-never wrapped) becomes a ``DistributedOptimizer`` at its first ``step()``.
+"""A plain torch optimizer on a ``DistributedModel``'s parameters becomes a ``DistributedOptimizer`` at its first step.
 
-A step's gradients are on the devices (``param.grad`` reads them lazily, ``jmp.wrapped_model.param_grads``);
-torch's own ``step()`` would update the host's copies of the parameters, not the model. A global optimizer step
-pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``, installed by the first implicit step) wraps
-such an optimizer in ``smp.DistributedOptimizer`` and runs the wrapper's step before each of torch's, which then
-finds no ``param.grad`` (a post-hook puts them back) and changes nothing; the object's ``zero_grad``,
-``state_dict`` and ``load_state_dict`` become the wrapper's. The loop keeps calling the object it holds, and LR
-schedulers keep wrapping its ``step`` and writing its ``param_groups``, which the wrapper reads at every step.
-It says so once, at INFO.
-
-A state loaded before the first ``step()`` (``optimizer.load_state_dict(saved)`` when a loop resumes) is torch's
-own ``optimizer.state`` until then: the wrapper takes it over at the first ``step()``, before its update.
+Torch's ``step()`` would update host copies, not the model. A global step pre-hook wraps the optimizer and runs
+the wrapper's step before torch's (which then sees no ``param.grad`` and changes nothing); ``zero_grad`` and the
+state-dict methods become the wrapper's, and a state loaded before the first step is taken over then.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -25,8 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from jmp.errors import OptimizerError
 from jmp.optim import model_lookup
 from jmp.optim.distributed_optimizer import DistributedOptimizer
-
-logger = logging.getLogger("jmp")
+from jmp.runtime import notices
 
 ROUTED = ("zero_grad", "state_dict", "load_state_dict")  # step stays torch's (LR schedulers wrap it); the hook acts
 
@@ -35,7 +24,6 @@ _installed: list[Any] = []
 # would keep every such optimizer, and its model, alive, as its value holds its key
 WRAPPER = "_jmp_distributed_optimizer"
 HIDDEN = "_jmp_hidden_grads"  # the p.grad torch's own step must not see (it would update host copies)
-_noted: set[str] = set()
 
 
 def install() -> None:
@@ -45,9 +33,8 @@ def install() -> None:
 
 
 def distributed_optimizer_of(optimizer: torch.optim.Optimizer) -> DistributedOptimizer | None:
-    """The ``DistributedOptimizer`` a plain torch optimizer on a model's parameters stands for, made now if its
-    first ``step()`` has not come yet (``smp.save_checkpoint`` / ``resume_from_checkpoint`` given the torch
-    optimizer); None for an optimizer of other tensors."""
+    """The ``DistributedOptimizer`` a plain torch optimizer on a model's parameters stands for (made now if its first
+    ``step()`` has not come); None for an optimizer of other tensors."""
     distributed = getattr(optimizer, WRAPPER, None)
     if distributed is None:
         if not model_lookup.owners_of(optimizer):
@@ -57,7 +44,13 @@ def distributed_optimizer_of(optimizer: torch.optim.Optimizer) -> DistributedOpt
         for name in ROUTED:
             setattr(optimizer, name, getattr(distributed, name))
         _take_over_loaded_state(optimizer, distributed)
-        _note(type(optimizer).__name__)
+        notices.info_once(
+            f"eager:wrapped:{type(optimizer).__name__}",
+            "torch.optim.%s on a smp.DistributedModel's parameters: wrapped in smp.DistributedOptimizer at its "
+            "first step(); each step() updates the model's sharded state, and its zero_grad and state_dict are "
+            "the wrapper's",
+            type(optimizer).__name__,
+        )
     return distributed
 
 
@@ -80,8 +73,7 @@ def _show_grads_again(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
 
 
 def _take_over_loaded_state(optimizer: torch.optim.Optimizer, distributed: DistributedOptimizer) -> None:
-    """Move what torch's ``load_state_dict`` put in ``optimizer.state`` before the first ``step()`` to the devices
-    (the wrapper's load empties torch's copy)."""
+    """Move what torch's ``load_state_dict`` put in ``optimizer.state`` before the first ``step()`` to the devices."""
     loaded = torch.optim.Optimizer.state_dict(optimizer)  # torch's own: state_dict is the wrapper's now
     if not loaded["state"]:
         return
@@ -94,14 +86,3 @@ def _take_over_loaded_state(optimizer: torch.optim.Optimizer, distributed: Distr
             "its load_state_dict"
         )
     distributed.load_state_dict(loaded)
-
-
-def _note(name: str) -> None:
-    if name not in _noted:
-        _noted.add(name)
-        logger.info(
-            "torch.optim.%s on a smp.DistributedModel's parameters: wrapped in smp.DistributedOptimizer at its "
-            "first step(); each step() updates the model's sharded state, and its zero_grad and state_dict are "
-            "the wrapper's",
-            name,
-        )

@@ -1,15 +1,9 @@
-"""An implicit step: a ``DistributedModel`` called outside a step function, the torch calls made on its outputs,
-and the ``backward()`` that runs them all as one compiled step.
+"""An implicit step: a ``DistributedModel`` called outside a step function, the torch calls on its outputs, and the
+``backward()`` that runs them all as one compiled step.
 
-The recording keeps what the loop did as a ``Plan`` (hashable: the program cache's key, so the second iteration
-of a loop reuses the first one's program), and the real tensors it read (the model's inputs, labels a loss
-takes) as the step's inputs: those with the batch's rows are split into microbatches as ``@smp.step`` splits
-them, the others are given whole. ``backward()`` runs ``implicit_step`` (forward, the recorded calls,
-``model.backward(loss)``): gradients accumulate in the model as a step function's do, until
-``optimizer.zero_grad()``. Every value of the recording still referenced then comes back (as
-``StepOutput.as_tensor()`` gives it: a scalar is the mean over microbatches, a batch is joined in order).
-A call recorded inside a ``torch.autocast`` region is replayed inside the same region in the step, as the calls
-of a step function written inside one run.
+The recording's ``Plan`` is hashable (the program cache's key); the real tensors it read are the step's inputs,
+those with the batch's rows split into microbatches. Gradients accumulate until ``zero_grad()``; values still
+referenced come back as ``StepOutput.as_tensor()`` gives them; autocast regions are replayed.
 """
 
 from __future__ import annotations
@@ -68,8 +62,7 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What an implicit step computes: the model call, the calls on its values, what it differentiates and
-    what it returns (``keep``; ``None``: the model call's own result)."""
+    """What an implicit step computes: the model call, the calls on its values, what it differentiates and ``keep``s."""
 
     model_call: Call
     calls: tuple[Call, ...]
@@ -81,8 +74,7 @@ class Plan:
 
 @step(non_split_inputs=["whole"])
 def implicit_step(model, batch: list, whole: list, plan: Plan):
-    """The recorded loop as a step function: ``batch`` the tensors split into microbatches, ``whole`` those
-    given whole (``plan`` is a compile-time constant)."""
+    """The recorded loop as a step function: ``batch`` split into microbatches, ``whole`` given whole."""
     pieces, wholes = iter(batch), iter(whole)
     inputs = [next(pieces) if is_split else next(wholes) for is_split in plan.split]
     values: dict[int, Any] = {}
@@ -121,8 +113,7 @@ def _resolve(leaf: Any, inputs: list, values: dict) -> Any:
 
 
 class Recording:
-    """One implicit step being recorded (see the module docstring); with gradients off, a forward run at once.
-    ``returned`` is what the model call returns."""
+    """One implicit step being recorded (with gradients off, a forward run at once); ``returned``: the call's result."""
 
     def __init__(self, model: Any, args: tuple, kwargs: dict):
         plain_optimizers.install()
@@ -283,8 +274,7 @@ class Recording:
 
 
 def _autocast_region() -> tuple[str, torch.dtype] | None:
-    """The ``torch.autocast`` region open where a call is recorded, as (device type, dtype); CUDA's first, as the
-    bridge reads an open region (``jmp.torch_bridge.autocast``)."""
+    """The ``torch.autocast`` region open where a call is recorded, as (device type, dtype), CUDA's first."""
     for device_type in ("cuda", "cpu"):
         if torch.is_autocast_enabled(device_type):
             return device_type, torch.get_autocast_dtype(device_type)

@@ -1,14 +1,4 @@
-"""Convert the seed's GroupedNet to Flax NNX, check it against PyTorch, and train it in JAX.
-
-    python -m jmp.examples.bridge_demo [--epochs 3]
-
-1. Parity: the converted model's outputs and gradients equal PyTorch's.
-2. Lock-step: five SGD steps in PyTorch and in JAX give the same losses.
-3. Training: Adadelta (lr 4.0, as in the seed script) with dropout, on the
-   embedded digits dataset, compiled into one XLA program per step.
-4. Export: the trained weights load back into the torch model, which then
-   scores the same held-out accuracy.
-"""
+"""Convert the seed's GroupedNet to Flax NNX, check it against PyTorch, train it in JAX and export it back."""
 
 from __future__ import annotations
 
@@ -31,6 +21,13 @@ from jmp.examples.models import GroupedNet
 
 def nll(log_probs: jax.Array, labels: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], axis=1))
+
+
+@nnx.jit
+def train_step(module, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: nll(m(x), y))(module)
+    optimizer.update(module, grads)
+    return loss
 
 
 def check_parity(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
@@ -57,13 +54,6 @@ def lock_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor
     converted = jmp.torch_bridge.convert(model)
     torch_opt = torch.optim.SGD(model.parameters(), lr=0.05)
     optimizer = nnx.Optimizer(converted, optax.sgd(0.05), wrt=nnx.Param)
-
-    @nnx.jit
-    def jax_step(module, optimizer, x, y):
-        loss, grads = nnx.value_and_grad(lambda m: nll(m(x), y))(module)
-        optimizer.update(module, grads)
-        return loss
-
     pairs = []
     for step in range(steps):
         batch = slice(step * 32, (step + 1) * 32)
@@ -72,7 +62,7 @@ def lock_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor
         torch_loss.backward()
         torch_opt.step()
         x, y = jnp.asarray(images[batch].numpy()), jnp.asarray(labels[batch].numpy())
-        jax_loss = jax_step(converted, optimizer, x, y)
+        jax_loss = train_step(converted, optimizer, x, y)
         pairs.append((float(torch_loss), float(jax_loss)))
     return pairs
 
@@ -80,13 +70,6 @@ def lock_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor
 def train(converted, train_images, train_labels, epochs: int, batch_size: int = 64) -> None:
     converted.train()
     optimizer = nnx.Optimizer(converted, optax.adadelta(learning_rate=4.0, rho=0.9, eps=1e-6), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(module, optimizer, x, y):
-        loss, grads = nnx.value_and_grad(lambda m: nll(m(x), y))(module)
-        optimizer.update(module, grads)
-        return loss
-
     x_all, y_all = jnp.asarray(train_images.numpy()), jnp.asarray(train_labels.numpy())
     steps = len(y_all) // batch_size  # drop_last=True, as the seed script asks
     for epoch in range(1, epochs + 1):
@@ -94,7 +77,7 @@ def train(converted, train_images, train_labels, epochs: int, batch_size: int = 
         total, start = 0.0, time.perf_counter()
         for i in range(steps):
             idx = order[i * batch_size : (i + 1) * batch_size]
-            total += float(step(converted, optimizer, x_all[idx], y_all[idx]))
+            total += float(train_step(converted, optimizer, x_all[idx], y_all[idx]))
             _progress(epoch, epochs, i + 1, steps, total / (i + 1))
         print(f"  ({time.perf_counter() - start:.1f}s)")
 

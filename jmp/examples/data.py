@@ -1,9 +1,4 @@
-"""The embedded default dataset: scikit-learn's bundled handwritten digits, shaped like MNIST.
-
-1,797 8x8 grey images ship inside scikit-learn, so nothing is downloaded. They
-are upsampled to 28x28 and normalised with MNIST's mean and deviation, so the
-seed scripts' MNIST models run on them unchanged.
-"""
+"""The embedded default dataset: scikit-learn's 8x8 digits upsampled to 28x28 and normalised as MNIST (no download)."""
 
 from __future__ import annotations
 
@@ -30,10 +25,11 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[torch.Tensor, tor
 
 
 class ProcessShare(torch.utils.data.Sampler):
-    """Batches of ``batch_size`` row indices for data-parallel process ``rank`` of ``processes``: its contiguous
-    block of each global batch of ``batch_size * processes`` rows, the global batches drawn as one process drawing
-    them whole would (a permutation from ``seed`` per epoch, or in order). N processes with a per-process batch B
-    so train on what one process with a batch of N x B does; the incomplete last global batch is dropped."""
+    """Batches of ``batch_size`` row indices: process ``rank``'s block of each global batch (times ``processes``).
+
+    The global batches are drawn as one process would draw them (a permutation from ``seed`` per epoch, or in
+    order); the incomplete last one is dropped.
+    """
 
     def __init__(self, rows: int, batch_size: int, rank: int, processes: int, shuffle: bool, seed: int = 0):
         self.rows, self.batch_size, self.rank, self.processes, self.shuffle = rows, batch_size, rank, processes, shuffle

@@ -2,17 +2,9 @@
 
     python -m jmp.examples.mnist [--epochs 3] [--batch-size 64] [--microbatches 4] [--partitions 2]
 
-Adadelta (lr 4.0), batch 64 with ``drop_last=True``, as in SageMaker's example,
-and its configuration style: the model is cut into ``--partitions`` pipeline
-stages (automatic partitioning), the batch into 4 microbatches that flow
-through them (interleaved schedule), and data parallelism takes the remaining
-devices. scikit-learn's bundled digits stand in for MNIST (no download). On a
-machine without accelerators it emulates 8 devices: 2 stages x 4 data-parallel.
-
-Under ``python -m jmp.launch -n N``, as an SMP script on N ranks, ``--batch-size`` is per process (SMP's per-rank
-batch): each data-parallel process feeds its block of every global batch of N x ``--batch-size`` digits, so N
-processes with ``--batch-size B`` train on what one process with ``--batch-size`` N x B does (N times fewer
-updates an epoch than one process with B). The held-out loss and accuracy are summed over the processes with
+SageMaker's example's settings: Adadelta (lr 4.0), ``drop_last=True``, automatic partitioning into
+``--partitions`` stages, interleaved microbatches, data parallelism over the remaining devices. Under
+``python -m jmp.launch -n N`` ``--batch-size`` is per process and the held-out metrics are summed with
 ``smp.allgather``.
 """
 

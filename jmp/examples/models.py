@@ -1,8 +1,4 @@
-"""The seed scripts' MNIST model: ``GroupedNet``, a convolutional front and a linear back.
-
-SageMaker's model-parallel MNIST example splits it into two groups (``net1``,
-``net2``) so that each can live on its own pipeline stage.
-"""
+"""The seed scripts' ``GroupedNet``: a convolutional front (``net1``) and a linear back (``net2``), one per stage."""
 
 from __future__ import annotations
 

@@ -7,20 +7,7 @@ from torch import nn
 
 
 class DistributedLinear(nn.Linear):
-    """SMP's ``smp.nn.DistributedLinear(in_features, out_features)``: an ``nn.Linear`` of the global sizes.
-
-    jmp splits it over ``tp`` (column-parallel, or row-parallel as the second of a pair; see ``jmp.nn``).
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+    """SMP's ``smp.nn.DistributedLinear``: an ``nn.Linear`` of the global sizes, split over ``tp`` by jmp's rules."""
 
 
 class DistributedEmbedding(nn.Embedding):
@@ -47,17 +34,9 @@ class DistributedEmbedding(nn.Embedding):
         dtype: torch.dtype | None = None,
     ):
         super().__init__(
-            num_embeddings,
-            embedding_dim,
-            padding_idx=padding_idx,
-            max_norm=max_norm,
-            norm_type=norm_type,
-            scale_grad_by_freq=scale_grad_by_freq,
-            sparse=sparse,
-            _weight=_weight,
-            device=device,
-            dtype=dtype,
-        )
+            num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse, _weight,
+            device=device, dtype=dtype,
+        )  # fmt: skip
         if _weight is None and not self.weight.is_meta:
             with torch.no_grad():
                 self.weight.normal_(0.0, initializer_range)

@@ -1,15 +1,8 @@
-"""SMP's distributed transformer classes, written in plain torch so the bridge converts them and jmp's rules split them.
+"""SMP's distributed transformer classes in plain torch; parameter names are the ones jmp's tensor-parallel rules split.
 
-Parameter names follow jmp's tensor-parallel rules: attention's ``query`` / ``key`` /
-``value`` are column-parallel (split by heads) and ``out_proj`` row-parallel; the MLP's
-``fc1`` / ``fc2`` are a column/row pair; ``word_embeddings`` is split over the vocabulary
-and ``position_embeddings`` stays whole. Constructor arguments are SMP's.
-
-Masks: ``attention_mask`` of ``DistributedAttentionLayer`` / ``DistributedTransformerLayer`` /
-``DistributedTransformer`` is *additive* (0 to attend, a large negative number not to), broadcastable
-to [batch, heads, query, key] (Hugging Face's "extended" mask); ``DistributedTransformerLMHead`` takes
-a [batch, sequence] mask of 1 (attend) / 0 (padding). ``causal_mask_size`` adds a causal mask.
-Cross-attention (``add_cross_attention`` / ``cross_attention``) is not supported here.
+``attention_mask`` is *additive* (0 to attend, a large negative number not to; broadcastable to
+[batch, heads, query, key]) except for ``DistributedTransformerLMHead``, which takes a [batch, sequence]
+mask of 1 / 0. Cross-attention is not supported.
 """
 
 from __future__ import annotations
@@ -166,33 +159,14 @@ class DistributedTransformerLayer(nn.Module):
 
 
 class DistributedTransformer(nn.Module):
-    """``num_layers`` transformer layers: SMP's ``smp.nn.DistributedTransformer``; ``forward((hidden, mask))``."""
+    """``num_layers`` transformer layers: SMP's ``smp.nn.DistributedTransformer``; ``forward((hidden, mask))``.
 
-    def __init__(
-        self,
-        num_layers: int = 12,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
-        hidden_size: int = 1024,
-        intermediate_size: int = 4096,
-        attention_dropout_prob: float = 0.1,
-        hidden_dropout_prob: float = 0.1,
-        activation: str = "gelu",
-        layernorm_epsilon: float = 1e-5,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        causal_mask_size: int | None = None,
-        add_cross_attention: bool = False,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-    ):
+    The arguments after ``num_layers`` are ``DistributedTransformerLayer``'s, in its order.
+    """
+
+    def __init__(self, num_layers: int = 12, *layer_args, **layer_kwargs):
         super().__init__()
-        layer = (
-            num_attention_heads, attention_head_size, hidden_size, intermediate_size, attention_dropout_prob,
-            hidden_dropout_prob, activation, layernorm_epsilon, initializer_range, use_normal_initialization,
-            causal_mask_size, add_cross_attention, pre_layernorm, post_layernorm,
-        )  # fmt: skip
-        self.layers = nn.ModuleList(DistributedTransformerLayer(*layer) for _ in range(num_layers))
+        self.layers = nn.ModuleList(DistributedTransformerLayer(*layer_args, **layer_kwargs) for _ in range(num_layers))
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         hidden_states, attention_mask = inputs

@@ -1,13 +1,9 @@
 """``DistributedOptimizer``: the user's ``torch.optim`` optimizer (or an optax transformation), run by optax.
 
-The torch optimizer stays the source of hyper-parameters: param groups, their
-learning rates and whatever LR schedulers write into ``param_groups`` are read
-at every ``step()`` and fed to the compiled update as values, so a changed
-learning rate needs no recompilation. The optimizer state is an optax state
-laid out like the parameters on the mesh. Its pieces live beside it:
-``torch_state`` (torch's ``state_dict`` format), ``update_steps`` (unscale, clip,
-skip an overflow step), ``fused_path`` (the Pallas kernels) and
-``jmp.precision.loss_scaling`` (the loss-scaling options).
+The torch optimizer stays the source of hyper-parameters: ``param_groups`` (LR schedulers' writes included)
+are read at every ``step()`` and fed to the compiled update as values, so no change recompiles. Beside it:
+``torch_state`` (torch's ``state_dict`` format), ``update_steps`` (unscale, clip, skip), ``fused_path`` (Pallas
+kernels) and ``jmp.precision.loss_scaling``.
 """
 
 from __future__ import annotations
@@ -34,28 +30,11 @@ from jmp.wrapped_model.distributed_model import DistributedModel, with_shardings
 class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
     """Wraps a ``torch.optim.Optimizer`` built on the original module's parameters, or an optax transformation.
 
-    It is a ``torch.optim.Optimizer`` to torch's LR schedulers (which read and write ``param_groups``), but
-    the update runs in JAX: ``torch.optim``'s own machinery (``__init__``, hooks, ``state``) is not used.
-
-    Args:
-        optimizer: a torch optimizer over ``model.module``'s parameters (its model is found by them), or an
-            optax transformation (applied to all parameters).
-        static_loss_scale: the loss is multiplied by it in the step and gradients divided by it here
-            (None: 1.0).
-        dynamic_loss_scale: fp16 training: scale the loss by a factor that halves on every overflow (the
-            update is then skipped) and grows after ``scale_window`` clean steps; SMP's (Megatron's) rule.
-        dynamic_loss_args: the dynamic scaler's settings (``init_scale``, ``scale_factor``, ``scale_window``,
-            ``min_scale``, ``delayed_shift``, ``consecutive_hysteresis``); also accepted as keywords.
-        model: (a jmp extension) the ``DistributedModel`` to update; needed for an optax transformation
-            when several models are alive.
-
-    In mixed precision (``bf16`` / ``fp16``, or a half-precision module) the optimizer updates the model's
-    float32 master parameters from the half-precision gradients, unscaled into float32 inside its update.
-
-    Raises:
-        ArgumentTypeError: ``optimizer`` is neither a torch optimizer nor an optax transformation.
-        ModelLookupError: no model (or several) holds the optimizer's parameters.
-        OptimizerError: an unsupported optimizer class or option.
+    A ``torch.optim.Optimizer`` to LR schedulers, but the update runs in JAX (torch's ``state`` and hooks unused);
+    in mixed precision it updates float32 master parameters. ``static_loss_scale`` / ``dynamic_loss_scale`` /
+    ``dynamic_loss_args`` are SMP's (Megatron's) loss scaling; ``model`` (jmp's) names the ``DistributedModel``
+    when an optax transformation could mean several. Raises ``ArgumentTypeError`` for another kind of optimizer,
+    ``ModelLookupError`` when no single model holds its parameters, ``OptimizerError`` for unsupported options.
     """
 
     def __init__(
@@ -167,8 +146,7 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
         return self._state_shardings
 
     def parameters_moved(self) -> None:
-        """Called by the model when a pipelined model moves its parameters into the stages' buffers (first step):
-        the state moves with them (a loaded or resumed state survives)."""
+        """Called when a pipelined model moves its parameters into the stages' buffers: the state moves with them."""
         arrays = portable_state.optimizer_arrays(self)
         self._build()
         self.opt_state, self.scale_state = portable_state.optimizer_state_from(self, arrays)
@@ -196,12 +174,10 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
     # --- the update --------------------------------------------------------------------------------------------
 
     def step(self, closure: Any = None) -> None:
-        """Apply the gradients accumulated since ``zero_grad()`` (none: no update, as in torch).
+        """Apply the gradients accumulated since ``zero_grad()`` (none: no update, as in torch), without waiting.
 
-        With dynamic loss scaling an inf/nan gradient skips the update and lowers the scale (``overflow``
-        says so afterwards); nothing waits for the devices. Under sharded data parallelism with the config's
-        ``sdp_gradient_clipping``, the gradients' global norm is first clipped to it, as SMP does (as they
-        are unscaled, in the update's pass).
+        With dynamic loss scaling an inf/nan gradient skips the update and lowers the scale (``overflow``); with
+        ``sdp_gradient_clipping`` under sharded data parallelism the global norm is clipped first, as SMP does.
         """
         if closure is not None:
             raise OptimizerError("optimizer.step(closure) is not supported: run the step function, then call step()")
@@ -218,8 +194,7 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
         step_boundary.step_ended(self)
 
     def update_master_grads(self) -> None:
-        """SMP's fp16 call between backward and step: here it only checks the gradients for inf/nan
-        (``overflow`` then answers before ``step()``); the unscaling into float32 happens inside the update."""
+        """SMP's fp16 call between backward and step: checks for inf/nan gradients (``overflow``)."""
         grads, _ = self.model.training_state.kept_grads()  # a pending clipping factor keeps them finite or not
         if grads is not None and self.scaling.kind == "dynamic":
             self._found_inf = update_steps.has_inf(grads)
@@ -267,11 +242,7 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
         self.grads_unscaled = False
 
     def clip_master_grads(self, max_norm: float) -> torch.Tensor:
-        """Scale the current gradients so their global norm is at most ``max_norm``; returns the norm before, a
-        torch tensor as ``torch.nn.utils.clip_grad_norm_`` returns (-1 for an inf/nan norm, as SMP's fp16 optimizer).
-
-        Like ``torch.nn.utils.clip_grad_norm_`` over all parameters (the norm is global across devices).
-        """
+        """``clip_grad_norm_`` to ``max_norm`` over all gradients; the norm before (-1 if inf/nan, as SMP)."""
         training = self.model.training_state
         if not training.has_grads:
             return torch.zeros(())

@@ -1,9 +1,8 @@
 """The fused-kernel update: ``DistributedOptimizer``'s torch optimizer run as Pallas kernels (``jmp.optim.kernels``).
 
-The kernels read the gradients as the backward left them and take the step's scalars (``update_steps``) as
-extra arguments: they unscale and clip in the same pass and skip an overflow step, writing the parameters and
-moments in place, each device its own shards. The state tree is the optax chain's, so the update can fall back
-to the optax chain (a device whose compiler refuses the kernels) and carry the state over.
+The kernels take the step's scalars (``update_steps``) and unscale, clip and skip in their pass, writing each
+device's shards in place. Their state tree is the optax chain's, so a device whose compiler refuses them falls
+back to the chain with the same state.
 """
 
 from __future__ import annotations
@@ -29,11 +28,9 @@ logger = logging.getLogger("jmp")  # one logger: its rank-0 filter (runtime.rank
 def fused_mode(asked: bool | None, rule: torch_rules.Rule, optimizer: torch.optim.Optimizer) -> str | None:
     """How the update runs: "compiled" Pallas kernels, "interpret"ed ones, or None (the optax chain).
 
-    ``asked`` is the config's ``fused_optimizer``: True takes the kernels (interpreted off a GPU: the GPU's
-    numbers, slowly); None (the default) and False the optax chain, which XLA fuses as well. Measured on an H100
-    (``benchmarks/results/optimizer_kernels_h100.json``: AdamW over 124M parameters in 193 tensors, bf16
-    gradients): the kernels 5.36 ms an update, XLA's fusion of the optax chain 5.47 ms, and the kernels' first
-    call 95 s of Triton compiling against 3.6 s, which every new model and param-group layout pays again.
+    ``asked`` is the config's ``fused_optimizer``: True takes the kernels (interpreted off a GPU), None and False
+    the optax chain, which XLA fuses about as fast without the kernels' long first compile
+    (``benchmarks/results/optimizer_kernels_h100.json``).
     """
     on_gpu = jax.default_backend() == "gpu"
     if not asked:
@@ -80,13 +77,11 @@ def fused_update(
     frozen: Any,
     checked: bool,
 ) -> tuple[Any, Any]:
-    """The new parameters and state from the kernels ``tx``, each device updating its own shards (``shard_map``)
-    in place. Under ZeRO-1 a device updates the slice of the parameters its state covers, and the new parameters
-    are gathered over ``dp`` afterwards.
+    """The new parameters and state from the kernels ``tx``, each device updating its own shards in place.
 
-    ``store`` is the model's parameter store, ``state_shardings`` where ``opt_state`` lives, ``frozen`` a
-    params-shaped tree of bools (the parameters the torch optimizer does not own). ``checked``: the step may be
-    skipped, and the state's scalars (step counts, hyper-parameters) are then kept here.
+    Under ZeRO-1 a device updates the slice its state covers and the parameters are gathered over ``dp`` after.
+    ``frozen``: a params-shaped tree of bools (not the torch optimizer's). ``checked``: the step may be skipped,
+    keeping the state's scalars.
     """
     param_specs = jax.tree.map(lambda s: s.spec, store.state_shardings(jax.eval_shape(lambda p: p, params)))
     state_specs = jax.tree.map(lambda s: s.spec, state_shardings)

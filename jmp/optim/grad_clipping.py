@@ -1,14 +1,8 @@
 """``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on a ``DistributedModel``'s parameters.
 
-jmp keeps gradients on the devices (the model's training state; ``p.grad`` reads a copy gathered to the
-host). ``import jmp`` replaces torch's functions in ``torch.nn.utils`` with these, which clip a
-DistributedModel's gradients where they are, inside the compiled update (the norm is global across
-devices and processes, as torch's is over one process' tensors), and hand any other tensors to torch's
-originals. The norm is that of the unscaled gradients when the loss is scaled.
-
-A script that bound torch's function before jmp was imported (``from torch.nn.utils import
-clip_grad_norm_`` above ``import jmp``) keeps torch's, which does not clip the devices' gradients:
-import jmp first.
+``import jmp`` replaces torch's functions with these, which clip a DistributedModel's gradients on the devices
+inside the compiled update (a global norm, of the unscaled gradients) and hand other tensors to torch's. A
+script that bound torch's function before importing jmp keeps torch's: import jmp first.
 """
 
 from __future__ import annotations
@@ -41,8 +35,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> torch.Tensor:
-    """torch's ``clip_grad_norm_``: scale the gradients so that their total norm is at most ``max_norm``;
-    returns the total norm before clipping."""
+    """torch's ``clip_grad_norm_``: scale the gradients to a total norm of at most ``max_norm``; the norm before."""
     tensors = _listed(parameters)
     owner = _owner(tensors, "clip_grad_norm_")
     if owner is None:
@@ -84,9 +77,7 @@ def clip_grad_value_(
     return None
 
 
-def clip_grad_norm(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
-    """torch's deprecated spelling of ``clip_grad_norm_``."""
-    return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+clip_grad_norm = clip_grad_norm_  # torch's deprecated spelling
 
 
 def install() -> None:

@@ -1,5 +1,4 @@
-"""Which ``DistributedModel`` a ``DistributedOptimizer`` updates: the one given, else the one holding the torch
-optimizer's parameters (or, for an optax transformation, the only one alive)."""
+"""The ``DistributedModel`` a ``DistributedOptimizer`` updates: given, else the one holding its parameters."""
 
 from __future__ import annotations
 

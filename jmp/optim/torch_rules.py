@@ -1,17 +1,8 @@
-"""``torch.optim`` optimizers (and apex's fused ones, ``jmp.optimizers``) as optax transformations with their
-exact update rules.
+"""``torch.optim`` optimizers (and apex's, ``jmp.optimizers``) as optax chains with their exact update rules.
 
-Each supported optimizer is a chain of small optax pieces, reusing optax's own
-where it computes what torch computes (``scale_by_adam``, ``scale_by_adadelta``,
-``scale_by_rms`` / ``scale_by_stddev`` with eps outside the square root,
-``trace``, ``add_decayed_weights``) and a few torch-specific pieces where torch
-differs (momentum whose first step is undamped, AMSGrad on the raw second
-moment, Adagrad with ``lr_decay`` and eps outside the root).
-
-Numeric hyper-parameters are injected (``optax.inject_hyperparams``), so values
-that torch LR schedulers write into ``param_groups`` take effect on the next
-step without recompiling; settings that change the structure (``nesterov``,
-``amsgrad``, ``centered``, ``maximize``, momentum on/off) are fixed.
+optax's pieces where they compute what torch does, torch-specific ones where it differs (undamped first
+momentum step, AMSGrad on the raw second moment, Adagrad's ``lr_decay``). Numeric hyper-parameters are
+injected, so LR schedulers' writes take effect without recompiling; structural settings are fixed.
 """
 
 from __future__ import annotations
@@ -194,8 +185,7 @@ def apex_adam(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correcti
 
 
 def lamb(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correction, grad_averaging, use_nvlamb):
-    """apex's ``FusedLAMB`` per param group (its global gradient clipping comes first, over all groups:
-    ``apex_clip_divisor``)."""
+    """apex's ``FusedLAMB`` per param group (its global clipping over all groups is ``apex_clip_divisor``)."""
     return _steps(
         None if adam_w_mode else optax.add_decayed_weights(weight_decay),
         apex_moments(beta1, beta2, eps, bias_correction=bias_correction, grad_averaging=grad_averaging),
@@ -321,6 +311,7 @@ class Rule:
         return numeric, static
 
 
+_ADAM_NUMERIC = ("lr", "beta1", "beta2", "eps", "weight_decay")
 _ADAM_FIELDS = {
     optax.ScaleByAdamState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"},
     TorchAMSGradState: {
@@ -337,12 +328,8 @@ RULES: dict[type, Rule] = {
         ("nesterov", "maximize", "has_momentum"),
         {TorchMomentumState: {"momentum_buffer": "momentum_buffer"}},
     ),
-    torch.optim.Adam: Rule(
-        adam, ("lr", "beta1", "beta2", "eps", "weight_decay"), ("amsgrad", "maximize"), _ADAM_FIELDS
-    ),
-    torch.optim.AdamW: Rule(
-        adamw, ("lr", "beta1", "beta2", "eps", "weight_decay"), ("amsgrad", "maximize"), _ADAM_FIELDS
-    ),
+    torch.optim.Adam: Rule(adam, _ADAM_NUMERIC, ("amsgrad", "maximize"), _ADAM_FIELDS),
+    torch.optim.AdamW: Rule(adamw, _ADAM_NUMERIC, ("amsgrad", "maximize"), _ADAM_FIELDS),
     torch.optim.Adadelta: Rule(
         adadelta,
         ("lr", "rho", "eps", "weight_decay"),
@@ -366,12 +353,10 @@ RULES: dict[type, Rule] = {
         },
     ),
 }
-RULES[optimizers.FusedAdam] = Rule(
-    apex_adam, ("lr", "beta1", "beta2", "eps", "weight_decay"), ("adam_w_mode", "bias_correction"), _ADAM_FIELDS
-)
+RULES[optimizers.FusedAdam] = Rule(apex_adam, _ADAM_NUMERIC, ("adam_w_mode", "bias_correction"), _ADAM_FIELDS)
 RULES[optimizers.FusedLAMB] = Rule(
     lamb,
-    ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    _ADAM_NUMERIC,
     ("adam_w_mode", "bias_correction", "grad_averaging", "use_nvlamb"),
     _ADAM_FIELDS,
     clip_before="max_grad_norm",
@@ -379,7 +364,7 @@ RULES[optimizers.FusedLAMB] = Rule(
 )
 RULES[optimizers.FusedNovoGrad] = Rule(
     novograd,
-    ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    _ADAM_NUMERIC,
     ("bias_correction", "grad_averaging", "reg_inside_moment", "norm_type", "init_zero"),
     {NovoGradState: {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}},
     per_tensor=True,
@@ -415,11 +400,7 @@ def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
 def group_transform(
     rule: Rule, group: dict, fused: Callable[[Callable, dict], Callable | None] | None = None
 ) -> optax.GradientTransformation:
-    """One param group's transformation, its numeric hyper-parameters injected (changeable per step).
-
-    ``fused(factory, static_options)`` may give a fused factory computing the same (``jmp.optim.kernels``); None
-    from it, or no ``fused``, keeps the optax chain.
-    """
+    """One param group's transformation, hyper-parameters injected; ``fused`` may give a kernel computing the same."""
     numeric, static = rule.hyperparams(group)
     factory = (fused(rule.factory, static) if fused is not None else None) or rule.factory
     injected = optax.inject_hyperparams(factory, static_args=tuple(static))

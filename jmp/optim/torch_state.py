@@ -1,14 +1,9 @@
 """torch's optimizer ``state_dict`` format <-> ``DistributedOptimizer``'s optax state.
 
-The optax state is an ``optax.multi_transform`` state with one entry per torch param group (``group<i>``,
-an ``inject_hyperparams`` state around the group's chain) and one for the parameters torch does not own
-(``frozen``). torch's format keys each parameter's state by its index in ``param_groups`` order; a
-``Rule``'s ``state_fields`` name the torch entry of each optax state field. Parameter-shaped fields are
-read and written through the model's parameter store (``model.store``), so a pipelined model's packed
-stage buffers need no branch here.
-
-The ``multi_transform`` itself is built here too (``optimizer_transform``), so its labels are defined once.
-Also here: the loss scaler's and the float32 masters' entries of SMP's fp16 optimizer ``state_dict``.
+The state is an ``optax.multi_transform`` (built here, ``optimizer_transform``) with one ``group<i>`` entry per
+param group and one ``frozen``; torch keys state by parameter index in ``param_groups`` order, and a ``Rule``'s
+``state_fields`` name each field's torch entry. Parameter-shaped fields go through ``model.store``, so packed
+pipeline buffers need no branch. Also SMP's fp16 optimizer entries (loss scaler, float32 masters).
 """
 
 from __future__ import annotations
@@ -103,9 +98,8 @@ def param_labels(torch_optimizer: torch.optim.Optimizer, model: Any) -> dict[str
 class TorchStateAdapter:
     """Converts a ``DistributedOptimizer``'s optax state to torch's ``state_dict`` format and back.
 
-    ``torch_optimizer`` None: an optax transformation's, whose state is kept as it is, under ``"optax_state"``.
-    Assumes ``torch_optimizer``'s parameters are ``model``'s module's and that the optax state was built by
-    ``rule`` over ``model.store``'s layout (``optimizer_transform``).
+    ``torch_optimizer`` None: an optax transformation's state, kept as is under ``"optax_state"``. Assumes the
+    state was built by ``rule`` over ``model.store``'s layout.
     """
 
     def __init__(self, torch_optimizer: torch.optim.Optimizer | None, rule: torch_rules.Rule | None, model: Any):
@@ -128,8 +122,7 @@ class TorchStateAdapter:
         return saved
 
     def from_torch(self, opt_state: Any, state_dict: dict) -> Any:
-        """``opt_state`` holding ``state_dict``'s; the torch optimizer takes its ``param_groups``, the model its
-        float32 masters."""
+        """``opt_state`` holding ``state_dict``'s (``param_groups`` to the torch optimizer, masters to the model)."""
         if self.torch_optimizer is None:
             return jax.tree.map(
                 lambda old, new: jax.device_put(jnp.asarray(new, old.dtype), old.sharding),
@@ -234,8 +227,7 @@ class TorchStateAdapter:
 
 
 def scaler_to_torch(scaling: loss_scaling.LossScaling, scale_state: Any, loss_scale: float, overflow: bool) -> dict:
-    """SMP's fp16 optimizer entries: ``dynamic_loss_scale``, ``loss_scaler`` (the scale, the dynamic scaler's
-    counters and settings) and ``overflow``; none without loss scaling."""
+    """SMP's fp16 optimizer entries (``dynamic_loss_scale``, ``loss_scaler``, ``overflow``); none if not scaling."""
     if scaling.kind is None:
         return {}
     saved: dict[str, Any] = {"dynamic_loss_scale": scaling.kind == "dynamic", "loss_scaler": {"cur_scale": loss_scale}}

@@ -1,9 +1,7 @@
 """What makes a ``DistributedOptimizer`` look like the torch optimizer it wraps, and like SMP's.
 
-``param_groups`` / ``defaults`` / ``state``, torch's ``state_dict`` format (``jmp.optim.torch_state``), SMP's
-``local_state_dict``, ``optimizer``, and the views SMP's sharded-data-parallel optimizer (DeepSpeed's) exposes:
-``fp32_partitioned_groups_flat`` and ``_global_grad_norm``. The host class provides the attributes annotated
-below.
+torch's attributes and ``state_dict`` format, SMP's ``local_state_dict``, and DeepSpeed's views
+(``fp32_partitioned_groups_flat``, ``_global_grad_norm``); the host class provides the annotated attributes.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ class TorchOptimizerSurface:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | optax.GradientTransformation:
-        """The wrapped optimizer (SMP's ``DistributedOptimizer.optimizer``): the torch optimizer, or the optax
-        transformation given."""
+        """The wrapped optimizer (SMP's ``DistributedOptimizer.optimizer``): torch's, or the optax transformation."""
         return self.torch_optimizer if self.torch_optimizer is not None else self._optax
 
     @property
@@ -78,23 +75,14 @@ class TorchOptimizerSurface:
     # --- state (torch's format: jmp.optim.torch_state) ------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """torch's format for a torch optimizer ({"state": {index: {...}}, "param_groups": [...]}).
-
-        With loss scaling or a half-precision module it also holds what SMP's fp16 optimizer keeps:
-        ``loss_scaler`` (the scale and the dynamic scaler's counters), ``dynamic_loss_scale``, ``overflow``,
-        and ``fp32_from_fp16`` (the float32 master parameters, per param group, when the module's own
-        parameters are half precision: ``model.state_dict()`` then holds them rounded).
-        """
+        """torch's format, plus SMP's fp16 optimizer's entries under loss scaling or half-precision parameters."""
         return self._state_dict(lambda array: array)
 
     def local_state_dict(self, cast_to_cpu: bool = True, gather_if_shard: bool = True) -> dict:
-        """``state_dict()`` with this process's piece of each array (all of it on one host), as SMP's; it
-        holds ``"_smp_is_partial": True`` and ``load_state_dict`` takes it back.
+        """``state_dict()`` with this process's piece of each array, marked ``"_smp_is_partial"``, as SMP's.
 
-        ``gather_if_shard``: under ``shard_optimizer_state`` the state split over the data-parallel ranks is
-        gathered first, so the piece is this process's model part whole (SMP's default); False gives this
-        process's own shard (what Hugging Face's Trainer saves per rank with ``smp.save(..., v3=True)``).
-        ``cast_to_cpu``: the tensors are CPU tensors either way (SMP's option to keep them on the GPU).
+        ``gather_if_shard``: gather ZeRO-1 state over ``dp`` first (False: this rank's own shard, what Hugging Face
+        saves per rank). Tensors are CPU tensors either way.
         """
         piece = (lambda array: local_piece(_gathered_over_dp(array))) if gather_if_shard else local_piece
         return self._state_dict(piece) | {PARTIAL_MARK: True}

@@ -35,11 +35,9 @@ class UpdateProgram:
               clip=0.0):  # fmt: skip
         """One update of the (master) parameters from gradients multiplied by the loss scale.
 
-        ``scaling`` is the loss scale (a scalar, or the dynamic scaler's state). ``checked``: an update with an
-        inf/nan gradient (or ``known_inf``) is skipped, on the device, and the dynamic scale adjusted.
-        ``grad_factor``: a clipping factor still to multiply the gradients by (``TrainingState.kept_grads``).
-        ``clip``: the unscaled gradients are then scaled down to this global norm when above it.
-        Returns (parameters, state, scaling, skipped, the gradients' global norm before ``clip``: -1 without it).
+        ``scaling``: the loss scale or the dynamic scaler's state. ``checked``: skip an inf/nan (or ``known_inf``) step
+        on the device. ``grad_factor``: a clipping factor still to apply. ``clip``: a global norm to clip to. Returns
+        (parameters, state, scaling, skipped, the global norm before ``clip``, -1 without it).
         """
         scale = scaling.scale if dynamic else scaling
         opt_state = torch_state.with_hyperparams(opt_state, hyperparams)

@@ -1,19 +1,9 @@
-"""What a training step does to the gradients around the optimizer's own rule: unscale them (loss scaling), clip
-them (torch's ``clip_grad_norm_`` rule, apex LAMB's), and skip the update on an inf/nan gradient (fp16).
+"""Around the optimizer's rule: unscale the gradients, clip them (torch's or apex LAMB's rule), skip inf/nan steps.
 
-Both ways ``DistributedOptimizer`` updates take the same three scalars, computed once per step by
-:func:`step_scalars` from reductions over the gradients as the backward left them: ``grad_scale`` (the
-gradients are cast to float32 and multiplied by it), ``grad_divisor`` (then divided by it) and ``skip`` (a
-device bool: the parameters and the optimizer state stay as they were, as torch's ``GradScaler`` skips
-``optimizer.step()``). The fused kernels (``jmp.optim.kernels``) read them as extra arguments;
-:func:`taking_step_scalars` makes an optax transformation read them the same way, so the two paths give the
-same numbers.
-
-optax's own pieces compute other numbers: ``clip_by_global_norm`` multiplies by ``max_norm / norm`` (torch:
-``max_norm / (norm + 1e-6)``, apex: divides by ``norm / max_norm``), ``scale`` keeps a half-precision gradient's
-dtype for a weakly typed factor, and ``apply_if_finite`` wraps the inner state in its own (it would change the
-checkpointed state tree), gives up skipping after ``max_consecutive_errors`` and returns a zero update where
-torch keeps the parameters bit for bit. ``optax.stateless`` builds the unscaling.
+``step_scalars`` gives both update paths the same three scalars (``grad_scale``, ``grad_divisor``, ``skip``);
+the kernels take them as arguments and ``taking_step_scalars`` makes an optax chain read them. optax's own
+pieces differ: ``clip_by_global_norm`` has no torch ``1e-6``, ``scale`` keeps a half dtype, and
+``apply_if_finite`` changes the state tree and returns zero updates instead of keeping the parameters.
 """
 
 from __future__ import annotations
@@ -36,8 +26,7 @@ def torch_clip_factor(norm: jax.Array, max_norm: float | jax.Array) -> jax.Array
 
 
 def torch_norm_and_factor(grads: Any, max_norm: float | jax.Array, inv_scale: jax.Array) -> tuple[jax.Array, Any]:
-    """(norm, factor): the global 2-norm of the gradients multiplied by ``inv_scale`` (unscaled, in float32), and
-    torch's clipping factor for it."""
+    """(norm, factor): the global 2-norm of the gradients times ``inv_scale`` (float32), and torch's clipping factor."""
     norm = optax.global_norm(loss_scaling.unscaled(grads, inv_scale))
     return norm, torch_clip_factor(norm, max_norm)
 
@@ -52,16 +41,14 @@ def has_inf(grads: Any) -> jax.Array:
 def reported_norm_and_factor(
     grads: Any, max_norm: jax.Array, loss_scale: jax.Array, *, counted_once: Callable[[Any], Any]
 ) -> tuple[jax.Array, Any]:
-    """(norm, factor) of torch's ``clip_grad_norm_`` rule on the unscaled float32 gradients; an inf/nan norm
-    (an fp16 overflow) is reported as -1, as SMP does (the gradients then stay non-finite and the update is
-    skipped). ``counted_once``: the model store's, so a tied parameter's gradient counts once."""
+    """(norm, factor) of torch's ``clip_grad_norm_`` on the unscaled float32 ``counted_once`` gradients; an inf/nan norm
+    is -1, as SMP reports it (the gradients stay non-finite and the update is skipped)."""
     norm, factor = torch_norm_and_factor(counted_once(grads), max_norm, 1.0 / loss_scale)
     return jnp.where(jnp.isfinite(norm), norm, -1.0), factor
 
 
 def prepared(grads: Any, grad_scale: jax.Array, grad_divisor: jax.Array | None = None) -> Any:
-    """The gradients as the optimizer's rule takes them: float32, multiplied by ``grad_scale``, divided by
-    ``grad_divisor`` (None: not divided)."""
+    """The gradients as the rule takes them: float32, times ``grad_scale``, over ``grad_divisor`` (if given)."""
     grads = loss_scaling.unscaled(grads, grad_scale)
     if grad_divisor is None:
         return grads
@@ -93,11 +80,9 @@ def step_scalars(
 ) -> StepScalars:
     """This step's scalars, from gradients multiplied by ``1 / inv_scale``.
 
-    ``clip``: torch's ``clip_grad_norm_`` to this global norm, folded into ``grad_scale`` (0: none).
-    ``clip_before``: apex LAMB's clipping to this global norm, after that (0 or less: none). ``checked``: an
-    inf/nan among the gradients the rule would see skips the update (else only ``known_inf`` does).
-    ``counted_once``: the gradients with each parameter once (the model store's: a pipeline keeps a copy of a
-    tied parameter in each stage using it), which the global norms are taken over.
+    ``clip``: torch's ``clip_grad_norm_`` to this norm (0: none); ``clip_before``: apex LAMB's, after it.
+    ``checked``: an inf/nan gradient skips the update. ``counted_once``: the gradients with each parameter once,
+    for the norms (a pipeline copies tied parameters).
     """
     if clip:
         inv_scale = inv_scale * torch_norm_and_factor(counted_once(grads), clip, inv_scale)[1]
@@ -122,9 +107,8 @@ def kept_on_skip(skip: jax.Array, new: Any, old: Any, *, scalars_only: bool = Fa
 
 
 def taking_step_scalars(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """``inner``, taking what the fused kernels take besides the gradients (``StepScalars``' fields, and
-    ``return_params``: the new parameters come back, not the update). Its state is ``inner``'s. ``skip=None``:
-    nothing is checked."""
+    """``inner``, taking the fused kernels' extra arguments (``StepScalars``' fields, ``return_params``) with their
+    meaning; its state is ``inner``'s. ``skip=None``: nothing is checked."""
 
     def update(updates, state, params=None, *, grad_scale=1.0, grad_divisor=None, skip=None, return_params=False):
         grads, _ = unscale(grad_scale, grad_divisor).update(updates, optax.EmptyState())

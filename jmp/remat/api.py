@@ -1,21 +1,12 @@
 """The smp activation-checkpointing functions, on ``jax.checkpoint``.
 
-- ``checkpoint(module, *args)`` inside a forward: that call of ``module`` is one checkpoint.
-- ``checkpoint_sequential(seq, x, strategy=...)``: an ``nn.Sequential`` run in checkpointed groups.
-- ``set_activation_checkpointing(module, strategy=..., policy=...)`` on a submodule (or a container of
-  layers) of a model wrapped in ``DistributedModel``: every call of it in a step is checkpointed.
-
-A checkpointed module keeps only its inputs for the backward pass (and what its policy keeps, see
-``policies``) and recomputes the rest there. ``pack_args_as_tuple`` is accepted for SMP's signature: SMP
-needs it for layers taking tuples, because torch autograd sees only top-level tensor arguments; here
-every tensor in any structure of arguments is an input of the checkpoint, so it changes nothing.
-Random state is always preserved (``preserve_rng_state``): the random stream is part of the module state
-that the recomputation replays. Outside a step (plain PyTorch), ``checkpoint`` just calls the module.
-
-What a checkpointed module leaves behind must come out through its outputs, its buffers or in-place
-changes of its tensor arguments; values it stores in other objects (a key/value cache passed in) belong
-to the checkpoint's trace and cannot be used after it. Call Hugging Face models with ``use_cache=False``
-when checkpointing their layers, as Hugging Face's own gradient checkpointing does.
+``checkpoint(module, *args)`` checkpoints one call inside a forward; ``checkpoint_sequential`` runs an
+``nn.Sequential`` in checkpointed groups; ``set_activation_checkpointing`` checkpoints every call of a
+``DistributedModel``'s submodule in steps. A checkpoint keeps its inputs (and what its policy keeps) and
+replays the random stream in the recomputation. Every tensor in any argument structure is an input, so
+SMP's ``pack_args_as_tuple`` changes nothing. What a checkpointed module leaves behind must come out through
+its outputs, buffers or in-place argument writes (call Hugging Face models with ``use_cache=False``).
+Outside a step ``checkpoint`` just calls the module.
 """
 
 from __future__ import annotations
@@ -57,31 +48,14 @@ def set_activation_checkpointing(
     strategy: str = "each",
     policy: Policy | str | None = None,
 ) -> None:
-    """Checkpoint every call of ``module`` (a container: its layers, grouped by ``strategy``) in steps.
+    """Checkpoint every call of ``module`` (a container: its layers, grouped by ``strategy``) from the next step on.
 
-    Takes effect from the next step call: step programs traced before are dropped.
-
-    Args:
-        module: a submodule (or the root) of a model already wrapped in ``smp.DistributedModel``, reached
-            through ``model.module``; with a strategy other than "each", an ``nn.Sequential`` or
-            ``nn.ModuleList`` of layers.
-        preserve_rng_state: accepted for SMP's signature; the random state is always preserved.
-        pack_args_as_tuple: accepted for SMP's signature; it changes nothing here.
-        strategy: "each" (every layer its own checkpoint; a module that is not a container is one),
-            "group_N" (N consecutive layers per checkpoint) or "contiguous" (the whole container one
-            checkpoint); see ``jmp.remat.strategies``.
-        policy: what a checkpoint keeps instead of recomputing: a preset ("full", "save_matmuls",
-            "save_names:a,b", "offload_names:a,b"), a ``RematPolicy`` or a ``jax.checkpoint_policies``
-            policy. Default: the config's ``activation_checkpointing_policy``.
-
-    Raises:
-        ArgumentTypeError: ``module`` is not a ``torch.nn.Module``.
-        ModelLookupError: ``module`` is not part of a model wrapped in ``smp.DistributedModel``.
-        ConfigError: an unknown strategy or policy, a flag that is not a bool, or a grouping strategy on
-            a module that is not a container.
-        ActivationCheckpointingError: later, while a step traces, when a "group_N"/"contiguous" container's
-            layers cannot be chained (a layer not called on the previous layer's output, or not returning
-            a tensor or a tuple starting with one).
+    ``module`` is part of a model wrapped in ``smp.DistributedModel``; ``strategy`` is "each", "group_N" or
+    "contiguous" (``strategies``; the last two need an ``nn.Sequential`` / ``nn.ModuleList``); ``policy`` a preset
+    ("full", "save_matmuls", "save_names:a,b", "offload_names:a,b"), a ``RematPolicy`` or a ``jax.checkpoint_policies``
+    policy (default: the config's). ``preserve_rng_state`` and ``pack_args_as_tuple`` are SMP's, with no effect.
+    Raises ``ArgumentTypeError`` / ``ModelLookupError`` / ``ConfigError`` for a bad module, model or option; a
+    grouped container whose layers do not chain raises ``ActivationCheckpointingError`` while a step traces.
     """
     where = "smp.set_activation_checkpointing"
     _check_flags(where, preserve_rng_state, pack_args_as_tuple)
@@ -178,11 +152,9 @@ def tracing(
 ) -> Iterator[None]:
     """While a step traces a model: its annotated modules are checkpointed, and ``checkpoint`` finds its twins.
 
-    ``gathered`` (torch name -> (sharding without fsdp, stored sharding), for the parameters split over fsdp):
-    every layer of the model's layer lists gathers its weights inside a checkpoint that keeps its matmul outputs
-    but not the weights, so they are freed after the layer's forward and gathered again for its backward (FSDP's
-    reshard after forward), and hands their gradients back split as stored; an annotated layer's own checkpoint
-    gathers them the same way.
+    ``gathered`` (torch name -> (sharding without fsdp, stored sharding)): every layer of the model's layer lists
+    gathers its fsdp-split weights inside a checkpoint that keeps matmul outputs but not the weights (FSDP's reshard
+    after forward), and hands their gradients back split as stored.
     """
     with context.tracing(torch_root, twin_root) as trace:
         hooks = _reshard_hooks(trace.modules, gathered) if gathered else {}

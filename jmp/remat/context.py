@@ -1,9 +1,6 @@
-"""Which model a step is tracing, and the converted twin that a torch module's calls reach.
+"""Which model a step is tracing, and the converted twin a torch module's calls reach (found by torch path).
 
-Inside a converted forward, a torch module's calls reach its twin through the redirect the bridge
-installs; elsewhere in a step (the step function's own code, a model whose root is not a generic
-module) the twin is found by torch path. Inside a checkpointed region the twins are the region's
-copies, registered here while it runs, so lookups never reach state of an enclosing trace.
+Inside a checkpointed region the twins are the region's copies, so lookups never reach an enclosing trace's state.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The call hook of an annotated container: its layers run group by group, each group one checkpoint.
 
-A container's layers are called by its parent's forward (``for layer in self.h: x = layer(x, mask)``),
-one call at a time, so a group of layers cannot be wrapped from outside. Instead, the call of a group's
-first layer runs the whole group as one checkpoint, feeding each next layer the previous output and the
-same other arguments, and holds the later layers' outputs; the parent's calls of those layers then
-return them, after checking that the parent really called them that way (else an error says to use
-``strategy='each'``). Random draws keep their order as long as the parent draws none between the layers.
+The parent's forward calls the layers one at a time, so the call of a group's first layer runs the whole group
+(each layer fed the previous output and the same other arguments) and the parent's later calls return the held
+outputs, after checking they were made that way (else an error says to use ``strategy='each'``).
 """
 
 from __future__ import annotations
@@ -68,9 +65,7 @@ class LayerGroups:
         return outputs[0]
 
     def stack_signature(self, path: str) -> tuple[str, Hashable, str] | None:
-        """For ``jmp.stacks``: layers checkpointed one by one by this hook, or by hooks alike (each layer
-        annotated with the same policy), are alike; a layer checkpointed with others in a group cannot be scanned
-        (None)."""
+        """For ``jmp.stacks``: layers this hook (or one alike) checkpoints one by one are alike; None if grouped."""
         index = self.index[path]
         return ("checkpoint each", self.alike, self.chain) if self.group_of[index] == [index] else None
 

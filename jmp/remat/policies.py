@@ -1,13 +1,8 @@
 """Remat policies: what a checkpointed module keeps for the backward pass, as presets over ``jax.checkpoint_policies``.
 
-A policy is written as a preset name, with activation names after a colon where the preset takes them:
-``"full"``, ``"save_matmuls"``, ``"save_names:attn,mlp"``, ``"offload_names:attn"``. An activation name is
-the output of a submodule, named by its torch path relative to the checkpointed module (``"attn"``,
-``"mlp.c_fc"``), or ``"input"``: the checkpointed module's own tensor inputs.
-
-With ``offload_activations`` in the config, what a checkpointed module keeps goes to host memory
-(``pinned_host``) instead of staying on the device: its inputs, and the named activations of the name presets.
-Matmul outputs kept by ``"save_matmuls"`` stay on the device.
+``"full"``, ``"save_matmuls"``, ``"save_names:attn,mlp"``, ``"offload_names:attn"``: a name is a submodule's
+output by torch path relative to the checkpointed module, or ``"input"``. With ``offload_activations`` what a
+checkpoint keeps (inputs, named activations; not matmul outputs) goes to ``pinned_host`` memory.
 """
 
 from __future__ import annotations
@@ -50,11 +45,11 @@ KEEP_MATMULS = Resolved(jax.checkpoint_policies.dots_saveable, frozenset(), Fals
 
 
 def without_weights(policy: Callable[..., Any], weight_shapes: frozenset[tuple[int, ...]]) -> Callable[..., Any]:
-    """``policy``, except that no value computed from whole weights alone is kept: the gathered weight (its
-    sharding constraint and tag) and what only reshapes, transposes or casts it. The backward recomputes
-    them from the weights' shards, gathering again. A value is judged by its inputs: every array input shaped
-    like a weight of the region means it is made from weights (an activation of that shape would be
-    recomputed too, which costs time, never correctness)."""
+    """``policy``, except that values made from whole weights alone are recomputed from the shards, not kept.
+
+    A value whose every array input is shaped like a region weight counts as one (an activation of that shape is
+    recomputed too: time, never correctness).
+    """
 
     def keep(prim: Any, *args: Any, **params: Any) -> Any:
         if prim.name == "sharding_constraint" or (prim.name == "name" and params.get("name") == GATHERED):

@@ -1,10 +1,8 @@
 """One ``jax.checkpoint`` around a run of converted modules: ``(state, inputs) -> (outputs, new state)``.
 
-The modules' NNX state enters the checkpointed function as inputs and is merged into copies there (NNX
-Variables cannot change across trace levels), so buffer updates and random-stream counts come back out
-as outputs. The random stream is part of that state: the recomputation in the backward pass replays the
-same keys, so dropout draws the same masks and gradients equal those of the run without checkpointing.
-Parameters are read-only inside (as under ``torch.utils.checkpoint``).
+The modules' NNX state enters as inputs and is merged into copies (Variables cannot cross trace levels), so
+buffer updates and random-stream counts come out as outputs and the recomputation replays the same keys.
+Parameters are read-only inside.
 """
 
 from __future__ import annotations
@@ -42,10 +40,7 @@ _TENSOR = object()  # stands for an output tensor among a region's output leaves
 
 
 def _spans_stages(paths: Sequence[str]) -> bool:
-    """Whether modules at ``paths`` (and their submodules) are on more than one pipeline stage; warns once if so.
-
-    A checkpoint cannot span stages (as in SMP), so such modules run without it.
-    """
+    """Whether modules at ``paths`` span pipeline stages (then run without a checkpoint); warns once."""
     inside = module_marks.stages_of(paths)
     if len(inside) < 2:
         return False
@@ -70,10 +65,8 @@ def run(
 ) -> list[Any]:
     """Run ``units`` in order as one checkpoint; returns each unit's output (JaxTensors).
 
-    ``units[0]`` takes ``args``/``kwargs``; each later unit takes the previous output as its first
-    argument (``chain``: "whole" passes the output itself, "first" its first element when it is a
-    tuple) and the same other arguments. ``inside[k]`` is the hook ``units[k]`` is called from (its
-    nested hooks still apply) or None (all hooks on its path apply).
+    Each later unit takes the previous output (``chain``: "whole", or its "first" element) and the same other
+    arguments. ``inside[k]``: the hook ``units[k]`` is called from, or None (all hooks on its path apply).
     """
     if concrete_run.active() or _spans_stages([u.torch_path for u in units]):  # op by op: nothing to trace apart
         return _run_plain(units, inside, args, kwargs, chain)
@@ -147,9 +140,8 @@ def run(
 
 
 def _gathered(params: nnx.State, paths: list[str], specs: dict[str, Any]) -> nnx.State:
-    """The units' parameters split over fsdp, gathered to their used sharding (``specs``: name -> (used, stored))
-    and tagged ``GATHERED`` (so that a policy can leave them out of what the backward keeps: they are gathered again
-    there, as FSDP's reshard after forward)."""
+    """The units' fsdp-split parameters gathered to their used sharding (``specs``: name -> (used, stored)) and tagged
+    ``GATHERED``, so a policy can leave them out of what the backward keeps (FSDP's reshard after forward)."""
 
     def gather(path: tuple, value: Any) -> Any:
         name = _unit_name(path, paths)
@@ -163,11 +155,10 @@ def _gathered(params: nnx.State, paths: list[str], specs: dict[str, Any]) -> nnx
 
 @jax.custom_vjp
 def _reduced_before_earlier_layers(params: Any, values: Any) -> tuple[Any, Any]:
-    """The identity; in the backward, the cotangent of the layer's inputs waits for its weights' gradients.
+    """The identity, whose backward makes the inputs' cotangent wait for the weights' gradients.
 
-    So the gradient reduction of each layer happens before the backward of the layers before it, and XLA
-    cannot merge every layer's reduction into one at the end (which would keep every layer's whole
-    gradient alive at once).
+    So each layer's gradient reduction runs before earlier layers' backward, and XLA cannot merge all the
+    reductions at the end (keeping every whole gradient alive).
     """
     return params, values
 
@@ -184,8 +175,7 @@ _reduced_before_earlier_layers.defvjp(_tie_forward, _tie_backward)
 
 
 def _unit_name(path: tuple, paths: list[str]) -> str:
-    """The torch name of a leaf of the (units, random stream) state: its path starts with 0 (the units), then
-    the unit's index."""
+    """The torch name of a leaf of the (units, random stream) state (its path: 0, the unit's index, ...)."""
     keys = [k for k in path if isinstance(k, jax.tree_util.DictKey)]
     return ".".join(filter(None, [paths[keys[1].key], torch_name(tuple(keys[2:]))]))
 

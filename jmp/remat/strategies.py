@@ -1,15 +1,8 @@
 """Checkpointing strategies: how the layers of a container are grouped into checkpoints.
 
-- ``"each"``: every layer is its own checkpoint; the backward pass keeps each layer's input and
-  recomputes one layer at a time.
-- ``"group_N"``: runs of N consecutive layers (the last run may be shorter) are one checkpoint each; only
-  the input of each run is kept, and the backward pass recomputes N layers at a time.
-- ``"contiguous"``: the whole container is one checkpoint: only its input is kept, and the backward pass
-  recomputes all its layers at once (peak memory near that of no checkpointing; use it when layers are
-  cheap to recompute and activations between them are what fills memory). SMP splits it into one run per
-  pipeline stage; jmp does not: a checkpoint whose layers sit on more than one stage (``jmp.pipeline``)
-  runs without checkpointing, with a warning (``remat/region.py``), so under pipeline parallelism prefer
-  ``"each"`` or ``"group_N"`` with groups inside one stage.
+``"each"``: every layer its own; ``"group_N"``: runs of N consecutive layers; ``"contiguous"``: the whole
+container one (peak memory near no checkpointing). A checkpoint whose layers span pipeline stages runs
+without checkpointing (SMP splits it), so under pipelines prefer groups inside one stage.
 """
 
 from __future__ import annotations

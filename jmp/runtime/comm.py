@@ -1,17 +1,9 @@
-"""SMP's communication helpers for picklable host objects: barrier, broadcast / recv_from, send, allgather.
+"""SMP's helpers for picklable host objects: barrier, broadcast / recv_from, send, allgather.
 
-They move small Python objects (a seed, a dataset length, a dict of metrics) between the processes of a run,
-as SMP v1's ``smp.broadcast`` and friends do; arrays inside ``@smp.step`` travel through XLA's collectives
-instead. The transport is JAX's distributed runtime: the coordination service that ``jax.distributed``
-starts holds a key-value store and barriers, which every process reaches. Values are pickled: the peers are
-processes of the same job and trust each other.
-
-Each message has a key no other message uses. Collectives (barrier, allgather) count calls per group, and a
-message from one process to another counts the messages between that pair; every process makes its calls in
-the same order (as with SMP), so sender and receiver count alike. A receiver deletes what it has read.
-
-With one process (no distributed runtime) every group is that process: a barrier returns at once,
-``allgather`` returns ``[obj]``, and ``send`` to oneself queues the object for ``recv_from``.
+The transport is the key-value store and barriers of ``jax.distributed``'s coordination service (peers of one
+job trust each other's pickles). Every message has its own key, counted per group or per pair of processes, so
+every process must make its calls in the same order (as with SMP); a receiver deletes what it read. With one
+process a barrier returns at once, ``allgather`` gives ``[obj]`` and ``send`` to oneself queues.
 """
 
 from __future__ import annotations
@@ -111,12 +103,7 @@ def rdp_barrier() -> None:
 
 
 def broadcast(obj: Any, group: CommGroup) -> Any:
-    """Send ``obj`` to every other process of this process's ``group``; returns ``obj``.
-
-    As in SMP, only the sender calls ``broadcast``; each receiver calls ``recv_from(sender's rank, rank_type)``.
-    The object is posted and the call returns (SMP waits for the receivers): a receiver takes it when it
-    calls ``recv_from``.
-    """
+    """Send ``obj`` to the rest of ``group`` (each calls ``recv_from``); returns ``obj`` without waiting (SMP waits)."""
     members = _members(_group(group))
     me = jax.process_index()
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -127,19 +114,14 @@ def broadcast(obj: Any, group: CommGroup) -> Any:
 
 
 def send(obj: Any, dest_rank: int, rank_type: RankType) -> None:
-    """Send ``obj`` to the process whose rank in ``rank_type``'s group is ``dest_rank``; it calls ``recv_from``.
-
-    The object is posted and the call returns (SMP waits for the receiver), so processes can send to each
-    other first and receive after.
-    """
+    """Send ``obj`` to ``dest_rank`` of ``rank_type``'s group (it calls ``recv_from``); returns without waiting."""
     destination = _process_of(dest_rank, rank_type, "dest_rank")
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     _post(payload, jax.process_index(), destination, f"smp.send(obj, {dest_rank}, {rank_type.name})")
 
 
 def recv_from(src_rank: int, rank_type: RankType) -> Any:
-    """The next object that the process whose rank in ``rank_type``'s group is ``src_rank`` sent this process,
-    by ``send`` or ``broadcast``; waits for it up to ``JMP_COMM_TIMEOUT`` seconds."""
+    """The next object process ``src_rank`` of ``rank_type``'s group sent (waits up to ``JMP_COMM_TIMEOUT`` s)."""
     source = _process_of(src_rank, rank_type, "src_rank")
     me = jax.process_index()
     call = f"smp.recv_from({src_rank}, {rank_type.name})"
@@ -187,8 +169,7 @@ def _group(group: Any) -> CommGroup:
 
 
 def _members(group: CommGroup) -> list[int]:
-    """The process indices of this process's ``group``, in group-rank order (``smp.init`` must have run: it
-    starts the multi-process runtime, which asking JAX for processes before would prevent)."""
+    """The process indices of this process's ``group``, in group-rank order (after ``smp.init``)."""
     return state.group_members(group.name)
 
 

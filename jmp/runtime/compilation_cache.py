@@ -1,15 +1,8 @@
-"""Compilation: JAX's persistent compilation cache on by default, and the time each step program took.
+"""JAX's persistent compilation cache on by default, and what each step program's compile cost.
 
-``smp.init`` points JAX's persistent cache at a per-user directory, so a second run of the same script
-loads its step programs instead of compiling them. Where it lives, in order:
-
-- ``JMP_COMPILATION_CACHE``: a directory, or ``0`` / ``off`` to turn the cache off;
-- JAX's own setting, if the user made one (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``);
-- ``$XDG_CACHE_HOME/jmp/xla`` (``~/.cache/jmp/xla``).
-
-The config key ``compilation_cache: False`` turns it off as well. ``timed(name)`` logs at INFO what the
-first call of a step program cost: "compiled train_step in 3.2 s (tracing 0.9 s, XLA 2.3 s)", or that it
-came from the cache.
+The cache is ``JMP_COMPILATION_CACHE`` (``0`` / ``off``: none), else JAX's own setting, else
+``$XDG_CACHE_HOME/jmp/xla``; the config key ``compilation_cache: False`` turns it off. ``timed(name)`` logs
+a step program's first call: its tracing and XLA time, or that it came from the cache.
 """
 
 from __future__ import annotations

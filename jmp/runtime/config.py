@@ -1,34 +1,8 @@
 """The smp-style configuration: keys, defaults, aliases and validation.
 
-Every key of SageMaker model parallelism v1 (``smdistributed.modelparallel.torch``) and the v2 keys is
-accepted, with SMP's meaning; the fields of ``Config`` are the keys, with their defaults, and
-``ALIASES`` SMP's other names for some of them. Values are checked by type; an unknown key or a bad
-value raises ``ConfigError`` naming the key and what to do. Keys that have no effect in jmp are kept
-and ``smp.init`` logs them once (``jmp.runtime.config_no_effect``).
-
-Where jmp's default differs from SMP's, on purpose:
-
-- ``sdp_param_persistence_threshold``: 1024 elements (SMP: 1,000,000). Under sharded data parallelism
-  a parameter with fewer elements stays whole; jmp's small default splits every weight matrix and
-  keeps only biases and norms whole. Give the key to get SMP's behaviour.
-- ``sharded_data_parallel_degree`` / ``hybrid_shard_degree``: 1 (SMP v2: 0). 0 means "shard over
-  all data-parallel devices", as in SMP v2; ``smp.init`` replaces it by that number.
-- ``sdp_gradient_clipping``: None when not given (SMP: 1.0): jmp clips only when asked; given, the
-  optimizer clips the gradients' global norm to it under sharded data parallelism, as SMP does.
-- ``active_microbatches``: None when not given: the schedule's own bound (``interleaved`` keeps at most
-  ``partitions + 1``, as SMP's default; ``simple`` all); given, no stage has more in flight.
-- ``pipeline_recompute`` (jmp's key; default False): a pipeline stage keeps what its backward needs from its
-  forward, as SMP does: the outputs of its matrix multiplications, so no matmul runs twice (the elementwise
-  ops between them run again in the backward; activation checkpointing inside the stage still recomputes
-  what it checkpoints). True keeps only each microbatch's stage input and runs the stage's forward again in
-  its backward (GPipe's trade: less memory, about a third more compute).
-- ``reshard_after_forward`` (jmp's key, PyTorch FSDP's name; default True): under sharded data parallelism
-  each layer of the model's layer lists (``nn.ModuleList`` / ``nn.Sequential``) gathers its weights inside a
-  checkpoint that keeps its matmul outputs but not the weights (its elementwise ops are recomputed), so a
-  layer's whole weights live during its forward and again during its backward, not in between (weights
-  gathered twice per step). False gathers each weight once and keeps it until its backward.
-- ``fp16_params: True`` trains in fp16 exactly as ``fp16: True`` does: jmp keeps float32 master
-  parameters either way and computes in fp16 inside the step.
+Every SMP v1 and v2 key is accepted with SMP's meaning: ``Config``'s fields are the keys with their defaults,
+``ALIASES`` SMP's other names. An unknown key or a bad value raises ``ConfigError`` naming the key; keys with
+no effect in jmp are logged once (``config_no_effect``). A default that differs from SMP's says so beside its field.
 """
 
 from __future__ import annotations
@@ -66,15 +40,15 @@ class Config:
     expert_parallel_degree: int = 1
     expert_capacity_factor: float | None = None  # jmp: None sends every token to its experts (none dropped)
     context_parallel_degree: int = 1  # v2: the mesh's "cp" axis splits each sequence (jmp.compiled_step.microbatches)
-    sharded_data_parallel_degree: int = 1  # 0: all data-parallel devices (resolved by smp.init)
+    sharded_data_parallel_degree: int = 1  # SMP v2: 0, all data-parallel devices (resolved by smp.init)
     ddp: bool = False
     placement_strategy: str = "cluster"  # or a permutation of "DPT" (last letter varies fastest)
     optimize: str = "speed"
     memory_weight: float = 0.8
     prescaled_batch: bool = False
     # sharded data parallelism
-    sdp_param_persistence_threshold: int = 1024  # elements; SMP's default is 1_000_000 (see above)
-    sdp_gradient_clipping: float | None = None  # clipped to by DistributedOptimizer.step under fsdp
+    sdp_param_persistence_threshold: int = 1024  # elements (SMP: 1_000_000): every weight matrix is split
+    sdp_gradient_clipping: float | None = None  # SMP: 1.0; given, DistributedOptimizer.step clips to it under fsdp
     sdp_reduce_bucket_size: int = 500_000_000
     sdp_max_live_parameters: int = 1_000_000_000
     sdp_hierarchical_allgather: bool = True
@@ -84,7 +58,7 @@ class Config:
     fsdp_cache_flush_warnings: bool = True  # v2
     # precision, memory, initialisation
     fp16: bool = False
-    fp16_params: bool = False  # implies fp16
+    fp16_params: bool = False  # trains as fp16 does (float32 masters either way)
     bf16: bool = False
     # FP8 Linear matmuls with Transformer Engine's DelayedScaling recipe and its defaults (jmp.precision.fp8_scaling)
     fp8: bool = False

@@ -1,9 +1,4 @@
-"""Config keys jmp accepts but does not act on, and why: each logs one line per process when given.
-
-They tune SMP's own runtime (its MPI/NCCL engine, its tracer, DeepSpeed's ZeRO buckets), which jmp
-replaces with one compiled XLA program; or their effect lives in a part of jmp still to use them.
-A key logs at WARNING when ignoring it can change results, at INFO otherwise.
-"""
+"""Config keys jmp accepts but does not act on, and why; each logs once per process (WARNING if results can differ)."""
 
 from __future__ import annotations
 

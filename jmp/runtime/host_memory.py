@@ -1,18 +1,9 @@
 """On CPU, glibc's malloc keeps the memory XLA frees for the next step instead of returning it to the system.
 
-XLA:CPU allocates each run's buffers (tens of MB for a small convolutional net) with ``malloc`` and frees them
-when the run ends. glibc serves blocks above its mmap threshold (at most 32 MiB) with fresh ``mmap``s and unmaps
-them on ``free``, so every step faults in and zeroes its buffers' pages again: the seed's GroupedNet (batch 64,
-one device) took 11,900 page faults per step and 43 ms; with the thresholds raised, 800 and 35 ms (PyTorch eager:
-27 ms); at dp8 over 8 CPU devices 9,700 and 75 ms, then 700-1,000 and 66 ms. Such blocks now come from the heap
-and stay there, as a caching allocator's do; the process's resident memory then stays at its peak between steps,
-as it does under PyTorch's allocators. What remains: XLA's threads allocate from malloc arenas of their own,
-whose heaps (64 MiB at most) go back to the system when wholly free, and blocks larger than a heap are mmapped
-whatever the threshold; only ``GLIBC_TUNABLES=glibc.malloc.arena_max=1`` at the process's start avoids that,
-and it measured no faster.
-
-A process whose malloc the user configured (``GLIBC_TUNABLES`` naming ``glibc.malloc``, or glibc's ``MALLOC_*_``
-variables) is left as configured, as is one whose C library is not glibc.
+XLA:CPU mallocs and frees each run's buffers; above glibc's mmap threshold every step faults in and zeroes
+fresh pages. Raised thresholds keep such blocks on the heap, as a caching allocator would (resident memory then
+stays at its peak between steps). A process whose malloc the user configured (``GLIBC_TUNABLES`` naming
+``glibc.malloc``, ``MALLOC_*_``), or whose C library is not glibc, is left alone.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""The live ``DistributedModel``s: how jmp finds the model a call means when it is not given one.
-
-A leaf module (``model``, ``optimizer``, ``step`` and ``remat`` all use it), holding models weakly.
-"""
+"""The live ``DistributedModel``s (held weakly): how jmp finds the model a call means when it is not given one."""
 
 from __future__ import annotations
 
@@ -29,10 +26,7 @@ def latest() -> Any | None:
 
 
 def live(collect: bool = True) -> list[Any]:
-    """The models still referenced by the program (unreachable ones collected first, if there are several).
-
-    ``collect=False`` skips the collection (a full ``gc.collect()``, about 0.2 s in a process holding torch and
-    JAX): for a caller that asks at every step and collects only when the answer is ambiguous."""
+    """The models still referenced (unreachable ones collected first when there are several, unless not ``collect``)."""
     if collect and len(_LIVE) > 1:
         gc.collect()  # a dropped model can linger in a reference cycle until the next collection
     return list(_LIVE)

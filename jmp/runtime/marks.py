@@ -1,9 +1,7 @@
-"""Marks that smp's context managers and setters put on torch modules (tensor parallelism, pipeline stage).
+"""Marks on torch modules (tensor parallelism, pipeline stage), kept beside them (weakly keyed).
 
-``with marking_created("tensor_parallel", True): model = Net()`` marks every module
-constructed inside the block, as SMP's ``smp.tensor_parallelism()`` and
-``smp.partition(i)`` do; ``mark(module, key, value)`` marks one afterwards.
-Marks live beside the modules (weakly keyed), so the user's modules are not changed.
+``with marking_created(key, value):`` marks every module constructed inside, as ``smp.tensor_parallelism()``
+and ``smp.partition(i)`` do; ``mark(module, key, value)`` marks one afterwards.
 """
 
 from __future__ import annotations

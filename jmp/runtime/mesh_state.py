@@ -1,14 +1,9 @@
 """``smp.init``: the one mesh of a run, and the rank helpers.
 
-One JAX process drives several devices (all of its host's, or those a launcher gives it) and a run of
-several processes uses JAX's multi-controller runtime (``jax.distributed``). SMP had one process per GPU.
-Here the *sizes* of model parallelism are the degrees, as in SMP (``pp_size()``, ``tp_size()``,
-``mp_size()``), while the data helpers count processes: ``dp_size()`` is how many different shares of the
-data the processes load and ``dp_rank()`` which one this process loads, so the seed scripts' sharding
-(``if smp.dp_size() > 1: dataset = shard(smp.dp_rank())``) stays right: a process passes its share of the
-global batch and ``@smp.step`` splits it over its devices. As in SMP, processes holding different
-tensor-parallel slices load different data (``dp_size()`` counts them; ``rdp_size()`` does not) unless
-``prescaled_batch`` is set, when the processes of a tensor-parallel group load the same batch.
+One JAX process drives several devices (SMP had one process per GPU). The model-parallel sizes are the degrees,
+as in SMP; the data helpers count processes: ``dp_size()`` / ``dp_rank()`` say how many shares of the data the
+processes load and which one this process loads (a process passes its share and ``@smp.step`` splits it over
+its devices). Processes holding different tensor-parallel slices load different data unless ``prescaled_batch``.
 """
 
 from __future__ import annotations
@@ -57,18 +52,10 @@ _mesh: Mesh | None = None
 def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -> None:
     """Validate ``config``, start JAX's multi-process runtime if launched as one of several, build the mesh.
 
-    Call it once, before building models. Calling it again replaces the configuration and mesh; a
-    ``DistributedModel`` built under another config or mesh then refuses to run.
-
-    Args:
-        config: an smp config dict (SMP v1 and v2 keys, see ``jmp.runtime.config``), used as is: ``{}`` gives the
-            defaults. None (or no argument) reads what SageMaker passes the process, as SMP does: the JSON
-            in ``SM_HP_MP_PARAMETERS`` (see ``jmp.runtime.sagemaker_config``), else the defaults.
-        devices: a jmp extension: the devices to run on (default: all of ``jax.devices()``).
-
-    Raises:
-        ConfigError: an unknown key or a bad value (naming the environment variable when the config came
-            from one), or model-parallel degrees whose product does not divide the number of devices.
+    Calling it again replaces config and mesh (models built under the old ones then refuse to run). ``config``:
+    an smp config dict (``{}``: the defaults); None reads SageMaker's environment (``sagemaker_config``).
+    ``devices`` (jmp's): the devices to run on (default all). Raises ``ConfigError`` for an unknown key, a bad
+    value, or degrees whose product does not divide the number of devices.
     """
     global _config, _mesh
     rank_zero_logging.install()
@@ -150,10 +137,8 @@ _NAMED_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}  # as SMP documents them
 def _build_mesh(shape: dict[str, int], devices: list, placement: str) -> Mesh:
     """Lay devices out in ``placement``'s axis order, the last letter varying fastest (SMP's meaning).
 
-    'cluster' ("DPT"): a model replica's pipeline and tensor-parallel devices are neighbours;
-    'spread' ("TPD"): data-parallel peers are. Within D, ``ep`` then ``fsdp`` vary fastest (their
-    collectives are the heaviest of the data axes); context parallelism ("cp", when present) sits with
-    tensor parallelism in T, ``tp`` varying fastest. The mesh's axes are ``shape``'s, in its order.
+    'cluster' ("DPT") makes a replica's pipeline and tensor devices neighbours, 'spread' ("TPD") data peers; in D,
+    ``ep`` then ``fsdp`` vary fastest, and ``cp`` sits with ``tp`` in T (``tp`` fastest).
     """
     letters = _NAMED_PLACEMENTS.get(placement, placement)
     order = tuple(axis for letter in letters for axis in _LETTER_AXES[letter] if axis in shape)
@@ -169,8 +154,7 @@ step_boundary.after_each_step(programs_in_flight.admit_update)
 
 
 def _check_sequences_within_processes(mesh: Mesh, degree: int) -> None:
-    """Each process passes whole sequences for its rows: the devices a sequence is split over ("cp") must be
-    devices of one process."""
+    """The devices a sequence is split over ("cp") must be one process's: each process passes whole sequences."""
     cp = mesh.axis_names.index(CONTEXT_AXIS)
     groups = np.moveaxis(mesh.devices, cp, -1).reshape(-1, degree)
     if any(len({device.process_index for device in group}) > 1 for group in groups):
@@ -197,11 +181,8 @@ def _mark_startup(stage: str) -> None:
 def _start_distributed_runtime() -> None:
     """Call ``jax.distributed.initialize`` when this process was launched as one of several.
 
-    Launchers: JAX's own variables (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``),
-    SLURM, Open MPI (``mpirun``), and torchrun's (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``;
-    also what ``python -m jmp.launch`` sets). A process that does not join within ``JMP_INIT_TIMEOUT``
-    seconds (default 120), or stops answering for ``JMP_HEARTBEAT_TIMEOUT`` (default 60), makes the others
-    fail with JAX's error instead of waiting forever.
+    Reads JAX's, SLURM's, Open MPI's and torchrun's variables; ``JMP_INIT_TIMEOUT`` (120 s) and
+    ``JMP_HEARTBEAT_TIMEOUT`` (60 s) bound a peer's joining and silence.
     """
     if jax.distributed.is_initialized():
         return
@@ -247,12 +228,9 @@ def _start_distributed_runtime() -> None:
 def _exit_on_uncaught() -> None:
     """Make the excepthook report an uncaught error, then end the process at once.
 
-    JAX's exit handler waits at a shutdown barrier for every process (minutes); a process that failed would
-    sit there while its peers wait for it, and the launcher (torchrun, jmp.launch) would not see the failure.
-    Installed as soon as JAX's runtime is up (an error while torch.distributed starts must end the process too)
-    and again once torch.distributed started, outside its hook (which prints the traceback into a buffer and
-    writes it out after the hook it wraps returns: wrapped inside it, a hook that exits lost the traceback). So
-    a hook of ours wrapped by another of ours leaves the exit to that one.
+    JAX's exit handler waits at a shutdown barrier for every process, so a failed process would hang its peers and
+    hide the failure from the launcher. Installed once JAX is up and again once torch.distributed started, outside
+    its hook (wrapped inside it, the exit lost the traceback); a hook of ours wrapped by another leaves the exit to it.
     """
     previous = sys.excepthook
     if getattr(previous, "jmp_exits", False):
@@ -275,13 +253,10 @@ _exits_without_collecting = False
 
 
 def _exit_without_collecting() -> None:
-    """At exit, after the atexit handlers before it (JAX's shutdown barrier, Orbax's commits), ``gc.freeze()``.
+    """At exit, after the atexit handlers before it (JAX's barrier, Orbax's commits), ``gc.freeze()``.
 
-    Python's finalization runs full garbage collections over every object torch, JAX and the model left (millions):
-    2 to 3 s of a launched process's end here, 4 to 8 on a loaded machine, which the launcher and the other
-    processes wait for. Frozen, those objects are freed by their reference counts as the modules are cleared,
-    without the traversals (0.3 s). Objects in reference cycles are then not collected at exit, where Python does
-    not promise their ``__del__`` either.
+    Python's final collections over torch's and JAX's millions of objects take seconds the peers wait for; frozen,
+    they are freed by reference counts (cycles are not collected at exit).
     """
     global _exits_without_collecting
     if not _exits_without_collecting:
@@ -290,8 +265,7 @@ def _exit_without_collecting() -> None:
 
 
 def check_same_on_every_process(what: str, description: str) -> None:
-    """Raise on every process when ``description`` (of the config, of a model) differs between processes,
-    instead of letting them run different programs and hang."""
+    """Raise on every process when ``description`` (of the config, a model) differs between processes, not hang."""
     if jax.process_count() == 1:
         return
     digest = np.uint32(zlib.crc32(description.encode()))
@@ -335,11 +309,7 @@ def get_config() -> Config:
 
 
 def _process_group(axes: tuple[str, ...]) -> tuple[int, int]:
-    """(rank, size) of this process among the processes that differ along ``axes``.
-
-    Two processes share a rank when their devices hold the same coordinates on
-    ``axes`` (they are each other's peers on the other axes).
-    """
+    """(rank, size) of this process among the processes that differ along ``axes``."""
     return _process_group_in(get_mesh(), axes)
 
 
@@ -398,8 +368,7 @@ def local_size() -> int:
 
 
 def dp_rank() -> int:
-    """This process's rank among the processes holding the same pipeline stage (SMP's data-parallel group:
-    its tensor-parallel peers too, as in SMP, where a tensor-parallel group is a subset of it)."""
+    """This process's rank among those holding its pipeline stage (SMP's data-parallel group, tp peers included)."""
     return _process_group(DATA_AXES + ("tp",))[0]
 
 
@@ -409,8 +378,7 @@ def dp_size() -> int:
 
 
 def rdp_rank() -> int:
-    """The reduced-data-parallel rank: this process's rank among those holding the same model slice (the same
-    pipeline stage and tensor-parallel slice)."""
+    """This process's rank among those holding the same model slice (pipeline stage and tensor-parallel slice)."""
     return _process_group(DATA_AXES)[0]
 
 
@@ -420,9 +388,8 @@ def rdp_size() -> int:
 
 
 def feeding_axes() -> tuple[str, ...]:
-    """The mesh axes along which processes pass different rows to a step: the data axes, and tensor parallelism
-    unless ``prescaled_batch`` (SMP's rule: without it each tensor-parallel rank loads its own batch, and the
-    tensor-parallel group computes on all of them)."""
+    """The mesh axes along which processes pass different rows to a step: the data axes, and ``tp`` unless
+    ``prescaled_batch`` (SMP's rule: without it each tensor-parallel rank loads its own batch)."""
     return DATA_AXES if get_config().prescaled_batch else DATA_AXES + ("tp",)
 
 
@@ -432,8 +399,7 @@ def feeding_share() -> tuple[int, int]:
 
 
 def tp_rank() -> int:
-    """This process's rank among processes holding different tensor-parallel slices (0 when one process
-    holds all of a layer's slices)."""
+    """This process's rank among those holding different tensor-parallel slices (0 if one holds them all)."""
     return _process_group(("tp",))[0]
 
 
@@ -443,8 +409,7 @@ def tp_size() -> int:
 
 
 def pp_rank() -> int:
-    """This process's rank among processes holding different pipeline stages (0 when one process holds
-    every stage)."""
+    """This process's rank among those holding different pipeline stages (0 if one holds every stage)."""
     return _process_group(("pp",))[0]
 
 

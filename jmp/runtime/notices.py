@@ -1,6 +1,4 @@
-"""Notices logged once per process: the same setting or model met again (another model built, another step
-compiled, an estimate's abstract model) says nothing new, so it is not said again. Keys name what a notice is
-about, prefixed by the part of jmp that says it."""
+"""Notices logged once per process, keyed by what they are about (prefixed by the part of jmp that says them)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""How an activation-checkpointing (remat) policy is written: a preset name, activation names after a colon.
-
-A leaf module: the config validates ``activation_checkpointing_policy`` with it, and ``jmp.remat`` turns
-parsed policies into ``jax.checkpoint`` policies (``jmp.remat.policies.resolve``).
-"""
+"""How a remat policy is written: a preset name, activation names after a colon (checked by the config)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """A bound on how many training steps' programs run ahead of the host on XLA:CPU, where too many deadlock.
 
-JAX dispatches a program and returns before it runs, so a loop that reads no result (a script that logs the
-loss every hundred steps) queues programs without bound. XLA:CPU runs a program over several devices as one
-task per device on a fixed thread pool, gang-scheduling one collective program after another. With a few dozen
-such programs queued, some program's tasks wait in its rendezvous for tasks that never start ("Expected 8
-threads to join the rendezvous, but not all of them arrived on time") and every process stops for good:
-measured with jax 0.10.2 on 8 CPU devices, one process deadlocked with 60 queued all-reduces (50 completed), two
-processes with 40 (25 completed), whether the programs' meshes order the devices alike or not.
-``benchmarks/programs_in_flight.py`` reproduces it. GPUs and TPUs queue programs on streams: no bound there.
-
-jmp bounds the queue at the step boundary: after each optimizer update (``jmp.runtime.step_boundary``) it keeps
-one small gradient of that step (an output of the step's program that no later program consumes by donation)
-and waits for the one kept ``limit`` steps before, so at most ``limit`` steps (a step program and an update
-each) are ever queued ahead of the host: the host still prepares the next steps while the devices compute.
+JAX returns before a program runs, so a loop that reads no result queues programs without bound; XLA:CPU
+gang-schedules multi-device programs on a fixed thread pool, and with a few dozen queued a rendezvous waits for
+tasks that never start (``benchmarks/programs_in_flight.py``). After each optimizer update jmp keeps one small
+gradient of the step and waits for the one kept ``limit`` steps before. GPUs and TPUs need no bound.
 """
 
 from __future__ import annotations
@@ -61,9 +52,8 @@ def kept() -> int:
 
 
 def admit(result: Any) -> None:
-    """``result`` (an array a step's program produced) was just dispatched: wait until only ``limit()`` steps,
-    this one included, may still be running. A kept array deleted since (donated to a later program) stands for
-    nothing any more; the next newer one is waited for instead."""
+    """``result`` of a step's program was just dispatched: wait until at most ``limit()`` steps may still run (a kept
+    array donated since to a later program is skipped for the next newer one)."""
     if not _limit:
         return
     _kept.append(result)

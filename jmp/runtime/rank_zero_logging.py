@@ -1,7 +1,4 @@
-"""jmp's own log lines once per job: on every process but the first, the ``jmp`` logger drops its INFO and
-WARNING records (errors stay: they may be that process's alone). Under a launcher each process runs the same
-script, so the same notice would otherwise print once per process. The user's own loggers and prints are
-left alone."""
+"""jmp's own INFO / WARNING log lines on the first process only (errors everywhere); user loggers are left alone."""
 
 from __future__ import annotations
 

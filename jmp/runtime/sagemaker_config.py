@@ -1,12 +1,7 @@
 """The model-parallel configuration SageMaker hands a training process, read from its environment.
 
-An estimator's ``distribution={"smdistributed": {"modelparallel": {"enabled": True, "parameters":
-{...}}}}`` reaches the process as the hyperparameter ``mp_parameters``, which SageMaker exports as
-``SM_HP_MP_PARAMETERS`` (a JSON object of the parameters); that is where SMP reads it, and jmp too.
-Only when that variable is absent, ``SM_FRAMEWORK_PARAMS`` (a JSON object of the ``sagemaker_*``
-launcher settings, e.g. ``sagemaker_mpi_enabled``) is looked at, for the same parameters under
-``mp_parameters`` or ``sagemaker_distribution`` -> ``smdistributed`` -> ``modelparallel`` ->
-``parameters``. Neither set: the defaults.
+``SM_HP_MP_PARAMETERS`` (a JSON object, where SMP reads it); when absent, ``SM_FRAMEWORK_PARAMS``'s
+``mp_parameters`` or ``sagemaker_distribution.smdistributed.modelparallel.parameters``; else the defaults.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""SMP's import paths as aliases of jmp's: ``smdistributed.modelparallel.torch.X`` is the module ``jmp.X`` (SMP v1),
-``torch.sagemaker.X`` the module ``jmp.tsm.X`` (SMP v2).
+"""SMP's import paths as aliases: ``smdistributed.modelparallel.torch.X`` is ``jmp.X``, ``torch.sagemaker.X`` is
+``jmp.tsm.X``.
 
-The same module object under both names, not a second copy: a second copy would hold its own state (the
-config, registries) and its own classes, which ``isinstance`` would tell apart. ``python -m jmp.launch`` makes
-``smdistributed`` importable (``jmp/runtime/smp_import_path``), whose ``torch`` package installs this finder;
-for ``torch.sagemaker`` (``torch`` is a real package, so no directory can stand for it) the launcher's
-``sitecustomize`` installs it at the first import of a name under ``torch.sagemaker``.
+The same module object under both names (a copy would hold its own state and classes). ``smp_import_path``'s
+``torch`` package installs this finder for ``smdistributed``, the launcher's ``sitecustomize`` for ``torch.sagemaker``.
 """
 
 from __future__ import annotations
@@ -52,8 +49,7 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class SmpAliasFinder(importlib.abc.MetaPathFinder):
-    """Finds ``smdistributed.modelparallel.torch.X`` as ``jmp.X`` and ``torch.sagemaker[.X]`` as ``jmp.tsm[.X]``
-    (and nothing else)."""
+    """Finds ``smdistributed.modelparallel.torch.X`` as ``jmp.X`` and ``torch.sagemaker[.X]`` as ``jmp.tsm[.X]``."""
 
     def find_spec(self, fullname: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
         name = jmp_name(fullname)
@@ -63,13 +59,10 @@ class SmpAliasFinder(importlib.abc.MetaPathFinder):
 
 
 def register_shadowed(package: str) -> list[str]:
-    """Put the loaded jmp submodules whose name the jmp package gives another object in ``sys.modules`` under
-    ``package``'s names now (``smdistributed.modelparallel.torch.step`` for ``jmp.step``, whose name on the package
-    is the ``step`` decorator); returns the names put there.
+    """Put the jmp submodules whose package name is another object (``jmp.step``) in ``sys.modules`` under ``package``.
 
-    SMP's own package has these modules imported, so that importing them by name finds them in ``sys.modules``.
-    Found by this finder instead, the import system would then set each module on its parent package, which is
-    jmp itself (``smp.step`` would become the module).
+    Returns the names put there. Found by this finder instead, the import system would set each on the package,
+    and ``smp.step`` would become the module.
     """
     target = PACKAGES[package]
     jmp_package = sys.modules[target]

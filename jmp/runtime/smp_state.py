@@ -1,10 +1,7 @@
-"""``smp.state``: SMP's state object, as scripts and tools read it.
+"""``smp.state``: SMP's state object, read live from ``smp.init``'s config and mesh.
 
-``smp.state.cfg.<key>`` is the run's config value of every key (SMP's names and aliases:
-``smp.state.cfg.partitions`` is ``pipeline_parallel_degree``); the rank attributes are ``smp.rank()``'s and
-its siblings'; ``smp.state.module_manager.translate_functions`` is the list of (smp -> Hugging Face,
-Hugging Face -> smp) state-dict translations Hugging Face applies when saving, empty here: jmp's state dicts
-already carry the torch module's own key names. Everything is read live from ``smp.init``'s config and mesh.
+``cfg.<key>`` is every key's value (aliases too), the rank attributes are ``smp.rank()``'s and its siblings',
+and ``module_manager.translate_functions`` is empty (jmp's state dicts already carry torch's keys).
 """
 
 from __future__ import annotations

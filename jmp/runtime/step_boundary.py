@@ -1,9 +1,6 @@
-"""What runs at the step boundary, after each optimizer update: packages below the optimizer in the data flow
-(``jmp.saving``'s preemption checkpoint) register here instead of being imported by it.
+"""What runs after each optimizer update; packages below the optimizer (saving's preemption) register here.
 
-Under ``python -m jmp.launch --step-timeout S`` (``JMP_PROGRESS_FILE`` set) each step also touches that file,
-which the launcher watches for hung steps, and SIGUSR1 dumps every thread's Python stack to stderr
-(``faulthandler``), which the launcher asks for before it stops a hung run.
+Under ``jmp.launch --step-timeout`` each step touches ``JMP_PROGRESS_FILE`` and SIGUSR1 dumps Python stacks.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ def step_ended(optimizer: Any) -> None:
 
 
 def report_progress(environment: Mapping[str, str] = os.environ) -> bool:
-    """With ``JMP_PROGRESS_FILE`` in ``environment``: touch it after each step and dump the stacks on SIGUSR1.
-    Returns whether it was set."""
+    """With ``JMP_PROGRESS_FILE``: touch it after each step, dump stacks on SIGUSR1; returns whether it was set."""
     path = environment.get(PROGRESS_FILE)
     if not path:
         return False

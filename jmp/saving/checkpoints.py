@@ -1,8 +1,7 @@
 """``smp.save_checkpoint`` / ``smp.resume_from_checkpoint``: SMP v1's checkpoint API.
 
-``partial=True`` (the default) writes a sharded Orbax checkpoint that restores under any layout of the same
-model (``jmp.saving.partial``); ``partial=False`` writes full torch ``state_dict``s (``jmp.saving.full``).
-A resume loads into the run's ``DistributedModel`` and its ``DistributedOptimizer``, as SMP does.
+``partial=True`` (default) writes a sharded Orbax checkpoint that restores under any layout (``partial``);
+``partial=False`` full torch ``state_dict``s (``full``).
 """
 
 from __future__ import annotations
@@ -42,39 +41,18 @@ def save_checkpoint(
     translate_if_full: bool = True,
     num_kept_partial_checkpoints: int | None = None,
 ) -> None:
-    """Save ``model``, ``optimizer`` and ``user_content`` under ``path`` as checkpoint ``tag``.
+    """Save ``model``, ``optimizer`` and ``user_content`` under ``path`` as checkpoint ``tag`` (same on all processes).
 
-    Args:
-        path: the checkpoint directory (created if missing).
-        tag: this checkpoint's name, usually the step count; the same on every process.
-        partial: True: a sharded checkpoint (``<tag>_partial/``, Orbax) holding parameters (float32
-            masters), buffers, the random stream, optimizer state (step counts, loss scale, hyper-parameters)
-            and ``user_content``; written in the background after this returns. False: full torch
-            ``state_dict``s (``<tag>``, ``optimizer_<tag>``, ``user_content_<tag>``).
-        model, optimizer: what to save (None: not saved).
-        user_content: what to save with it (an LR scheduler's ``state_dict()``, the data position, numpy
-            values, a Hugging Face config); ``resume_from_checkpoint`` returns it. It loads back without running
-            code (``jmp.saving.user_content``): another class must be allowed with
-            ``torch.serialization.add_safe_globals``.
-        translate_if_full: SMP translated its own parameter names to Hugging Face's; jmp's are torch's
-            (and so Hugging Face's) already, so there is nothing to translate.
-        num_kept_partial_checkpoints: keep only this many newest partial checkpoints in ``path``.
-
-    Raises:
-        CheckpointError: a bad tag, nothing to save, or ``user_content`` holding a class that is not allowed.
-        ArgumentTypeError: ``model`` / ``optimizer`` of the wrong kind.
+    ``partial``: ``<tag>_partial/`` (Orbax, written in the background) with float32 masters, buffers, random
+    stream, optimizer state and ``user_content``; else ``<tag>``, ``optimizer_<tag>``, ``user_content_<tag>``.
+    ``user_content`` loads back without running code (``user_content``; allow other classes with
+    ``torch.serialization.add_safe_globals``). ``translate_if_full`` has nothing to do (jmp's names are torch's).
+    ``num_kept_partial_checkpoints``: keep this many newest. Raises ``CheckpointError`` / ``ArgumentTypeError``.
     """
     tag = directory.check_tag(tag)
     if model is not None and not isinstance(model, DistributedModel):
         raise ArgumentTypeError(f"save_checkpoint(model=...) takes an smp.DistributedModel, not {type(model).__name__}")
-    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DistributedOptimizer):  # a loop's own
-        optimizer = plain_optimizers.distributed_optimizer_of(optimizer) or optimizer
-    if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
-        raise ArgumentTypeError(
-            f"save_checkpoint(optimizer=...) takes an smp.DistributedOptimizer, not {type(optimizer).__name__}"
-        )
-    if optimizer is not None and model is not None and optimizer.model is not model:
-        raise CheckpointError("save_checkpoint: the optimizer updates another model than the one given")
+    optimizer = _checked_optimizer(optimizer, model, "save_checkpoint")
     if model is None and optimizer is None and user_content is None:
         raise CheckpointError("save_checkpoint: nothing to save; pass model=, optimizer= and/or user_content=")
     if num_kept_partial_checkpoints is not None and (
@@ -112,47 +90,21 @@ def resume_from_checkpoint(
     model: DistributedModel | None = None,
     optimizer: DistributedOptimizer | torch.optim.Optimizer | None = None,
 ) -> Any:
-    """Load checkpoint ``tag`` (None: the newest complete one; a partial one that cannot be read, a truncated file,
-    gives way to the one saved before it, with a warning naming it) into the run's model and optimizer.
+    """Load checkpoint ``tag`` into the run's model and optimizer; returns its ``user_content``.
 
-    A partial checkpoint restores under any mesh and parallelism of the same model: each array is read
-    straight into its current sharding. Nothing the run holds changes unless the whole load succeeds.
-
-    Args:
-        strict: the checkpoint must hold exactly the model's (and optimizer's) values; with False the
-            matching part loads and the rest keeps its current values (shapes must still agree).
-        load_optimizer: restore the optimizer state too (it must exist: create the DistributedOptimizer first).
-        load_sharded_optimizer_state: False restores only the loss-scaling state of the optimizer (with the
-            model's float32 masters), not its moments and step counts.
-        translate_function: (full checkpoints) applied to the loaded state_dict before it is loaded.
-        model: (a jmp extension) the model to load into; default: the DistributedModel built last, and the
-            optimizer built on it last.
-        optimizer: (a jmp extension) the optimizer to load into: a DistributedOptimizer, or the plain torch
-            optimizer of a loop without ``@smp.step`` (wrapped now, as its first ``step()`` would); default: the
-            model's.
-
-    Returns:
-        The ``user_content`` saved with the checkpoint (None if there was none).
-
-    Raises:
-        CheckpointError: no such directory or tag, an incomplete or corrupted checkpoint (UnreadableCheckpointError;
-            with tag=None, when no older one can be read either), or one of another model (names or shapes differ),
-            or optimizer state with no optimizer to take it.
+    ``tag`` None: the newest complete one (an unreadable partial one gives way to the one before, with a warning).
+    A partial checkpoint restores under any mesh, each array read into its current sharding; nothing changes
+    unless the whole load succeeds. ``strict=False`` loads the matching part. ``load_sharded_optimizer_state=False``
+    restores only the loss scaling. ``model`` / ``optimizer`` (jmp's): where to load (default the newest model and
+    its optimizer; a plain torch optimizer is wrapped). Raises ``CheckpointError`` for a missing, corrupted or
+    mismatched checkpoint, or optimizer state with no optimizer.
     """
     partial_checkpoint.wait_for_saves()
     root = Path(path)
     tag_given = tag
     tag = directory.resolve_tag(root, tag, partial)
-    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DistributedOptimizer):  # a loop's own
-        optimizer = plain_optimizers.distributed_optimizer_of(optimizer) or optimizer
+    optimizer = _checked_optimizer(optimizer, model, "resume_from_checkpoint")
     if optimizer is not None:
-        if not isinstance(optimizer, DistributedOptimizer):
-            raise ArgumentTypeError(
-                "resume_from_checkpoint(optimizer=...) takes an smp.DistributedOptimizer or a torch optimizer of the "
-                f"model's parameters, not {type(optimizer).__name__}"
-            )
-        if model is not None and optimizer.model is not model:
-            raise CheckpointError("resume_from_checkpoint: the optimizer updates another model than the one given")
         model = optimizer.model
     if not partial:
         model = _the_model(model)
@@ -183,6 +135,20 @@ def resume_from_checkpoint(
                 directory.partial_dir(root, before),
             )
     return _on_every_process(functools.partial(load, candidates[-1]))
+
+
+def _checked_optimizer(optimizer: Any, model: DistributedModel | None, call: str) -> DistributedOptimizer | None:
+    """``optimizer`` as a DistributedOptimizer (a loop's own torch optimizer: the one standing for it) of ``model``."""
+    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, DistributedOptimizer):
+        optimizer = plain_optimizers.distributed_optimizer_of(optimizer) or optimizer
+    if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
+        raise ArgumentTypeError(
+            f"{call}(optimizer=...) takes an smp.DistributedOptimizer or a torch optimizer of the model's parameters, "
+            f"not {type(optimizer).__name__}"
+        )
+    if optimizer is not None and model is not None and optimizer.model is not model:
+        raise CheckpointError(f"{call}: the optimizer updates another model than the one given")
+    return optimizer
 
 
 def _on_every_process(load: Any) -> Any:
@@ -263,8 +229,7 @@ def _the_model(given: DistributedModel | None) -> DistributedModel:
 
 
 def _matching(current: dict[str, Any], saved: dict[str, dict], prefixes: tuple[str, ...], strict: bool) -> dict:
-    """The current arrays the checkpoint has values for; an error for shapes that differ, and (strict) for
-    keys on one side only."""
+    """The current arrays the checkpoint has values for; an error for other shapes and (``strict``) one-sided keys."""
     in_checkpoint = {k for k in saved if k.startswith(tuple(p + "/" for p in prefixes)) or k in prefixes}
     missing = sorted(set(current) - in_checkpoint)
     unexpected = sorted(in_checkpoint - set(current))
@@ -282,11 +247,9 @@ def _matching(current: dict[str, Any], saved: dict[str, dict], prefixes: tuple[s
         problems.append(f"in the checkpoint but not in the run: {_listed(unexpected)}")
     if problems:
         hint = "" if not strict or mismatched else "; pass strict=False to load the matching part"
+        problems_text = " | ".join(problems)
         raise CheckpointError(
-            "resume_from_checkpoint: the checkpoint was saved from another model or optimizer ("
-            + " | ".join(problems)
-            + ")"
-            + hint
+            f"resume_from_checkpoint: the checkpoint was saved from another model or optimizer ({problems_text}){hint}"
         )
     return {k: v for k, v in current.items() if k in in_checkpoint}
 

@@ -1,17 +1,5 @@
-"""SMP's checkpoint directory: where each kind of checkpoint lives, and the ``newest`` pointer.
-
-```
-path/
-  <tag>_partial/          a partial checkpoint (an Orbax checkpoint directory, visible once complete)
-  <tag>_partial.replacing/  a new checkpoint of a tag that exists, written beside it, then swapped in
-  <tag>                   a full checkpoint: the model's torch state_dict
-  optimizer_<tag>         its optimizer's torch state_dict (jmp's addition)
-  user_content_<tag>      its user_content
-  newest                  the tag of the newest complete checkpoint
-```
-
-Files are written under a temporary name and renamed into place, so a reader sees a whole file or none.
-"""
+"""SMP's checkpoint directory: ``<tag>_partial/`` (Orbax), ``<tag>`` / ``optimizer_<tag>`` / ``user_content_<tag>``
+(full), and ``newest`` (the newest complete tag); files are renamed into place whole."""
 
 from __future__ import annotations
 
@@ -38,11 +26,7 @@ def replacement_dir(path: str | os.PathLike, tag: str) -> Path:
 
 
 def replace_dir(new: Path, target: Path) -> None:
-    """Put the directory ``new`` in ``target``'s place, then delete the old ``target``.
-
-    The two are swapped in one step (Linux's ``renameat2(RENAME_EXCHANGE)``), so ``target`` names a whole
-    checkpoint at every moment; where the filesystem cannot swap, two renames leave a moment without one.
-    """
+    """Put the directory ``new`` in ``target``'s place (one ``renameat2`` swap where possible), then delete the old."""
     if not _exchange(new, target):
         os.replace(target, new.with_name(new.name + ".old"))
         os.replace(new, target)

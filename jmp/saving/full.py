@@ -1,10 +1,5 @@
-"""Full checkpoints: gathered torch ``state_dict``s that plain PyTorch and Hugging Face load.
-
-``<path>/<tag>`` is the model's ``state_dict()`` under torch's names (a Hugging Face model built from the
-same config takes it with ``load_state_dict(strict=True)``); ``optimizer_<tag>`` is the optimizer's
-torch-format ``state_dict()`` (with the float32 masters of a half-precision model) and ``user_content_<tag>``
-the user's content. Process 0 writes them, each under a temporary name renamed into place, then ``newest``.
-"""
+"""Full checkpoints: gathered torch ``state_dict``s (model, optimizer with float32 masters, user content) that
+plain PyTorch and Hugging Face load; process 0 writes them, then ``newest``."""
 
 from __future__ import annotations
 

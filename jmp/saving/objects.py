@@ -1,9 +1,4 @@
-"""``smp.save`` / ``smp.load``: ``torch.save`` / ``torch.load`` of any object, per model-parallel rank.
-
-With ``partial=True`` each model-parallel rank has its own file, ``<f>_<mp_rank>`` (what it holds of
-``model.local_state_dict()`` and ``optimizer.local_state_dict()``); with ``partial=False`` one file ``f``,
-written by model-parallel rank 0. The files are torch's own format: ``torch.load`` reads them.
-"""
+"""``smp.save`` / ``smp.load``: ``torch.save`` / ``torch.load`` of any object, per model-parallel rank."""
 
 from __future__ import annotations
 
@@ -37,12 +32,9 @@ def save(
     pickle_protocol: int = 2,
     v3: bool = False,
 ) -> None:
-    """``torch.save(obj, ...)`` to ``f_<mp_rank>`` (partial) or ``f`` (written by model-parallel rank 0),
-    under a temporary name renamed into place, so a crash never leaves a half-written file.
+    """``torch.save(obj, ...)`` to ``f_<mp_rank>`` (partial) or ``f`` (mp rank 0), renamed into place whole.
 
-    ``v3`` (with ``partial``): SMP's format for what each data-parallel rank holds its own shard of (an optimizer
-    state under ``shard_optimizer_state``, from ``local_state_dict(gather_if_shard=False)``): the file is
-    ``f_<pp_rank>_<tp_rank>_<rdp_rank>``, one per rank; ``smp.load`` finds it.
+    ``v3`` (with ``partial``): SMP's per-data-parallel-rank file ``f_<pp_rank>_<tp_rank>_<rdp_rank>``.
     """
     target = _file(f, partial, "save", v3)
     if not partial and state.mp_rank() != 0:
@@ -62,9 +54,8 @@ def load(
     partial: bool = True,
     back_compat: bool = False,
 ) -> Any:
-    """``torch.load`` of what ``smp.save`` wrote (``f_<pp_rank>_<tp_rank>_<rdp_rank>`` when partial and saved with
-    ``v3``, else ``f_<mp_rank>``; ``back_compat``: only the latter, as SMP's). Like ``torch.load`` it
-    refuses to unpickle code unless asked (``pickle_load_args={"weights_only": False}``, trusted files only)."""
+    """``torch.load`` of what ``smp.save`` wrote (its ``v3`` file first unless ``back_compat``), which like
+    ``torch.load`` unpickles code only when asked (``pickle_load_args={"weights_only": False}``)."""
     source = _file(f, partial, "load", v3=not back_compat)
     if not source.is_file():  # not saved with v3=True
         source = _file(f, partial, "load")

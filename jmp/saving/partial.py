@@ -1,15 +1,9 @@
 """Partial (sharded) checkpoints on Orbax: each process writes its own shards, asynchronously.
 
-One Orbax checkpoint directory per tag holds two items: ``state`` (a flat dict of arrays, see
-``jmp.saving.state_tree``, plus the ``user_content`` as bytes) and ``meta`` (JSON: what each array is,
-the optimizer's hyper-parameters, when it was saved). Orbax writes into a temporary directory and renames
-it when every process has finished, so a checkpoint is visible only when complete; the ``newest`` pointer
-moves and old checkpoints are pruned after that (in a thread waiting for Orbax: its own finalisation
-callback runs before the rename). A tag that exists already is written beside it and swapped in once complete,
-so a failed or killed save leaves the old checkpoint whole.
-
-``save`` returns once the arrays are copied off the devices (training may go on and overwrite them); the
-writing continues in the background. The next save, a resume, or the end of the process waits for it.
+A tag's directory holds ``state`` (a flat dict of arrays, ``state_tree``, plus ``user_content``) and ``meta``
+(JSON). Orbax renames it into place once every process finished; ``newest`` moves and old ones are pruned
+after that (in a thread). An existing tag is written beside and swapped in. ``save`` returns once the arrays
+are off the devices; the next save, a resume or the process's end waits for the write.
 """
 
 from __future__ import annotations
@@ -63,8 +57,7 @@ def save(
     user_content: Any,
     keep: int | None,
 ) -> None:
-    """Start writing ``<root>/<tag>_partial``; ``newest`` points at it (and older ones beyond ``keep`` are
-    deleted) once it is complete."""
+    """Start writing ``<root>/<tag>_partial``; once complete, ``newest`` names it and those beyond ``keep`` go."""
     global _pending
     blob = np.frombuffer(user_content_file.to_bytes(user_content), np.uint8)
     wait_for_saves()
@@ -177,11 +170,7 @@ def older_than(root: Path, tag: str) -> list[str]:
 
 
 def _saved_at(where: Path) -> int | None:
-    """When the complete jmp checkpoint at ``where`` was saved, read from its JSON file as it lies on disk.
-
-    Not through Orbax: its restore waits for every process, and pruning runs in process 0's background thread
-    while the others train, so neither would move on (a multi-process run hung at its second save).
-    """
+    """When the checkpoint at ``where`` was saved, from its JSON file (Orbax's restore would wait for every process)."""
     try:
         meta = json.loads((where / "meta" / "metadata").read_text())
     except (OSError, ValueError):

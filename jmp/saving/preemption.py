@@ -1,13 +1,7 @@
-"""Preemption: a SIGTERM (a spot reclaim, a node replacement, a launcher passing one on) ends the run at a step
-boundary with a checkpoint, instead of losing the steps since the last one.
+"""Preemption: a SIGTERM ends the run at a step boundary with a checkpoint.
 
-With ``JMP_PREEMPTION_CHECKPOINT_DIR`` set (``python -m jmp.launch --preemption-checkpoint-dir DIR`` sets it),
-a process that gets SIGTERM finishes its step and goes on until every process reaches the same step boundary
-(JAX's preemption sync point, ``multihost_utils.reached_preemption_sync_point``: SIGTERM to one process is
-enough); there all of them save the stepping optimizer's model and state as partial checkpoint ``preempted`` in
-DIR (``newest`` names it), wait for the write, and exit 0. A restarted script's ``smp.resume_from_checkpoint(DIR)``
-continues from it. Its ``user_content`` is what the function given to ``smp.set_preemption_user_content``
-returns at that moment (the script's step, data position, LR scheduler), else None.
+With ``JMP_PREEMPTION_CHECKPOINT_DIR`` set, every process reaches JAX's preemption sync point, saves partial
+checkpoint ``preempted`` there (with ``smp.set_preemption_user_content``'s content), waits, and exits 0.
 """
 
 from __future__ import annotations
@@ -39,8 +33,7 @@ _handler_installed = False
 
 
 def set_preemption_user_content(user_content: Callable[[], Any] | None) -> None:
-    """Give the function whose result is saved as ``user_content`` with a preemption checkpoint; it is called
-    after the step that ends the run (None: no user content)."""
+    """Set the function whose result a preemption checkpoint saves as ``user_content`` (None: none)."""
     global _user_content
     if user_content is not None and not callable(user_content):
         raise ArgumentTypeError(

@@ -1,13 +1,8 @@
 """``save_checkpoint``'s ``user_content``: pickled as SMP does, loaded back without running arbitrary code.
 
-SMP pickles ``user_content`` whole, and scripts store more than plain data in it: numpy scalars (a parameter
-count from ``np.prod``), a Hugging Face ``PretrainedConfig``, ``argparse.Namespace``. Here it is written by
-``torch.save`` and read by ``torch.load(weights_only=True)`` with exactly these classes allowed besides torch's
-own: numpy's scalars, arrays and dtypes, Hugging Face configs and ``argparse.Namespace`` (their unpickling sets
-attributes and runs none of the checkpoint's code), and whatever the user allowed with
-``torch.serialization.add_safe_globals``. The classes allowed on load are those the pickle names *and* this
-rule admits, so a checkpoint naming another class cannot make a resume run it. Anything else is refused when
-saving, naming the class and how to allow it, not discovered when resuming.
+Written by ``torch.save`` and read with ``weights_only=True``, allowing besides torch's own only numpy scalars,
+arrays and dtypes, Hugging Face configs, ``argparse.Namespace`` and the user's ``add_safe_globals``. Anything
+else is refused when saving, naming the class and how to allow it.
 """
 
 from __future__ import annotations
@@ -41,21 +36,17 @@ def to_bytes(user_content: Any, call: str = "save_checkpoint") -> bytes:
             "by running the checkpoint's code. Save its state_dict() or to_dict() instead, or, if you trust the "
             f"class, allow it before saving and before resuming: torch.serialization.add_safe_globals([{refused[0]}])"
         )
-    _loaded(data, "the checkpoint being saved", call)  # the round trip a resume will make, now
+    from_bytes(data, "the checkpoint being saved", call)  # the round trip a resume will make, now
     return data
-
-
-def from_bytes(data: bytes, where: str) -> Any:
-    """What ``to_bytes`` wrote; ``where`` names the checkpoint in errors."""
-    return _loaded(data, where)
 
 
 def read_file(file: Path) -> Any:
     """A ``user_content`` file written by ``torch.save`` (a full checkpoint's)."""
-    return _loaded(Path(file).read_bytes(), str(file))
+    return from_bytes(Path(file).read_bytes(), str(file))
 
 
-def _loaded(data: bytes, where: str, call: str = "resume_from_checkpoint") -> Any:
+def from_bytes(data: bytes, where: str, call: str = "resume_from_checkpoint") -> Any:
+    """What ``to_bytes`` wrote; ``where`` names the checkpoint, ``call`` the function, in errors."""
     allowed = [obj for name in _named_globals(data) if (obj := _allowed(name)) is not None]
     try:
         with torch.serialization.safe_globals(allowed + _numpy_dtypes()):

@@ -1,13 +1,4 @@
-"""Per-parameter layouts on the ``("pp", "dp", "fsdp", "ep", "tp")`` mesh: the sharding rules.
-
-Pipeline stages and schedules are not here: they are ``jmp.pipeline``.
-
-Rules are data keyed by torch parameter names (the converted modules' paths
-equal torch ``state_dict`` keys): ``layout`` combines tensor-parallel
-(``tensor_parallel``), expert-parallel (``experts``), user and sharded-data rules
-into one ``PartitionSpec`` per parameter; XLA's SPMD partitioner inserts the
-collectives, except the expert dispatch, which ``experts`` writes with ``shard_map``.
-"""
+"""Per-parameter layouts on the mesh: rule tables keyed by torch parameter names give each a ``PartitionSpec``."""
 
 from jmp.sharding.param_specs import (
     REPLICATED_BELOW,

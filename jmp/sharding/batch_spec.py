@@ -1,10 +1,4 @@
-"""The layout of a split input: its batch axis over the data axes, its sequence over "cp" where it divides.
-
-Context parallelism (a "cp" mesh axis) splits the sequence: the dimension right after the batch axis of every
-split input (``input_ids``, ``attention_mask``, ``labels``, ``position_ids`` as ``[batch, sequence]``) is sharded
-over "cp" when its size divides by the degree, as SMP v2 gives each context-parallel rank a slice of every
-sequence. Other inputs keep that dimension whole.
-"""
+"""The layout of a split input: its batch over the data axes, its sequence (next dimension) over "cp" if it divides."""
 
 from __future__ import annotations
 
@@ -17,8 +11,7 @@ from jmp.runtime import mesh_state as state
 def batch_spec(
     shape: tuple[int, ...], axis: int, batch_axes: tuple[str, ...], mesh: jax.sharding.Mesh
 ) -> PartitionSpec:
-    """The layout of a split input: its batch ``axis`` over ``batch_axes``, the dimension after it (the sequence)
-    over the context-parallel axis when the mesh has one and the size divides by its degree."""
+    """A split input's layout: batch ``axis`` over ``batch_axes``, the next dimension over "cp" where it divides."""
     spec = [None] * axis + [batch_axes]
     cp = state.CONTEXT_AXIS
     if cp in mesh.axis_names and len(shape) > axis + 1 and shape[axis + 1] % mesh.shape[cp] == 0:

@@ -1,14 +1,9 @@
-"""Token embeddings under sharded data parallelism: the table gathered for the lookup, and the output laid out as
-the step's inputs are (rows over the data axes, the sequence over cp).
+"""Token embeddings under sharded data parallelism: the table gathered for the lookup, the output laid out as the
+step's inputs are.
 
-ZeRO-3 splits a parameter's largest free dimension over fsdp: an embedding table under tensor parallelism (rows
-over tp) gets its features split over fsdp. Its lookup then gave activations whose features were split over fsdp
-and whose batch was whole, and XLA's partitioner carried that layout down the residual stream: each layer's
-products all-gathered the whole batch's activations (a 4-layer Llama, hidden 256, 32 x 256 tokens: 26 whole-batch
-all-gathers a step at fsdp8, 30 at tp2 x fsdp4). Constrained to the batch's layout, the lookup gathers the table
-instead, as FSDP gathers a module's weights for its forward; with ``reshard_after_forward`` the table is gathered
-explicitly (``gathering.gathered_for_use``: its gradient leaves split as it is stored), which leaves the lookup
-nothing to gather from other devices' rows.
+ZeRO-3 may split a table's features over fsdp; the lookup's output would then carry that layout down the
+residual stream and every layer would all-gather the whole batch. Constrained to the batch's layout, the lookup
+gathers the table instead (explicitly under ``reshard_after_forward``: ``gathering.gathered_for_use``).
 """
 
 from __future__ import annotations

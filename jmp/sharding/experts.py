@@ -1,21 +1,12 @@
 """Expert parallelism: a mixture-of-experts layer's experts split over ``ep``; tokens travel to them and back.
 
-An *experts module* holds every expert's weights stacked on a leading
-``num_experts`` axis and is called as ``experts(tokens [T, D], top_k_index [T, k],
-top_k_weights [T, k]) -> [T, D]``: Hugging Face's ``MixtralExperts`` (and its
-kin), or the same interface written in plain torch. Under ``ep > 1`` its call
-runs in a ``shard_map``: each device sends each (token, choice) row to the
-device that holds the chosen expert (``all_to_all`` over ``ep``), runs the
-module's own forward on the rows it received with its local experts, sends
-the results back and combines them with the routing weights.
-
-XLA:CPU has no ragged all-to-all, so rows travel in fixed-size buffers of
-``capacity`` rows per device pair. By default the capacity is every row a
-device holds, so no row is ever dropped and the result equals the unsharded
-layer; ``expert_capacity_factor`` (config) shrinks it to
-``factor * rows / ep``, and rows past it are dropped (they add nothing) and
-counted: the step's side output ``dropped_tokens`` (``jmp.torch_bridge.side_outputs``),
-logged as a warning when it is not zero.
+An *experts module* stacks every expert's weights on a leading ``num_experts`` axis and is called as
+``experts(tokens [T, D], top_k_index [T, k], top_k_weights [T, k]) -> [T, D]`` (Hugging Face's
+``MixtralExperts`` and kin). Under ``ep > 1`` its call runs in a ``shard_map``: rows go to their expert's
+device by ``all_to_all``, the module's own forward runs on the local experts, results come back weighted.
+Buffers hold ``capacity`` rows per device pair (XLA:CPU has no ragged all-to-all): by default every row, so
+none is dropped; ``expert_capacity_factor`` shrinks it, and dropped rows are counted in the side output
+``dropped_tokens`` (a warning when not zero).
 """
 
 from __future__ import annotations
@@ -47,10 +38,7 @@ DROPPED_TOKENS = "dropped_tokens"  # the side output counting token-expert assig
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """Stacked experts: an int ``num_experts``, every own parameter that many rows, and a stack of matrices.
-
-    (A router has ``num_experts`` rows too, but only as one matrix.)
-    """
+    """Stacked experts: an int ``num_experts``, every own parameter that many rows, and a stack of matrices."""
     count = getattr(module, "num_experts", None)
     own = list(module.parameters(recurse=False))
     return (

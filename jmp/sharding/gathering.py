@@ -12,10 +12,8 @@ import jax
 def gathered_for_use(value: jax.Array, used: Any, stored: Any) -> jax.Array:
     """``value`` gathered to the sharding ``used``; its gradient leaves split as the parameter is ``stored``.
 
-    The transpose of the gathering constraint would ask for the weight's gradient gathered too: with tensor
-    parallelism beside fsdp, XLA's partitioner then computed each Linear's weight gradient whole on every device
-    from the whole global batch's activations, all-gathered (14 gathers a step for a 2-layer Llama at tp2 x fsdp2).
-    Asked for the stored split, it reduce-scatters partial products, as FSDP does.
+    The constraint's own transpose would gather the gradient too, which with tp beside fsdp made XLA compute weight
+    gradients whole from all-gathered activations; the stored split makes it reduce-scatter, as FSDP does.
     """
     return jax.lax.with_sharding_constraint(value, used)
 

@@ -1,19 +1,10 @@
 """Where each parameter, gradient and optimizer-state array lives: one ``PartitionSpec`` per parameter.
 
-Three tables feed it, as data: expert parallelism (``experts.py``), tensor
-parallelism (``tensor_parallel.py``), and the user's own rules
-(regular expression on the torch parameter name -> ``PartitionSpec``, which
-win and are used as given). Sharded data parallelism then splits each
-parameter's largest free dimension over ``fsdp`` (ZeRO-3: gradients and
-optimizer state follow the parameters); ``shard_optimizer_state`` splits the
-optimizer state once more over ``dp`` (ZeRO-1). Parameters with fewer elements
-than the config's ``sdp_param_persistence_threshold`` (jmp's default 1024:
-biases, norms) stay whole: splitting them saves little and costs a collective
-each; ZeRO-1 keeps ``REPLICATED_BELOW`` for the optimizer state.
-
-A grouped convolution's weight stays whole over ``fsdp`` unless the degree divides its ``groups``: XLA's SPMD
-partitioner aborts the process (``convolution_handler.cc``) on its gradient split finer than a group (timm's
-``regnetx_002`` under ``sharded_data_parallel_degree: 8``).
+Expert, tensor-parallel and user rules (regex on the torch name, used as given) come first; sharded data
+parallelism then splits each parameter's largest free dimension over ``fsdp`` (ZeRO-3) and
+``shard_optimizer_state`` the optimizer state over ``dp`` (ZeRO-1). Parameters under
+``sdp_param_persistence_threshold`` elements stay whole. A grouped convolution's weight stays whole over
+``fsdp`` unless the degree divides its ``groups`` (XLA's partitioner aborts on a finer gradient split).
 """
 
 from __future__ import annotations
@@ -47,11 +38,7 @@ def parameter_specs(
     *,
     persist_below: int | None = None,
 ) -> dict[str, PartitionSpec]:
-    """Torch parameter name -> its ``PartitionSpec`` on ``mesh`` (``shapes``: the parameters to place).
-
-    ``persist_below``: parameters with fewer elements are not split over ``fsdp`` (default: the
-    config's ``sdp_param_persistence_threshold``).
-    """
+    """Torch parameter name -> its ``PartitionSpec`` on ``mesh`` (under ``persist_below`` elements: not over fsdp)."""
     below = persistence_threshold() if persist_below is None else persist_below
     model_specs = {
         **tensor_parallel_specs(module, mesh.shape["tp"]),
@@ -90,10 +77,7 @@ def persistence_threshold() -> int:
 def add_axis(
     spec: Spec, shape: tuple[int, ...], axes: tuple[str, ...], mesh: Mesh, below: int = REPLICATED_BELOW
 ) -> Spec:
-    """``spec`` with ``axes`` on the largest dimension they divide: a free one first, else joining a split one.
-
-    A parameter of fewer than ``below`` elements is left as it is.
-    """
+    """``spec`` with ``axes`` on the largest dimension they divide (a free one first), if ``below`` elements or more."""
     size = math.prod(mesh.shape[a] for a in axes)
     if size == 1 or math.prod(shape) < below:
         return spec
@@ -136,10 +120,7 @@ def named_shardings(tree: Any, specs: Mapping[str, PartitionSpec], mesh: Mesh) -
 def state_shardings(state: Any, specs: Mapping[str, PartitionSpec], shapes: Mapping[str, tuple], mesh: Mesh) -> Any:
     """Shardings for an optimizer state: a leaf shaped like a parameter, under its name, gets that parameter's spec.
 
-    Optimizer states nest the parameter tree inside their own containers
-    (``multi_transform`` labels, ``chain`` positions), so a leaf's parameter is
-    the longest tail of its dict keys that names one; everything else (step
-    counts, hyper-parameters) is replicated.
+    A leaf's parameter is the longest tail of its dict keys that names one; the rest is replicated.
     """
 
     def placed(path: tuple, leaf: Any) -> NamedSharding:

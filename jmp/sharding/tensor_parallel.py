@@ -1,29 +1,11 @@
 """Megatron-style tensor parallelism: which parameters are split over ``tp``, chosen by module type and structure.
 
-A linear layer is *column*-parallel (its outputs split: attention's q/k/v, an
-MLP's first layer, the LM head) or *row*-parallel (its inputs split: attention's
-output projection, an MLP's second layer), so a column/row pair needs one
-all-reduce; embeddings are split over the vocabulary. Roles come from the names
-Hugging Face and PyTorch use (``q_proj``, ``c_fc``, ``out_proj``, ...), then from
-structure: consecutive linears whose sizes chain (``a.out_features ==
-b.in_features``) form a column/row pair. Anything else stays replicated.
-
-Which modules are distributed follows SMP: modules created inside
-``smp.tensor_parallelism()`` or marked with ``smp.set_tensor_parallelism``; if no
-module is marked, the whole model is. The split itself is a ``PartitionSpec``
-per parameter; XLA (GSPMD) inserts the collectives.
-
-SMP's API for declaring splits maps onto these rules: ``smp.tp_register`` /
-``smp.tp_register_with_module`` register a module class as one of ``smp.nn``'s
-distributed classes, so its instances split as that class does (by the rank of
-their parameters, whatever their names); modules are never replaced. The keyword
-options of ``smp.tensor_parallelism`` / ``smp.set_tensor_parallelism`` (SMP passed
-them to its distributed modules' constructors) are accepted and have no effect on
-the split.
-
-SMP's ``optimize`` key ("speed" | "memory") chose how much of the activations
-its tensor-parallel layers kept split; here XLA's SPMD partitioner makes that
-choice for the whole compiled step, so the key has no effect on tensor parallelism.
+Linears are *column*-parallel (q/k/v, an MLP's first layer, the LM head) or *row*-parallel (output projections,
+an MLP's second layer), so a pair needs one all-reduce; embeddings split over the vocabulary. Roles come from
+common names (``q_proj``, ``c_fc``, ``out_proj``, ...), then from consecutive linears whose sizes chain; the rest
+stays replicated. As in SMP, the modules created in ``smp.tensor_parallelism()`` or marked by
+``smp.set_tensor_parallelism`` are split (all of them when none is marked); ``smp.tp_register`` makes a class
+split as an ``smp.nn`` class does. SMP's per-module options and its ``optimize`` key have no effect (XLA decides).
 """
 
 from __future__ import annotations
@@ -70,21 +52,14 @@ def _log_options(where: str, tp_config: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def tensor_parallelism(enabled: bool = True, **tp_config: Any) -> Iterator[None]:
-    """Modules created inside the block are distributed over ``tp`` (``enabled=False`` keeps them whole).
-
-    ``tp_config``: SMP's options for its distributed modules (``distribute_embedding``, ``fused_softmax``,
-    ``fused_bias_gelu``, ``attention_in_fp32``, ...): accepted, no effect on jmp's split (logged once).
-    """
+    """Modules created inside the block are split over ``tp`` (``enabled=False``: whole); ``tp_config`` unused."""
     _log_options("smp.tensor_parallelism", tp_config)
     with marking_created(_MARK, enabled):
         yield
 
 
 def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **tp_config: Any) -> None:
-    """Distribute ``module`` and its submodules over ``tp`` (or keep them whole with ``enabled=False``).
-
-    ``tp_config``: SMP's per-module options, accepted as in ``tensor_parallelism``.
-    """
+    """Split ``module`` and its submodules over ``tp`` (``enabled=False``: whole); ``tp_config`` has no effect."""
     if not isinstance(module, nn.Module):
         raise ArgumentTypeError(f"set_tensor_parallelism takes a torch nn.Module, not {type(module).__name__}")
     _log_options("smp.set_tensor_parallelism", tp_config)
@@ -106,11 +81,8 @@ def tp_register_with_module(
 ) -> None:
     """Split instances of ``module_cls`` over ``tp`` as ``dist_module`` (an ``smp.nn`` class) is split.
 
-    SMP replaced such instances by ``dist_module``; jmp keeps the module (and converts its own forward) and
-    gives its parameters ``dist_module``'s specs: as ``DistributedLinear``, every 2-D parameter is a
-    [out, in] weight and every 1-D one a bias (column- or row-parallel by jmp's rules); as
-    ``DistributedEmbedding``, 2-D parameters are [vocabulary, dim] tables split over the vocabulary;
-    as ``FusedLayerNorm``, its parameters stay whole. Applies where tensor parallelism is on.
+    jmp keeps the module and gives its parameters ``dist_module``'s specs: ``DistributedLinear``: 2-D weights
+    [out, in] and 1-D biases; ``DistributedEmbedding``: 2-D [vocabulary, dim] tables; ``FusedLayerNorm``: whole.
     """
     if not (isinstance(module_cls, type) and issubclass(module_cls, nn.Module)):
         raise ArgumentTypeError(f"tp_register_with_module takes a torch nn.Module class, not {module_cls!r}")

@@ -1,27 +1,11 @@
 """Torch autocast inside converted forwards: the op lists of ``torch.autocast``, applied by the dispatcher.
 
-Torch's autocast sorts ATen ops into cast policies (``aten/src/ATen/autocast_mode.{h,cpp}``): ops that run
-in the lower-precision dtype (matmuls, convolutions), ops that run in float32 (pointwise math that
-overflows in half precision, norms, losses), ops that run in float32 when their input is half precision
-(softmax, sums, cumulative ops: their ``dtype`` argument is set), and ops that run in the widest floating
-dtype of their inputs. The tables here map each listed ATen op to the torch-function-level callables that
-reach the bridge's registry (``F.*``, ``torch.*``, Tensor methods and dunders), per device type: ``"cpu"``
-uses torch's CPU lists, every other device type torch's CUDA lists (XPU and the other GPU back ends share
-them). Torch-level composites that the bridge lowers as one op are listed under the policy their result
-gets in torch (``F.cross_entropy`` is log_softmax + nll_loss: float32 under CUDA autocast).
-
-The state is jmp's, one per context (a ``ContextVar``): ``forced(dtype)`` is jmp's own way in (a step
-program runs the forward under it when the config asks for half-precision training), and while a bridge
-session runs, ``torch.autocast`` (and ``torch.amp.autocast``, ``torch.cpu.amp.autocast``,
-``torch.cuda.amp.autocast``, Hugging Face's ``maybe_autocast``) entered in that context pushes and pops it,
-whatever its device type: on a torch build without CUDA, ``torch.autocast("cuda")`` still applies inside a
-converted forward, because jmp runs that forward on its own devices. ``torch.is_autocast_enabled`` and
-``torch.get_autocast_dtype`` (and the per-device getters) answer from the same state there. A torch
-autocast region already open when the outermost session starts (``with torch.autocast("cpu"):
-converted(x)``) carries over into it.
-
-Only floating tensors that are not float64 are cast, as in torch; calls with ``out=`` and in-place ops are
-never cast (torch's lists hold out-of-place ops only).
+The tables map the ATen ops of torch's cast policies (``aten/src/ATen/autocast_mode.cpp``) to the torch-level
+callables that reach the registry: torch's CPU lists for ``"cpu"``, its CUDA lists for any other device type.
+The state is jmp's, one per context: ``forced(dtype)`` is jmp's way in, and while a bridge session runs,
+``torch.autocast`` and its variants (Hugging Face's ``maybe_autocast`` too) push and pop it on any device type,
+and torch's autocast queries answer from it. As in torch, only non-float64 floating tensors are cast, and
+``out=`` / in-place calls never.
 """
 
 from __future__ import annotations
@@ -177,11 +161,10 @@ class AutocastState:
         return _cast_tree(args, target), {k: _cast_tree(v, target) for k, v in kwargs.items()}
 
     def run(self, func: Any, compute: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
-        """``compute(args, kwargs)`` (the op on the bridge's values) with the arguments cast by ``func``'s policy.
+        """``compute(args, kwargs)`` with the arguments cast by ``func``'s policy.
 
-        With ``half_results``, an op that computes in float32 on half-precision inputs (and attention) runs under
-        ``jax.checkpoint``: the backward keeps its half-precision inputs and recomputes the float32 internals,
-        so none of them is held between the passes.
+        With ``half_results``, a float32 op on half-precision inputs (and attention) runs under ``jax.checkpoint``, so
+        its float32 internals are recomputed in the backward rather than kept.
         """
         if not self._recomputes(func, args, kwargs):
             return self.settle(func, args, compute(*self.cast(func, args, kwargs)))
@@ -198,10 +181,9 @@ class AutocastState:
         return _lists(self.device_type).get(func) in (FP32, FP32_SET_OPT_DTYPE)
 
     def settle(self, func: Any, args: tuple, result: Any) -> Any:
-        """With ``half_results``: a float32-policy op on a half-precision input returns its same-shaped results
-        in that half dtype (computed in float32, rounded once), as a half-precision model's kernels do.
+        """With ``half_results``: a float32-policy op's same-shaped results on a half input come back in that dtype.
 
-        Reductions to other shapes (sums, losses, norms) keep float32. ``args`` are the call's own, uncast.
+        Reductions to other shapes keep float32. ``args`` are the call's own, uncast.
         """
         if not self.half_results or _lists(self.device_type).get(func) not in (FP32, FP32_SET_OPT_DTYPE):
             return result
@@ -237,16 +219,10 @@ def active() -> AutocastState | None:
 def forced(
     dtype: torch.dtype, device_type: str = "cuda", *, half_results: bool = False
 ) -> contextlib.AbstractContextManager[None]:
-    """Run the block under autocast to ``dtype`` with ``device_type``'s op lists, whatever the device.
+    """Run the block under autocast to ``dtype`` (bfloat16 or float16) with ``device_type``'s op lists, on any device.
 
-    jmp's own entry point (the half-precision training of a step program); ``torch.autocast`` regions
-    inside the block (``enabled=False`` included) nest in it as they would in torch. ``half_results``: ops
-    autocast runs in float32 (softmax, norms, ``pow``, ...) still compute in float32 but hand half-precision
-    inputs back their same-shaped results in ``dtype``, so activations stay half precision (torch's rule
-    keeps them float32, which holds the activations of a half-precision model at float32's size).
-
-    Raises:
-        JmpError: ``dtype`` is not torch.bfloat16 or torch.float16.
+    ``torch.autocast`` regions inside nest as in torch. ``half_results``: float32-policy ops hand half-precision
+    inputs their same-shaped results in ``dtype``, so activations stay half precision (torch keeps them float32).
     """
     if dtype not in LOWER_PRECISION_DTYPES:
         raise JmpError(f"autocast runs in torch.bfloat16 or torch.float16, not {dtype}")
@@ -254,11 +230,7 @@ def forced(
 
 
 def call(torch_fn: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``, a JAX implementation of ``torch_fn``, with its arrays cast by the active autocast.
-
-    For standard layers whose forward is written in JAX (``nn.Linear`` computes ``F.linear``): their calls do
-    not pass through the dispatcher, so they apply the autocast policy of the torch function they compute.
-    """
+    """``fn(*args, **kwargs)`` (a JAX-written layer's ``torch_fn``), its arrays cast by ``torch_fn``'s policy."""
     state = active()
     if state is None:
         return replica_calls.call(torch_fn, fn, args, kwargs)
@@ -312,10 +284,7 @@ def _cast_tree(value: Any, target: torch.dtype) -> Any:
 
 
 def _recomputed(compute: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
-    """``compute(args, kwargs)`` under ``jax.checkpoint``, tensors and arrays of the arguments as its inputs.
-
-    The result (a tensor or array, or a tuple/list of them) comes back as it was, tensors with their torch dtypes.
-    """
+    """``compute(args, kwargs)`` under ``jax.checkpoint``, with the arguments' tensors and arrays as its inputs."""
     leaves, structure = jax.tree_util.tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (torch.Tensor, jax.Array))]
     kinds: list = []  # per result leaf: its torch dtype (a tensor) or None (an array), filled while tracing
@@ -425,7 +394,7 @@ _TORCH_IS_ENABLED, _TORCH_GET_DTYPE = torch.is_autocast_enabled, torch.get_autoc
 
 
 def _ambient() -> AutocastState | None:
-    """Torch's own autocast region open in this thread (CUDA's first), as jmp state."""
+    """Torch's autocast region open in this thread (CUDA's first) as jmp state; the outermost session keeps it."""
     for device_type in ("cuda", "cpu"):
         if _TORCH_IS_ENABLED(device_type):
             return AutocastState(True, _TORCH_GET_DTYPE(device_type), device_type)
@@ -442,9 +411,8 @@ _PATCH = SharedPatch(
 class Route:
     """Entered by the outermost bridge session: ``torch.autocast`` and torch's autocast queries use jmp's state.
 
-    While at least one session (in any thread) runs, ``torch.amp.autocast_mode.autocast`` (which the other
-    autocast classes subclass or call) and the queries are replaced by versions that act on jmp's state in a
-    context with a session and call torch's own elsewhere; the last session out restores torch's.
+    In a context with a session, the replaced autocast class and queries act on jmp's state; elsewhere (other
+    threads) they call torch's own. The last session out restores torch's.
     """
 
     def __enter__(self) -> None:

@@ -1,15 +1,10 @@
 """torch.compile's fallback to eager, for one module's forward.
 
-The bridge reports ``torch.compiler.is_compiling()`` while it traces, so Hugging Face models take their
-trace-friendly branches. Some of those branches are only right because of what torch.compile does when its
-trace of a frame fails: it runs that frame eagerly, where ``is_compiling()`` is False. LongT5's and Switch
-Transformers' stacks, for one, make the default attention mask only when not compiling
-(``if attention_mask is None and not is_torchdynamo_compiling()``) and index it a line later: under
-torch.compile that raises inside the trace and the frame runs eagerly, making the mask. The bridge does the
-same per converted module: a forward that raises while compiling is reported runs again, once, with the
-random stream rewound, as not compiling; the module is named in a log line. Not for
-``TracedControlFlowError`` (the eager branches depend on values more, not less), nor when the failed forward
-wrote to its arguments or its module's state (running it again would apply the writes twice).
+The bridge reports ``torch.compiler.is_compiling()`` while tracing, and some Hugging Face branches are right
+only because torch.compile reruns a failing frame eagerly (LongT5 makes its default mask only when not
+compiling). So a converted module's forward that raises while compiling is reported runs again, once, as not
+compiling, with the random stream rewound, and a log line names it; not for ``TracedControlFlowError``, nor
+when the failed forward wrote to its arguments or module state.
 """
 
 from __future__ import annotations
@@ -30,8 +25,7 @@ from jmp.torch_bridge.tensor import JaxTensor, contains_tensor
 
 
 def run(path: str, forward: Callable[..., Any], rngs: nnx.Rngs | None, args: tuple, kwargs: dict) -> Any:
-    """``forward(written, *args, **kwargs)`` (``written``: a set the ids of the state variables it wrote go to);
-    if it raises while compiling is reported, again as not compiling, the random stream ``rngs`` rewound."""
+    """``forward(written, *args, **kwargs)``, rerun as not compiling (``rngs`` rewound) if it raised while compiling."""
     if not torch.compiler._is_compiling_flag:
         return forward(set(), *args, **kwargs)
     random_state = nnx.state(rngs) if rngs is not None else None

@@ -1,5 +1,4 @@
-"""Context variables set for the extent of a block: how the bridge's scoped state (the running module, autocast,
-call hooks, per-replica copies, side-output collectors) and the packages above it hold theirs."""
+"""Context variables set for the extent of a block: how the bridge and the packages above it hold scoped state."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Torch tensors whose values live on the JAX devices and are copied to the host only when read.
+"""Torch tensors whose values live on the JAX devices and are copied to the host at their first read.
 
-What jmp hands back to torch code between steps (``p.grad``, the norm ``clip_grad_norm_`` returns) stays on the
-devices until something reads it: ``.item()``, ``float()``, printing, or any torch op on it, which runs on the
-host copy made at that first read. Shape, dtype and device answer without a copy, so a loop that logs every N
-steps waits for the devices every N steps, not at each.
+``p.grad`` and ``clip_grad_norm_``'s result answer shape, dtype and device without a copy, so a loop that logs
+every N steps waits for the devices every N steps.
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ class DeviceValue(torch.Tensor):
 
 
 class DeviceArray(DeviceValue):
-    """A JAX array as a torch tensor, copied to the host at its first read (gathered across processes then:
-    a collective every process must make)."""
+    """A JAX array as a torch tensor, copied to the host (gathered across processes: a collective) at its first read."""
 
     @staticmethod
     def __new__(cls, array: jax.Array):

@@ -1,10 +1,4 @@
-"""Mapping between torch dtypes and JAX dtypes.
-
-JAX runs without 64-bit types unless ``jax_enable_x64`` is set, so torch's
-int64 (the default integer type) is carried as int32 and float64 as float32.
-A JAX int32 is reported to torch code as int64 in that mode, because that is
-what torch code expects from indices, ``arange`` and integer reductions.
-"""
+"""Torch <-> JAX dtypes; without ``jax_enable_x64``, int64 / float64 are int32 / float32 (int32 reported as int64)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Torch's higher-order ops (``torch.cond``, ``while_loop``, ``scan``, ``associative_scan``, ``map``, and
-``torch.vmap`` / ``torch.func.vmap``) as calls the dispatcher sees.
+"""Torch's higher-order ops (``torch.cond``, ``while_loop``, ``scan``, ``associative_scan``, ``map``, ``vmap``) lowered.
 
-They are Python functions below the torch-function protocol: on the bridge's tensors they would run their
-eager fallbacks, which call ATen ops directly (``aten.slice`` inside ``associative_scan``). While a session
-runs, each is replaced at every import path torch offers it under by a router that sends calls made inside
-the session to the dispatcher under the original function (lowered in ``lowering/control_flow.py``). The
-function ``vmap(func, ...)`` returns calls ``vmap_impl(func, in_dims, out_dims, randomness, chunk_size, *args)``
-when it runs, the point where the tensors arrive: that is the one routed (lowered in ``lowering/vmap.py``).
-Hugging Face picks these paths only when ``torch.compiler.is_compiling()`` says True, which the bridge
-reports while tracing (Mamba's ``use_associative_scan``).
+Below the torch-function protocol their eager fallbacks call ATen directly; while a session runs, each is
+replaced at every import path by a router that sends calls made inside the session to the dispatcher
+(``lowering/control_flow.py``; for ``vmap``, its ``vmap_impl``: ``lowering/vmap.py``).
 """
 
 from __future__ import annotations
@@ -45,8 +39,7 @@ FUNCTIONS: dict[str, Callable] = _load()
 
 
 def replacements(route: Callable[[Callable], Callable]) -> list[tuple[Any, str, Any]]:
-    """(target, name, router) for every place torch offers a higher-order op under: its defining module,
-    ``torch._higher_order_ops`` and ``torch`` itself (``torch.cond``). ``route(original)`` makes the router."""
+    """(target, name, router) for every place torch offers a higher-order op; ``route(original)`` makes the router."""
     package = importlib.import_module("torch._higher_order_ops")
     triples = []
     for module_name, name in _DEFINED_IN:

@@ -1,16 +1,9 @@
-"""Out-of-range indices raise as PyTorch raises them, not a silent nan or zero loss.
+"""Out-of-range indices raise as PyTorch raises them, not a silent nan or zero loss (JAX fills or clamps them).
 
-JAX's gathers fill or clamp an index out of range, so a token id past the vocabulary trains on nan and a label
-past the classes on a zero loss. The lowerings that index a table by the data (``nn.Embedding`` /
-``F.embedding``, the class targets of ``F.cross_entropy`` / ``F.nll_loss``) check their indices where they read
-them: outside a step, on concrete values (the converter alone), the error is raised at once; inside a step's
-forward, traced or run op by op (no host sync per op), the largest offending index (a reduction over indices
-the program reads anyway) is a side output (``side_outputs.sow``) that the step takes out of what it records
-and hands to its outputs as ``Pending``:
-reading any of the step's values raises the error torch raises (``IndexError: index out of range in self``,
-``IndexError: Target 7 is out of bounds.``), naming the module path, and so does the model's next step call once
-that step's values are ready. No host sync is added: the check is read with the values the script reads.
-``JMP_INDEX_CHECKS=0`` turns the checks off.
+``F.embedding`` and the class targets of ``F.cross_entropy`` / ``F.nll_loss`` check where they read: on concrete
+values at once; inside a step, the largest offending index is a side output (``side_outputs.sow``) handed to the
+step's outputs as ``Pending``, so reading the step's values (or the next step call) raises torch's error naming
+the module, with no added host sync. ``JMP_INDEX_CHECKS=0`` turns the checks off.
 """
 
 from __future__ import annotations
@@ -48,9 +41,8 @@ def check(
     ignore_index: int | None = None,
     error: type[Exception] = IndexError,
 ) -> None:
-    """Raise ``error(message)`` (``{index}``: the offending index) when an entry of ``indices`` is outside
-    ``[low, high)`` and not ``ignore_index``: now when the indices are concrete, else when the step's values are
-    read. ``where`` is the dispatcher's ``' (in module ...)'``."""
+    """Raise ``error(message)`` (``{index}``: the offending index, ``where``: the module) for an entry of ``indices``
+    outside ``[low, high)`` and not ``ignore_index``: now if concrete, else when the step's values are read."""
     if not enabled() or indices is None:
         return
     collected = side_outputs.in_collecting_trace()
@@ -106,14 +98,8 @@ def _index_select(where: str, input: Any, dim: int, index: Any) -> None:
     if dim == 0:
         check(index, 0, size, _IN_SELF, where)
     else:
-        check(
-            index,
-            0,
-            size,
-            f"INDICES element is out of DATA bounds, id={{index}} axis_dim={size}",
-            where,
-            error=RuntimeError,
-        )
+        message = f"INDICES element is out of DATA bounds, id={{index}} axis_dim={size}"
+        check(index, 0, size, message, where, error=RuntimeError)
 
 
 def _gather(where: str, input: Any, dim: int, index: Any, **kwargs: Any) -> None:
@@ -131,16 +117,10 @@ def _take(where: str, input: Any, index: Any) -> None:
 
 
 def _one_hot(where: str, tensor: Any, num_classes: int = -1) -> None:
-    check(tensor, 0, np.iinfo(np.int32).max, "Class values must be non-negative.", where, error=RuntimeError)
+    big = np.iinfo(np.int32).max
+    check(tensor, 0, big, "Class values must be non-negative.", where, error=RuntimeError)
     if num_classes >= 0:
-        check(
-            tensor,
-            -np.iinfo(np.int32).max,
-            num_classes,
-            "Class values must be smaller than num_classes.",
-            where,
-            error=RuntimeError,
-        )
+        check(tensor, -big, num_classes, "Class values must be smaller than num_classes.", where, error=RuntimeError)
 
 
 def _getitem(where: str, input: Any, index: Any) -> None:

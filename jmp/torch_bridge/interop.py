@@ -28,10 +28,7 @@ def tensor_to_array(tensor: torch.Tensor) -> jax.Array:
 
 
 def array_to_tensor(array, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A torch tensor holding a copy of a JAX array, cast to ``dtype`` if given.
-
-    An array spread over several processes is gathered (a collective: every process must make the call).
-    """
+    """A torch tensor holding a copy of a JAX array (cast to ``dtype``); a multi-process array is gathered."""
     host = host_array(array)
     if host.dtype == ml_dtypes.bfloat16:
         tensor = torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)

@@ -1,10 +1,4 @@
-"""Torch's NumPy-style keyword aliases (``torch.cumsum(x, axis=0)``, ``x.sum(keepdims=True)``).
-
-Torch's C++ argument parser accepts, for every function it parses (``torch.*`` and ``Tensor`` methods
-implemented in C++, not Python-level functions such as ``F.softmax``), the NumPy names of four of its
-arguments (``numpy_compatibility_arg_names`` in torch/csrc/utils/python_arg_parser.cpp). Lowerings take
-torch's own names; the dispatcher renames the aliases first, for the callables torch would accept them on.
-"""
+"""Torch's NumPy-style keyword aliases (``axis``, ``keepdims``, ...) renamed before lowering, where torch takes them."""
 
 from __future__ import annotations
 
@@ -16,14 +10,12 @@ TORCH_NAME = {"axis": "dim", "keepdims": "keepdim", "x": "input", "a": "input", 
 
 
 def takes_numpy_aliases(func: Any) -> bool:
-    """Whether torch parses ``func``'s arguments in C++ (where the aliases apply): builtins and method
-    descriptors, not Python functions."""
+    """Whether torch parses ``func``'s arguments in C++, where the aliases apply (builtins and method descriptors)."""
     return not (inspect.isfunction(func) or inspect.ismethod(func))
 
 
 def with_torch_names(func: Any, lowering: Any, kwargs: dict) -> dict:
-    """``kwargs`` with each NumPy alias renamed to torch's name, where torch accepts the alias on ``func``
-    and the lowering does not take the alias itself."""
+    """``kwargs`` with the NumPy aliases torch accepts on ``func`` renamed, unless the lowering takes them."""
     if not kwargs or not any(name in TORCH_NAME for name in kwargs) or not takes_numpy_aliases(func):
         return kwargs
     accepted = _parameter_names(lowering)

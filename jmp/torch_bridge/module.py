@@ -1,17 +1,9 @@
 """Converted modules: Flax NNX modules that mirror torch modules name for name.
 
-``TorchModule`` holds a torch module's parameters (``nnx.Param``) and buffers
-(``Buffer``) under the torch attribute names, and its converted children under
-theirs, so ``nnx.state(converted)`` paths equal torch ``state_dict`` keys.
-
-Two ways in:
-- ``module(*jax_arrays)``: the JAX-facing call (jit / grad friendly);
-- ``module.torch_call(*jax_tensors)``: the call torch code makes when a parent's
-  forward calls this module.
-
-Standard layers implement ``forward`` in JAX directly (``layers/``).
-``GenericModule`` runs the torch module's own ``forward`` on JaxTensors, after
-binding the NNX state to the torch module tree (``bound_state``).
+``TorchModule`` holds parameters, buffers and converted children under the torch names, so
+``nnx.state(converted)`` paths equal ``state_dict`` keys. ``module(*jax_arrays)`` is the JAX-facing call,
+``module.torch_call(*jax_tensors)`` the one a parent's forward makes. Standard layers have JAX forwards
+(``layers/``); ``GenericModule`` runs the torch module's own forward on JaxTensors (``bound_state``).
 """
 
 from __future__ import annotations
@@ -44,10 +36,7 @@ _CALL_HOOKS: contextvars.ContextVar[Mapping[str, tuple[CallHook, ...]]] = contex
 
 @contextlib.contextmanager
 def call_hooks(hooks: Mapping[str, CallHook]) -> Iterator[None]:
-    """Within the block, calls of the modules at these torch paths go through their hooks.
-
-    Hooks nest: one installed here runs inside any hook an enclosing block installed for the same path.
-    """
+    """Within the block, calls of the modules at these torch paths go through their hooks (nested in earlier ones)."""
     merged = dict(_CALL_HOOKS.get())
     for path, hook in hooks.items():
         merged[path] = merged.get(path, ()) + (hook,)
@@ -217,11 +206,7 @@ class _Redirect:
 
 
 def hooked_call(module: TorchModule, inside: CallHook | None = None) -> Callable[..., Any]:
-    """``module``'s torch call through the hooks on its path; with ``inside``, only the hooks nested in that one.
-
-    A hook that runs the module in another form (a copy of it, inside a JAX transform) calls this
-    with itself as ``inside`` to keep the hooks nested in it (all of them if it is not on this path).
-    """
+    """``module``'s torch call through the hooks on its path; with ``inside``, only the hooks nested in that one."""
     hooks = hooks_on(module._torch_path)
     position = next((i for i, hook in enumerate(hooks) if hook is inside), None)
     if position is not None:
@@ -267,10 +252,11 @@ def _bound_variable(first: str, later: str) -> nnx.Variable:
 
 
 def outside_ties(module: TorchModule) -> list[tuple[tuple[str, ...], str, nnx.Variable]]:
-    """The tensors of ``module``'s subtree tied to a tensor first named outside it (a language model head tied to
-    the embedding): (child names down to the holder, attribute, the Variable). A split of the subtree leaves them
-    out, and a copy merged from it finds them in the running forward (``_bound_variable``); a program traced once
-    and called again must take them as arguments instead (``link_outside_ties``)."""
+    """The tensors of ``module``'s subtree tied to a tensor named outside it: (child names, attribute, Variable).
+
+    A split of the subtree leaves them out; a program traced once must take them as arguments
+    (``link_outside_ties``).
+    """
     prefix = module._torch_path
     ties = []
 
@@ -310,11 +296,8 @@ _NO_FORWARD = object()
 def bound_state(root: TorchModule, written: set[int] | None = None) -> Iterator[None]:
     """Bind the NNX state of ``root``'s subtree to its torch modules for one forward.
 
-    Parameters and buffers become JaxTensors of the current NNX values, every
-    descendant's ``forward`` is redirected to its NNX twin, and ``training``
-    follows the NNX modules. On exit, buffers that forward updated in place or
-    reassigned are written back to their NNX variables (whose ids are added to
-    ``written``, when given), and the torch modules are restored.
+    Parameters and buffers become JaxTensors, forwards go to the NNX twins and ``training`` follows them. On exit,
+    buffers forward updated are written back (their ids added to ``written``) and the torch modules restored.
     """
     bindings = []
     modules = []
@@ -378,12 +361,7 @@ def binding_versions(units: Sequence[TorchModule]) -> dict[int, int]:
 
 
 def refresh_bindings(units: Sequence[TorchModule], before: dict[int, int]) -> None:
-    """Point tensors that an enclosing forward bound, and that a JAX transform of ``units`` updated, at the new
-    outer values.
-
-    A generic module writes its buffer updates back into the tensors its parent bound; inside the
-    transform those writes hold the transform's values, which must not outlive it.
-    """
+    """Point tensors an enclosing forward bound, and a JAX transform of ``units`` updated, at the new outer values."""
     for unit in units:
         for variable, tensor in bound_tensors(unit):
             if tensor.write_count != before.get(id(tensor), tensor.write_count):

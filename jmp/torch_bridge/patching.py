@@ -1,8 +1,4 @@
-"""A patch shared by every bridge session: installed by the first to enter, restored by the last to exit.
-
-Sessions may run in several threads at once; torch's globals are process-wide, so the patch counts its
-users under a lock instead of being installed and removed by each session.
-"""
+"""A patch of torch's process-wide globals shared by every bridge session (threads too), counted under a lock."""
 
 from __future__ import annotations
 
@@ -13,9 +9,7 @@ from typing import Any
 class SharedPatch:
     """Sets ``target.name = replacement`` for each triple while at least one user is inside ``with patch:``.
 
-    The originals are read from each target's own ``__dict__`` when the patch is made, so a descriptor (a
-    ``classmethod``) is put back as the descriptor it was. Assumes nothing else patches the same
-    attributes meanwhile.
+    Originals come from each target's ``__dict__``, so descriptors are restored as they were.
     """
 
     def __init__(self, *replacements: tuple[Any, str, Any]) -> None:

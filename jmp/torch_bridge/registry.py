@@ -1,13 +1,4 @@
-"""The lowering table: torch callable -> JAX function.
-
-A lowering takes the torch call's arguments with every tensor replaced by its
-``jax.Array`` and returns arrays (or tuples of them, or Python values). Flags
-on the entry tell the dispatcher how the result relates to the inputs:
-``inplace`` writes it into the first argument (``add_``, ``__setitem__``),
-``inplace_flag`` names a boolean argument that does the same (``F.relu``'s
-``inplace``), and ``view`` marks results that alias the first argument (a bool, or a predicate on
-the call's arguments).
-"""
+"""The lowering table: torch callable -> JAX function taking arrays, with flags for in-place and view results."""
 
 from __future__ import annotations
 
@@ -61,32 +52,17 @@ def register_lowering(
 ) -> Callable:
     """Decorator: lower each of ``torch_fns`` (and in-place ``inplace`` variants) to the function.
 
-    The decorated function takes the torch call's arguments with tensors as ``jax.Array``s and returns
-    arrays (or tuples of them, or Python values). Registering a torch callable again replaces its
-    lowering, with a warning naming both registration sites unless ``replace=True`` says it is meant.
-    Users extend the bridge the same way::
+    The function takes the call's arguments with tensors as ``jax.Array``s (the bridge's tensors with ``raw``)
+    and returns arrays, tuples of them or Python values. Users extend the bridge the same way::
 
         @jmp.torch_bridge.register_lowering(torch.special.erfcx)
         def erfcx(input):
-            return jax.scipy.special.erfcx(input)  # hypothetical
+            return jax.scipy.special.erfcx(input)
 
-    Args:
-        *torch_fns: torch callables (``F.*``, ``torch.*``, Tensor methods, ``torch.ops`` ops) to lower; a
-            custom op can be named by its qualified name ("namespace::name") before its library is
-            loaded. None entries are skipped (ops missing from this torch version).
-        inplace: in-place variants (``add_``): the result is written into the first argument.
-        inplace_flag: the name of a boolean argument that makes the call in place (``F.relu``'s ``inplace``).
-        view: the result aliases the first argument: a bool, or a predicate on ``(args, kwargs)``.
-        raw: the function receives the bridge's tensor wrappers instead of arrays (to update arguments
-            in place itself).
-        replace: the registration replaces an earlier lowering on purpose (no warning).
-
-    Returns:
-        The decorator; it registers the function and returns it unchanged.
-
-    Raises:
-        LoweringError: later, when a converted module calls one of ``torch_fns`` and the function raises
-            (the message names the torch op and the call site); registering itself raises nothing.
+    ``torch_fns`` may name a custom op as "namespace::name" before it is loaded; None entries are skipped.
+    ``inplace_flag`` names a boolean argument that makes the call in place; ``view`` (bool or predicate on
+    ``(args, kwargs)``) marks a result aliasing the first argument. Registering a callable again warns unless
+    ``replace=True``. A lowering that raises is reported as a ``LoweringError`` naming the op and call site.
     """
 
     site = _caller_site()

@@ -1,14 +1,9 @@
-"""Calls on parameters run once per data-parallel replica, each on its own copy of the parameters, so that their
-gradients stay on the replica (``jmp.compiled_step.replica_gradients`` reduces them once per step).
+"""Calls on parameters run once per data-parallel replica on its own parameter copy, so gradients stay local.
 
-A call qualifies when it is *row-local* in one of its arrays along a dimension that holds the batch: each entry of
-its result along that dimension depends only on the same entry of that array and on parameters. ``Linear``, a
-convolution over a batch, an embedding lookup, a layer / group / RMS norm, and a parameter added to, subtracted
-from, multiplying or dividing an array it broadcasts along that dimension are. Running such a call on a block of
-rows with an identical copy of the parameters gives those rows of the result exactly, so the result is the whole
-call's; what changes is the gradient: each replica's copy receives the gradient of its rows only, a partial sum
-that needs no communication until the step adds the replicas'. Any other call (batch norm's statistics, a
-reduction over the batch, a parameter read through a view or a cast) runs as before, on the whole batch.
+A call qualifies when it is *row-local* along a batch dimension of one of its arrays (``Linear``, a convolution,
+an embedding, layer / group / RMS norm, a parameter broadcast in elementwise arithmetic): its result is the
+whole call's exactly, and each copy's gradient is its rows' partial sum, reduced once per step
+(``jmp.compiled_step.replica_gradients``). Any other call runs on the whole batch.
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ T = torch.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class Copies:
-    """The copies of the parameters a trace reads: ``copies[id(parameter)]`` is [replicas, *shape], split over
-    ``axes`` of ``mesh``."""
+    """The copies of the parameters a trace reads: ``copies[id(parameter)]``, [replicas, *shape] split over ``axes``."""
 
     copies: dict[int, jax.Array]
     held: tuple[jax.Array, ...]  # the parameters themselves, so that their ids stay theirs meanwhile
@@ -64,8 +58,7 @@ def reading(
 
 @contextlib.contextmanager
 def bound(parameters: Sequence[jax.Array], copies: Sequence[jax.Array | None]) -> Iterator[None]:
-    """Within the block ``parameters`` (a scanned layer's, as the scan's body takes them) read ``copies`` (None:
-    that parameter has none)."""
+    """Within the block ``parameters`` (a scanned layer's, as its scan body takes them) read ``copies`` (None: none)."""
     table = _COPIES.get()
     if table is None:
         yield
@@ -79,9 +72,8 @@ def bound(parameters: Sequence[jax.Array], copies: Sequence[jax.Array | None]) -
 
 @contextlib.contextmanager
 def maximum_copies(values: Sequence[jax.Array]) -> Iterator[None]:
-    """Within the block ``values`` have copies, one per replica, whose cotangents combine by their maximum, not their
-    sum: an fp8 scale, whose cotangent is the amax of the gradient it scales (``jmp.precision.fp8_matmul``), so
-    that a call run per replica gets the whole batch's amax. Outside ``reading`` nothing changes."""
+    """Within ``reading``, ``values`` have one copy per replica whose cotangents combine by maximum, not sum: fp8
+    scales, whose cotangent is an amax (``jmp.precision.fp8_matmul``), so per-replica calls get the batch's amax."""
     table = _COPIES.get()
     if table is None:
         yield
@@ -93,8 +85,7 @@ def maximum_copies(values: Sequence[jax.Array]) -> Iterator[None]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def copied_for_maximum(value: jax.Array, replicas: int, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
-    """[replicas, *shape]: ``value`` once per replica (laid out as ``sharding``), the copies' cotangents combined by
-    their maximum."""
+    """``value`` once per replica ([replicas, *shape], laid out as ``sharding``); cotangents combine by maximum."""
     copies = jax.numpy.broadcast_to(value[None], (replicas, *value.shape))
     return copies if sharding is None else jax.lax.with_sharding_constraint(copies, sharding)
 
@@ -111,8 +102,7 @@ copied_for_maximum.defvjp(_copied_forward, _copied_backward)
 
 
 def rebound(outer: Sequence[jax.Array], inner: Sequence[jax.Array]) -> contextlib.AbstractContextManager:
-    """Within the block ``inner``, the parameters ``outer`` as a traced sub-function (an activation checkpoint) takes
-    them, read the copies of ``outer``."""
+    """Within the block, ``inner`` (``outer`` as a traced sub-function takes them) read the copies of ``outer``."""
     return bound(inner, copies_of(outer))
 
 
@@ -144,8 +134,7 @@ def _all_dims(args, kwargs) -> Rows:
 
 
 def _leading(args, kwargs) -> Rows:
-    """``Linear`` / ``matmul``: every dimension of an input with at least two but its last (a vector's entries are
-    its features)."""
+    """``Linear`` / ``matmul``: every dimension but the last of an input with at least two (the last is features)."""
     if _ndim(args[0]) < 2 or (len(args) > 1 and _ndim(args[1]) > 2):
         return None
     return 0, tuple(range(_ndim(args[0]) - 1))
@@ -235,9 +224,8 @@ def _parameter(value: Any) -> bool:
 
 
 def call(func: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
-    """``fn(*args, **kwargs)`` (a lowering of ``func`` on arrays): per replica when ``func`` is row-local in one
-    argument along a dimension holding the batch, and every other array it takes is a parameter with copies; as it
-    is otherwise."""
+    """``fn(*args, **kwargs)`` (``func``'s lowering): per replica when ``func`` is row-local in one argument along a
+    batch dimension and its other arrays are parameters with copies; else as it is."""
     table = _COPIES.get()
     rule = _RULES.get(func) if table is not None else None
     found = rule(args, kwargs) if rule is not None else None
@@ -273,9 +261,8 @@ def call(func: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 def _batch_dim(x: Any, dims: tuple[int, ...], table: Copies) -> int | None:
-    """Which of ``x``'s row-local ``dims`` to split over the replicas: one as long as the microbatch (where the
-    batch is laid out, so that no rows move), else the first when it is a multiple of it (the batch merged with
-    the sequence: ``x.view(-1, d)``); None when neither divides over the replicas."""
+    """Which of ``x``'s row-local ``dims`` to split over the replicas: one as long as the microbatch (no rows move),
+    else the first that is a multiple of it (``x.view(-1, d)``); None when neither divides over the replicas."""
     if not isinstance(x, jax.Array):
         return None
     for dim in dims:

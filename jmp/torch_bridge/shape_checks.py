@@ -1,11 +1,7 @@
 """Shapes torch rejects raise torch's error, naming the module, before JAX's own error would.
 
-A ``Linear(16, 2)`` fed 8 features fails inside ``lax.dot_general`` with JAX's wording, in the bridge's file. The
-calls checked here (``F.linear`` and the ``Linear`` layer, ``matmul`` / ``mm`` / ``bmm`` / ``@``, ``convNd`` and
-the ``Conv`` layers) compare their arguments' shapes first, while the program is traced (no cost when it runs),
-and raise ``ShapeMismatchError`` (a ``RuntimeError`` as torch's, and a ``LoweringError``) with torch 2.13's
-message followed by the module path and source line. The whole arguments are checked, before a call is split
-per data-parallel replica.
+``F.linear`` / ``Linear``, ``matmul`` / ``mm`` / ``bmm`` / ``@`` and the convolutions compare shapes while
+traced and raise ``ShapeMismatchError`` (a ``RuntimeError`` and a ``LoweringError``) with torch's message.
 """
 
 from __future__ import annotations

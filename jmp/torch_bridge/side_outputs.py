@@ -1,11 +1,7 @@
 """Side outputs: values a forward produces besides its outputs (Flax NNX's ``sow``), collected by the step.
 
-Code running inside a traced forward calls ``sow(name, value)`` where a value arises (an expert dispatch sows
-the token-expert assignments it dropped). The step opens ``collecting()`` around its forward and threads the
-one dict it gets (name -> ``Sown``) through the microbatch loop and the pipeline, combining each name by its
-reduction; the model's training state keeps the step's totals (``model.training_state.side_outputs``). A JAX
-transform inside the forward (a remat region's ``jax.checkpoint``) collects its body's side outputs, returns
-them, and sows them again outside (``sow_all``). A new kind of side output needs only its ``sow`` call.
+The step opens ``collecting()`` around its forward and combines each name by its reduction over microbatches
+and stages; a JAX transform inside the forward returns its body's and sows them again (``sow_all``).
 """
 
 from __future__ import annotations
@@ -34,10 +30,7 @@ SideOutputs = dict[str, "Sown"]  # name -> what the forward sowed under it, comb
 
 @dataclasses.dataclass(frozen=True)
 class Sown:
-    """One side output: its value and how values of its name combine (a JAX pytree: ``value`` is its leaf).
-
-    ``report``, when given, is called on the host with the step's total (through ``jax.debug.callback``).
-    """
+    """One side output: its value and how values of its name combine; ``report`` gets the step's total on the host."""
 
     value: jax.Array
     reduce: str = "sum"
@@ -51,10 +44,9 @@ _TRACE: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_side_outputs_t
 
 
 def sow(name: str, value: Any, reduce: str = "sum", report: Callable[[Any], None] | None = None) -> None:
-    """Add ``value`` to side output ``name`` of the innermost ``collecting()`` block (outside one: ignored).
+    """Add ``value`` to side output ``name`` of the innermost ``collecting()`` block (ignored outside one).
 
-    ``reduce`` ("sum", "max" or "min") combines the values sown under one name, within a forward and over
-    microbatches; every ``sow`` of a name gives the same ``reduce``, ``report`` and value shape.
+    Every ``sow`` of a name gives the same ``reduce`` ("sum", "max", "min"), ``report`` and value shape.
     """
     if reduce not in _REDUCTIONS:
         raise ValueError(f"side output '{name}': reduce is one of {sorted(_REDUCTIONS)}, not '{reduce}'")
@@ -81,9 +73,8 @@ def collecting() -> Iterator[SideOutputs]:
 
 
 def in_collecting_trace() -> bool:
-    """Whether a value traced here can be sown: a ``collecting()`` block is open, and JAX is tracing what it was
-    opened in, not a transform's body entered since (``torch.func.vmap``'s, ``torch.cond``'s), whose values
-    cannot leave it."""
+    """Whether a value traced here can be sown: a ``collecting()`` block is open and JAX traces what it was opened
+    in, not a transform's body entered since (``vmap``'s, ``torch.cond``'s), whose values cannot leave it."""
     return _COLLECTOR.get() is not None and _TRACE.get() == jax.extend.core.get_opaque_trace_state()
 
 
@@ -104,8 +95,7 @@ def combine_all(a: SideOutputs, b: SideOutputs) -> SideOutputs:
 
 
 def identity(shapes: SideOutputs) -> SideOutputs:
-    """Side outputs like ``shapes`` (values may be ``jax.ShapeDtypeStruct``) holding each reduction's identity:
-    the start of an accumulation over microbatches."""
+    """Side outputs like ``shapes`` (values may be ``jax.ShapeDtypeStruct``) holding each reduction's identity."""
     return {name: Sown(_REDUCTIONS[s.reduce][1](s.value), s.reduce, s.report) for name, s in shapes.items()}
 
 

@@ -14,11 +14,7 @@ from jmp.torch_bridge.module import TorchModule
 
 
 def named_variables(module: TorchModule, prefix: str = "") -> Iterator[tuple[str, nnx.Variable]]:
-    """(torch key, Variable) for every parameter and buffer, in torch's ``state_dict`` order.
-
-    A tied parameter is listed under each of its names (NNX itself holds it once, under the
-    first: the name ``named_parameters()`` reports).
-    """
+    """(torch key, Variable) for every parameter and buffer in ``state_dict`` order, a tied one under each name."""
     for name in module.torch_state_names:
         yield prefix + name, getattr(module, name)
     for name, child in module.children_items():
@@ -26,11 +22,7 @@ def named_variables(module: TorchModule, prefix: str = "") -> Iterator[tuple[str
 
 
 def to_state_dict(module: TorchModule, prefix: str = "") -> OrderedDict[str, torch.Tensor]:
-    """Torch tensors under torch's key names and order, loadable with ``load_state_dict(strict=True)``.
-
-    Non-persistent buffers are left out, as in torch. Values are gathered to the host; a tied parameter's
-    names share one tensor, as in torch (``torch.save`` writes it once).
-    """
+    """Torch tensors under torch's keys and order (no non-persistent buffers), gathered to the host; ties share one."""
     tensors: dict[int, torch.Tensor] = {}
     out = OrderedDict()
     for key, variable in named_variables(module, prefix):

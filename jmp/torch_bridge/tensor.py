@@ -1,17 +1,7 @@
-"""``JaxTensor``: a torch tensor whose value is a ``jax.Array``.
+"""``JaxTensor``: a torch tensor whose value is a ``jax.Array``, its torch calls lowered by the dispatcher.
 
-Torch code that receives a JaxTensor runs unchanged: every torch call on it
-reaches ``__torch_function__`` and is lowered to JAX by the dispatcher. The
-tensor carries torch metadata (shape, dtype, device) so that shape arithmetic
-and dtype checks in forward code answer like torch.
-
-Views follow torch's aliasing rules: a view remembers its base and the view
-function, an in-place update of a view writes through to its base, and a view
-whose base was updated in place re-reads it.
-
-This module is a leaf under the dispatcher: ``dispatch.py`` builds on it and, when imported (importing
-any ``jmp.torch_bridge`` module imports it), installs itself as the handler of torch calls on
-JaxTensors with ``JaxTensor.route_to``.
+It carries torch's shape, dtype and device; views follow torch's aliasing (writes reach the base, a view
+re-reads an updated base). ``dispatch.py`` installs itself as the handler with ``JaxTensor.route_to``.
 """
 
 from __future__ import annotations

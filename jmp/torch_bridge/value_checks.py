@@ -1,10 +1,7 @@
-"""Python value checks on traced tensors: ``if labels.max() >= vocab_size: raise ValueError(...)``.
+"""Python value checks on traced tensors (``if labels.max() >= n: raise ...``, ``assert``) run as the program runs.
 
-Under ``jit`` such a condition has no value while the program is traced. A branch whose body only raises, or
-an ``assert`` (``assert lengths.max().item() <= slen``, XLM's), is a check on the data, not control flow: the
-trace goes on as if the check passed, and the compiled program tests the condition as it runs, raising when
-the data is bad (``jax.debug.callback``), as PyTorch does.
-Any other Python branch on a traced value stays a ``TracedControlFlowError``.
+A branch whose body only raises, or an ``assert``, is traced as passing and tested by ``jax.debug.callback``;
+any other branch on a traced value stays a ``TracedControlFlowError``.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ class FailedValueCheck(ValueError):
 
 
 def raising_branch(frame: types.FrameType | None) -> ast.If | ast.Assert | None:
-    """The ``if`` statement the frame is testing, when its body only raises, or the ``assert`` statement it
-    is testing; else None."""
+    """The ``if`` being tested when its body only raises, or the ``assert`` being tested; else None."""
     if frame is None:
         return None
     tree = _parsed(frame.f_code.co_filename)
@@ -38,9 +34,8 @@ def raising_branch(frame: types.FrameType | None) -> ast.If | ast.Assert | None:
 
 
 def check_at_run_time(condition: jax.Array, frame: types.FrameType, branch: ast.If | ast.Assert) -> bool:
-    """Register the runtime check of ``condition`` and return the value that lets the trace go on: an ``if``
-    raises when the condition holds (False returned: the branch not taken), an ``assert`` when it does not
-    (True returned)."""
+    """Register the runtime check of ``condition``; the value that lets the trace go on (an ``if`` raises when it
+    holds: False, the branch not taken; an ``assert`` when it does not: True)."""
     source = linecache.getline(frame.f_code.co_filename, branch.lineno).strip()
     where = f"{frame.f_code.co_filename}:{branch.lineno}"
     passes = isinstance(branch, ast.Assert)

@@ -1,18 +1,9 @@
 """``torch.sagemaker.delayed_param.DelayedParamIniter``: SMP v2's delayed parameter initialisation, over jmp's.
 
-A model built on the meta device (``accelerate.init_empty_weights()``, ``torch.device("meta")``) has shapes but
-no values. Wrapped by ``smp.DistributedModel`` as it is, it is initialised directly into its shards by its own
-initialisation code, in one compiled program (``jmp.wrapped_model.delayed_init``): no process ever holds the whole
-model. ``get_param_init_fn()``'s function is the same code run module by module, as SMP's is, on the CPU: it
-gives one module's own tensors storage and runs the model's initialisation code on them (a Hugging Face model's
-``_init_weights``, else the module's ``reset_parameters``), tied tensors kept tied; FSDP calls it so (PyTorch's,
-and jmp's FSDP wrapper, which then lays the values out). ``initer_of`` tells a wrapper that a ``param_init_fn``
-is this one, so that it may leave the model on the meta device for the in-shard initialisation instead.
-
-``init_empty_weights()`` leaves the buffers with values (rotary frequencies, ...), and jmp initialises a model
-on the meta device all or nothing: ``DelayedParamIniter(model)`` moves those buffers to the meta device, and
-the same initialisation code fills them again (a buffer it does not fill is an error naming it when the model
-is wrapped).
+A meta-device model wrapped by ``smp.DistributedModel`` is initialised straight into its shards by its own code
+(``jmp.wrapped_model.delayed_init``). ``get_param_init_fn()`` runs the same code module by module on the CPU,
+ties kept, as FSDP calls it; ``initer_of`` lets a wrapper recognise it and keep the model on meta instead.
+The constructor moves the buffers ``init_empty_weights()`` left with values to meta, so the same code fills them.
 """
 
 from __future__ import annotations
@@ -96,12 +87,7 @@ class DelayedParamIniter:
 
     @contextlib.contextmanager
     def validate_params_and_buffers_inited(self, enabled: bool = True) -> Iterator[None]:
-        """Around the wrapping of the model: on leaving, every parameter and buffer has a value, in the torch module
-        or in the shards of the jmp model that took it.
-
-        Raises:
-            ConfigError: tensors still on the meta device that no jmp model initialised.
-        """
+        """Around wrapping the model: on leaving, every tensor must have a value (else ``ConfigError``)."""
         yield
         if not enabled or live_models.owners_of(self.model):
             return

@@ -1,9 +1,4 @@
-"""``torch.sagemaker.grad_norm.clip_grad_norm_(model, max_norm)``: SMP v2's gradient clipping, which takes the model.
-
-It clips the model's parameters' gradients as ``torch.nn.utils.clip_grad_norm_`` does, with jmp's version of
-that function (``jmp.optim.grad_clipping``): a jmp model's gradients are clipped where they are, on the
-devices, with the norm global across devices and processes; any other module's go to torch's own.
-"""
+"""``torch.sagemaker.grad_norm.clip_grad_norm_(model, max_norm)``, by ``jmp.optim.grad_clipping``'s function."""
 
 from __future__ import annotations
 

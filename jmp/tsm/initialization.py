@@ -1,26 +1,9 @@
 """``tsm.init``: SMP v2's configuration, read as SMP v2 reads it and given to ``jmp.init``.
 
-SMP v2's keys (``hybrid_shard_degree``, ``tensor_parallel_degree``, ``expert_parallel_degree``,
-``context_parallel_degree``, ``sm_activation_offloading``, ``activation_loading_horizon``,
-``fsdp_cache_flush_warnings``, ``allow_empty_shards``, ``random_seed``) are jmp config keys already
-(``jmp.runtime.config``); jmp's other keys are accepted too. Where v2 differs from jmp's defaults:
-
-- ``hybrid_shard_degree`` defaults to 0, which in SMP v2 means: with ``tensor_parallel_degree`` 1, PyTorch
-  FSDP's own ``sharding_strategy`` decides how parameters are sharded (FULL_SHARD over every rank,
-  HYBRID_SHARD within a node); with tensor parallelism, the largest degree the devices allow. The mesh is
-  built with ``fsdp`` over every data-parallel device (jmp's meaning of 0) in both cases, and
-  ``tsm.state.hybrid_shard_degree`` stays 0 in the first, so that jmp's FSDP wrapper can tell "the strategy
-  decides" from a degree the config fixed (see ``jmp.tsm.tsm_state``).
-- ``activation_loading_horizon`` defaults to 2 (v1's, jmp's, is 4). It has no effect on XLA, which schedules
-  the copies of offloaded activations back to the device itself; tsm.init keeps the value for
-  ``tsm.state`` and says so once when it is given, instead of handing it to jmp (whose remat warns about any
-  horizon but v1's).
-- ``context_parallel_degree`` > 1 adds the mesh's "cp" axis, over which each sequence is split (jmp's context
-  parallelism, one process over the devices).
-
-``tsm.state``'s degrees may be assigned, as AWS's scripts do when they run without SMP's implementation
-(``tsm.state.tensor_parallel_degree = 1``): before ``tsm.init`` the value replaces the config's at the next
-``tsm.init``; after it, the mesh is built again with the value (as ``tsm.init`` with it would build it).
+SMP v2's keys are jmp's. Its defaults differ for ``hybrid_shard_degree`` (0: FSDP's ``sharding_strategy`` decides
+without tp, else the largest degree; the mesh's ``fsdp`` spans every data-parallel device either way, and
+``tsm.state.hybrid_shard_degree`` says which) and ``activation_loading_horizon`` (2, kept for ``tsm.state`` only).
+``tsm.state``'s degrees may be assigned: kept for the next ``tsm.init``, or the mesh is built again with them.
 """
 
 from __future__ import annotations
@@ -59,14 +42,8 @@ _assigned: dict[str, int] = {}  # degrees assigned on tsm.state before tsm.init,
 def init(config: dict[str, Any] | str | os.PathLike | None = None) -> None:
     """SMP v2's ``torch.sagemaker.init``: validate ``config`` and build the run's mesh (``jmp.init``).
 
-    Args:
-        config: a dict of SMP v2 config keys, the path of a JSON file holding one, or None: the parameters
-            SageMaker passes the process (``SM_HP_MP_PARAMETERS``, as ``smp.init()`` reads them; none: the
-            defaults). Works whether or not the script started ``torch.distributed`` itself.
-
-    Raises:
-        ConfigError: an unknown key or a bad value (naming where the config came from), a file that is not a
-            JSON object, or degrees whose product does not divide the devices.
+    ``config``: a dict, the path of a JSON file holding one, or None (``SM_HP_MP_PARAMETERS``, else the defaults);
+    with or without ``torch.distributed`` started. Raises ``ConfigError`` for a bad key, value, file or degrees.
     """
     given, source = _read(config)
     given = {**given, **_assigned}
@@ -100,8 +77,7 @@ def pending_value(key: str) -> Any:
 
 
 def assign_degree(key: str, value: int) -> None:
-    """``tsm.state.<key> = value`` for one of ``DEGREES``: kept for the next ``tsm.init`` before it, else the mesh
-    is built again with it."""
+    """``tsm.state.<key> = value`` for a ``DEGREES`` key: kept for the next ``tsm.init``, or the mesh rebuilt."""
     parse({key: value}, f"tsm.state.{key}")
     run = current_run()
     if run is not None:

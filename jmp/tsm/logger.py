@@ -1,10 +1,4 @@
-"""``torch.sagemaker.logger.get_logger``: the logger SMP v2 scripts log their own progress with.
-
-It is jmp's logger (``"jmp"``), as SMP v2's is the library's own: the script's lines and jmp's notices go one
-way, through jmp's rank filter (INFO and WARNING on the first process only, errors on every one; the scripts
-log on rank 0 anyway). ``get_logger`` makes it print INFO and above on stderr, with the time and level, unless
-the script has configured the root logger, whose handlers then print them (once).
-"""
+"""``torch.sagemaker.logger.get_logger``: jmp's logger (rank-filtered), printing INFO+ unless the root logger is set."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""``tsm.state.get_rng_state_tracker()``: Transformer Engine's RNG-states tracker, as SMP v2 hands it to TE's
-``checkpoint`` (AWS's v2 scripts do with ``--fp8 1``).
+"""``tsm.state.get_rng_state_tracker()``: Transformer Engine's RNG-states tracker interface, changing no random number.
 
-On GPUs, TE forks a named CUDA RNG state around tensor-parallel regions, and its checkpoint restores that state
-when it recomputes a forward, so the recomputed dropout masks are the first forward's. jmp draws every random
-number from the compiled step's JAX key, and recomputes (``jax.checkpoint``) with the same keys, so the masks are
-equal without a tracker. This one keeps TE's interface and bookkeeping: named seeds are added once, ``fork`` needs a
-known name, and ``get_states`` / ``set_states`` round-trip them; it changes no random number.
+jmp's recomputation replays the step's JAX keys, so dropout masks match without a tracker; this keeps TE's
+bookkeeping (named seeds added once, ``fork`` of a known name, ``get_states`` / ``set_states``).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """``tsm.transform``: SMP v2's model transformation for tensor and expert parallelism, on jmp's rules.
 
-SMP v2 replaces a Hugging Face model's decoder layers by its own tensor-parallel ``TransformerLayer``s (and its
-mixture-of-experts layers by its own). jmp keeps every module and splits the parameters by its rule tables when
-the model is wrapped (``smp.DistributedModel``, or jmp's FSDP wrapper, which builds one): Megatron's
-column / row split of the attention and MLP linears and of the vocabulary over the mesh's ``tp`` axis
-(``jmp.sharding.tensor_parallel``), and the experts over ``ep`` (``jmp.sharding.experts``), with XLA inserting
-the collectives. So what ``transform`` does to the model is what scripts can see of SMP's: the decoder layers
-become ``TransformerLayer`` instances (their forward, attributes and state-dict keys unchanged), the model is
-cast to ``dtype`` when one is given, and the layout the mesh will give it is checked now: a degree that does
-not divide a layer is an error here, and a model none of whose layers the rules split is said once.
-
-Unlike SMP v2, jmp's rules split an untransformed model too when ``tensor_parallel_degree`` > 1.
+jmp keeps every module and splits parameters by its rule tables when the model is wrapped
+(``jmp.sharding.tensor_parallel``, ``jmp.sharding.experts``). ``transform`` does what scripts can see of SMP's:
+decoder layers become ``TransformerLayer`` instances, the model is cast to ``dtype``, and the layout is checked
+now (a degree that does not divide a layer is an error; a model the rules do not split is said once). Unlike
+SMP v2, jmp's rules also split an untransformed model when ``tensor_parallel_degree`` > 1.
 """
 
 from __future__ import annotations
@@ -41,27 +35,13 @@ def transform(
     load_state_dict_from_rank0: bool = False,
     cp_comm_type: str = "p2p",
 ) -> nn.Module:
-    """SMP v2's ``torch.sagemaker.transform``: the model, its decoder layers ``TransformerLayer`` instances.
+    """SMP v2's ``torch.sagemaker.transform``: ``model`` itself, its decoder layers made ``TransformerLayer`` instances.
 
-    Args:
-        model: a Hugging Face causal language model (GPT-NeoX, Llama, Mistral, Mixtral, GPT-2, ...), or a model
-            whose layers are an ``nn.ModuleList``; on the meta device too (delayed parameter initialisation).
-        device: accepted; jmp places the parameters on the mesh's devices when the model is wrapped.
-        dtype: the parameters' dtype, as ``model.to(dtype)`` casts them.
-        config: a ``MoEConfig`` for mixture-of-experts models (``smp_moe``: split the experts over ``ep``).
-        load_state_dict_from_rank0: accepted: the layers are kept, so the weights rank 0 loaded stay in its
-            model (``FSDP(sync_module_states=True)`` gives them to the other ranks).
-        cp_comm_type: "p2p" or "all_gather", context parallelism's exchange; no effect: jmp's attention over
-            split sequences takes the ring (p2p) unless the environment sets
-            ``JMP_CONTEXT_PARALLEL_ATTENTION=all_gather`` (``jmp.torch_bridge.lowering.ring_attention``).
-
-    Returns:
-        ``model`` itself, transformed in place.
-
-    Raises:
-        JmpError: ``tsm.init`` was not called (the layout depends on the degrees).
-        ConfigError: no decoder layers found; a degree that does not divide a layer; ``MoEConfig(smp_moe=True)``
-            on a model without an experts module.
+    ``model``: a Hugging Face causal LM or a model whose layers are an ``nn.ModuleList`` (meta device too);
+    ``dtype`` casts it; ``config``: a ``MoEConfig``. ``device``, ``load_state_dict_from_rank0`` and
+    ``cp_comm_type`` are accepted with no effect (``JMP_CONTEXT_PARALLEL_ATTENTION`` picks the latter's exchange).
+    Raises ``JmpError`` before ``tsm.init``, ``ConfigError`` for no decoder layers, a degree that does not divide
+    a layer, or ``smp_moe`` without an experts module.
     """
     if not isinstance(model, nn.Module):
         raise ArgumentTypeError(f"tsm.transform takes a torch nn.Module, not {type(model).__name__}")

@@ -1,18 +1,7 @@
 """``tsm.state``: SMP v2's state object, under SMP v2's attribute names, read live from the run's config and mesh.
 
-Ranks count processes, as jmp's ``smp.tp_rank()`` and its siblings do: one process may drive several devices
-of a mesh axis (then its rank along that axis is 0). Under ``python -m jmp.launch``, one device per process by
-default, they are SMP v2's ranks. Sizes are the degrees (the mesh's axis sizes).
-
-``hybrid_shard_degree`` is what jmp's FSDP wrapper reads to lay a model out: 0 exactly when SMP v2 leaves
-the sharding to PyTorch FSDP's ``sharding_strategy`` (``hybrid_shard_degree`` 0, v2's default, with
-``tensor_parallel_degree`` 1; the mesh's ``fsdp`` axis then spans every data-parallel device, FULL_SHARD's
-layout); otherwise the mesh's ``fsdp`` degree, which SMP v2 uses with HYBRID_SHARD whatever strategy the
-script names (unless it names ``_HYBRID_SHARD_ZERO2``). After a plain ``jmp.init`` it is the config's degree.
-
-The degrees (``tensor_parallel_degree``, ``expert_parallel_degree``, ``context_parallel_degree``) may be
-assigned; see ``jmp.tsm.initialization``. Replication (``ranker``) is across the mesh's ``dp`` axis: the
-processes holding the same shard of the same model part.
+Ranks count processes, as ``smp.tp_rank()`` does (one device per process under ``jmp.launch``: SMP v2's ranks);
+sizes are the degrees, which may be assigned (``initialization``); ``ranker``'s replication is across ``dp``.
 """
 
 from __future__ import annotations
@@ -59,8 +48,7 @@ class Ranker:
         return [list(group) for group in process_groups.partition_of(mesh, ("dp",))]
 
     def get_rep_rank(self, rank: int | None = None) -> int:
-        """``rank``'s index in its replication group (default: this process's); 0 on the first replica, the one
-        that writes sharded checkpoints."""
+        """``rank``'s index in its replication group (default: this process's); 0 writes sharded checkpoints."""
         rank = jax.process_index() if rank is None else rank
         for group in self.get_rep_groups():
             if rank in group:
@@ -145,10 +133,7 @@ class State:
 
     @property
     def cp_size(self) -> int:
-        """How many processes share each sequence: SMP v2 scripts cut a batch's sequences into this many pieces
-        (``get_batch_for_cp_rank``) and pass this process's. A process driving every device of the ``cp`` axis
-        passes whole sequences, which jmp splits over the axis itself: 1 (``context_parallel_degree`` is the
-        degree)."""
+        """How many pieces scripts cut each sequence into (``get_batch_for_cp_rank``): 1, as jmp splits over ``cp``."""
         return len(_group_along(_CONTEXT_AXIS, "cp_size"))
 
     @property

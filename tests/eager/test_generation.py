@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import jmp as smp
-from jmp.eager import generation
 from jmp.errors import StepError
+from jmp.runtime import notices
 from tests.sharding.models import VOCAB, causal_lm
 
 pytest.importorskip("transformers")
@@ -41,7 +41,7 @@ def _compiled(caplog) -> int:
 )
 def test_generate_gives_pytorchs_tokens(name, config, rows, caplog, monkeypatch):
     caplog.set_level("INFO", logger="jmp")
-    monkeypatch.setattr(generation, "_noted", set())  # said once per job: as if this were the first generation
+    monkeypatch.setattr(notices, "_SAID", set())  # said once per job: as if this were the first generation
     smp.init(config)
     net = causal_lm(name).eval()
     reference = copy.deepcopy(net)

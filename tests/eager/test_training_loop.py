@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import jmp as smp
-from jmp.eager import plain_optimizers
 from jmp.errors import StepError
+from jmp.runtime import notices
 from tests.helpers import assert_close
 from tests.sharding.models import causal_lm, token_batches
 
@@ -76,7 +76,7 @@ def _run(net, wrap, wrap_optimizer=False):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_loop_trains_as_pytorch_eager(layout, caplog, monkeypatch):
     caplog.set_level("INFO", logger="jmp")
-    monkeypatch.setattr(plain_optimizers, "_noted", set())  # said once per job: as if this were the first loop
+    monkeypatch.setattr(notices, "_SAID", set())  # said once per job: as if this were the first loop
     smp.init(LAYOUTS[layout])
     net = causal_lm("gpt2")
     (expected, expected_held_out), reference = _run(copy.deepcopy(net), wrap=False)

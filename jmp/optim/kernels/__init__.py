@@ -1,9 +1,4 @@
-"""Fused optimizer-update kernels (Pallas), each an ``optax.GradientTransformation``.
-
-``DistributedOptimizer`` runs them on a GPU (the config key ``fused_optimizer``: None, the default; True runs
-them everywhere, in interpret mode off a GPU; False never); they can be used alone in any optax code. See
-``jmp.optim.kernels.fused_updates``.
-"""
+"""Fused optimizer-update kernels (Pallas), each an ``optax.GradientTransformation`` (see ``fused_updates``)."""
 
 from jmp.optim.kernels.fused_updates import fused_adagrad, fused_adam, fused_adamw, fused_lamb, fused_sgd, fused_version
 from jmp.optim.kernels.multi_tensor import split_over

@@ -1,26 +1,11 @@
 """Fused optimizer updates: each a Pallas kernel over all of a param group's tensors, as an optax transformation.
 
 ``fused_adam``, ``fused_sgd``, ``fused_adagrad`` and ``fused_lamb`` compute what ``jmp.optim.torch_rules``'
-optax chains for ``torch.optim.Adam`` / ``AdamW``, ``SGD``, ``Adagrad`` and apex's ``FusedLAMB``
-(``smp.optimizers``) compute, in the same order of operations, and keep the chains' own state, tree for tree
-(torch-format state dicts and checkpoints are the same on both paths). The tensors of each dtype go through
-one ``pallas_call`` (see ``jmp.optim.kernels.multi_tensor``), which reads gradient, parameter and state and writes
-the update and the new state in place. Like any optax transformation, the result is an update to add with
-``optax.apply_updates``.
-
-``update`` also takes what a mixed-precision step needs done in the same pass (optax's extra arguments, passed
-by ``DistributedOptimizer``; other transformations ignore them):
-
-- ``grad_scale``: the gradients are cast to float32 and multiplied by it in the kernel (``1 / loss scale``:
-  the gradients come as the backward left them, fp16 or bf16 included, and no unscaled copy is written);
-- ``grad_divisor``: then divided by it (clipping by a global norm computed beforehand, as apex LAMB clips);
-- ``skip``: a device bool; when true (an overflow step) the parameters and this transformation's state are
-  kept, as torch's fused optimizers do with ``found_inf``;
-- ``return_params``: the result is the new parameters, written over the old in place, not an update to add
-  (one pass over the parameters instead of two).
-
-``interpret=True`` runs the kernels in Pallas' interpret mode: on a CPU (which Pallas does not compile for)
-they then give the compiled kernels' numbers, slowly; this is how the tests check them without a GPU.
+chains compute, in the same order, with the chains' own state tree; one ``pallas_call`` per dtype
+(``multi_tensor``) updates in place. ``update`` also takes, as extra arguments: ``grad_scale`` (gradients cast
+to float32 and multiplied by it), ``grad_divisor`` (then divided by it), ``skip`` (a device bool: keep
+parameters and state) and ``return_params`` (return the new parameters instead of an update). ``interpret=True``
+runs Pallas' interpret mode, which gives the compiled numbers on a CPU.
 """
 
 from __future__ import annotations
@@ -79,9 +64,8 @@ class _Own:
 
 
 def _kernel_body(step: Callable[..., tuple[jax.Array, ...]], first: str) -> Callable[..., tuple[jax.Array, ...]]:
-    """The kernel body around ``step(own scalars, g, *state, p) -> (update, *state)``: the gradient unscaled
-    (and clipped) first, the state kept on a skipped step, and the first result as ``first`` says: the
-    ``"update"``, the ``"param"`` with the update added, or the ``"direction"`` as ``step`` gave it."""
+    """The kernel body around ``step(own scalars, g, *state, p) -> (update, *state)``: ``g`` unscaled (and clipped), the
+    state kept on a skipped step, the first result ``first`` ("update", "param" with it added, or "direction")."""
 
     def body(s, p, g, *state):
         g = ((g.astype(jnp.float32) * s[_GRAD_SCALE]) / s[_GRAD_DIVISOR]).astype(p.dtype)
@@ -108,9 +92,8 @@ def _update_by_dtype(
     interpret: bool,
     name: str,
 ) -> tuple[list[jax.Array], ...]:
-    """``step`` over every tensor (``_kernel_body``), one kernel launch per parameter dtype (or a few, for more
-    tensors than one launch's arguments hold); returns the first result's tensors (written over the parameters
-    when ``first`` is ``"param"``) and the new state's."""
+    """``step`` over every tensor, one kernel launch per parameter dtype (or a few); the first result's tensors
+    (written over the parameters when ``first`` is "param") and the new state's."""
     columns = [params, grads, *state]
     outputs = [0, *range(2, len(columns))]
     in_place = set(range(1, len(outputs))) | ({0} if first == "param" else set())  # the state; the parameters
@@ -121,14 +104,9 @@ def _update_by_dtype(
         by_dtype.setdefault(jnp.dtype(param.dtype), []).append(i)
     for dtype, indices in by_dtype.items():
         for chunk in multi_tensor.launches(indices, operands=len(columns) + len(outputs)):
+            chunk_columns = [[column[i] for i in chunk] for column in columns]
             new = multi_tensor.elementwise(
-                body,
-                scalars,
-                [[column[i] for i in chunk] for column in columns],
-                outputs,
-                in_place=in_place,
-                interpret=interpret,
-                name=f"{name}_{dtype}",
+                body, scalars, chunk_columns, outputs, in_place=in_place, interpret=interpret, name=f"{name}_{dtype}"
             )
             for j, tensors in enumerate(new):
                 for i, tensor in zip(chunk, tensors):
@@ -175,6 +153,11 @@ class _Moments:
     def counted(self, state: tuple) -> tuple:
         return _replaced(state, self.at, state[self.at]._replace(count=self.kept_count))
 
+    def stepped(self, step: Callable, scalars: jax.Array, first: str, interpret: bool, name: str) -> tuple:
+        """``step`` over these tensors and moments (``_update_by_dtype``): (first results, new mu, new nu)."""
+        columns = (self.params, self.grads, [self.mu, self.nu])
+        return _update_by_dtype(step, scalars, *columns, first=first, interpret=interpret, name=name)
+
     def updated(self, state: tuple, mu: list[jax.Array], nu: list[jax.Array]) -> tuple:
         unflatten = functools.partial(jax.tree.unflatten, self.treedef)
         return _replaced(state, self.at, optax.ScaleByAdamState(self.kept_count, unflatten(mu), unflatten(nu)))
@@ -207,11 +190,7 @@ def _adam_step(decoupled: bool, maximize: bool):
 def fused_adam(
     lr, beta1, beta2, eps, weight_decay, *, amsgrad=False, maximize=False, decoupled=False, interpret=False
 ) -> optax.GradientTransformationExtraArgs:
-    """torch's ``Adam`` (``decoupled=True``: ``AdamW``) in one kernel per dtype.
-
-    Its state is the optax chain's (``jmp.optim.torch_rules.adam`` / ``adamw``), tree for tree, so a checkpoint
-    of either path resumes on the other.
-    """
+    """torch's ``Adam`` (``decoupled=True``: ``AdamW``) in one kernel per dtype, with the optax chain's state tree."""
     if amsgrad:
         raise ValueError("fused_adam has no AMSGrad; use jmp.optim.torch_rules.adam(..., amsgrad=True)")
     chain = (torch_optimizers.adamw if decoupled else torch_optimizers.adam)(
@@ -228,16 +207,7 @@ def fused_adam(
         scalars = extra.scalars(
             lr, beta1, beta2, eps, weight_decay, 1 - beta1**count, 1 - beta2**count, 1 - beta1, 1 - beta2
         )
-        first, mu, nu = _update_by_dtype(
-            step,
-            scalars,
-            moments.params,
-            moments.grads,
-            [moments.mu, moments.nu],
-            first=_first(extra),
-            interpret=interpret,
-            name="adamw" if decoupled else "adam",
-        )
+        first, mu, nu = moments.stepped(step, scalars, _first(extra), interpret, "adamw" if decoupled else "adam")
         return jax.tree.unflatten(moments.treedef, first), moments.updated(state, mu, nu)
 
     return optax.GradientTransformationExtraArgs(chain.init, update)
@@ -276,21 +246,10 @@ def _lamb_step(adam_w_mode: bool):
 
 
 def fused_lamb(
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    *,
-    adam_w_mode,
-    bias_correction,
-    grad_averaging,
-    use_nvlamb,
-    interpret=False,
+    lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_correction, grad_averaging, use_nvlamb, interpret=False
 ) -> optax.GradientTransformationExtraArgs:
-    """apex's LAMB (``jmp.optim.torch_rules.lamb``): moments and direction in one kernel per dtype, then each
-    tensor's trust ratio ``||p|| / ||direction||`` from its whole norms (its shards' sums added over the
-    devices holding them, ``multi_tensor.split_over``) scaling its step. State: the optax chain's."""
+    """apex's LAMB (``torch_rules.lamb``): moments and direction in one kernel per dtype, then each tensor's step scaled
+    by its trust ratio from whole norms (shard sums added over devices, ``multi_tensor.split_over``)."""
     chain = torch_optimizers.lamb(
         lr,
         beta1,
@@ -313,16 +272,7 @@ def fused_lamb(
         corrections = (1 - beta1**count, 1 - beta2**count) if bias_correction else (1.0, 1.0)
         keep1 = 1 - beta1 if grad_averaging else 1.0
         scalars = extra.scalars(beta1, beta2, eps, weight_decay, *corrections, keep1, 1 - beta2)
-        directions, mu, nu = _update_by_dtype(
-            step,
-            scalars,
-            ps,
-            moments.grads,
-            [moments.mu, moments.nu],
-            first="direction",
-            interpret=interpret,
-            name="lamb",
-        )
+        directions, mu, nu = moments.stepped(step, scalars, "direction", interpret, "lamb")
         paths = multi_tensor.tree_paths(params)
         p_norms = [jnp.sqrt(x) for x in multi_tensor.whole_sums(paths, [jnp.sum(p * p) for p in ps])]
         d_norms = [jnp.sqrt(x) for x in multi_tensor.whole_sums(paths, [jnp.sum(d * d) for d in directions])]
@@ -403,8 +353,7 @@ def _adagrad_step(maximize: bool):
 def fused_adagrad(
     lr, lr_decay, weight_decay, eps, *, initial_accumulator_value, maximize, interpret=False
 ) -> optax.GradientTransformationExtraArgs:
-    """torch's ``Adagrad`` (``lr_decay``, eps outside the root) in one kernel per dtype; state: the optax
-    chain's."""
+    """torch's ``Adagrad`` (``lr_decay``, eps outside the root) in one kernel per dtype; state: the optax chain's."""
     chain = torch_optimizers.adagrad(
         lr, lr_decay, weight_decay, eps, initial_accumulator_value=initial_accumulator_value, maximize=maximize
     )
@@ -445,10 +394,5 @@ def fused_version(factory: Callable, static: dict[str, Any], *, interpret: bool)
     """The fused factory computing what ``factory`` (a ``jmp.optim.torch_rules`` chain) computes with the options
     ``static``, None where there is none (Adadelta, RMSprop, AMSGrad, apex Adam without bias correction)."""
     fused = _FUSED.get(factory)
-    if (
-        fused is None
-        or static.get("amsgrad")
-        or (factory is torch_optimizers.apex_adam and not static["bias_correction"])
-    ):
-        return None
-    return functools.partial(fused, interpret=interpret)
+    unfused_option = static.get("amsgrad") or (factory is torch_optimizers.apex_adam and not static["bias_correction"])
+    return None if fused is None or unfused_option else functools.partial(fused, interpret=interpret)

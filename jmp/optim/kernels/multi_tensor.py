@@ -1,15 +1,9 @@
 """One Pallas launch over many tensors, each its own operand: nothing is copied into a packed buffer.
 
-apex's ``multi_tensor_apply`` walks a list of pointers, a chunk of one tensor per thread block. Here the grid
-runs over every tensor's blocks one after the other: tensor ``k`` owns grid steps ``start[k] .. start[k] +
-blocks[k]``, its operands' block index is the step's offset into it (clamped, so the other steps name a block
-that exists), and the kernel body runs under a ``pl.when`` for the tensor that owns the step. Each tensor is
-viewed flat (a free reshape of a contiguous array); a block is ``BLOCK`` elements, and a tensor's last, partial
-block is read and written under a mask. The updated state is written in place (``input_output_aliases``): one
-update reads and writes each element of its operands once, which is what a fused update's bandwidth is.
-
-Scalars (learning rate, bias corrections, loss scale, ...) reach the kernel as one small float32 vector, read
-whole by every block.
+The grid runs over every tensor's blocks in turn (tensor ``k`` owns steps ``start[k] .. start[k] + blocks[k]``;
+other tensors' block indices are clamped) and the body runs under ``pl.when`` for the owner. Tensors are viewed
+flat in ``BLOCK``-element blocks, the last masked; outputs alias their inputs. Scalars come as one small
+float32 vector.
 """
 
 from __future__ import annotations
@@ -44,8 +38,7 @@ def scalar_vector(*values: jax.Array | float) -> jax.Array:
 
 
 def launches(tensors: Sequence[int], operands: int) -> list[Sequence[int]]:
-    """``tensors`` cut into as few launches as a kernel's argument space allows, each operand (input or
-    output) of each tensor a pointer: 73 tensors per launch for Adam's 7 operands."""
+    """``tensors`` cut into as few launches as a kernel's pointer arguments allow (73 tensors for Adam's 7 operands)."""
     per_launch = max(1, (ARGUMENT_BYTES // 8 - 1) // operands)
     return [tensors[i : i + per_launch] for i in range(0, len(tensors), per_launch)]
 
@@ -60,13 +53,10 @@ def elementwise(
     interpret: bool,
     name: str,
 ) -> list[list[jax.Array]]:
-    """``body(scalar_ref, *values) -> results`` over every element of the tensors in ``columns``, in one
-    ``pallas_call``.
+    """``body(scalar_ref, *values) -> results`` over every element of the ``columns`` tensors, in one ``pallas_call``.
 
-    ``columns[r][k]`` is tensor ``k`` of role ``r`` (parameters, gradients, a moment, ...); a tensor's roles
-    have one shape. ``body`` sees one block of each role of one tensor, each in its own dtype, and returns a
-    block per output; output ``j`` is shaped and typed like column ``outputs[j]`` and, where ``j`` is in
-    ``in_place``, overwrites it. Returns the outputs' tensors, ``[output][tensor]``.
+    ``columns[r][k]`` is tensor ``k`` of role ``r`` (a tensor's roles share a shape); output ``j`` is shaped and typed
+    like column ``outputs[j]`` and overwrites it where ``j`` is in ``in_place``. Returns ``[output][tensor]``.
     """
     count = len(columns[0])
     sizes = [math.prod(t.shape) for t in columns[0]]
@@ -134,8 +124,7 @@ def split_over(axes_by_path: dict[tuple, tuple[str, ...]]) -> Iterator[None]:
 
 
 def whole_sums(paths: Sequence[tuple], local: Sequence[jax.Array]) -> list[jax.Array]:
-    """Each tensor's sum from its shard's ``local`` sum: added over the axes splitting the tensor at its path
-    (``split_over``), or as given outside such a block."""
+    """Each tensor's sum from its shard's ``local`` sum, added over the axes ``split_over`` names for its path."""
     axes_by_path = _SPLIT_OVER.get()
     if axes_by_path is None:
         return list(local)

@@ -1,7 +1,4 @@
-"""Standard torch layers as Flax NNX modules (torch names and layouts, JAX forward).
-
-Importing this package registers them with the converter.
-"""
+"""Standard torch layers as Flax NNX modules (torch names and layouts, JAX forward); importing registers them."""
 
 from jmp.torch_bridge.layers import (  # noqa: F401  (imported for their registrations)
     attention,

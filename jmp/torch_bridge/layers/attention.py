@@ -1,5 +1,4 @@
-"""nn.MultiheadAttention: its parameters through ``F.multi_head_attention_forward``'s formula
-(``lowering/multi_head_attention.py``), with dropout from the layer's own random stream."""
+"""nn.MultiheadAttention through ``F.multi_head_attention_forward``'s lowering, dropout from its own random stream."""
 
 from __future__ import annotations
 
@@ -55,14 +54,9 @@ class MultiheadAttention(ArrayModule):
             query, key, value = (jnp.swapaxes(t, 0, 1) for t in (query, key, value))
         if is_causal and attn_mask is None:
             raise ValueError("MultiheadAttention with is_causal=True needs attn_mask (as in torch)")
+        dropout = None
         if self.dropout_rate > 0.0 and not self.deterministic:
-            keep = 1.0 - self.dropout_rate
-
-            def dropout(weights):
-                drop = nn_functional.dropout_mask(weights.shape, keep, self.rngs.dropout())
-                return jnp.where(drop, weights / keep, 0.0)
-        else:
-            dropout = None
+            dropout = lambda weights: nn_functional.dropped(weights, self.dropout_rate, self.rngs.dropout())
         out, weights = attend(
             query,
             key,

@@ -28,14 +28,5 @@ class Dropout(ArrayModule):
             return input
         if self.rate == 1.0:
             return jnp.zeros_like(input)
-        keep = 1.0 - self.rate
-        shape = input.shape
-        if self.channel_dims:
-            batched = input.ndim == self.channel_dims + 2
-            shape = input.shape[: 2 if batched else 1] + (1,) * self.channel_dims
-        mask = nn_functional.dropout_mask(shape, keep, self.rngs.dropout())
-        if self.alpha:
-            alpha = -1.7580993408473766
-            a = (keep + alpha * alpha * keep * self.rate) ** -0.5
-            return a * jnp.where(mask, input, alpha) + (-a * alpha * self.rate)
-        return jnp.where(mask, input / keep, jnp.zeros((), input.dtype))
+        shape = nn_functional.channel_mask_shape(input.shape, self.channel_dims) if self.channel_dims else None
+        return nn_functional.dropped(input, self.rate, self.rngs.dropout(), shape, alpha=self.alpha)

@@ -1,9 +1,4 @@
-"""Parameter-free layers (activations, pooling, flatten, padding, upsampling) as one NNX class.
-
-Each torch layer class maps to the torch function its forward calls and the
-attributes it passes; the lowering of that function does the work, so a layer
-and its functional form can never disagree.
-"""
+"""Parameter-free layers as one NNX class: each runs the torch function its forward calls, with its attributes."""
 
 from __future__ import annotations
 
@@ -16,6 +11,9 @@ from torch import nn
 from jmp.torch_bridge import dispatch, registry
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.module import TorchModule
+
+_MAX_POOL = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+_AVG_POOL = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")
 
 # torch layer -> (torch function, attribute names passed as keyword arguments, fixed keyword arguments)
 _FUNCTIONAL: dict[type, tuple[Any, tuple[str, ...], dict[str, Any]]] = {
@@ -46,20 +44,12 @@ _FUNCTIONAL: dict[type, tuple[Any, tuple[str, ...], dict[str, Any]]] = {
     nn.Softmin: (F.softmin, ("dim",), {}),
     nn.Flatten: (torch.flatten, ("start_dim", "end_dim"), {}),
     nn.Unflatten: (torch.unflatten, ("dim", "unflattened_size"), {}),
-    nn.MaxPool1d: (F.max_pool1d, ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"), {}),
-    nn.MaxPool2d: (F.max_pool2d, ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"), {}),
-    nn.MaxPool3d: (F.max_pool3d, ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"), {}),
-    nn.AvgPool1d: (F.avg_pool1d, ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"), {}),
-    nn.AvgPool2d: (
-        F.avg_pool2d,
-        ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
-        {},
-    ),
-    nn.AvgPool3d: (
-        F.avg_pool3d,
-        ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
-        {},
-    ),
+    nn.MaxPool1d: (F.max_pool1d, _MAX_POOL, {}),
+    nn.MaxPool2d: (F.max_pool2d, _MAX_POOL, {}),
+    nn.MaxPool3d: (F.max_pool3d, _MAX_POOL, {}),
+    nn.AvgPool1d: (F.avg_pool1d, _AVG_POOL, {}),
+    nn.AvgPool2d: (F.avg_pool2d, (*_AVG_POOL, "divisor_override"), {}),
+    nn.AvgPool3d: (F.avg_pool3d, (*_AVG_POOL, "divisor_override"), {}),
     nn.AdaptiveAvgPool1d: (F.adaptive_avg_pool1d, ("output_size",), {}),
     nn.AdaptiveAvgPool2d: (F.adaptive_avg_pool2d, ("output_size",), {}),
     nn.AdaptiveAvgPool3d: (F.adaptive_avg_pool3d, ("output_size",), {}),

@@ -1,8 +1,7 @@
 """nn.Linear (weight [out, in], as in torch) and nn.Identity.
 
-A Linear given an ``fp8`` child (``jmp.precision.fp8_state.attach``, when the config's ``fp8`` is on) runs its
-matmul through that child's ``linear``: in fp8 with its delayed-scaling state. The child brings the fp8 code
-with it, so the bridge, below ``precision`` in the package order, never imports it.
+A Linear given an ``fp8`` child (``jmp.precision.fp8_state.attach``) runs its matmul through the child's
+``linear``, so the bridge never imports ``precision``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""nn.LayerNorm, nn.RMSNorm, nn.GroupNorm and nn.BatchNorm{1,2,3}d.
-
-BatchNorm follows torch exactly: in training it normalises with the batch
-statistics and updates ``running_mean`` / ``running_var`` (unbiased variance,
-``momentum``, or a cumulative average when momentum is None) and
-``num_batches_tracked``; in evaluation it uses the running statistics.
-"""
+"""nn.LayerNorm, nn.RMSNorm, nn.GroupNorm and nn.BatchNorm{1,2,3}d, BatchNorm's running statistics as torch's."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import torch.nn.functional as F
 from torch import nn
@@ -46,12 +39,7 @@ class LayerNorm(ArrayModule):
 
 
 @register_layer(nn.RMSNorm)
-class RMSNorm(ArrayModule):
-    def __init__(self, torch_module: nn.RMSNorm, path: str, converter: Any):
-        super().__init__(torch_module, path, converter)
-        self.normalized_shape = tuple(torch_module.normalized_shape)
-        self.eps = torch_module.eps
-
+class RMSNorm(LayerNorm):
     def forward(self, input):
         return rms_norm(input, self.normalized_shape, _value(self.weight), self.eps)
 
@@ -92,14 +80,9 @@ class BatchNorm(ArrayModule):
                 write(self.num_batches_tracked, tracked)
                 if factor is None:  # cumulative moving average
                     factor = 1.0 / tracked.astype(self.running_mean[...].dtype)
-            new_mean, new_var = updated_running_stats(
-                self.running_mean[...],
-                self.running_var[...],
-                jax.lax.stop_gradient(mean),
-                jax.lax.stop_gradient(var),
-                input.size // input.shape[1],
-                0.0 if factor is None else factor,
-            )
+            count, momentum = input.size // input.shape[1], 0.0 if factor is None else factor
+            running = (self.running_mean[...], self.running_var[...])
+            new_mean, new_var = updated_running_stats(*running, mean, var, count, momentum)
             write(self.running_mean, new_mean)
             write(self.running_var, new_var)
         return batch_norm_apply(input, mean, var, weight, bias, self.eps)

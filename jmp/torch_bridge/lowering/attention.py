@@ -1,44 +1,11 @@
 """Attention and grouped (per-expert) matrix products, lowered to JAX's high-level ops.
 
-``F.scaled_dot_product_attention`` becomes ``jax.nn.dot_product_attention``; grouped matmuls of mixture-of-
-experts layers become ``jax.lax.ragged_dot``. Under context parallelism (sequences split over the mesh's "cp"
-axis), self-attention without dropout and with at most a boolean mask takes the ring instead
-(``jmp.torch_bridge.lowering.ring_attention``).
-
-JAX computes ``dot_product_attention`` with XLA's own ops unless told otherwise (``implementation=None`` means
-``"xla"`` in JAX 0.10 and 0.11): every head's (queries, keys) score matrix is materialised in float32. So on an
-NVIDIA GPU the lowering asks for cuDNN's flash attention (``implementation="cudnn"``) where cuDNN computes the
-same attention (``choose_implementation``):
-
-- the platform being traced for (the mesh's devices inside a ``shard_map``, else JAX's default backend) is a
-  CUDA GPU of compute capability 8.0 or later with cuDNN;
-- query, key and value are 4-D float16 or bfloat16, no dropout (dropout and other ranks take the formula);
-- one head dimension for all three, a multiple of 8, at most 128 (256 from compute capability 9.0); grouped-
-  query attention (fewer key/value heads) is fine;
-- no additive (float) mask, and a boolean mask only where it is the causal mask: cuDNN then gets
-  ``is_causal=True`` and skips the masked half instead of computing and discarding it. ``is_causal`` itself
-  qualifies when queries and keys are equally long (torch aligns the triangle top-left; other lengths keep
-  the explicit mask and XLA).
-
-A boolean mask traced into the program cannot be read while tracing. Hugging Face causal LMs pass one: under
-tracing they cannot check that ``position_ids`` hold a single sequence, so they build "causal and same packed
-sequence" as a (batch, 1, T, T) tensor rather than passing ``is_causal``. Such a mask, when it has the full
-(T, T) shape, is compared with the causal pattern when the step runs: ``lax.cond`` runs cuDNN's causal kernel
-if it is that pattern and XLA with the mask otherwise, each branch under ``jax.checkpoint`` so neither keeps
-the other's residuals (a cond's residuals are the union of its branches'). On an H200, GPT-2 small's
-attention (8 x 1024 tokens, 12 heads of 64, bfloat16) takes 0.48 ms forward and backward so, 0.30 ms with
-``is_causal`` given, 1.44 ms by XLA; the two branches add about 8 s to the step program's compile.
-
-Under the step's per-process ``jax.vmap`` (``dispatch.batched_over``) the choice is XLA: JAX batches cuDNN's
-attention only along the leading axis. Should JAX refuse cuDNN while tracing for a reason not foreseen here
-(a newer JAX's conditions, an older cuDNN), the lowering says so once and takes XLA.
-
-Everything else, and every other platform, is the XLA call as before (the same arguments, no
-``implementation``), so numerics off GPUs are unchanged. The environment variable
-``JMP_ATTENTION_IMPLEMENTATION`` overrides the choice, read at each trace: ``xla`` (always XLA), ``cudnn``
-(always cuDNN, masks and biases passed as they are, which JAX turns into a cuDNN bias; JAX raises where cuDNN
-cannot run a call), unset or ``auto`` (the choice above). Not checked here: GSPMD must not shard the sequence
-or head dimension (cuDNN's partitioning rule refuses; jmp shards batch and heads).
+``F.scaled_dot_product_attention`` becomes ``jax.nn.dot_product_attention`` (ring attention under context
+parallelism), grouped matmuls ``jax.lax.ragged_dot``. XLA's attention materialises every head's float32 scores,
+so on a CUDA GPU the lowering takes cuDNN's flash attention wherever it computes the same (``choose_implementation``);
+a traced boolean mask (Hugging Face's causal LMs build one) is compared with the causal pattern as the step runs,
+``lax.cond`` taking cuDNN's causal kernel or XLA, each branch under ``jax.checkpoint``. Under the step's
+per-process ``vmap`` it is XLA; ``JMP_ATTENTION_IMPLEMENTATION`` (``xla``, ``cudnn``, ``auto``) overrides the choice.
 """
 
 from __future__ import annotations
@@ -89,8 +56,7 @@ def requested_implementation() -> str | None:
 
 
 def traced_platform() -> str:
-    """The platform the computation being traced runs on: the mesh's devices where one is set, else JAX's
-    default backend (where jmp's mesh lives)."""
+    """The platform being traced for: the mesh's devices where one is set, else JAX's default backend."""
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     return device.platform if device is not None else jax.default_backend()
 
@@ -113,10 +79,7 @@ def cuda_capability() -> tuple[int, int] | None:
 def cudnn_refusal(dtype, query_shape, key_shape, value_shape, capability: tuple[int, int] | None) -> str | None:
     """Why cuDNN flash attention cannot take these (batch, seq, heads, dim) arrays; None when it can.
 
-    JAX 0.10/0.11's conditions (``jax._src.cudnn.fused_attention_stablehlo``: ``check_layout``,
-    ``check_is_flash_attention``) for float16/bfloat16 without a bias: rank 4, one head dimension, a multiple
-    of 8 and at most 128 before Hopper, 256 from it; any sequence lengths; key/value heads dividing the query
-    heads. Flash attention needs Ampere (8.0) or later.
+    Mirrors JAX 0.10/0.11's ``check_layout`` / ``check_is_flash_attention`` for float16/bfloat16 without a bias.
     """
     if capability is None or capability < (8, 0):
         return f"no CUDA GPU of compute capability 8.0+ with cuDNN (found {capability})"
@@ -149,11 +112,9 @@ def choose_implementation(
 ) -> str:
     """How to run one attention: "xla", "cudnn", or "cudnn_if_causal" (decided when the step runs).
 
-    Shapes are JAX's (batch, seq, heads, dim). ``mask``: "none" (every key visible), "causal" (exactly the
-    causal pattern, from ``is_causal`` or a mask known to be it), "traced" (a boolean mask of full (T, S) shape
-    whose values the trace cannot read) or "other" (any other mask). ``bias``: an additive float mask.
-    ``batched``: traced under the step's per-process ``jax.vmap``, whose batch axis JAX's cuDNN batching rule
-    may refuse (it takes the leading axis only). ``requested``: ``requested_implementation()``.
+    Shapes are JAX's (batch, seq, heads, dim). ``mask``: "none", "causal" (known to be the causal pattern),
+    "traced" (a full (T, S) boolean mask the trace cannot read) or "other". ``bias``: an additive float mask.
+    ``batched``: traced under the step's per-process ``jax.vmap``.
     """
     if requested is not None:
         return requested
@@ -273,8 +234,7 @@ def _cudnn_if_causal(attend, q, k, v, mask):
 
 
 def _or_xla(cudnn, xla):
-    """``cudnn()``, or ``xla()`` where JAX refuses cuDNN for a reason the choice did not foresee (a newer JAX's
-    conditions, a cuDNN too old for the device): the same attention either way."""
+    """``cudnn()``, or ``xla()`` (the same attention) where JAX refuses cuDNN for a reason not foreseen here."""
     try:
         return cudnn()
     except (NotImplementedError, RuntimeError, ValueError) as error:

@@ -1,9 +1,6 @@
-"""Complex numbers: building them (``polar``, ``complex``, ``view_as_complex``), taking them apart
-(``view_as_real``, ``angle``), conjugation.
+"""Complex numbers: ``polar``, ``complex``, ``view_as_complex`` / ``view_as_real``, ``angle``, conjugation.
 
-Gradients need nothing of their own: a model's loss is real, and for a real function of real parameters
-JAX's derivative through complex intermediates is torch's (the conventions differ only for complex
-parameters, where torch reports the conjugate).
+JAX's derivatives are torch's for a real loss of real parameters (torch reports the conjugate for complex ones).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Torch's higher-order ops lowered to their ``jax.lax`` counterparts (routed here by ``higher_order_ops.py``).
 
-The user's functions are torch code: each runs on the bridge's tensors inside the ``lax`` primitive's trace,
-so its torch calls lower as everywhere else. Gradients are the primitives' own (``lax.while_loop`` has no
-reverse-mode derivative, nor does torch's ``while_loop``).
+The user's torch functions run on the bridge's tensors inside the primitive's trace; gradients are the primitives'.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Dtype and device conversions, and reading Python values out of tensors.
-
-Devices are JAX's business (sharding decides placement), so ``.to(device)``,
-``.cpu()`` and ``.cuda()`` keep the value where it is.
-"""
+"""Dtype and device conversions (devices are sharding's business: ``.to(device)`` keeps the value), Python values."""
 
 from __future__ import annotations
 

@@ -145,11 +145,7 @@ def _window_kwargs(window):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _max_pool_first(x, window):
-    """Max pooling whose gradient goes to each window's first maximum, as torch's does.
-
-    (XLA's own gradient picks an arbitrary one among ties, which are everywhere in
-    images with flat backgrounds.)
-    """
+    """Max pooling whose gradient goes to each window's first maximum, as torch's does (XLA's picks any tie)."""
     return jax.lax.reduce_window(x, np.asarray(_lowest(x.dtype), x.dtype), jax.lax.max, **_window_kwargs(window))
 
 
@@ -179,13 +175,10 @@ _MAX_TILE = 64
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _max_pool_tiles(x, kernel):
-    """``_max_pool_first`` for windows that tile the input (stride = kernel, no padding or dilation): the
-    common 2x2 pooling of CNNs.
+    """``_max_pool_first`` for windows that tile the input (stride = kernel, no padding or dilation).
 
-    The input is viewed as (batch, channels, out_1, kernel_1, out_2, kernel_2, ...) and reduced over the
-    kernel axes; the gradient is a select per window element. Both fuse into XLA's elementwise loops, where
-    the general form's variadic ``reduce_window`` (the first maximum's position) and per-plane scatter are
-    slow loops on CPU (GroupedNet's pooling forward and backward: about 14% of its step).
+    A reshape and a reduction over the kernel axes, with a select per element for the gradient: both fuse, where
+    the general form's variadic ``reduce_window`` and scatter are slow loops on CPU.
     """
     return jnp.max(_as_tiles(x, kernel), axis=tuple(range(3, 3 + 2 * len(kernel), 2)))
 
@@ -237,16 +230,9 @@ def _argmax_window(x, window):
     return indices
 
 
-def _max_pool_nd(nd):
-    def lowering(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
-        return max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices, nd)
-
-    return lowering
-
-
-def _max_pool_with_indices_nd(nd):
-    def lowering(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=True):
-        return max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, True, nd)
+def _max_pool_nd(nd, with_indices=False):
+    def lowering(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=with_indices):
+        return max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, with_indices or return_indices, nd)
 
     return lowering
 
@@ -254,9 +240,9 @@ def _max_pool_with_indices_nd(nd):
 register_lowering(F.max_pool1d, torch.max_pool1d)(_max_pool_nd(1))
 register_lowering(F.max_pool2d, torch.max_pool2d)(_max_pool_nd(2))
 register_lowering(F.max_pool3d, torch.max_pool3d)(_max_pool_nd(3))
-register_lowering(F.max_pool1d_with_indices)(_max_pool_with_indices_nd(1))
-register_lowering(F.max_pool2d_with_indices)(_max_pool_with_indices_nd(2))
-register_lowering(F.max_pool3d_with_indices)(_max_pool_with_indices_nd(3))
+register_lowering(F.max_pool1d_with_indices)(_max_pool_nd(1, with_indices=True))
+register_lowering(F.max_pool2d_with_indices)(_max_pool_nd(2, with_indices=True))
+register_lowering(F.max_pool3d_with_indices)(_max_pool_nd(3, with_indices=True))
 
 
 def avg_pool(

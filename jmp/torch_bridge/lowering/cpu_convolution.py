@@ -1,16 +1,9 @@
-"""Convolutions that keep XLA:CPU's fast (Eigen) path inside loops and branches.
+"""Convolutions that keep XLA:CPU's fast (Eigen) path inside loops and branches (used on CPU only).
 
-XLA:CPU runs a convolution through Eigen only when its operands are laid out
-batch-spatial-feature / spatial-in-out (NHWC / HWIO). Its ``ConvCanonicalization`` pass
-inserts the transposes that make a torch-layout (NCHW / OIHW) convolution so, but it
-visits the entry computation only: the same convolution inside a ``lax.scan`` body
-(microbatch accumulation, the pipeline's ticks) or a ``lax.switch`` branch falls back
-to a naive loop nest, 6-8x slower. ``conv_general_dilated`` here does that pass's work
-in the program itself, for the forward convolution and for the two its gradient needs,
-so every convolution is canonical wherever it lands.
-
-Used on CPU only (``jax.default_backend() == "cpu"``): GPU and TPU compilers choose
-convolution layouts themselves, and the ``custom_vjp`` here has no forward-mode rule.
+XLA:CPU uses Eigen only for NHWC / HWIO operands, and its ``ConvCanonicalization`` pass transposes torch's
+NCHW / OIHW to that in the entry computation only: a convolution in a ``lax.scan`` body or ``lax.switch``
+branch falls back to a slow loop nest. ``conv_general_dilated`` here transposes in the program itself, for
+the forward convolution and the two of its gradient (a ``custom_vjp``, so no forward-mode rule).
 """
 
 from __future__ import annotations
@@ -29,8 +22,7 @@ PIECE_BYTES = 8 * 2**20
 
 
 def conv_general_dilated(lhs, rhs, *, dimension_numbers, **params):
-    """``lax.conv_general_dilated`` (explicit padding, no group batching) whose forward and
-    backward convolutions all run in XLA:CPU's canonical layout."""
+    """``lax.conv_general_dilated`` (explicit padding, no group batching), every convolution in canonical layout."""
     numbers = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
     options = tuple(sorted((k, _hashable(v)) for k, v in params.items()))
     return _canonical_conv(lhs, rhs, numbers, options)
@@ -92,10 +84,7 @@ def _evaluate_canonically(jaxpr, consts, args):
 
 
 def canonical(lhs, rhs, numbers: lax.ConvDimensionNumbers, params: dict):
-    """The convolution with its operands transposed to batch-spatial-feature / spatial-in-out.
-
-    Grouped filter gradients (``batch_group_count`` > 1) have no Eigen form; they are emitted as given.
-    """
+    """The convolution with operands transposed to NHWC / HWIO (grouped filter gradients have no Eigen form)."""
     if params.get("batch_group_count", 1) != 1:
         return lax.conv_general_dilated(lhs, rhs, dimension_numbers=numbers, **params)
     lhs_spec, rhs_spec, out_spec = numbers
@@ -114,16 +103,10 @@ def canonical(lhs, rhs, numbers: lax.ConvDimensionNumbers, params: dict):
 def _in_pieces(lhs, rhs, numbers: lax.ConvDimensionNumbers, params: dict):
     """A canonical convolution cut into pieces whose operands and result fit in a CPU's cache.
 
-    Eigen's convolution slows down two- to threefold per element once its operands and result outgrow the
-    cache (measured: 64 images of 32x26x26 -> 64x24x24 take 8.5x as long as 16). A piece is a slice of the
-    batch (results concatenated) or, for the filter gradient, where the batch is the contracted feature,
-    a slice of the input features (results summed): whichever shrinks more bytes per piece.
-
-    The sliced dimension is the batch, which the data-parallel mesh axes may split over devices. Inside a
-    ``shard_map`` (the pipeline's) the mesh is known, and each piece takes the same rows of every device's
-    block (``_take``), so no piece needs rows of another device: a slice across the blocks would make XLA
-    move rows with collective permutes, which inside a pipeline stage wait for devices that never reach
-    them (the step hangs). Sizes are then counted per device.
+    A piece is a slice of the batch (results concatenated) or, for the filter gradient, of the input features
+    (results summed), whichever shrinks more. Inside a ``shard_map`` each piece takes the same rows of every
+    device's block (``_take``): a slice across blocks would need collective permutes, which hang inside a
+    pipeline stage.
     """
     itemsize = np.dtype(lhs.dtype).itemsize
     out_shape = jax.eval_shape(
@@ -163,9 +146,8 @@ def _in_pieces(lhs, rhs, numbers: lax.ConvDimensionNumbers, params: dict):
 
 
 def _device_blocks() -> int:
-    """How many devices' blocks a batch dimension may be split into here: the product of the automatic axes of
-    the mesh being traced under (1 outside a ``shard_map``, where no mesh is known and pieces are cut from the
-    whole batch). A multiple of the data-parallel split is enough: a block is then within one device's rows."""
+    """How many devices' blocks a batch dimension may be split into: the product of the traced mesh's automatic
+    axes (1 outside a ``shard_map``), a multiple of the data-parallel split, so a block is one device's rows."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return 1

@@ -230,88 +230,46 @@ def _both(name):
     return (getattr(torch, name, None), method(name)), (method(name + "_"),)
 
 
+def _unary_method(name, jnp_fn, to_float=True):
+    fns, inplace = _both(name)
+    _unary(jnp_fn, *fns, to_float=to_float, inplace=inplace)
+
+
+# torch's names that jnp spells the same, then those it spells otherwise
+for _name in """exp exp2 expm1 log log2 log10 log1p sqrt sin cos tan sinh cosh tanh arcsin arccos arctan arcsinh
+    arccosh arctanh reciprocal deg2rad rad2deg sinc i0""".split():
+    _unary_method(_name, getattr(jnp, _name))
 for _name, _fn in {
-    "exp": jnp.exp,
-    "exp2": jnp.exp2,
-    "expm1": jnp.expm1,
-    "log": jnp.log,
-    "log2": jnp.log2,
-    "log10": jnp.log10,
-    "log1p": jnp.log1p,
-    "sqrt": jnp.sqrt,
     "rsqrt": jax.lax.rsqrt,
-    "sin": jnp.sin,
-    "cos": jnp.cos,
-    "tan": jnp.tan,
     "asin": jnp.arcsin,
     "acos": jnp.arccos,
     "atan": jnp.arctan,
-    "sinh": jnp.sinh,
-    "cosh": jnp.cosh,
-    "tanh": jnp.tanh,
     "asinh": jnp.arcsinh,
     "acosh": jnp.arccosh,
     "atanh": jnp.arctanh,
-    "arcsin": jnp.arcsin,
-    "arccos": jnp.arccos,
-    "arctan": jnp.arctan,
-    "arcsinh": jnp.arcsinh,
-    "arccosh": jnp.arccosh,
-    "arctanh": jnp.arctanh,
     "sigmoid": jax.nn.sigmoid,
     "erf": jax.scipy.special.erf,
     "erfc": jax.scipy.special.erfc,
     "erfinv": jax.scipy.special.erfinv,
     "lgamma": jax.scipy.special.gammaln,
     "digamma": jax.scipy.special.digamma,
-    "reciprocal": jnp.reciprocal,
-    "deg2rad": jnp.deg2rad,
-    "rad2deg": jnp.rad2deg,
-    "sinc": jnp.sinc,
-    "i0": jnp.i0,
 }.items():
-    _fns, _inplace = _both(_name)
-    _unary(_fn, *_fns, inplace=_inplace)
+    _unary_method(_name, _fn)
 
-for _name, _fn in {
-    "neg": jnp.negative,
-    "negative": jnp.negative,
-    "abs": jnp.abs,
-    "absolute": jnp.abs,
-    "sign": jnp.sign,
-    "square": jnp.square,
-    "positive": jnp.positive,
-    "bitwise_not": jnp.invert,
-    "logical_not": jnp.logical_not,
-    "signbit": jnp.signbit,
-    "isnan": jnp.isnan,
-    "isinf": jnp.isinf,
-    "isposinf": jnp.isposinf,
-    "isneginf": jnp.isneginf,
-    "isfinite": jnp.isfinite,
-    "isreal": jnp.isreal,
-}.items():
-    _fns, _inplace = _both(_name)
-    _unary(_fn, *_fns, to_float=False, inplace=_inplace)
+# the same without casting integers to float
+_KEEPING_DTYPE = "negative abs sign square positive logical_not signbit isnan isinf isposinf isneginf isfinite isreal"
+for _name in _KEEPING_DTYPE.split():
+    _unary_method(_name, getattr(jnp, _name), to_float=False)
+for _name, _fn in {"neg": jnp.negative, "absolute": jnp.abs, "bitwise_not": jnp.invert}.items():
+    _unary_method(_name, _fn, to_float=False)
 
-# T.__neg__, __abs__ and __pos__ are T.neg, T.abs and T.positive, lowered by the table above.
+# T.__neg__, __abs__ and __pos__ are T.neg, T.abs and T.positive, lowered above.
 _unary(jnp.invert, T.__invert__, to_float=False)
-_unary(jax.scipy.special.expit, torch.special.expit, to_float=True)
-_unary(jax.scipy.special.erf, torch.special.erf)
-_unary(jax.scipy.special.erfc, torch.special.erfc)
-_unary(jax.scipy.special.erfinv, torch.special.erfinv)
-_unary(jnp.expm1, torch.special.expm1)
-_unary(jnp.exp2, torch.special.exp2)
-_unary(jnp.log1p, torch.special.log1p)
-_unary(jax.scipy.special.gammaln, torch.special.gammaln)
+for _name in "expit erf erfc erfinv gammaln ndtr ndtri i0e i1 i1e".split():
+    _unary(getattr(jax.scipy.special, _name), getattr(torch.special, _name))
+for _name in "expm1 exp2 log1p sinc i0".split():
+    _unary(getattr(jnp, _name), getattr(torch.special, _name))
 _unary(jax.scipy.special.digamma, torch.special.digamma, torch.special.psi)
-_unary(jax.scipy.special.ndtr, torch.special.ndtr)
-_unary(jax.scipy.special.ndtri, torch.special.ndtri)
-_unary(jax.scipy.special.i0e, torch.special.i0e)
-_unary(jax.scipy.special.i1, torch.special.i1)
-_unary(jax.scipy.special.i1e, torch.special.i1e)
-_unary(jnp.sinc, torch.special.sinc)
-_unary(jnp.i0, torch.special.i0)
 
 
 def _rounding(jnp_fn, name):

@@ -1,8 +1,4 @@
-"""Tensor factories (``torch.arange``, ``zeros``, ``full``, ``tensor``, ``*_like``, ``new_*``).
-
-Arguments that only matter to torch's memory system (device, layout,
-pin_memory, requires_grad, memory_format) are accepted and have no effect.
-"""
+"""Tensor factories (``arange``, ``zeros``, ``full``, ``tensor``, ``*_like``, ``new_*``); memory options are ignored."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""``torch.fft``: discrete Fourier transforms (``jnp.fft``), torch's ``n`` / ``s``, ``dim`` and ``norm``.
-
-The two libraries share the transforms' definitions and their ``norm`` names ("backward", "ortho", "forward");
-only the argument names differ (``dim`` for ``axis`` / ``axes``). A real input gives a complex64 output
-(complex128 from float64) in both.
-"""
+"""``torch.fft`` as ``jnp.fft``: the same transforms and ``norm`` names; torch's ``n`` / ``s`` / ``dim`` mapped."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""``jax.lax.ragged_dot`` (a mixture-of-experts layer's grouped matmul) that also runs under ``jax.vmap``.
+"""``jax.lax.ragged_dot`` (a mixture-of-experts grouped matmul) that also runs under the step's per-process ``vmap``.
 
-JAX batches ``ragged_dot`` only when all three operands carry the batch axis first; a step run once per process
-(``jmp.compiled_step.process_shares``) batches the tokens and their group sizes but not the expert weights.
-The rule here gives every operand the batch axis, so each process's tokens meet the same experts.
+JAX batches ``ragged_dot`` only when every operand carries the batch axis; the rule here gives it to the
+expert weights too.
 """
 
 from __future__ import annotations
@@ -14,10 +13,7 @@ from jmp.torch_bridge import dispatch
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``jax.lax.ragged_dot(lhs, rhs, group_sizes)``: rows of ``lhs`` in groups, group i times ``rhs[i]``.
-
-    Under a step's per-process ``vmap`` (``dispatch.batched_over``) with the batching rule below; elsewhere
-    JAX's own (a ``custom_vmap`` function is not differentiable outside ``vmap``)."""
+    """``jax.lax.ragged_dot(lhs, rhs, group_sizes)``; under ``dispatch.batched_over`` with the batching rule below."""
     if dispatch.batch_axis() is None:
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
     return _batchable(lhs, rhs, group_sizes)

@@ -1,19 +1,9 @@
 """``torch.nn.init``: a module's own initialisation code, run on the bridge's tensors.
 
-Most of ``torch.nn.init`` is Python over tensor methods (``uniform_``, ``normal_``, ``fill_``, ``zero_``,
-``torch.eye(out=...)``, item assignment), which the bridge lowers one by one. This module adds the rest:
-
-- the functions that dispatch to the bridge as a whole (``uniform_``, ``normal_``, ``constant_``,
-  ``kaiming_uniform_``: ``handle_torch_function`` with the tensor as a keyword) are lowered here, taking the
-  bridge's tensors (``raw``) and writing into them;
-- two cannot run as torch code under ``jit``: ``trunc_normal_`` redraws until no value is out of bounds
-  (a loop on values) and ``orthogonal_`` transposes in place (``t_``, a shape change). While
-  ``jax_initialisers()`` is active they run as JAX, for the bridge's tensors only.
-
-Draws come from the running session's random stream (JAX's counter-based generator, so a sharded draw
-equals the whole draw; torch's global generator has no place in a compiled program). Fans, gains and bounds
-follow torch's formulas. Half-precision tensors are drawn in float32 and rounded, as torch samples them at
-higher precision.
+Most of it is tensor methods the bridge lowers one by one. Lowered here: the functions that dispatch to the
+bridge as a whole (``uniform_``, ``normal_``, ``constant_``, ``kaiming_uniform_``), and, under
+``jax_initialisers()``, ``trunc_normal_`` and ``orthogonal_`` (a loop on values, an in-place transpose).
+Draws come from the session's random stream; half-precision tensors are drawn in float32 and rounded, as torch.
 """
 
 from __future__ import annotations
@@ -149,12 +139,7 @@ def _for_bridge_tensors(jax_version: Callable, torch_version: Callable) -> Calla
 
 @contextlib.contextmanager
 def jax_initialisers() -> Iterator[None]:
-    """While inside, ``trunc_normal_`` and ``orthogonal_`` fill the bridge's tensors with JAX draws.
-
-    Also covers Hugging Face's initialisation: its wrappers, which it installs into ``torch.nn.init`` while its
-    ``initialize_weights()`` runs (torch's functions then dispatch under the wrapper's name), and its table of
-    torch's functions.
-    """
+    """While inside, ``trunc_normal_`` and ``orthogonal_`` (also under Hugging Face's wrappers) are JAX draws."""
     hugging_face = sys.modules.get("transformers.initialization")
     targets = [(vars(init), name, jax_version) for name, jax_version in _REPLACED.items()]
     table = getattr(hugging_face, "TORCH_INIT_FUNCTIONS", None)

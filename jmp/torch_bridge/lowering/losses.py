@@ -1,8 +1,4 @@
-"""Loss functions, following ATen's formulas (reductions, weights, ``ignore_index``, smoothing).
-
-Cross entropy and NLL on bfloat16 / float16 accumulate in float32 and return the input's dtype, as torch's
-CPU kernels do (cross entropy's log-softmax is rounded to the input's dtype first, as torch's is).
-"""
+"""Loss functions, following ATen's formulas (half-precision cross entropy and NLL accumulate in float32)."""
 
 from __future__ import annotations
 
@@ -21,7 +17,10 @@ from jmp.torch_bridge.registry import register_lowering
 from jmp.torch_bridge.tensor import unwrap, unwrap_tree
 
 
-def _reduce(loss, reduction):
+def _reduce(loss, reduction, size_average=None, reduce=None, weight=None):
+    """``loss`` (times ``weight``) reduced as ``reduction``, or torch's legacy ``size_average`` / ``reduce``, say."""
+    loss = loss if weight is None else loss * weight
+    reduction = reduction_mode(reduction, size_average, reduce)
     if reduction == "none":
         return loss
     if reduction == "sum":
@@ -38,9 +37,8 @@ def _class_axis(input):
 def _pick(input, index, ax):
     """``take_along_axis(input, index)`` along the class axis, as a masked sum (the same value exactly).
 
-    A gather whose gathered axis is split over a mesh axis aborts XLA's SPMD partitioner inside a partially
-    manual ``shard_map`` (the pipeline's, under tensor parallelism's vocabulary-split logits); the masked sum
-    partitions as Megatron's vocabulary-parallel cross entropy does: a local sum, then one all-reduce.
+    A gather along an axis split over the mesh aborts XLA's partitioner inside a partially manual ``shard_map``;
+    the masked sum partitions as a local sum and one all-reduce.
     """
     classes = jax.lax.broadcasted_iota(index.dtype, input.shape, ax)
     chosen = classes == jnp.expand_dims(index, ax)
@@ -110,10 +108,7 @@ def _cross_entropy(logp, target, weight, ignore_index, reduction, label_smoothin
 
 def _pointwise_loss(elementwise):
     def lowering(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
-        loss = elementwise(input - target)
-        if weight is not None:
-            loss = loss * weight
-        return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+        return _reduce(elementwise(input - target), reduction, size_average, reduce, weight)
 
     return lowering
 
@@ -126,16 +121,14 @@ register_lowering(F.l1_loss)(_pointwise_loss(jnp.abs))
 def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
     diff = jnp.abs(input - target)
     loss = diff if beta == 0 else jnp.where(diff < beta, 0.5 * diff * diff / beta, diff - 0.5 * beta)
-    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+    return _reduce(loss, reduction, size_average, reduce)
 
 
 @register_lowering(F.huber_loss)
 def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     diff = jnp.abs(input - target)
     loss = jnp.where(diff <= delta, 0.5 * diff * diff, delta * (diff - 0.5 * delta))
-    if weight is not None:
-        loss = loss * weight
-    return _reduce(loss, reduction)
+    return _reduce(loss, reduction, weight=weight)
 
 
 @register_lowering(F.binary_cross_entropy)
@@ -143,9 +136,7 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
     log_x = jnp.maximum(jnp.log(input), -100.0)
     log_1mx = jnp.maximum(jnp.log1p(-input), -100.0)
     loss = -(target * log_x + (1 - target) * log_1mx)
-    if weight is not None:
-        loss = loss * weight
-    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+    return _reduce(loss, reduction, size_average, reduce, weight)
 
 
 @register_lowering(F.binary_cross_entropy_with_logits)
@@ -158,9 +149,7 @@ def binary_cross_entropy_with_logits(
         loss = (1 - target) * input + log_weight * softplus_neg
     else:
         loss = (1 - target) * input + softplus_neg
-    if weight is not None:
-        loss = loss * weight
-    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+    return _reduce(loss, reduction, size_average, reduce, weight)
 
 
 @register_lowering(F.kl_div)
@@ -177,20 +166,20 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
 
 @register_lowering(F.soft_margin_loss)
 def soft_margin_loss(input, target, size_average=None, reduce=None, reduction="mean"):
-    return _reduce(jnp.log1p(jnp.exp(-target * input)), reduction_mode(reduction, size_average, reduce))
+    return _reduce(jnp.log1p(jnp.exp(-target * input)), reduction, size_average, reduce)
 
 
 @register_lowering(F.margin_ranking_loss)
 def margin_ranking_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
     loss = jnp.maximum(0.0, -target * (input1 - input2) + margin)
-    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+    return _reduce(loss, reduction, size_average, reduce)
 
 
 @register_lowering(F.hinge_embedding_loss)
 def hinge_embedding_loss(input, target, margin=1.0, size_average=None, reduce=None, reduction="mean"):
     margin_part = jnp.where(target != 1, jnp.maximum(margin - input, 0.0), 0.0)
     self_part = jnp.where(target != -1, input, 0.0)
-    return _reduce(margin_part + self_part, reduction_mode(reduction, size_average, reduce))
+    return _reduce(margin_part + self_part, reduction, size_average, reduce)
 
 
 @register_lowering(F.poisson_nll_loss)
@@ -201,7 +190,7 @@ def poisson_nll_loss(
     if full:
         stirling = target * jnp.log(target) - target + 0.5 * jnp.log(2 * math.pi * target)
         loss = loss + jnp.where(target > 1, stirling, 0.0)
-    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+    return _reduce(loss, reduction, size_average, reduce)
 
 
 @register_lowering(F.gaussian_nll_loss)
@@ -221,7 +210,7 @@ def multilabel_soft_margin_loss(input, target, weight=None, size_average=None, r
     if weight is not None:
         loss = loss * weight
     loss = jnp.sum(loss, axis=-1) / input.shape[-1]
-    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+    return _reduce(loss, reduction, size_average, reduce)
 
 
 @register_lowering(F.cosine_embedding_loss)
@@ -232,7 +221,7 @@ def cosine_embedding_loss(input1, input2, target, margin=0.0, size_average=None,
     mag2 = jnp.sum(input2 * input2, axis=-1) + eps
     cos = prod / jnp.sqrt(mag1 * mag2)
     loss = jnp.where(target == 1, 1 - cos, jnp.where(target == -1, jnp.maximum(cos - margin, 0.0), 0.0))
-    return _reduce(loss, reduction_mode(reduction, size_average, reduce))
+    return _reduce(loss, reduction, size_average, reduce)
 
 
 _CTC_LOG_EPSILON = -1e5  # optax's stand-in for log(0); an alignment-free sequence costs at least -this / 2
@@ -240,16 +229,16 @@ _CTC_LOG_EPSILON = -1e5  # optax's stand-in for log(0); an alignment-free sequen
 
 @register_lowering(F.ctc_loss, torch.ctc_loss, raw=True)
 def ctc_loss_of_tensors(log_probs, targets, *args, **kwargs):
-    """``ctc_loss`` on the bridge's tensors: concatenated ``targets`` may be ``masked_select``'s padded
-    selection under ``jit`` (the rows are cut by ``target_lengths``, so the padding is never read)."""
+    """``ctc_loss`` on the bridge's tensors, taking ``masked_select``'s padded selection as concatenated ``targets``."""
     return ctc_loss(unwrap(log_probs), selected_or_array(targets), *unwrap_tree(args), **unwrap_tree(kwargs))
 
 
 def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
-    """Connectionist temporal classification (``optax.ctc_loss``) on torch's layouts: ``log_probs`` (T, N, C)
-    or (T, C); ``targets`` padded (N, S) or concatenated (sum of ``target_lengths``), the latter gathered into
-    rows of static length (the concatenation's); ``mean`` divides each sequence's loss by its target length.
-    A sequence no alignment fits costs ``inf`` (0 with ``zero_infinity``), as in torch."""
+    """Connectionist temporal classification (``optax.ctc_loss``) on torch's layouts and reductions.
+
+    ``targets`` padded (N, S) or concatenated (gathered into rows of static length); an impossible alignment
+    costs ``inf`` (0 with ``zero_infinity``).
+    """
     reduction = {0: "none", 1: "mean", 2: "sum"}.get(reduction, reduction)  # torch.ctc_loss takes ATen's enum
     unbatched = log_probs.ndim == 2
     if unbatched:

@@ -1,9 +1,6 @@
-"""``F.multi_head_attention_forward``: torch's multi-head attention on (L, N, E) inputs, as the formula.
+"""``F.multi_head_attention_forward`` on (L, N, E) inputs, as the formula (also ``nn.MultiheadAttention``'s path).
 
-Shared with the ``nn.MultiheadAttention`` layer (``layers/attention.py``), which passes its own parameters;
-models that call the function with theirs (WavLM, with its gated relative position bias as ``attn_mask``)
-take the same path. Torch's masks here mean the opposite of SDPA's: a True entry in ``attn_mask`` or
-``key_padding_mask`` is *excluded* from attention.
+Torch's masks here mean the opposite of SDPA's: True in ``attn_mask`` or ``key_padding_mask`` is excluded.
 """
 
 from __future__ import annotations

@@ -48,8 +48,23 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
     return embedding_lookup(input, weight, padding_idx)
 
 
-def dropout_mask(shape, keep: float, key) -> jax.Array:
-    return jax.random.bernoulli(key, keep, shape)
+_ALPHA = -1.7580993408473766  # alpha dropout's value for a dropped entry: SELU's -scale * alpha
+
+
+def dropped(input, rate: float, key, mask_shape=None, alpha: bool = False):
+    """Inverted dropout of ``input`` at ``rate`` (below 1) with ``key``; ``alpha``: alpha dropout (SELU's)."""
+    keep = 1.0 - rate
+    mask = jax.random.bernoulli(key, keep, mask_shape or input.shape)
+    if alpha:
+        a = (keep + _ALPHA * _ALPHA * keep * rate) ** -0.5
+        return a * jnp.where(mask, input, _ALPHA) + (-a * _ALPHA * rate)
+    return jnp.where(mask, input / keep, jnp.zeros((), input.dtype))
+
+
+def channel_mask_shape(shape, spatial_dims: int) -> tuple:
+    """A channel dropout's mask shape: one draw per (sample,) channel."""
+    batched = len(shape) == spatial_dims + 2
+    return tuple(shape[: 2 if batched else 1]) + (1,) * spatial_dims
 
 
 def apply_dropout(input, p: float, training: bool, mask_shape=None):
@@ -58,8 +73,7 @@ def apply_dropout(input, p: float, training: bool, mask_shape=None):
         return input
     if p == 1.0:
         return jnp.zeros_like(input)
-    mask = dropout_mask(mask_shape or input.shape, 1.0 - p, next_key("dropout"))
-    return jnp.where(mask, input / (1.0 - p), jnp.zeros((), input.dtype))
+    return dropped(input, p, next_key("dropout"), mask_shape)
 
 
 @register_lowering(F.dropout, torch.dropout, inplace_flag="inplace", inplace=(torch.dropout_,))
@@ -69,9 +83,7 @@ def dropout(input, p=0.5, training=True, inplace=False):
 
 def _channel_dropout(spatial_dims):
     def lowering(input, p=0.5, training=True, inplace=False):
-        batched = input.ndim == spatial_dims + 2
-        mask_shape = input.shape[: 2 if batched else 1] + (1,) * spatial_dims
-        return apply_dropout(input, p, training, mask_shape)
+        return apply_dropout(input, p, training, channel_mask_shape(input.shape, spatial_dims))
 
     return lowering
 
@@ -85,11 +97,7 @@ register_lowering(F.dropout3d, inplace_flag="inplace")(_channel_dropout(3))
 def alpha_dropout(input, p=0.5, training=False, inplace=False):
     if not training or p == 0.0:
         return input
-    alpha = -1.7580993408473766
-    keep = 1.0 - p
-    a = (keep + alpha * alpha * keep * p) ** -0.5
-    mask = dropout_mask(input.shape, keep, next_key("dropout"))
-    return a * jnp.where(mask, input, alpha) + (-a * alpha * p)
+    return dropped(input, p, next_key("dropout"), alpha=True)
 
 
 @register_lowering(F.pad)

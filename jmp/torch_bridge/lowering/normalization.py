@@ -1,8 +1,4 @@
-"""Normalisation: layer, RMS, group, batch and instance norm.
-
-Statistics are computed in float32 (or wider) and the result cast back to the
-input's dtype, as torch does for half-precision inputs.
-"""
+"""Layer, RMS, group, batch and instance norm; statistics in float32 (or wider), results in the input's dtype."""
 
 from __future__ import annotations
 
@@ -73,7 +69,8 @@ def batch_norm_apply(input, mean, var, weight, bias, eps):
 
 
 def updated_running_stats(running_mean, running_var, mean, var, count, momentum):
-    """Torch's running-stat update: momentum-weighted, with the unbiased batch variance."""
+    """Torch's running-stat update: momentum-weighted, with the unbiased batch variance (no gradient flows)."""
+    mean, var = jax.lax.stop_gradient((mean, var))
     unbiased = var * (count / max(count - 1, 1))
     new_mean = (1 - momentum) * running_mean + momentum * mean.astype(running_mean.dtype)
     new_var = (1 - momentum) * running_var + momentum * unbiased.astype(running_var.dtype)
@@ -92,14 +89,7 @@ def batch_norm(
     mean, var = batch_statistics(x.astype(_compute_dtype(x.dtype)), axes)
     if running_mean is not None and running_var is not None:
         count = x.size // x.shape[1]
-        new_mean, new_var = updated_running_stats(
-            unwrap(running_mean),
-            unwrap(running_var),
-            jax.lax.stop_gradient(mean),
-            jax.lax.stop_gradient(var),
-            count,
-            momentum,
-        )
+        new_mean, new_var = updated_running_stats(unwrap(running_mean), unwrap(running_var), mean, var, count, momentum)
         running_mean.set_value(new_mean)
         running_var.set_value(new_var)
     return batch_norm_apply(x, mean, var, weight, bias, eps)
@@ -128,14 +118,9 @@ def instance_norm(
     if running_mean is not None and running_var is not None:
         # torch: one batch-norm update per instance, averaged over the batch
         count = max(x.size // (x.shape[0] * x.shape[1]), 1)
-        new_mean, new_var = updated_running_stats(
-            unwrap(running_mean),
-            unwrap(running_var),
-            jax.lax.stop_gradient(mean.reshape(x.shape[:2])),
-            jax.lax.stop_gradient(var.reshape(x.shape[:2])),
-            count,
-            momentum,
-        )
+        per_instance = (mean.reshape(x.shape[:2]), var.reshape(x.shape[:2]))
+        running = (unwrap(running_mean), unwrap(running_var))
+        new_mean, new_var = updated_running_stats(*running, *per_instance, count, momentum)
         running_mean.set_value(jnp.mean(new_mean, axis=0))
         running_var.set_value(jnp.mean(new_var, axis=0))
     y = (x.astype(stats_dtype) - mean) * jax.lax.rsqrt(var + eps)

@@ -1,10 +1,4 @@
-"""Torch's type promotion, applied to JAX operands.
-
-Torch and JAX promote differently in one visible way: torch ranks operands
-(tensors with dimensions > zero-dim tensors > Python scalars) before combining
-categories, so ``half_tensor * float_zero_dim_tensor`` stays half. Torch
-computes the answer itself here, on meta tensors, memoised per dtype signature.
-"""
+"""Torch's type promotion (operand ranks before categories), computed by torch on meta tensors, memoised."""
 
 from __future__ import annotations
 

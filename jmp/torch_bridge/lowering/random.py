@@ -1,10 +1,4 @@
-"""Random tensors, drawn from the converted module's ``nnx.Rngs``.
-
-Torch's global generator has no place in a compiled program: each draw takes a
-fresh key from the random stream of the running module (the ``dropout`` stream
-for dropout, ``default`` otherwise), so a jitted step advances the stream as
-part of the model's state.
-"""
+"""Random tensors, each drawn with a fresh key from the running module's ``nnx.Rngs`` (``dropout`` or ``default``)."""
 
 from __future__ import annotations
 

@@ -1,43 +1,12 @@
 """Ring attention: attention over a sequence split across devices, without gathering the keys and values.
 
-Each device keeps its block of queries and passes its key/value block around the ring of the sequence axis
-(``jax.lax.ppermute`` inside ``jax.shard_map``): after ``n`` steps every query block has met every key block,
-its output accumulated with the online softmax (a running maximum and sum, as flash attention keeps them).
-A device holds one key/value block at a time and scores of one block pair, so its memory does not grow with
-the whole sequence; each block step is rematerialized in the backward pass (``jax.checkpoint``) so the
-scores are not kept for it either. The communication is ``n - 1`` block passes per layer, which XLA can
-overlap with the next block's arithmetic. Inside a pipeline stage the passes go as all-to-alls (``_permute``).
-
-Masks are torch's: True (or a finite additive bias of 0) attends. A boolean mask whose key dimension is the
-whole sequence is sliced to the visiting block; causal masking compares global positions. Grouped-query
-attention (fewer key/value heads than query heads) scores each key/value head against its group of queries.
-
-Causal attention is load-balanced ("zigzag", as Megatron and MaxText order it): the sequence is cut into
-``2n`` chunks and device ``i`` works on chunks ``i`` and ``2n - 1 - i``, one from the front and one from the
-back. The model still sees its sequence in natural order, split contiguously by XLA's partitioner; the
-attention moves the halves of its queries, keys and values into that order on entry (two ``ppermute`` of half
-blocks each) and its output back on exit; a mask's query rows are reordered before the ``shard_map`` (see
-``ring_attention``). Scores above the diagonal are then never computed, chunk against chunk: the back chunk's
-queries against the front chunk of every block; each chunk against itself in the own block (causally), the
-front queries against an earlier block's front keys, the back queries against a later block's back keys (the
-pair picked by a dynamic slice, no branch). So a device computes three quarters of its own block and half of
-every visiting one: every device does the same work at every ring step. In natural order
-(``JMP_CONTEXT_PARALLEL_ATTENTION=ring_natural``) blocks wholly above the diagonal are skipped too
-(``lax.cond``), but device ``i`` computes ``i + 1`` blocks, and each ring step waits for the device holding the
-last one.
-
-Hugging Face passes the causal pattern as a boolean mask (with its padding) and ``is_causal=False``: a mask with
-query rows takes the balanced order too, and each device checks, as the program runs, whether its rows allow
-any score above the diagonal; where none, it skips as causal attention does, else (``lax.cond``) it computes the
-pairs above the diagonal too (a bidirectional mask: then the reordering is paid for nothing). Non-causal
-attention under a mask of the keys alone, or none, and attention whose blocks have an odd length, keep the
-natural order, every block computed.
-
-``F.scaled_dot_product_attention`` takes this path while a step runs with its sequences split over a mesh axis
-(``sequences_split_over``, set by the compiled step under context parallelism) unless
-``JMP_CONTEXT_PARALLEL_ATTENTION=all_gather`` asks for XLA's partitioner to gather the keys and values instead
-(read when a step is traced). Attention written as matmuls and a softmax (Hugging Face's "eager") always takes
-the all-gather form.
+Each device keeps its query block and passes its key/value block around the ring (``ppermute`` in ``shard_map``;
+all-to-alls inside a pipeline stage), accumulating with the online softmax; each block step is rematerialised
+in the backward pass. Masks are torch's (True, or a bias of 0, attends). Causal attention, and attention under a
+mask with query rows (checked as the program runs), is load-balanced ("zigzag": device ``i`` holds chunks ``i``
+and ``2n - 1 - i`` of ``2n``), so every device skips the same share of scores above the diagonal; other attention
+and odd-length blocks keep the natural order. SDPA takes this path while a step splits sequences over a mesh axis
+(``sequences_split_over``); ``JMP_CONTEXT_PARALLEL_ATTENTION`` picks ``ring_natural`` or ``all_gather`` instead.
 """
 
 from __future__ import annotations
@@ -93,12 +62,10 @@ def balanced_home(chunk: int, count: int) -> int:
 
 
 def _permute(x, axis_name: str, pairs: list[tuple[int, int]]):
-    """``jax.lax.ppermute``, or, inside a pipeline stage, the same move as an all-to-all.
+    """``jax.lax.ppermute``, or inside a pipeline stage the same move as an all-to-all.
 
-    Each device of a pipeline runs only its own stage's code, and a collective permute waits for every device of
-    the program (the step would hang); an all-to-all waits only for the devices along ``axis_name``. It sends each
-    device's value in the slot of its target and zeros in the others: the same bytes as the permute over 2
-    devices, ``count - 1`` times them over more.
+    A collective permute waits for every device of the program, which a pipeline's other stages never reach; an
+    all-to-all waits only for the devices along ``axis_name``.
     """
     context = jax.sharding.get_abstract_mesh()
     if context.empty or not set(context.manual_axes) - {axis_name}:  # not inside another shard_map (the pipeline's)
@@ -119,8 +86,7 @@ def _permute(x, axis_name: str, pairs: list[tuple[int, int]]):
 
 
 def to_balanced(x, axis_name: str, axis: int = 1):
-    """Inside ``shard_map``: this device's contiguous block (chunks 2i, 2i + 1 of the sequence along ``axis``)
-    -> its balanced block (chunks i, 2n - 1 - i)."""
+    """Inside ``shard_map``: this device's contiguous block (chunks 2i, 2i + 1) -> its balanced one (i, 2n - 1 - i)."""
     count, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     first, second = jnp.split(x, 2, axis=axis)
     first = _permute(first, axis_name, [(i, balanced_home(2 * i, count)) for i in range(count)])
@@ -182,11 +148,12 @@ def _rows(x, start, size: int, axis: int):
 
 
 def ring_attention_block(q, k, v, mask, *, axis_name: str, is_causal: bool, scale: float, balanced: bool = False):
-    """One device's share, inside ``shard_map`` over ``axis_name``: q [B, Sq, H, D] and k, v [B, Sk, Hkv, D] are
-    this device's blocks; ``mask`` (bool or None) is [B|1, H|1, Sq|1, Sk * n], its key dimension whole.
-    ``balanced``: the blocks (and the mask's query rows) are in the balanced order (``to_balanced``); without
-    ``is_causal``, the scores above the diagonal are skipped where the mask allows none on this device (checked as
-    the program runs), else computed too. Returns this device's output block [B, Sq, H, D], in the order of ``q``."""
+    """One device's share inside ``shard_map``: its q [B, Sq, H, D] and k, v [B, Sk, Hkv, D] blocks -> its output block.
+
+    ``mask`` (bool or None) is [B|1, H|1, Sq|1, Sk * n], its key dimension whole. ``balanced``: the blocks are in
+    the balanced order; without ``is_causal`` the scores above the diagonal are computed only where the mask
+    allows some on this device.
+    """
     count = jax.lax.axis_size(axis_name)
     me = jax.lax.axis_index(axis_name)
     batch, block, heads, dim = q.shape
@@ -290,10 +257,11 @@ def ring_attention_block(q, k, v, mask, *, axis_name: str, is_causal: bool, scal
 
 
 def ring_attention(q, k, v, mask, *, mesh, axis_name: str, is_causal: bool, scale: float, balanced: bool | None = None):
-    """Attention of q [B, S, H, D] on k, v [B, S, Hkv, D] with the sequence split over the mesh axis ``axis_name``
-    (the other axes left to XLA's partitioner). ``mask``: None or bool [B|1, H|1, S|1, S]. ``balanced``: causal
-    attention in the load-balanced order (None: unless ``JMP_CONTEXT_PARALLEL_ATTENTION=ring_natural``), and
-    attention under a mask with query rows, which may hold the causal pattern."""
+    """Attention of q [B, S, H, D] on k, v [B, S, Hkv, D] with the sequence split over the mesh axis ``axis_name``.
+
+    ``mask``: None or bool [B|1, H|1, S|1, S]. ``balanced``: the load-balanced order for causal or query-masked
+    attention (None: unless ``JMP_CONTEXT_PARALLEL_ATTENTION=ring_natural``).
+    """
     count = mesh.shape[axis_name]
     balanced = _form() != "ring_natural" if balanced is None else balanced
     maybe_causal = is_causal or (mask is not None and mask.shape[2] > 1)

@@ -1,11 +1,8 @@
 """``masked_select`` under ``jit``: a data-dependent size kept under a static bound.
 
-Outside a trace (concrete mask) the result is torch's exactly. Under ``jit`` its length is the number of true
-entries, which has no value while tracing; the result is then a ``PaddedSelection``: the selected elements
-first, in order, padded to the mask's size (the static bound). Only lowerings that take the selection with
-its padding read it (``F.ctc_loss``'s concatenated targets, whose rows are cut by ``target_lengths``, as
-Wav2Vec2-CTC and its kin build them); any other torch call on it is a ``TracedControlFlowError`` naming the
-call, so a padded value never passes for torch's.
+Concrete masks give torch's result; under ``jit`` a ``PaddedSelection`` (the selected elements first, padded to
+the mask's size) that only lowerings reading it with its padding accept (``F.ctc_loss``'s targets); any other
+torch call on it is a ``TracedControlFlowError``.
 """
 
 from __future__ import annotations

@@ -139,22 +139,17 @@ def broadcast_tensors(*tensors):
     return tuple(jnp.broadcast_arrays(*tensors))
 
 
-@register_lowering(torch.atleast_1d)
-def atleast_1d(*tensors):
-    out = jnp.atleast_1d(*_varargs(tensors))
-    return tuple(out) if isinstance(out, list) else out
+def _atleast(jnp_fn, torch_fn):
+    def lowering(*tensors):
+        out = jnp_fn(*_varargs(tensors))
+        return tuple(out) if isinstance(out, list) else out
+
+    lowering.__name__ = jnp_fn.__name__
+    register_lowering(torch_fn)(lowering)
 
 
-@register_lowering(torch.atleast_2d)
-def atleast_2d(*tensors):
-    out = jnp.atleast_2d(*_varargs(tensors))
-    return tuple(out) if isinstance(out, list) else out
-
-
-@register_lowering(torch.atleast_3d)
-def atleast_3d(*tensors):
-    out = jnp.atleast_3d(*_varargs(tensors))
-    return tuple(out) if isinstance(out, list) else out
+for _n in (1, 2, 3):
+    _atleast(getattr(jnp, f"atleast_{_n}d"), getattr(torch, f"atleast_{_n}d"))
 
 
 def _varargs(tensors):
@@ -202,24 +197,18 @@ def stack(tensors, dim=0):
     return jnp.stack(parts, axis=axis(dim, parts[0].ndim + 1))
 
 
-@register_lowering(torch.hstack)
-def hstack(tensors):
-    return jnp.hstack(promoted(*tensors) if len(tensors) > 1 else tensors)
+def _stacking(jnp_fn, *torch_fns):
+    def lowering(tensors):
+        return jnp_fn(promoted(*tensors) if len(tensors) > 1 else tensors)
+
+    lowering.__name__ = jnp_fn.__name__
+    register_lowering(*torch_fns)(lowering)
 
 
-@register_lowering(torch.vstack, torch.row_stack)
-def vstack(tensors):
-    return jnp.vstack(promoted(*tensors) if len(tensors) > 1 else tensors)
-
-
-@register_lowering(torch.dstack)
-def dstack(tensors):
-    return jnp.dstack(promoted(*tensors) if len(tensors) > 1 else tensors)
-
-
-@register_lowering(torch.column_stack)
-def column_stack(tensors):
-    return jnp.column_stack(promoted(*tensors) if len(tensors) > 1 else tensors)
+_stacking(jnp.hstack, torch.hstack)
+_stacking(jnp.vstack, torch.vstack, torch.row_stack)
+_stacking(jnp.dstack, torch.dstack)
+_stacking(jnp.column_stack, torch.column_stack)
 
 
 def _split_at(input, ax, boundaries):

@@ -1,8 +1,4 @@
-"""``F.unfold`` / ``F.fold`` (im2col and col2im): sliding local blocks of an (N, C, H, W) input as columns.
-
-``unfold`` takes one strided slice of the padded input per kernel offset, so its gradient is plain slicing's;
-``fold`` is unfold's transpose (``jax.linear_transpose``), so overlapping blocks sum as in torch.
-"""
+"""``F.unfold`` / ``F.fold``: one strided slice per kernel offset; ``fold`` is its ``jax.linear_transpose``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""``as_strided``: a view given by sizes and strides over a tensor's storage (Longformer's overlapping chunks).
-
-The bridge's tensors report row-major strides and a zero storage offset (``Tensor.stride()`` of a JaxTensor), so
-the storage a strided view reads is the input's row-major elements: the view is a gather of the flattened input at
-indices fixed by the (static) sizes and strides. It stays a view: writes through it reach the input.
-"""
+"""``as_strided``: a view of the input's row-major elements, gathered at indices fixed by the sizes and strides."""
 
 from __future__ import annotations
 

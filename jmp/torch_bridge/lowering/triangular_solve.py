@@ -1,16 +1,8 @@
 """Triangular solves on CPU as blocked substitution: slices and matrix products, no LAPACK call.
 
-On CPU, ``lax.linalg.triangular_solve`` is jaxlib's LAPACK ``trsm`` kernel (jaxlib 0.10), which splits a batch of
-systems over XLA:CPU's intra-op thread pool and blocks its own pool thread until the pieces are done. When two such
-calls run at once (XLA:CPU runs independent operations of a program concurrently) each can hold a thread of a small
-pool while its pieces wait behind the other's: the program hangs with every thread idle. Qwen3-Next's gated delta
-rule solves two batched unit-lower systems per layer, and its step hung on this 2-core machine from 8 rows on (one
-device) and data parallel over 8 emulated devices, which share one pool.
-
-Here a system splits in halves, ``L11 X1 = B1`` then ``L22 X2 = B2 - L21 X1``, down to blocks of ``BASE`` rows solved
-row by row. Every piece is an XLA dot or elementwise operation, so it cannot block a pool thread, fuses with its
-neighbours, and differentiates by JAX's own rules. Systems larger than ``LARGEST`` keep LAPACK (their unrolled
-form would be long): no model of the zoo has one.
+jaxlib's CPU ``trsm`` blocks a thread of XLA:CPU's pool while its pieces run, so two concurrent calls (Qwen3-Next's
+gated delta rule) can deadlock a small pool. Halving ``L11 X1 = B1``, ``L22 X2 = B2 - L21 X1`` down to ``BASE``
+rows gives XLA ops that cannot block and differentiate by JAX's rules. Systems over ``LARGEST`` keep LAPACK.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """``torch.vmap`` / ``torch.func.vmap`` lowered to ``jax.vmap`` (routed here by ``higher_order_ops.py``).
 
-``vmap(func, in_dims, out_dims, randomness, chunk_size=...)(*args, **kwargs)`` reaches the dispatcher as torch's
-``vmap_impl(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs)``. ``func`` is torch code: it runs
-on the bridge's tensors inside ``jax.vmap``'s trace, so its torch calls lower as everywhere else and a vmap
-inside it is a nested ``jax.vmap``. The inputs are checked and ``in_dims`` matched to them by torch's own
-functions (same rules, same errors); ``out_dims`` follow torch's rules too: a pytree prefix of the outputs,
-negative dimensions counted from the end, ``None`` for outputs that do not depend on a mapped input (a
-mapped one is an error), keyword arguments never mapped. ``chunk_size`` runs the entries that many at a time
-and concatenates, as torch does. ``randomness``: under "error" (torch's default) a random op raises as in
-torch; otherwise one key is drawn before mapping and each entry draws from a stream of its own seeded with it
-("same": the same numbers for every entry; "different": the entry's index folded in).
+``func`` runs on the bridge's tensors inside ``jax.vmap``'s trace; ``in_dims`` / ``out_dims`` are checked with
+torch's own functions and rules; ``chunk_size`` maps that many entries at a time. ``randomness``: "error" raises
+on a random op; "same" / "different" give every entry a stream seeded from one key (folding in the index).
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""``torch.sagemaker.checkpoint.utils``: ``limit_num_subdirs`` keeps a checkpoint directory's newest ``n`` folders.
-
-AWS's scripts name a checkpoint folder ``<model>-<steps>steps`` and keep the newest ones, newest by the last
-integer in the name (``SORT_BY_LAST_INT``), among the folders a regular expression selects.
-"""
+"""``torch.sagemaker.checkpoint.utils``: ``limit_num_subdirs`` keeps a checkpoint directory's newest ``n`` folders."""
 
 from __future__ import annotations
 
@@ -36,8 +32,7 @@ def limit_num_subdirs(
 ) -> list[str]:
     """Delete the folders under ``path`` but the newest ``num`` (None or below 1: keep all); returns those deleted.
 
-    Only the folders whose name ``regex`` matches (``re.search``; default: every folder) count. Newest is the
-    largest ``sort_fn(name)`` (default: the latest modification time).
+    Only folders ``regex`` matches count (default: all); newest is the largest ``sort_fn(name)`` (default: mtime).
     """
     root = os.fspath(path)
     if num is None or num < 1 or not os.path.isdir(root):

@@ -1,10 +1,7 @@
 """``torch.sagemaker.moe.moe_config.MoEConfig``: SMP v2's mixture-of-experts options, given to ``tsm.transform``.
 
-jmp keeps the model's own mixture-of-experts layer (its router and its experts module, e.g. Hugging Face's
-Mixtral) and splits the experts over the mesh's ``ep`` axis, sending tokens to them with an all-to-all
-(``jmp.sharding.experts``). Of SMP's options, ``smp_moe`` says whether the model's experts are to be split;
-the others choose among implementations of SMP's own layer, which jmp does not have: they are accepted and
-``tsm.transform`` says once what jmp does instead.
+jmp keeps the model's own MoE layer and splits its experts over ``ep`` (``jmp.sharding.experts``) when
+``smp_moe``; the other options choose among SMP's implementations and are accepted with a notice.
 """
 
 from __future__ import annotations

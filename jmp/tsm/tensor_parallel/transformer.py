@@ -1,13 +1,8 @@
-"""``torch.sagemaker.tensor_parallel.transformer.TransformerLayer``: the class SMP v2's transformed decoder layers
-are instances of.
+"""``torch.sagemaker.tensor_parallel.transformer.TransformerLayer``: the class of SMP v2's transformed decoder layers.
 
-SMP v2 replaces a model's decoder layers by its own ``TransformerLayer``; scripts then select them by that class
-(PyTorch FSDP's ``transformer_auto_wrap_policy``, the activation-checkpointing predicate). jmp keeps the layers:
-``tsm.transform`` gives each one a class derived from both its own class and ``TransformerLayer``
-(``layer_class``), so the layer keeps its forward, attributes and state-dict keys, its class name, and every
-``isinstance`` answer it had, and is a ``TransformerLayer`` too. One derived class per layer class, kept here:
-a transformed model pickles (``torch.save(model)``) and loads in another process, where the class is made again
-from its name.
+``tsm.transform`` gives each layer a class derived from its own and ``TransformerLayer`` (``layer_class``), so it
+keeps its forward, state and ``isinstance`` answers; one derived class per layer class, kept here so a
+transformed model pickles and loads in another process.
 """
 
 from __future__ import annotations
