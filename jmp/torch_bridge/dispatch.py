@@ -40,6 +40,7 @@ from jmp.torch_bridge import (
     higher_order_ops,
     index_checks,
     keyword_aliases,
+    padded_nonzero,
     registry,
     replica_calls,
     shape_checks,
@@ -217,6 +218,12 @@ def current_scope() -> tuple[str, str] | None:
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    if padded_nonzero.involved(func, args, kwargs):  # nonzero under jit: fixed size, padded (and what reads it)
+        return padded_nonzero.dispatch(func, args, kwargs, _dispatch)
+    return _dispatch(func, args, kwargs)
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     entry = registry.lookup(func)
     if entry is None:
         return _not_lowered(func, args, kwargs)
