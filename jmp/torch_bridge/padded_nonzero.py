@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as torch_pytree
+from torch import nn
 
 from jmp.errors import TracedControlFlowError
 from jmp.torch_bridge import registry
@@ -81,6 +82,31 @@ def dispatch(func: Any, args: tuple, kwargs: dict, run: Callable[[Any, tuple, di
     raise _refused(func)
 
 
+def through_layer(layer: type, call: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+    """``call()``, a layer with a JAX twin on ``args``: tagged ``ROWS`` for a row-wise one (``nn.Linear``,
+    normalisations over the last dimension, dropout) when the padding reaches it; any other refuses."""
+    if not (_made and any(_kind(x) for x in torch_pytree.tree_leaves((args, kwargs)))):
+        return call()
+    if not issubclass(layer, (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Dropout)):
+        raise _refused(layer)
+    return _tagged(call(), ROWS)
+
+
+def unpadded(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call``, refusing padding in its arguments or its result: a call a hook may take into a JAX transform,
+    or a converted model's output, which its caller reads."""
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if _made and any(_kind(x) for x in torch_pytree.tree_leaves((args, kwargs))):
+            raise _refused("a module call that may be traced on its own")
+        out = call(*args, **kwargs)
+        if _made and any(_kind(x) for x in torch_pytree.tree_leaves(out)):
+            raise _refused("a module call that may be traced on its own, or the model's output,")
+        return out
+
+    return checked
+
+
 def _kind(x: Any) -> str | None:
     return getattr(x, _TAG, None) if isinstance(x, JaxTensor) else None
 
@@ -130,7 +156,9 @@ def _filled_gather(func: Any, args: tuple, kwargs: dict) -> JaxTensor:
 
 
 def _refused(func: Any) -> TracedControlFlowError:
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+    name = (
+        func if isinstance(func, str) else getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+    )
     return TracedControlFlowError(
         f"{name} reads a tensor that depends on a traced torch.nonzero / torch.where(condition). Under jax.jit "
         "that result has a fixed size, padded with an out-of-range index, which only gathers by it, row-wise "
