@@ -54,6 +54,7 @@ _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_activ
 _RNGS: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_bridge_rngs", default=None)
 _SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("jmp_bridge_scope", default=())
 _BATCH_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("jmp_bridge_batch_axis", default=None)
+_NO_GRAD_IGNORED: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_no_grad_ignored", default=False)
 
 _T = torch.Tensor
 # what JAX raises when Python asks a traced array for a value (a bool, an int, a host copy, a data-dependent shape)
@@ -188,6 +189,12 @@ def scope(path: str, type_name: str) -> Iterator[None]:
         yield
 
 
+def no_grad_ignored() -> contextlib.AbstractContextManager[None]:
+    """Within the block, tensors made under ``torch.no_grad()`` keep their gradient: for a custom Function's
+    forward that JAX differentiates, whose ``no_grad`` blocks mean nothing in torch (it runs under no_grad)."""
+    return set_within(_NO_GRAD_IGNORED, True)
+
+
 def current_rngs() -> Any:
     return _RNGS.get()
 
@@ -270,7 +277,7 @@ def _apply(entry: registry.Lowering, func: Any, args: tuple, kwargs: dict) -> An
         result = replica_calls.call(func, entry.fn, unwrap_tree(args), unwrap_tree(kwargs))
     else:
         result = entry.fn(*unwrap_tree(args), **unwrap_tree(kwargs))
-    if not torch.is_grad_enabled():  # tensors made under no_grad carry no gradient
+    if not (torch.is_grad_enabled() or _NO_GRAD_IGNORED.get()):  # tensors made under no_grad carry no gradient
         result = _map_arrays(jax.lax.stop_gradient, result)
     if entry.is_inplace_call(args, kwargs):
         target = args[0]

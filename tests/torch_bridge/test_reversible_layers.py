@@ -15,14 +15,16 @@ from tests.helpers import assert_grad_parity, to_jax
 
 class ReversibleFunction(torch.autograd.Function):
     """``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)`` per block; the backward inverts the blocks from the outputs and
-    gives the blocks' parameters their gradients with ``.backward()``, as Reformer's ``_ReversibleFunction``."""
+    gives the blocks' parameters their gradients with ``.backward()``, as Reformer's ``_ReversibleFunction``; its
+    forward runs the blocks under ``no_grad``, as Reformer's layers do."""
 
     @staticmethod
     def forward(ctx, x, blocks):
         x1, x2 = torch.chunk(x, 2, dim=-1)
         for f, g in blocks:
-            x1 = x1 + f(x2)
-            x2 = x2 + g(x1)
+            with torch.no_grad():  # as Reformer's layers: torch runs a Function's forward without a graph anyway
+                x1 = x1 + f(x2)
+                x2 = x2 + g(x1)
         ctx.blocks = blocks
         ctx.save_for_backward(x1.detach(), x2.detach())
         return torch.cat([x1, x2], dim=-1)

@@ -126,7 +126,7 @@ def function_apply(function: type, *args: Any, **kwargs: Any) -> Any:
         inner_rngs = None if rngs is None else nnx.merge(rng_graph, jax.tree.unflatten(rng_def, rng_arrays))
         inputs, call_kwargs = call.arguments(tensor_arrays)
         ctx = FunctionContext(function, needs_input_grad)
-        with dispatch.session(inner_rngs), torch.set_grad_enabled(grad):
+        with dispatch.session(inner_rngs), dispatch.no_grad_ignored() if grad else torch.no_grad():
             output = _forward(function, ctx, inputs, call_kwargs)
         if any(isinstance(t, JaxTensor) and t.write_count > 0 for t in _tensor_leaves(inputs, call_kwargs)):
             raise UnsupportedOpError(
@@ -177,7 +177,8 @@ def function_apply(function: type, *args: Any, **kwargs: Any) -> Any:
             out_arrays, new_rng = primal(*arrays)
     except jax.errors.UnexpectedTracerError:  # op by op, where a forward needing concrete values shows it only now
         _say_forward_differentiated(function)
-        return _forward(function, FunctionContext(function, tuple(call.differentiable)), *bound)
+        with dispatch.no_grad_ignored():
+            return _forward(function, FunctionContext(function, tuple(call.differentiable)), *bound)
     if new_rng:
         nnx.update(rngs, jax.tree.unflatten(rng_def, new_rng))
     return _rebuild_output(traced, out_arrays, grad_enabled=torch.is_grad_enabled())
