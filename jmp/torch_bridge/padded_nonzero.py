@@ -10,9 +10,11 @@ op, tagging each tensor the padding reaches with a kind:
 - ``ROWS``: row-wise arithmetic on those (elementwise ops, activations, matmuls): the padded rows are unknown.
 
 A scatter by ``INDEX`` indices (``index_add_``, ``index_put_``, ``x[index] = v``) drops the padded rows, so its
-result is exact: the mixture-of-experts loop (DBRX's ``DbrxExperts``) gathers each expert's tokens with
-``torch.where(mask[expert])`` and adds them back with ``index_add_``. Any other read of a tagged tensor (a
-reduction, its shape or length, a nonzero of row-wise arithmetic) would see the padding: it raises the
+result is exact where the unknown rows it receives are the ones its index drops: rows gathered by that index,
+or everything computed for a padded expert index whose tokens are found from it. That is the mixture-of-experts
+loop (DBRX's ``DbrxExperts``): ``for e in hit.nonzero()``, ``torch.where(mask[e])`` for the expert's tokens,
+its weights ``w[e]``, ``index_add_`` back. Any other read of a tagged tensor (a reduction, its shape or length,
+a nonzero of row-wise arithmetic, a layer that mixes rows) would see the padding: it raises the
 ``TracedControlFlowError`` that sends the step op by op, as before, saying which op.
 """
 
@@ -31,7 +33,7 @@ from torch import nn
 from jmp.errors import TracedControlFlowError
 from jmp.torch_bridge import registry
 from jmp.torch_bridge.dtypes import to_jax_dtype
-from jmp.torch_bridge.tensor import JaxTensor
+from jmp.torch_bridge.tensor import JaxTensor, unwrap
 
 T = torch.Tensor
 INDEX, ZERO, ROWS = "index", "zero", "rows"
@@ -138,16 +140,11 @@ def _padded_nonzero(input: JaxTensor, func: Any, kwargs: dict) -> Any:
     return _tagged(JaxTensor(jnp.stack(columns, axis=1), torch.int64), INDEX)
 
 
-def _part(part: Any) -> Any:
-    return part.value if isinstance(part, JaxTensor) else part
-
-
 def _filled_gather(func: Any, args: tuple, kwargs: dict) -> JaxTensor:
     """The gather with zeros where a padded index is out of range (JAX clamps it by default)."""
     input = args[0]
     if func is T.__getitem__:
-        index = tuple(_part(p) for p in args[1]) if isinstance(args[1], tuple) else _part(args[1])
-        out = input.value.at[index].get(mode="fill", fill_value=0)
+        out = input.value.at[torch_pytree.tree_map(unwrap, args[1])].get(mode="fill", fill_value=0)
     else:
         dim = args[1] if len(args) > 1 else kwargs["dim"]
         index = args[2] if len(args) > 2 else kwargs["index"]
