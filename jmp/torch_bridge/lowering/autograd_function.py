@@ -6,6 +6,8 @@ the Function's ``forward`` (under ``no_grad``, as in torch) and whose VJP runs i
 torch code on JaxTensors. What the forward keeps on ``ctx`` (saved tensors, attributes) crosses to the
 backward: tensors as residuals, everything else as Python values. The backward runs when JAX
 differentiates, after the forward's bridge session has ended, so it opens a session of its own.
+A forward that reads differentiated tensors it is not given (a reversible layer's modules, whose backward
+recomputes them and calls ``.backward()``) is traced once as a probe and differentiated instead, said once.
 """
 
 from __future__ import annotations
