@@ -54,6 +54,7 @@ _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_activ
 _RNGS: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_bridge_rngs", default=None)
 _SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("jmp_bridge_scope", default=())
 _BATCH_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("jmp_bridge_batch_axis", default=None)
+_STAND_IN: contextvars.ContextVar[tuple] = contextvars.ContextVar("jmp_bridge_rngs_stand_in", default=(None, None))
 _NO_GRAD_IGNORED: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_no_grad_ignored", default=False)
 
 _T = torch.Tensor
@@ -124,7 +125,7 @@ class BridgeMode(TorchFunctionMode):
 @contextlib.contextmanager
 def session(rngs: Any = None) -> Iterator[None]:
     """Run torch code on JaxTensors; nested sessions only replace the random stream."""
-    rngs_token = _RNGS.set(rngs if rngs is not None else _RNGS.get())
+    rngs_token = _RNGS.set(rngs_for(rngs) if rngs is not None else _RNGS.get())
     if _ACTIVE.get():
         try:
             yield
@@ -187,6 +188,18 @@ def scope(path: str, type_name: str) -> Iterator[None]:
     """Mark that the module at ``path`` is running (for error messages)."""
     with set_within(_SCOPE, _SCOPE.get() + ((path, type_name),)):
         yield
+
+
+def rngs_stand_in(replaced: Any, stand_in: Any) -> contextlib.AbstractContextManager[None]:
+    """Within the block, sessions given the random stream ``replaced`` (a module's) draw from ``stand_in``: one
+    threaded through a JAX transform the block runs in."""
+    return set_within(_STAND_IN, (replaced, stand_in))
+
+
+def rngs_for(rngs: Any) -> Any:
+    """The random stream to draw from for a module's ``rngs``: its ``rngs_stand_in``, if any."""
+    replaced, stand_in = _STAND_IN.get()
+    return stand_in if rngs is replaced and replaced is not None else rngs
 
 
 def no_grad_ignored() -> contextlib.AbstractContextManager[None]:

@@ -10,7 +10,7 @@ from torch import nn
 
 import jmp
 from jmp.runtime import notices
-from tests.helpers import assert_grad_parity, to_jax
+from tests.helpers import assert_close, assert_grad_parity, jax_value_and_grads, to_jax
 
 
 class ReversibleFunction(torch.autograd.Function):
@@ -92,3 +92,38 @@ def test_differentiating_the_forward_is_said_once(caplog, monkeypatch):
             nnx.grad(lambda m: m(x).sum())(converted)
     said = [r.getMessage() for r in caplog.records if "ReversibleFunction" in r.getMessage()]
     assert len(said) == 1 and "differentiates its forward" in said[0]
+
+
+class PlainStack(ReversibleStack):
+    """The same blocks as plain residual code: what the reversible Function computes, without it."""
+
+    def forward(self, x):
+        x1, x2 = x, x
+        for f, g in zip(self.f, self.g):
+            x1 = x1 + f(x2)
+            x2 = x2 + g(x1)
+        return self.head(torch.cat([x1, x2], dim=-1))
+
+
+def test_random_draws_in_the_layers_follow_the_models_stream():
+    """Dropout inside the blocks (Reformer's, in training) draws from the model's stream, as the same blocks do
+    outside a Function: the two models' losses and gradients agree under jit."""
+    torch.manual_seed(0)
+    reversible = ReversibleStack()
+    for f in reversible.f:
+        f.append(nn.Dropout(0.5))
+    plain = PlainStack()
+    plain.load_state_dict(reversible.state_dict())
+    plain.f = reversible.f
+    x = to_jax(torch.randn(6, 8))
+    results = []
+    for model in (reversible, plain):
+        converted = jmp.torch_bridge.convert(model, rngs=3)
+        results.append(jax_value_and_grads(converted, lambda m: (m(x) ** 2).mean()))
+    (loss, grads), (plain_loss, plain_grads) = results
+    assert_close(loss, plain_loss)
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        assert_close(grad, plain_grads[name])
+    other_loss, _ = jax_value_and_grads(jmp.torch_bridge.convert(reversible, rngs=4), lambda m: (m(x) ** 2).mean())
+    assert abs(float(other_loss) - float(loss)) > 1e-3  # the dropout masks depend on the stream: they are drawn

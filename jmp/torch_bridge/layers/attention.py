@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 from torch import nn
 
+from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering import nn_functional
 from jmp.torch_bridge.lowering.multi_head_attention import attend
@@ -59,7 +60,7 @@ class MultiheadAttention(ArrayModule):
             keep = 1.0 - self.dropout_rate
 
             def dropout(weights):
-                drop = nn_functional.dropout_mask(weights.shape, keep, self.rngs.dropout())
+                drop = nn_functional.dropout_mask(weights.shape, keep, dispatch.rngs_for(self.rngs).dropout())
                 return jnp.where(drop, weights / keep, 0.0)
         else:
             dropout = None

@@ -7,6 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 from torch import nn
 
+from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering import nn_functional
 from jmp.torch_bridge.module import ArrayModule
@@ -33,7 +34,7 @@ class Dropout(ArrayModule):
         if self.channel_dims:
             batched = input.ndim == self.channel_dims + 2
             shape = input.shape[: 2 if batched else 1] + (1,) * self.channel_dims
-        mask = nn_functional.dropout_mask(shape, keep, self.rngs.dropout())
+        mask = nn_functional.dropout_mask(shape, keep, dispatch.rngs_for(self.rngs).dropout())
         if self.alpha:
             alpha = -1.7580993408473766
             a = (keep + alpha * alpha * keep * self.rate) ** -0.5

@@ -128,7 +128,11 @@ def function_apply(function: type, *args: Any, **kwargs: Any) -> Any:
         inner_rngs = None if rngs is None else nnx.merge(rng_graph, jax.tree.unflatten(rng_def, rng_arrays))
         inputs, call_kwargs = call.arguments(tensor_arrays)
         ctx = FunctionContext(function, needs_input_grad)
-        with dispatch.session(inner_rngs), dispatch.no_grad_ignored() if grad else torch.no_grad():
+        with (
+            dispatch.session(inner_rngs),
+            dispatch.rngs_stand_in(rngs, inner_rngs),  # the modules the forward calls draw from it too
+            dispatch.no_grad_ignored() if grad else torch.no_grad(),
+        ):
             output = _forward(function, ctx, inputs, call_kwargs)
         if any(isinstance(t, JaxTensor) and t.write_count > 0 for t in _tensor_leaves(inputs, call_kwargs)):
             raise UnsupportedOpError(
