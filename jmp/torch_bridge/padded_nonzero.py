@@ -1,21 +1,11 @@
-"""``nonzero`` / ``torch.where(cond)`` under ``jit``: a fixed size, padded with an out-of-range index.
+"""``nonzero`` / ``torch.where(cond)`` under ``jit``: one row per input element, padded with an out-of-range index.
 
-The count of true entries depends on the data, but never exceeds the input's size, so under ``jit`` (where
-the exact count is not known) the result has one row per element, the rows past the count holding each
-dimension's size. That stays exact while what reads the padding ignores it, which the dispatcher checks op by
-op, tagging each tensor the padding reaches with a kind:
-
-- ``INDEX``: indices with out-of-range padding (the result itself; its views, rows, casts);
-- ``ZERO``: a gather by such indices, with zeros where they are out of range (``x[index]``, ``index_select``);
-- ``ROWS``: row-wise arithmetic on those (elementwise ops, activations, matmuls): the padded rows are unknown.
-
-A scatter by ``INDEX`` indices (``index_add_``, ``index_put_``, ``x[index] = v``) drops the padded rows, so its
-result is exact where the unknown rows it receives are the ones its index drops: rows gathered by that index,
-or everything computed for a padded expert index whose tokens are found from it. That is the mixture-of-experts
-loop (DBRX's ``DbrxExperts``): ``for e in hit.nonzero()``, ``torch.where(mask[e])`` for the expert's tokens,
-its weights ``w[e]``, ``index_add_`` back. Any other read of a tagged tensor (a reduction, its shape or length,
-a nonzero of row-wise arithmetic, a layer that mixes rows) would see the padding: it raises the
-``TracedControlFlowError`` that sends the step op by op, as before, saying which op.
+The dispatcher tags what the padding reaches: ``INDEX`` (the result, its views and casts), ``ZERO`` (a gather by
+it: zeros where out of range), ``ROWS`` (row-wise arithmetic on those: unknown rows). A scatter back by ``INDEX``
+(``index_add_``, ``index_put_``, ``x[index] = v``) drops the padded rows: exact where the unknown rows it gets
+are those its index drops, as in DBRX's expert loop (``for e in hit.nonzero()``, ``torch.where(mask[e])``,
+``w[e]``, ``index_add_``). Any other read of a tagged tensor (a reduction, its shape, a layer mixing rows, the
+model's output) raises the ``TracedControlFlowError`` that sends the step op by op, as before, naming the op.
 """
 
 from __future__ import annotations
@@ -53,7 +43,11 @@ _made = False  # whether a padded nonzero was made in this process: only then ar
 
 def involved(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether ``func(*args, **kwargs)`` is a nonzero or reads a tensor tagged with padding."""
-    return func in _NONZERO or (_made and any(_kind(x) for x in torch_pytree.tree_leaves((args, kwargs))))
+    return func in _NONZERO or _padded((args, kwargs))
+
+
+def _padded(tree: Any) -> bool:
+    return _made and any(_kind(x) for x in torch_pytree.tree_leaves(tree))
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict, run: Callable[[Any, tuple, dict], Any]) -> Any:
@@ -87,7 +81,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict, run: Callable[[Any, tuple, di
 def through_layer(layer: type, call: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
     """``call()``, a layer with a JAX twin on ``args``: tagged ``ROWS`` for a row-wise one (``nn.Linear``,
     normalisations over the last dimension, dropout) when the padding reaches it; any other refuses."""
-    if not (_made and any(_kind(x) for x in torch_pytree.tree_leaves((args, kwargs)))):
+    if not _padded((args, kwargs)):
         return call()
     if not issubclass(layer, (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Dropout)):
         raise _refused(layer)
@@ -99,10 +93,7 @@ def unpadded(call: Callable[..., Any]) -> Callable[..., Any]:
     or a converted model's output, which its caller reads."""
 
     def checked(*args: Any, **kwargs: Any) -> Any:
-        if _made and any(_kind(x) for x in torch_pytree.tree_leaves((args, kwargs))):
-            raise _refused("a module call that may be traced on its own")
-        out = call(*args, **kwargs)
-        if _made and any(_kind(x) for x in torch_pytree.tree_leaves(out)):
+        if _padded((args, kwargs)) or _padded(out := call(*args, **kwargs)):
             raise _refused("a module call that may be traced on its own, or the model's output,")
         return out
 
@@ -153,9 +144,7 @@ def _filled_gather(func: Any, args: tuple, kwargs: dict) -> JaxTensor:
 
 
 def _refused(func: Any) -> TracedControlFlowError:
-    name = (
-        func if isinstance(func, str) else getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
-    )
+    name = func if isinstance(func, str) else getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
     return TracedControlFlowError(
         f"{name} reads a tensor that depends on a traced torch.nonzero / torch.where(condition). Under jax.jit "
         "that result has a fixed size, padded with an out-of-range index, which only gathers by it, row-wise "

@@ -191,10 +191,8 @@ def function_apply(function: type, *args: Any, **kwargs: Any) -> Any:
 
 
 def _closure_probe(probe: Callable, arrays: list[jax.Array]) -> tuple[Any, Any] | None:
-    """(jaxpr, output structure) of ``probe(*arrays)`` where it reads a value being differentiated (a tracer of
-    ``grad`` / ``vjp``) that is not among ``arrays``: a module's parameter, or a tensor from an enclosing scope;
-    else None. Values staged by ``jit`` alone are not differentiated here; a probe that needs concrete values
-    (op by op) is left to the call itself."""
+    """(jaxpr, output structure) of ``probe(*arrays)`` where it reads a value being differentiated (not staged by
+    ``jit`` alone) that is not among ``arrays``: a module's parameter; else None (also where it needs values)."""
     try:
         closed, shapes = jax.make_jaxpr(probe, return_shape=True)(*arrays)
     except Exception:  # noqa: BLE001 - the call itself raises it where it says more
@@ -215,11 +213,8 @@ def _runs_traced(fn: Callable[[], Any]) -> bool:
 
 
 def _forward_differentiated(function: type, closure: tuple[Any, Any], arrays: list, backward_runs: bool) -> Any:
-    """The (outputs, random stream) of the probed forward, which JAX differentiates, for a forward that reads
-    values being differentiated that are not arguments of ``apply``. Its backward can give those values
-    gradients only by running torch autograd itself, as a reversible layer's recomputes the layers from the
-    outputs and calls ``.backward()``: JAX takes the derivative of the forward instead, what such a backward
-    computes, without its memory saving. A backward that runs here without it gives them none."""
+    """The (outputs, random stream) of the probed forward, for JAX to differentiate: its backward can give the
+    values it reads only by running torch autograd itself (a reversible layer's), or gives them none (an error)."""
     if backward_runs:
         raise LoweringError(
             f"{function.__qualname__}.forward uses a traced tensor that is not an argument of apply (a module's "
