@@ -401,7 +401,7 @@ def torch_forward(module: TorchModule, *args: Any, **kwargs: Any) -> Any:
 
 def to_jax_output(out: Any) -> Any:
     """Unwrap a forward's result into JAX arrays, making its containers JAX pytrees too."""
-    out = unwrap_tree(padded_nonzero.unpadded(lambda: out)())
+    out = unwrap_tree(padded_nonzero.refuse(out, "the model's output"))
     _register_containers(out)
     return out
 

@@ -88,14 +88,20 @@ def through_layer(layer: type, call: Callable[[], Any], args: tuple, kwargs: dic
     return _tagged(call(), ROWS)
 
 
+def refuse(tree: Any, reader: str) -> Any:
+    """``tree`` where it holds no padding; else the error saying that ``reader`` would see it."""
+    if _padded(tree):
+        raise _refused(reader)
+    return tree
+
+
 def unpadded(call: Callable[..., Any]) -> Callable[..., Any]:
-    """``call``, refusing padding in its arguments or its result: a call a hook may take into a JAX transform,
-    or a converted model's output, which its caller reads."""
+    """``call``, refusing padding in its arguments or its result: a module call a hook may take into a JAX
+    transform of its own."""
 
     def checked(*args: Any, **kwargs: Any) -> Any:
-        if _padded((args, kwargs)) or _padded(out := call(*args, **kwargs)):
-            raise _refused("a module call that may be traced on its own, or the model's output,")
-        return out
+        refuse((args, kwargs), "a module call that may be traced on its own")
+        return refuse(call(*args, **kwargs), "a module call that may be traced on its own")
 
     return checked
 

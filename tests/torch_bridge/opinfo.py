@@ -198,7 +198,7 @@ class _Case:
             current[i] = JaxTensor(array, leaves[i].dtype)
         jax_args, jax_kwargs = torch_pytree.tree_unflatten(current, spec)
         with dispatch.session(nnx.Rngs(0)):  # a padded nonzero is refused here as in a model's output: eagerly
-            out = padded_nonzero.unpadded(self.fn)(*jax_args, **jax_kwargs)
+            out = padded_nonzero.refuse(self.fn(*jax_args, **jax_kwargs), "the op's output")
         out = torch_pytree.tree_map(lambda v: unwrap(v) if isinstance(v, JaxTensor) else v, out)
         if not all(isinstance(leaf, _JAX_VALUES) for leaf in jax.tree.leaves(out)):
             raise TypeError(f"{dispatch.op_name(self.fn)} returns values jax.jit does not return")
