@@ -31,7 +31,7 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from jmp.errors import JmpError, LoweringError, UnsupportedOpError
 from jmp.runtime import notices
-from jmp.torch_bridge import dispatch
+from jmp.torch_bridge import dispatch, padded_nonzero
 from jmp.torch_bridge.registry import register_lowering
 from jmp.torch_bridge.tensor import JaxTensor, unwrap
 
@@ -300,7 +300,7 @@ def _forward(function: type, ctx: FunctionContext, inputs: tuple, kwargs: dict) 
 def _trace_output(traced: _Traced, output: Any, ctx: FunctionContext) -> list[jax.Array]:
     """Record the output's structure in ``traced``; its tensors' arrays, in order."""
     outputs = output if isinstance(output, tuple) else (output,)
-    leaves, traced.out_spec = torch_pytree.tree_flatten(output)
+    leaves, traced.out_spec = torch_pytree.tree_flatten(padded_nonzero.refuse(output, "a custom Function's output"))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, JaxTensor)]
     tensors = [leaves[i] for i in positions]
     traced.out_leaves = [None if isinstance(leaf, JaxTensor) else leaf for leaf in leaves]
