@@ -40,6 +40,7 @@ from jmp.torch_bridge import (
     higher_order_ops,
     index_checks,
     keyword_aliases,
+    padded_nonzero,
     registry,
     replica_calls,
     shape_checks,
@@ -53,6 +54,8 @@ _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_activ
 _RNGS: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_bridge_rngs", default=None)
 _SCOPE: contextvars.ContextVar[tuple] = contextvars.ContextVar("jmp_bridge_scope", default=())
 _BATCH_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("jmp_bridge_batch_axis", default=None)
+_STAND_IN: contextvars.ContextVar[tuple] = contextvars.ContextVar("jmp_bridge_rngs_stand_in", default=(None, None))
+_NO_GRAD_IGNORED: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_bridge_no_grad_ignored", default=False)
 
 _T = torch.Tensor
 # what JAX raises when Python asks a traced array for a value (a bool, an int, a host copy, a data-dependent shape)
@@ -122,7 +125,7 @@ class BridgeMode(TorchFunctionMode):
 @contextlib.contextmanager
 def session(rngs: Any = None) -> Iterator[None]:
     """Run torch code on JaxTensors; nested sessions only replace the random stream."""
-    rngs_token = _RNGS.set(rngs if rngs is not None else _RNGS.get())
+    rngs_token = _RNGS.set(rngs_for(rngs) if rngs is not None else _RNGS.get())
     if _ACTIVE.get():
         try:
             yield
@@ -187,6 +190,24 @@ def scope(path: str, type_name: str) -> Iterator[None]:
         yield
 
 
+def rngs_stand_in(replaced: Any, stand_in: Any) -> contextlib.AbstractContextManager[None]:
+    """Within the block, sessions given the random stream ``replaced`` (a module's) draw from ``stand_in``: one
+    threaded through a JAX transform the block runs in."""
+    return set_within(_STAND_IN, (replaced, stand_in))
+
+
+def rngs_for(rngs: Any) -> Any:
+    """The random stream to draw from for a module's ``rngs``: its ``rngs_stand_in``, if any."""
+    replaced, stand_in = _STAND_IN.get()
+    return stand_in if rngs is replaced and replaced is not None else rngs
+
+
+def no_grad_ignored() -> contextlib.AbstractContextManager[None]:
+    """Within the block, tensors made under ``torch.no_grad()`` keep their gradient: for a custom Function's
+    forward that JAX differentiates, whose ``no_grad`` blocks mean nothing in torch (it runs under no_grad)."""
+    return set_within(_NO_GRAD_IGNORED, True)
+
+
 def current_rngs() -> Any:
     return _RNGS.get()
 
@@ -217,6 +238,12 @@ def current_scope() -> tuple[str, str] | None:
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    if padded_nonzero.involved(func, args, kwargs):  # nonzero under jit: fixed size, padded (and what reads it)
+        return padded_nonzero.dispatch(func, args, kwargs, _dispatch)
+    return _dispatch(func, args, kwargs)
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     entry = registry.lookup(func)
     if entry is None:
         return _not_lowered(func, args, kwargs)
@@ -263,7 +290,7 @@ def _apply(entry: registry.Lowering, func: Any, args: tuple, kwargs: dict) -> An
         result = replica_calls.call(func, entry.fn, unwrap_tree(args), unwrap_tree(kwargs))
     else:
         result = entry.fn(*unwrap_tree(args), **unwrap_tree(kwargs))
-    if not torch.is_grad_enabled():  # tensors made under no_grad carry no gradient
+    if not (torch.is_grad_enabled() or _NO_GRAD_IGNORED.get()):  # tensors made under no_grad carry no gradient
         result = _map_arrays(jax.lax.stop_gradient, result)
     if entry.is_inplace_call(args, kwargs):
         target = args[0]

@@ -21,7 +21,7 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 
 from jmp.errors import ConversionError
-from jmp.torch_bridge import compiling_fallback, dispatch
+from jmp.torch_bridge import compiling_fallback, dispatch, padded_nonzero
 from jmp.torch_bridge.context_vars import set_within
 from jmp.torch_bridge.tensor import JaxTensor, unwrap, unwrap_tree, wrap_tree
 from jmp.torch_bridge.variable_writes import write
@@ -100,7 +100,8 @@ class TorchModule(nnx.Module):
 
     def _torch_forward(self, *args: Any, **kwargs: Any) -> Any:
         with dispatch.scope(self._torch_path, type(self._torch_module).__name__):
-            return wrap_tree(self.forward(*unwrap_tree(args), **unwrap_tree(kwargs)))
+            call = lambda: wrap_tree(self.forward(*unwrap_tree(args), **unwrap_tree(kwargs)))  # noqa: E731
+            return padded_nonzero.through_layer(type(self._torch_module), call, args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"{type(self._torch_module).__name__} at '{self._torch_path}' is not callable")
@@ -212,9 +213,11 @@ def hooked_call(module: TorchModule, inside: CallHook | None = None) -> Callable
     if position is not None:
         hooks = hooks[position + 1 :]
     call = module._torch_forward
+    if hooks:  # a hook may take the call into a JAX transform of its own, which padding must not cross
+        call = padded_nonzero.unpadded(call)
     for hook in reversed(hooks):
         call = functools.partial(hook, module, call)
-    return call
+    return padded_nonzero.unpadded(call) if hooks else call
 
 
 def _descend(module: TorchModule, names: tuple[str, ...]) -> TorchModule:
@@ -376,7 +379,7 @@ def torch_forward(module: TorchModule, *args: Any, **kwargs: Any) -> Any:
 
 def to_jax_output(out: Any) -> Any:
     """Unwrap a forward's result into JAX arrays, making its containers JAX pytrees too."""
-    out = unwrap_tree(out)
+    out = unwrap_tree(padded_nonzero.refuse(out, "the model's output"))
     _register_containers(out)
     return out
 

@@ -17,7 +17,7 @@ import torch.utils._pytree as torch_pytree
 from flax import nnx
 
 import jmp.torch_bridge  # noqa: F401  (fills the registry)
-from jmp.torch_bridge import dispatch, registry
+from jmp.torch_bridge import dispatch, padded_nonzero, registry
 from jmp.torch_bridge.interop import tensor_to_array
 from jmp.torch_bridge.tensor import JaxTensor, unwrap
 
@@ -197,8 +197,8 @@ class _Case:
         for i, array in zip(tensors, arrays):
             current[i] = JaxTensor(array, leaves[i].dtype)
         jax_args, jax_kwargs = torch_pytree.tree_unflatten(current, spec)
-        with dispatch.session(nnx.Rngs(0)):
-            out = self.fn(*jax_args, **jax_kwargs)
+        with dispatch.session(nnx.Rngs(0)):  # a padded nonzero is refused here as in a model's output: eagerly
+            out = padded_nonzero.refuse(self.fn(*jax_args, **jax_kwargs), "the op's output")
         out = torch_pytree.tree_map(lambda v: unwrap(v) if isinstance(v, JaxTensor) else v, out)
         if not all(isinstance(leaf, _JAX_VALUES) for leaf in jax.tree.leaves(out)):
             raise TypeError(f"{dispatch.op_name(self.fn)} returns values jax.jit does not return")

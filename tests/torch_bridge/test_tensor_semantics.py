@@ -107,3 +107,20 @@ def test_user_registered_lowering_for_a_custom_op():
 
     x = torch.randn(5)
     assert_close(jmp.torch_bridge.convert(UsesCustomOp())(to_jax(x)), UsesCustomOp()(x))
+
+
+class LegacyNew(nn.Module):
+    """Reformer's LSH attention makes an index buffer with the legacy ``x.new(*sizes)`` and fills it."""
+
+    def forward(self, x):
+        order = x.argsort(-1)
+        undo = order.new(*order.size())
+        undo.scatter_(-1, order, torch.arange(x.shape[-1]).expand_as(order))
+        return undo, x.new([1.5, -2.0]) + x.new(2).zero_()
+
+
+def test_the_legacy_new_constructor_answers_like_torch():
+    x = torch.randn(3, 5)
+    for actual, expected in zip(jmp.torch_bridge.convert(LegacyNew())(to_jax(x)), LegacyNew()(x)):
+        assert actual.dtype == to_jax(expected).dtype
+        np.testing.assert_array_equal(actual, expected.numpy())

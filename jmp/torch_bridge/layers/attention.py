@@ -7,6 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 from torch import nn
 
+from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering import nn_functional
 from jmp.torch_bridge.lowering.multi_head_attention import attend
@@ -56,7 +57,9 @@ class MultiheadAttention(ArrayModule):
             raise ValueError("MultiheadAttention with is_causal=True needs attn_mask (as in torch)")
         dropout = None
         if self.dropout_rate > 0.0 and not self.deterministic:
-            dropout = lambda weights: nn_functional.dropped(weights, self.dropout_rate, self.rngs.dropout())
+            dropout = lambda weights: nn_functional.dropped(
+                weights, self.dropout_rate, dispatch.rngs_for(self.rngs).dropout()
+            )
         out, weights = attend(
             query,
             key,

@@ -7,6 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 from torch import nn
 
+from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.convert import register_layer
 from jmp.torch_bridge.lowering import nn_functional
 from jmp.torch_bridge.module import ArrayModule
@@ -29,4 +30,4 @@ class Dropout(ArrayModule):
         if self.rate == 1.0:
             return jnp.zeros_like(input)
         shape = nn_functional.channel_mask_shape(input.shape, self.channel_dims) if self.channel_dims else None
-        return nn_functional.dropped(input, self.rate, self.rngs.dropout(), shape, alpha=self.alpha)
+        return nn_functional.dropped(input, self.rate, dispatch.rngs_for(self.rngs).dropout(), shape, alpha=self.alpha)

@@ -6,6 +6,8 @@ the Function's ``forward`` (under ``no_grad``, as in torch) and whose VJP runs i
 torch code on JaxTensors. What the forward keeps on ``ctx`` (saved tensors, attributes) crosses to the
 backward: tensors as residuals, everything else as Python values. The backward runs when JAX
 differentiates, after the forward's bridge session has ended, so it opens a session of its own.
+A forward that reads differentiated tensors it is not given (a reversible layer's modules, whose backward
+recomputes them and calls ``.backward()``) is traced once as a probe and differentiated instead, said once.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import torch
 import torch.utils._pytree as torch_pytree
 from flax import nnx
 from jax.custom_derivatives import SymbolicZero
+from jax.interpreters.partial_eval import DynamicJaxprTracer
 from torch.autograd.function import FunctionCtx, NestedIOFunction, once_differentiable
 from torch.utils.checkpoint import CheckpointFunction
 
 from jmp.errors import JmpError, LoweringError, UnsupportedOpError
-from jmp.torch_bridge import dispatch
+from jmp.runtime import notices
+from jmp.torch_bridge import dispatch, padded_nonzero
 from jmp.torch_bridge.registry import register_lowering
 from jmp.torch_bridge.tensor import JaxTensor, unwrap
 
@@ -110,7 +114,8 @@ def function_apply(function: type, *args: Any, **kwargs: Any) -> Any:
     if function in _AS_CALLS:
         return _AS_CALLS[function](*args, **kwargs)
     _check_supported(function)
-    call = _take_apart(*_bind(function, args, kwargs))
+    bound = _bind(function, args, kwargs)
+    call = _take_apart(*bound)
     rngs = dispatch.current_rngs()
     rng_graph, rng_state = nnx.split(rngs) if rngs is not None else (None, None)
     rng_leaves, rng_def = jax.tree.flatten(rng_state)
@@ -118,12 +123,16 @@ def function_apply(function: type, *args: Any, **kwargs: Any) -> Any:
     scope = dispatch.current_scope()
     where = dispatch.where()
 
-    def run(arrays: list[jax.Array], needs_input_grad: tuple[bool, ...]) -> tuple[list, list, FunctionContext]:
+    def run(arrays: list[jax.Array], needs_input_grad: tuple[bool, ...], grad: bool = False) -> tuple[list, list, Any]:
         rng_arrays, tensor_arrays = arrays[: len(rng_leaves)], arrays[len(rng_leaves) :]
         inner_rngs = None if rngs is None else nnx.merge(rng_graph, jax.tree.unflatten(rng_def, rng_arrays))
         inputs, call_kwargs = call.arguments(tensor_arrays)
         ctx = FunctionContext(function, needs_input_grad)
-        with dispatch.session(inner_rngs), torch.no_grad():
+        with (
+            dispatch.session(inner_rngs),
+            dispatch.rngs_stand_in(rngs, inner_rngs),  # the modules the forward calls draw from it too
+            dispatch.no_grad_ignored() if grad else torch.no_grad(),
+        ):
             output = _forward(function, ctx, inputs, call_kwargs)
         if any(isinstance(t, JaxTensor) and t.write_count > 0 for t in _tensor_leaves(inputs, call_kwargs)):
             raise UnsupportedOpError(
@@ -156,18 +165,76 @@ def function_apply(function: type, *args: Any, **kwargs: Any) -> Any:
         return (None,) * len(rng_leaves) + tuple(grads)
 
     primal.defvjp(forward, backward, symbolic_zeros=True)
+    arrays = [*rng_leaves, *(t.value for t in call.tensors)]
+    backward_runs = []
+
+    def probe(*arrays: jax.Array) -> tuple[list, list]:  # the forward, differentiable; then its backward, tried
+        out_arrays, new_rng, ctx = run(list(arrays), tuple(call.differentiable), grad=True)
+        cotangents = [jnp.zeros_like(a) for a in out_arrays]
+        backward = functools.partial(_run_backward, function, call, traced, _residuals(traced, ctx), cotangents)
+        backward_runs.append(_runs_traced(backward))
+        return out_arrays, new_rng
+
+    closure = _closure_probe(probe, arrays)
     try:
-        out_arrays, new_rng = primal(*rng_leaves, *(t.value for t in call.tensors))
-    except jax.errors.UnexpectedTracerError:
-        raise LoweringError(
-            f"{function.__qualname__}.forward uses a traced tensor that is not an argument of apply (a module's "
-            "parameter or buffer, or a tensor from an enclosing scope), which JAX cannot differentiate through "
-            "a custom Function. Pass that tensor to apply as an argument (and return its gradient from "
-            "backward, or None)."
-        ) from None
+        if closure is not None:
+            out_arrays, new_rng = _forward_differentiated(function, closure, arrays, backward_runs[0])
+        else:
+            out_arrays, new_rng = primal(*arrays)
+    except jax.errors.UnexpectedTracerError:  # op by op, where a forward needing concrete values shows it only now
+        _say_forward_differentiated(function)
+        with dispatch.no_grad_ignored():
+            return _forward(function, FunctionContext(function, tuple(call.differentiable)), *bound)
     if new_rng:
         nnx.update(rngs, jax.tree.unflatten(rng_def, new_rng))
     return _rebuild_output(traced, out_arrays, grad_enabled=torch.is_grad_enabled())
+
+
+def _closure_probe(probe: Callable, arrays: list[jax.Array]) -> tuple[Any, Any] | None:
+    """(jaxpr, output structure) of ``probe(*arrays)`` where it reads a value being differentiated (not staged by
+    ``jit`` alone) that is not among ``arrays``: a module's parameter; else None (also where it needs values)."""
+    try:
+        closed, shapes = jax.make_jaxpr(probe, return_shape=True)(*arrays)
+    except Exception:  # noqa: BLE001 - the call itself raises it where it says more
+        return None
+    if any(isinstance(c, jax.core.Tracer) and not isinstance(c, DynamicJaxprTracer) for c in closed.consts):
+        return closed, jax.tree.structure(shapes)
+    return None
+
+
+def _runs_traced(fn: Callable[[], Any]) -> bool:
+    """Whether ``fn`` traces: a Function's backward that calls torch autograd itself (``.backward()``,
+    ``torch.autograd.grad``), as a reversible layer's does to give module parameters their gradients, does not."""
+    try:
+        jax.make_jaxpr(fn)()
+    except Exception:  # noqa: BLE001 - any failure: the backward cannot be the gradient rule here
+        return False
+    return True
+
+
+def _forward_differentiated(function: type, closure: tuple[Any, Any], arrays: list, backward_runs: bool) -> Any:
+    """The (outputs, random stream) of the probed forward, for JAX to differentiate: its backward can give the
+    values it reads only by running torch autograd itself (a reversible layer's), or gives them none (an error)."""
+    if backward_runs:
+        raise LoweringError(
+            f"{function.__qualname__}.forward uses a traced tensor that is not an argument of apply (a module's "
+            "parameter or buffer, or a tensor from an enclosing scope), and its backward gives that tensor no "
+            "gradient, which JAX cannot express. Pass that tensor to apply as an argument (and return its "
+            "gradient from backward, or None)."
+        )
+    _say_forward_differentiated(function)
+    closed, structure = closure
+    return jax.tree.unflatten(structure, jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays))
+
+
+def _say_forward_differentiated(function: type) -> None:
+    notices.warn_once(
+        f"torch_bridge.autograd_function.{function.__qualname__}",
+        "%s.forward reads tensors that JAX differentiates but are not arguments of apply (module parameters), "
+        "and its backward gives them gradients by running torch autograd: jmp differentiates its forward "
+        "instead, which gives the same gradients without the backward's memory saving (a reversible layer's).",
+        function.__qualname__,
+    )
 
 
 def _check_supported(function: type) -> None:
@@ -233,7 +300,7 @@ def _forward(function: type, ctx: FunctionContext, inputs: tuple, kwargs: dict) 
 def _trace_output(traced: _Traced, output: Any, ctx: FunctionContext) -> list[jax.Array]:
     """Record the output's structure in ``traced``; its tensors' arrays, in order."""
     outputs = output if isinstance(output, tuple) else (output,)
-    leaves, traced.out_spec = torch_pytree.tree_flatten(output)
+    leaves, traced.out_spec = torch_pytree.tree_flatten(padded_nonzero.refuse(output, "a custom Function's output"))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, JaxTensor)]
     tensors = [leaves[i] for i in positions]
     traced.out_leaves = [None if isinstance(leaf, JaxTensor) else leaf for leaf in leaves]

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jmp.torch_bridge import padded_nonzero
 from jmp.torch_bridge.higher_order_ops import FUNCTIONS
 from jmp.torch_bridge.registry import register_lowering
 from jmp.torch_bridge.tensor import unwrap_tree, wrap_tree
@@ -20,7 +21,7 @@ def _on_arrays(fn: Callable) -> Callable:
     """``fn`` (torch code) as a function of arrays: arguments wrapped as tensors, results unwrapped."""
 
     def call(*arrays: Any) -> Any:
-        return unwrap_tree(fn(*wrap_tree(arrays)))
+        return unwrap_tree(padded_nonzero.refuse(fn(*wrap_tree(arrays)), "a traced branch or loop body's output"))
 
     return call
 

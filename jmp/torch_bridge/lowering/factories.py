@@ -104,6 +104,14 @@ def new_zeros(input, *size, dtype=None, **placement):
     return jnp.zeros(size_arguments(size, placement), _dtype(dtype, input.dtype))
 
 
+@register_lowering(T.new)
+def new(input, *args, **placement):
+    """The legacy ``x.new(*sizes)`` (uninitialised in torch: zeros here) or ``x.new(data)``."""
+    if len(args) == 1 and not isinstance(args[0], (int, torch.Size)):
+        return jnp.asarray(args[0], _dtype(None, input.dtype))
+    return new_zeros(input, *args, **placement)
+
+
 @register_lowering(T.new_ones)
 def new_ones(input, *size, dtype=None, **placement):
     return jnp.ones(size_arguments(size, placement), _dtype(dtype, input.dtype))

@@ -23,7 +23,7 @@ from torch._functorch.vmap import _check_out_dims_is_int_or_int_pytree, _process
 from torch.utils._pytree import _broadcast_to_and_flatten
 
 from jmp.errors import UnsupportedOpError
-from jmp.torch_bridge import dispatch
+from jmp.torch_bridge import dispatch, padded_nonzero
 from jmp.torch_bridge.higher_order_ops import FUNCTIONS
 from jmp.torch_bridge.lowering.random import draws_refused, next_key
 from jmp.torch_bridge.registry import register_lowering
@@ -105,7 +105,7 @@ def _in_chunks(mapped_fn: Callable, batch_size: int, chunk_size: int, arrays: li
 
 
 def _take_outputs(outputs: _Outputs, result: Any, out_dims: Any, func: Callable) -> tuple[list, list]:
-    leaves, spec = torch_pytree.tree_flatten(result)
+    leaves, spec = torch_pytree.tree_flatten(padded_nonzero.refuse(result, "torch.vmap's output"))
     dims = _flat_out_dims(result, spec, out_dims, func)
     outputs.spec, outputs.dims = spec, dims
     outputs.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
