@@ -122,8 +122,9 @@ def optimizer_state_from(optimizer: Any, arrays: Mapping[str, jax.Array]) -> tup
                 node,
             )
         store = optimizer.model.store
-        current = store.field_named(node)
-        named = {name: arrays.get(f"{prefix}/{name}", value) for name, value in current.items()}
+        names = list(jax.eval_shape(store.field_named, node))  # unpacked only for names ``arrays`` lacks
+        current = store.field_named(node) if any(f"{prefix}/{n}" not in arrays for n in names) else {}
+        named = {name: arrays[f"{prefix}/{name}"] if f"{prefix}/{name}" in arrays else current[name] for name in names}
         return store.field_from_named(named, like=node)
 
     opt_state = jax.tree_util.tree_map_with_path(rebuild, optimizer.opt_state, is_leaf=is_field)
