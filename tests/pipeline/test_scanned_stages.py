@@ -7,6 +7,7 @@ made automatically or by hand.
 from __future__ import annotations
 
 import logging
+
 import numpy as np
 import pytest
 import torch
