@@ -1,0 +1,194 @@
+"""PyTorch tensor parallelism as torchtitan writes it: ``init_device_mesh`` (dp_shard x tp), ``parallelize_module``
+with torch's own plan classes (attention q/k/v Colwise, o Rowwise, MLP w1/w3 Colwise, w2 Rowwise, the embedding
+Rowwise, the output Colwise, norms SequenceParallel, PrepareModuleInput, ``loss_parallel``), then ``fully_shard``
+over the dp_shard mesh: trains as the same model unparallelised in PyTorch, its parameters split as the plan says.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+)
+
+import jmp as smp
+from jmp.errors import ArgumentTypeError, ConfigError
+from jmp.fsdp import fully_shard, init_device_mesh, parallelize_module
+from jmp.fsdp.fully_sharded import model_of
+
+VOCAB, DIM, HEADS, HIDDEN, STEPS = 256, 64, 4, 128, 3
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.attention, self.feed_forward = Attention(), FeedForward()
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """torchtitan's Llama layout and names (``layers`` a ModuleDict), without rotary embeddings."""
+
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(layers)})
+        self.norm, self.output = nn.RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def apply_tp(model: Llama, tp_mesh) -> None:
+    """torchtitan's ``apply_tp`` plan (with loss parallelism)."""
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w*": ColwiseParallel(),  # a wildcard, as torch matches it; w2 is set again below
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(block, tp_mesh, plan)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(0, VOCAB, (8, 17), generator=generator) for _ in range(STEPS)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def train(model: nn.Module) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    losses = []
+    for tokens, labels in batches():
+        with loss_parallel():
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_torchtitans_plan_with_fully_shard_trains_as_pytorch_and_splits_as_planned():
+    smp.init({})
+    torch.manual_seed(0)
+    reference = Llama()
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
+    apply_tp(model, mesh["tp"])
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+
+    losses = train(model)
+    expected = train(reference)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    trained = model.state_dict()
+    for name, value in reference.state_dict().items():
+        # Adam divides each gradient by its own size, so float32's reordered sums move an element whose gradient is
+        # near zero by a fraction of one step (lr 1e-3): 2e-5 is 2% of a step
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=2e-5, msg=name)
+
+    built = model_of(model)
+    assert dict(built.layout.mesh.shape) == {"pp": 1, "dp": 1, "fsdp": 4, "ep": 1, "tp": 2}
+    arrays = built.layout.by_name(built.training_state.params)
+    for name, (dim, planned) in {  # each device holds 1/tp of the planned dimension (and 1/fsdp of another)
+        "layers.0.attention.wq.weight": (0, "tp"),  # Colwise: output features
+        "layers.1.feed_forward.w3.weight": (0, "tp"),
+        "layers.0.attention.wo.weight": (1, "tp"),  # Rowwise: input features
+        "layers.1.feed_forward.w2.weight": (1, "tp"),
+        "tok_embeddings.weight": (0, "tp"),  # Rowwise embedding: the vocabulary
+        "output.weight": (0, "tp"),  # Colwise head: the vocabulary
+    }.items():
+        spec = tuple(built.layout.specs[name])
+        assert spec[dim] == planned and "fsdp" in spec[1 - dim], (name, spec)
+        array = arrays[name]
+        shards = array.addressable_shards
+        assert len(shards) == 8 and all(s.data.shape[dim] == array.shape[dim] // 2 for s in shards), name
+        assert all(s.data.size == array.size // 8 for s in shards), name
+    norm = tuple(built.layout.specs["layers.0.attention_norm.weight"])  # SequenceParallel: whole over tp
+    assert "tp" not in norm
+
+
+def test_device_mesh_has_torchs_surface_and_counts_devices():
+    smp.init({})
+    world = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (1, 1, 4, 2), ("pp", "dp_replicate", "fsdp", "tp"))  # torchtitan's ParallelDims
+    assert dense.shape == (1, 1, 4, 2) and dense.ndim == 4 and dense.size() == 8 and dense.size(2) == 4
+    assert dense["tp"].size() == 2 and dense["tp"].mesh_dim_names == ("tp",)
+    assert dense["dp_replicate", "fsdp"].shape == (1, 4)
+    loss = dense["dp_replicate", "fsdp"]._flatten("loss")
+    assert loss.shape == (4,) and world["loss"].size() == 4 and world["tp"].size() == 2
+    assert dense.get_coordinate() == [0, 0, 0, 0] and dense.get_local_rank("tp") == 0
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
+    assert mesh.size(1) == 4 and mesh["dp_shard"].get_local_rank() == 0
+    with pytest.raises(ConfigError, match="count devices"):
+        init_device_mesh("cpu", (2, 2))
+    with pytest.raises(KeyError):
+        mesh["tp"]
+
+
+def test_a_plan_on_a_module_jmp_cannot_split_is_refused():
+    smp.init({})
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("tp",))
+    with pytest.raises(ArgumentTypeError, match="Linear and Embedding"):
+        parallelize_module(Block(), mesh, {"attention": ColwiseParallel()})
+    with pytest.raises(ArgumentTypeError, match="1-D"):
+        parallelize_module(Block(), None, {"attention.wq": ColwiseParallel()})
