@@ -1,18 +1,11 @@
-"""``torch.distributed.device_mesh.init_device_mesh`` on jmp: a named mesh that says how many devices each
-parallelism spans, for ``parallelize_module`` (the tp dimension's size) and ``fully_shard`` / FSDP (the shard
-group's); jmp's ``smp.init`` mesh is laid out from those sizes when the model is built (``jmp.fsdp.layout``).
-
-Its sizes count devices (a process driving 4 devices spans 4 places of a dimension), and it has the surface of
-torch's ``DeviceMesh`` that scripts and torchtitan's ``ParallelDims`` use: ``mesh["tp"]``, ``mesh["a", "b"]``,
-``size``, ``ndim``, ``shape``, ``mesh_dim_names``, ``get_local_rank``, ``get_coordinate``, ``get_group``,
-``_flatten`` and ``_unflatten``. Dimension names say which of jmp's axes a group spans (``get_group``):
-``tp``; ``dp_shard`` / ``fsdp`` / ``shard``: the shard group; ``dp_replicate`` / ``dp`` / ``replicate``;
-``batch`` / ``loss`` and flattened dimensions: their parts.
+"""``init_device_mesh`` on jmp: named sizes for ``parallelize_module`` (tp) and ``fully_shard`` (the shard group),
+from which the model's ``smp.init`` mesh is laid out (``jmp.fsdp.layout``). Sizes count devices. It has the
+surface of torch's ``DeviceMesh`` that scripts and torchtitan's ``ParallelDims`` use; ``get_group`` knows a
+dimension's jmp axes by its name (``_AXES``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -27,21 +20,14 @@ _AXES |= {name: ("fsdp",) for name in ("dp_shard", "fsdp", "shard", "dp_shard_cp
 _AXES |= {name: ("dp", "fsdp") for name in ("batch", "loss", "dp_cp")}
 
 
-@dataclasses.dataclass(frozen=True)
-class _World:
-    """The dimensions every mesh of one ``init_device_mesh`` call knows by name: name -> (view, its indices)."""
-
-    devices: int
-    names: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-
-
 class DeviceMesh:
     """A view of the job's devices as named dimensions (a C-order layout ``view`` of the world, of which this mesh
-    spans the dimensions ``dims``: each a tuple of view indices, more than one once flattened)."""
+    spans the dimensions ``dims``: each a tuple of view indices, more than one once flattened). ``world``: the
+    dimensions the meshes of one ``init_device_mesh`` call know by name, name -> (view, its indices)."""
 
     counts_devices = True  # its sizes count devices, not processes (jmp.fsdp.layout)
 
-    def __init__(self, device_type: str, world: _World, view: tuple[int, ...], dims: tuple, names: tuple | None):
+    def __init__(self, device_type: str, world: dict, view: tuple[int, ...], dims: tuple, names: tuple | None):
         self.device_type, self._world, self._view, self._dims = device_type, world, view, dims
         self.mesh_dim_names = names
 
@@ -59,7 +45,7 @@ class DeviceMesh:
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         names = (names,) if isinstance(names, str) else tuple(names)
         own = dict(zip(self.mesh_dim_names or (), self._dims, strict=True))
-        found = [(self._view, own[n]) if n in own else self._world.names.get(n) for n in names]
+        found = [(self._view, own[n]) if n in own else self._world.get(n) for n in names]
         if any(f is None for f in found) or len({view for view, _ in found}) > 1:
             raise KeyError(f"DeviceMesh{self.mesh_dim_names}: no dimension(s) {names} on one layout")
         return DeviceMesh(self.device_type, self._world, found[0][0], tuple(d for _, d in found), names)
@@ -67,7 +53,7 @@ class DeviceMesh:
     def _flatten(self, mesh_dim_name: str | None = None, backend_override: Any = None) -> DeviceMesh:
         name = mesh_dim_name or "_".join(self.mesh_dim_names or ())
         flat = (tuple(i for dim in self._dims for i in dim),)
-        self._world.names[name] = (self._view, flat[0])
+        self._world[name] = (self._view, flat[0])
         return DeviceMesh(self.device_type, self._world, self._view, flat, (name,))
 
     def _unflatten(self, dim: int | str, mesh_sizes: tuple[int, ...], mesh_dim_names: tuple[str, ...],
@@ -76,12 +62,12 @@ class DeviceMesh:
         index = self._index(dim)
         if math.prod(mesh_sizes) != self.shape[index] or len(mesh_sizes) != len(mesh_dim_names):
             raise ArgumentTypeError(f"DeviceMesh._unflatten: {mesh_sizes} do not make the {self.shape[index]} of {dim}")
-        if self.ndim != 1 or self.size() != self._world.devices:
+        if self.ndim != 1 or self.size() != jax.device_count():
             raise ArgumentTypeError("DeviceMesh._unflatten: jmp unflattens a 1-D mesh of all the job's devices")
         view = tuple(mesh_sizes)
         names = tuple(mesh_dim_names)
         for i, name in enumerate(names):
-            self._world.names[name] = (view, (i,))
+            self._world[name] = (view, (i,))
         return DeviceMesh(self.device_type, self._world, view, tuple((i,) for i in range(len(view))), names)
 
     def get_coordinate(self) -> list[int]:
@@ -94,9 +80,6 @@ class DeviceMesh:
         if mesh_dim is None and self.ndim != 1:
             raise ArgumentTypeError("DeviceMesh.get_local_rank: name the dimension of a mesh of more than one")
         return self.get_coordinate()[0 if mesh_dim is None else self._index(mesh_dim)]
-
-    def get_rank(self) -> int:
-        return jax.process_index()
 
     def get_group(self, mesh_dim: int | str | None = None) -> Any:
         """The ``torch.distributed`` group of the processes that differ only along ``mesh_dim``, on jmp's mesh."""
@@ -114,14 +97,11 @@ class DeviceMesh:
             raise KeyError(f"DeviceMesh{self.mesh_dim_names} has no dimension {dim!r}")
         return self.mesh_dim_names.index(dim)
 
-    def __repr__(self) -> str:
-        return f"DeviceMesh({self.device_type!r}, {self.shape}, mesh_dim_names={self.mesh_dim_names}, jmp)"
-
 
 def init_device_mesh(
     device_type: str, mesh_shape: tuple[int, ...], *, mesh_dim_names: tuple[str, ...] | None = None, **_: Any
 ) -> DeviceMesh:
-    """torch's ``init_device_mesh`` over the job's devices (starting jmp, as ``smp.init()``, when the script has not).
+    """torch's ``init_device_mesh`` over the job's devices (``smp.init()`` first when the script has not run it).
 
     Raises:
         ConfigError: the sizes do not multiply to the job's devices.
@@ -137,8 +117,8 @@ def init_device_mesh(
         )
     if mesh_dim_names is not None and len(mesh_dim_names) != len(shape):
         raise ArgumentTypeError(f"init_device_mesh: {len(shape)} sizes but the names {mesh_dim_names}")
-    world = _World(devices)
+    world: dict = {}
     mesh = DeviceMesh(device_type, world, shape, tuple((i,) for i in range(len(shape))), mesh_dim_names)
     for i, name in enumerate(mesh_dim_names or ()):
-        world.names[name] = (shape, (i,))
+        world[name] = (shape, (i,))
     return mesh

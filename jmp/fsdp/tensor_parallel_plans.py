@@ -1,19 +1,9 @@
-"""``torch.distributed.tensor.parallel.parallelize_module`` on jmp: a plan is data, module path -> placement.
-
-``parallelize_module(module, tp_mesh, {path: style})`` (torch's own style objects; paths may hold ``*``, matched
-per name as torch does) gives each planned module a role in jmp's tensor-parallel rules
-(``jmp.sharding.tensor_parallel``), and the model then splits exactly the planned modules over a ``tp`` axis of
-``tp_mesh.size()`` devices, the rest whole over it, when FSDP / ``fully_shard`` builds it:
-
-- ``ColwiseParallel``: a Linear's weight split on dim 0 (output features) and its bias; an Embedding's on dim 1.
-- ``RowwiseParallel``: a Linear's weight split on dim 1 (input features), the bias whole; an Embedding's on the
-  vocabulary (dim 0).
-- ``SequenceParallel``, ``PrepareModuleInput`` / ``Output`` / ``InputOutput`` and the styles' ``input_layouts`` /
-  ``output_layouts`` / ``use_local_output`` say how activations are laid out between modules: XLA's partitioner
-  chooses those layouts for the whole compiled step, so they are accepted and change nothing in the math.
-
-``loss_parallel()`` stays torch's: it changes only how DTensors compute a cross-entropy, and jmp's logits are
-ordinary tensors whose loss is already the whole vocabulary's.
+"""``parallelize_module`` on jmp: a plan (module path -> torch's own style object) is data, a role per module in
+jmp's tensor-parallel rules (``jmp.sharding.tensor_parallel``); FSDP / ``fully_shard`` then builds the model with
+exactly the planned modules split over ``tp`` (the mesh's size): ``ColwiseParallel`` a Linear's weight on dim 0
+and its bias, an Embedding's on dim 1; ``RowwiseParallel`` a Linear's weight on dim 1, an Embedding's on the
+vocabulary. Activation layouts (``SequenceParallel``, ``PrepareModule*``, the styles' layouts) have no effect: XLA
+lays out the step. ``loss_parallel()`` stays torch's: it changes only DTensors' cross-entropy.
 """
 
 from __future__ import annotations
@@ -44,12 +34,12 @@ _LAYOUTS = (SequenceParallel, PrepareModuleInput, PrepareModuleOutput, PrepareMo
 def parallelize_module(
     module: nn.Module, device_mesh: Any = None, parallelize_plan: Any = None, *, src_data_rank: int | None = 0
 ) -> nn.Module:
-    """Record ``parallelize_plan`` (a style, or module path -> style) over ``device_mesh``'s devices; returns
-    ``module``. ``src_data_rank`` has no effect: every process already holds process 0's values.
+    """Record ``parallelize_plan`` (a style, or module path -> style; ``*`` matched per name as torch does);
+    returns ``module``. ``src_data_rank``: no effect.
 
     Raises:
-        ArgumentTypeError: no 1-D mesh, a plan of the wrong type, a style jmp has no rule for, or a Colwise /
-            Rowwise style on a module that is not a Linear or an Embedding.
+        ArgumentTypeError: no 1-D mesh, a plan of the wrong type, a style jmp has no rule for, or Colwise / Rowwise
+            on a module that is not a Linear or an Embedding.
     """
     if parallelize_plan is None:
         log_once("parallelize_module without a plan does nothing, as in PyTorch")
