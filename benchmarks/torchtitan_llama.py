@@ -135,6 +135,49 @@ def launched(out: str) -> None:
         Path(out).write_text(json.dumps(record, indent=1))
 
 
+def launched_newer(out: str) -> None:
+    """torchtitan 0.3's Llama (its ``debugmodel`` config at tp 2 x fsdp 4, sequence 16) through its trainer's calls
+    under each of its ``spmd_backend``s, up to a forward: the call that stops each is recorded."""
+    import torch
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    record: dict = {}
+    for backend in ("spmd_types", "partial_dtensor", "full_dtensor"):
+        stage = "config"
+        try:
+            config = llama3_debugmodel()
+            config.parallelism.tensor_parallel_degree, config.parallelism.data_parallel_shard_degree = 2, 4
+            config.parallelism.spmd_backend, config.training.seq_len, config.activation_checkpoint = backend, 16, None
+            spec = config.model_spec
+            spec.model.update_from_config(config=config)
+            with torch.device("meta"):
+                model = spec.model.build()
+            stage = "ParallelDims.from_config(...).build_mesh()"
+            dims = ParallelDims.from_config(config.parallelism, 8)
+            dims.build_mesh()
+            stage = "parallelize_llama(model, parallel_dims=..., ...)"
+            parallel = dict(training=config.training, parallelism=config.parallelism, compile_config=config.compile)
+            folder = tempfile.gettempdir()
+            spec.parallelize_fn(model, parallel_dims=dims, ac_config=None, dump_folder=folder, **parallel)
+            stage = "to_empty(), then init_weights() under no_grad"
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                model.init_weights()
+            stage = "forward"
+            model(torch.randint(0, 2048, (8, 16)))
+            record[backend] = {"stage": "done"}
+        except Exception as error:
+            frames = traceback.extract_tb(error.__traceback__)
+            record[backend] = {
+                "stage": stage,
+                "error": f"{type(error).__name__}: {error}"[:600],
+                "frames": [f"{f.filename.split('-packages/')[-1]}:{f.lineno} {f.name}: {f.line}" for f in frames[-9:]],
+            }
+    if jax_process_index() == 0:
+        Path(out).write_text(json.dumps(record, indent=1))
+
+
 def jax_process_index() -> int:
     import jax
 
@@ -157,7 +200,9 @@ def main() -> None:
     parser.add_argument("--launched", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.launched:
-        launched(args.launched)
+        from importlib.metadata import version
+
+        (launched if version("torchtitan") == VERSION else launched_newer)(args.launched)
         return
     if importlib.util.find_spec("torchtitan") is None:
         print(f"torchtitan is not installed; nothing run. To run this: {INSTALL}")
@@ -166,7 +211,8 @@ def main() -> None:
 
     from benchmarks.script_runs import jmp_tree
 
-    runs = {f"{n} process(es) x {k} devices": _run(n, k) for n, k in LAUNCHES}
+    launches = LAUNCHES if version("torchtitan") == VERSION else LAUNCHES[:1]
+    runs = {f"{n} process(es) x {k} devices": _run(n, k) for n, k in launches}
     record = {"torchtitan": version("torchtitan"), "runs": runs, **jmp_tree()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
