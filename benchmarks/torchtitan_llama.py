@@ -31,6 +31,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -129,7 +130,7 @@ def launched(out: str) -> None:
         frames = traceback.extract_tb(error.__traceback__)
         record["stopped"] = {
             "error": f"{type(error).__name__}: {error}"[:2000],
-            "frames": [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}: {f.line}" for f in frames[-8:]],
+            "frames": [f"{_short(f.filename)}:{f.lineno} {f.name}: {f.line}" for f in frames[-8:]],
         }
     if jax_process_index() == 0:
         Path(out).write_text(json.dumps(record, indent=1))
@@ -172,10 +173,15 @@ def launched_newer(out: str) -> None:
             record[backend] = {
                 "stage": stage,
                 "error": f"{type(error).__name__}: {error}"[:600],
-                "frames": [f"{f.filename.split('-packages/')[-1]}:{f.lineno} {f.name}: {f.line}" for f in frames[-9:]],
+                "frames": [f"{_short(f.filename)}:{f.lineno} {f.name}: {f.line}" for f in frames[-9:]],
             }
     if jax_process_index() == 0:
         Path(out).write_text(json.dumps(record, indent=1))
+
+
+def _short(filename: str) -> str:
+    """A frame's file from its package's folder on (no install paths)."""
+    return re.sub(r"^.*?/(?=(torchtitan|spmd_types|torch|jmp|benchmarks)/)", "", filename)
 
 
 def jax_process_index() -> int:
