@@ -7,6 +7,11 @@ over the dp_shard mesh: trains as the same model unparallelised in PyTorch, its 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +33,7 @@ from jmp.fsdp import fully_shard, init_device_mesh, parallelize_module
 from jmp.fsdp.fully_sharded import model_of
 
 VOCAB, DIM, HEADS, HIDDEN, STEPS = 256, 64, 4, 128, 3
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Attention(nn.Module):
@@ -80,9 +86,9 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def apply_tp(model: Llama, tp_mesh) -> None:
+def apply_tp(model: Llama, tp_mesh, parallelize=parallelize_module) -> None:
     """torchtitan's ``apply_tp`` plan (with loss parallelism)."""
-    parallelize_module(
+    parallelize(
         model,
         tp_mesh,
         {
@@ -104,7 +110,7 @@ def apply_tp(model: Llama, tp_mesh) -> None:
             "feed_forward.w*": ColwiseParallel(),  # a wildcard, as torch matches it; w2 is set again below
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         }
-        parallelize_module(block, tp_mesh, plan)
+        parallelize(block, tp_mesh, plan)
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -165,6 +171,20 @@ def test_torchtitans_plan_with_fully_shard_trains_as_pytorch_and_splits_as_plann
         assert all(s.data.size == array.size // 8 for s in shards), name
     norm = tuple(built.layout.specs["layers.0.attention_norm.weight"])  # SequenceParallel: whole over tp
     assert "tp" not in norm
+
+
+def test_under_jmp_launch_torchs_mesh_plan_and_fully_shard_names_are_jmps_and_train_as_pytorch():
+    command = [sys.executable, "-m", "jmp.launch", "-n", "1", "--cpu-devices", "8", "tests/fsdp/tp_plan_script.py"]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["names"] == {
+        "init_device_mesh": "jmp.fsdp.device_mesh",
+        "fully_shard": "jmp.fsdp.fully_shard",
+        "parallelize_module": "jmp.fsdp.tensor_parallel_plans",
+    }
+    np.testing.assert_allclose(report["losses"], report["expected"], rtol=1e-5)
 
 
 def test_device_mesh_has_torchs_surface_and_counts_devices():
