@@ -187,22 +187,42 @@ def test_under_jmp_launch_torchs_mesh_plan_and_fully_shard_names_are_jmps_and_tr
     np.testing.assert_allclose(report["losses"], report["expected"], rtol=1e-5)
 
 
-def test_device_mesh_has_torchs_surface_and_counts_devices():
-    smp.init({})
-    world = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
-    dense = world._unflatten(0, (1, 1, 4, 2), ("pp", "dp_replicate", "fsdp", "tp"))  # torchtitan's ParallelDims
-    assert dense.shape == (1, 1, 4, 2) and dense.ndim == 4 and dense.size() == 8 and dense.size(2) == 4
-    assert dense["tp"].size() == 2 and dense["tp"].mesh_dim_names == ("tp",)
-    assert dense["dp_replicate", "fsdp"].shape == (1, 4)
+def mesh_surface(init) -> dict:
+    """What scripts and torchtitan's ``ParallelDims.build_mesh`` read of meshes made by ``init`` (8 ranks, rank 0)."""
+    world = init("cpu", (8,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (1, 1, 4, 2), ("pp", "dp_replicate", "fsdp", "tp"))
     loss = dense["dp_replicate", "fsdp"]._flatten("loss")
-    assert loss.shape == (4,) and world["loss"].size() == 4 and world["tp"].size() == 2
-    assert dense.get_coordinate() == [0, 0, 0, 0] and dense.get_local_rank("tp") == 0
-    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
-    assert mesh.size(1) == 4 and mesh["dp_shard"].get_local_rank() == 0
+    hybrid = init("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return {
+        "dense": [list(dense.shape), dense.ndim, dense.size(), dense.size(2), list(dense.mesh_dim_names)],
+        "coordinate": dense.get_coordinate(),
+        "tp": [dense["tp"].size(), dense["tp"].get_local_rank(), list(dense["tp"].mesh_dim_names)],
+        "pair": list(dense["dp_replicate", "fsdp"].shape),
+        "loss": [loss.size(), list(loss.mesh_dim_names), world["loss"].size(), loss.get_local_rank()],
+        "hybrid": [list(hybrid.shape), hybrid.size(1), hybrid["dp_shard"].get_local_rank(), hybrid.get_local_rank(0)],
+    }
+
+
+_TORCHS = """
+import json, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from tests.fsdp.test_tensor_parallel_plans import mesh_surface
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+print(json.dumps(mesh_surface(init_device_mesh)))
+"""
+
+
+def test_device_mesh_reads_as_torchs_on_8_ranks_and_counts_devices():
+    smp.init({})
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _TORCHS], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert mesh_surface(init_device_mesh) == json.loads(done.stdout.strip().splitlines()[-1])  # torch's, fake group
     with pytest.raises(ConfigError, match="count devices"):
         init_device_mesh("cpu", (2, 2))
     with pytest.raises(KeyError):
-        mesh["tp"]
+        init_device_mesh("cpu", (8,), mesh_dim_names=("dp_shard",))["tp"]
 
 
 def test_a_plan_on_a_module_jmp_cannot_split_is_refused():
