@@ -7,9 +7,13 @@ torchtitan is not a dependency: install its PyPI release 0.2.2 without letting p
 packages its ``torchtitan.models.llama3`` import chain needs (``INSTALL``; or ``--target DIR`` and
 ``PYTHONPATH=DIR``). Without torchtitan this says so and stops (exit 0). 0.2.2 is the last release whose Llama
 is split by ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` /
-``PrepareModuleInput`` and ``loss_parallel``: in 0.3.0 each module declares its own DTensor placements
-(``torchtitan.protocols.module.Module.parallelize`` calls ``distribute_tensor`` and ``local_map``, with
-``spmd_types``), which no PyTorch plan call reaches.
+``PrepareModuleInput`` and ``loss_parallel``. In 0.3.0 each module places its own DTensors
+(``torchtitan.protocols.module.Module.parallelize``), which no PyTorch plan call reaches; with 0.3 installed the
+run records where its ``debugmodel`` stops under each ``spmd_backend`` (``torchtitan_llama_0.3.0.json``):
+``spmd_types`` (the default) in ``parallelize_llama`` at ``spmd_types.set_current_mesh(mesh)``, which takes the
+mesh's process groups (jmp's mesh has none); ``partial_dtensor`` after it, at ``init_weights()``, whose
+``normal_`` on a DTensor needs torch's own ``DeviceMesh`` for DTensor's sharding propagation; ``full_dtensor`` at
+``fully_shard(..., dp_mesh_dims=...)``, an SPMD-typed mesh jmp refuses.
 
 One process drives 8 emulated CPU devices (``jmp.launch -n 1 --cpu-devices 8``), then two drive 4 each (both
 feed the same rows, so the job's batch is those rows twice and its mean loss theirs). There torchtitan's
