@@ -1,7 +1,6 @@
 """``init_device_mesh`` on jmp: named sizes for ``parallelize_module`` (tp) and ``fully_shard`` (the shard group),
 from which the model's ``smp.init`` mesh is laid out (``jmp.fsdp.layout``). Sizes count devices. It has the
-surface of torch's ``DeviceMesh`` that scripts and torchtitan's ``ParallelDims`` use; ``get_group`` knows a
-dimension's jmp axes by its name (``_AXES``).
+surface of torch's ``DeviceMesh`` that scripts and torchtitan's ``ParallelDims`` use.
 """
 
 from __future__ import annotations
@@ -11,13 +10,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jmp.errors import ArgumentTypeError, ConfigError
-from jmp.runtime import mesh_state
-
-_AXES = {"tp": ("tp",), "dp_replicate": ("dp",), "dp": ("dp",), "replicate": ("dp",)}
-_AXES |= {name: ("fsdp",) for name in ("dp_shard", "fsdp", "shard", "dp_shard_cp")}
-_AXES |= {name: ("dp", "fsdp") for name in ("batch", "loss", "dp_cp")}
+from jmp.runtime import mesh_state, process_groups
 
 
 class DeviceMesh:
@@ -82,13 +78,14 @@ class DeviceMesh:
         return self.get_coordinate()[0 if mesh_dim is None else self._index(mesh_dim)]
 
     def get_group(self, mesh_dim: int | str | None = None) -> Any:
-        """The ``torch.distributed`` group of the processes that differ only along ``mesh_dim``, on jmp's mesh."""
+        """The ``torch.distributed`` group of the processes whose devices differ only along ``mesh_dim`` (devices
+        laid out in id order)."""
         from jmp.fsdp import layout
 
-        name = (self.mesh_dim_names or ("",))[0 if mesh_dim is None else self._index(mesh_dim)]
-        if name not in _AXES:
-            raise ArgumentTypeError(f"DeviceMesh.get_group({name!r}): jmp knows the groups of {sorted(_AXES)}")
-        return layout.group_of(_AXES[name])
+        along = self._dims[0 if mesh_dim is None else self._index(mesh_dim)]
+        names = tuple(f"view{i}" for i in range(len(self._view)))
+        devices = np.array(sorted(jax.devices(), key=lambda d: d.id)).reshape(self._view)
+        return layout.group_in(process_groups.partition_of(Mesh(devices, names), tuple(names[i] for i in along)))
 
     def _index(self, dim: int | str) -> int:
         if isinstance(dim, int):

@@ -152,9 +152,13 @@ def shard_group(strategy: ShardingStrategy) -> dist.ProcessGroup:
 
 
 def group_of(axes: tuple[str, ...]) -> dist.ProcessGroup:
-    """This process's group of the processes whose devices differ only along ``axes`` (made for every process's
-    group at the first call, in the same order everywhere, as ``dist.new_group`` requires)."""
-    partition = process_groups.partition_of(state.get_mesh(), axes)
+    """This process's group of the processes whose devices differ only along ``axes`` of the run's mesh."""
+    return group_in(process_groups.partition_of(state.get_mesh(), axes))
+
+
+def group_in(partition: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
+    """This process's group of ``partition`` (each group made at the first call, in the same order everywhere, as
+    ``dist.new_group`` requires)."""
     for members in partition:
         if members not in _groups:
             world = len(members) == dist.get_world_size()

@@ -173,8 +173,11 @@ def test_torchtitans_plan_with_fully_shard_trains_as_pytorch_and_splits_as_plann
     assert "tp" not in norm
 
 
-def test_under_jmp_launch_torchs_mesh_plan_and_fully_shard_names_are_jmps_and_train_as_pytorch():
-    command = [sys.executable, "-m", "jmp.launch", "-n", "1", "--cpu-devices", "8", "tests/fsdp/tp_plan_script.py"]
+@pytest.mark.parametrize("processes, groups", [(1, [1, 1]), (2, [1, 2])])
+def test_under_jmp_launch_torchs_mesh_plan_and_fully_shard_names_are_jmps_and_train_as_pytorch(processes, groups):
+    devices = str(8 // processes)  # two processes feed the same rows: the job's mean loss is theirs
+    command = [sys.executable, "-m", "jmp.launch", "-n", str(processes), "--cpu-devices", devices]
+    command.append("tests/fsdp/tp_plan_script.py")
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -184,6 +187,7 @@ def test_under_jmp_launch_torchs_mesh_plan_and_fully_shard_names_are_jmps_and_tr
         "fully_shard": "jmp.fsdp.fully_shard",
         "parallelize_module": "jmp.fsdp.tensor_parallel_plans",
     }
+    assert report["groups"] == groups  # the processes of a tp / dp_shard group: a tp pair is on one process
     np.testing.assert_allclose(report["losses"], report["expected"], rtol=1e-5)
 
 

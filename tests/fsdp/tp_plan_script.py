@@ -6,6 +6,7 @@ import copy
 import json
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -21,4 +22,5 @@ case.apply_tp(model, mesh["tp"], parallelize_module)
 for block in model.layers.values():
     fully_shard(block, mesh=mesh["dp_shard"])
 fully_shard(model, mesh=mesh["dp_shard"])
-print(json.dumps({"names": names, "losses": case.train(model), "expected": case.train(reference)}))
+groups = [dist.get_world_size(mesh[name].get_group()) for name in ("tp", "dp_shard")]  # one process: itself
+print(json.dumps({"names": names, "groups": groups, "losses": case.train(model), "expected": case.train(reference)}))
