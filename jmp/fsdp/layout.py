@@ -88,10 +88,7 @@ def request(
         raise ArgumentTypeError(f"{where}: mixed_precision takes a MixedPrecision, not {mixed_precision!r}")
     mesh = state.get_mesh()
     data_devices = mesh.shape["dp"] * mesh.shape["fsdp"]
-    if tp_degree is not None:
-        if data_devices * mesh.shape["tp"] % tp_degree:
-            raise ConfigError(f"{where}: a tensor-parallel plan over {tp_degree} devices does not divide the mesh "
-                              f"{dict(mesh.shape)}")  # fmt: skip
+    if tp_degree is not None:  # the devices left for data parallelism (smp.init checks the whole)
         data_devices = data_devices * mesh.shape["tp"] // tp_degree
     run = v2_initialization.current_run()
     v2_degree = None if run is None else run.hybrid_shard_degree  # 0: the sharding strategy decides
