@@ -10,8 +10,8 @@ is split by ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`
 ``PrepareModuleInput`` and ``loss_parallel``. In 0.3.0 each module places its own DTensors
 (``torchtitan.protocols.module.Module.parallelize``), which no PyTorch plan call reaches; with 0.3 installed the
 run records where its ``debugmodel`` stops under each ``spmd_backend`` (``torchtitan_llama_0.3.0.json``):
-``spmd_types`` (the default) in ``parallelize_llama`` at ``spmd_types.set_current_mesh(mesh)``, which takes the
-mesh's process groups (jmp's mesh has none); ``partial_dtensor`` after it, at ``init_weights()``, whose
+``spmd_types`` (the default) in ``parallelize_llama`` at ``spmd_types.set_current_mesh(mesh)``, which takes
+torch's own ``DeviceMesh`` class or a sequence of process groups (jmp's mesh is neither); ``partial_dtensor`` after it, at ``init_weights()``, whose
 ``normal_`` on a DTensor needs torch's own ``DeviceMesh`` for DTensor's sharding propagation; ``full_dtensor`` at
 ``fully_shard(..., dp_mesh_dims=...)``, an SPMD-typed mesh jmp refuses.
 
