@@ -11,9 +11,9 @@ is split by ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`
 (``torchtitan.protocols.module.Module.parallelize``), which no PyTorch plan call reaches; with 0.3 installed the
 run records where its ``debugmodel`` stops under each ``spmd_backend`` (``torchtitan_llama_0.3.0.json``):
 ``spmd_types`` (the default) in ``parallelize_llama`` at ``spmd_types.set_current_mesh(mesh)``, which takes
-torch's own ``DeviceMesh`` class or a sequence of process groups (jmp's mesh is neither); ``partial_dtensor`` after it, at ``init_weights()``, whose
-``normal_`` on a DTensor needs torch's own ``DeviceMesh`` for DTensor's sharding propagation; ``full_dtensor`` at
-``fully_shard(..., dp_mesh_dims=...)``, an SPMD-typed mesh jmp refuses.
+torch's own ``DeviceMesh`` class or a sequence of process groups (jmp's mesh is neither); ``partial_dtensor``
+after it, at ``init_weights()``, whose ``normal_`` on a DTensor needs torch's own ``DeviceMesh`` for DTensor's
+sharding propagation; ``full_dtensor`` at ``fully_shard(..., dp_mesh_dims=...)``, an SPMD-typed mesh jmp refuses.
 
 One process drives 8 emulated CPU devices (``jmp.launch -n 1 --cpu-devices 8``), then two drive 4 each (both
 feed the same rows, so the job's batch is those rows twice and its mean loss theirs). There torchtitan's
