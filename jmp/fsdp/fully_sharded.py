@@ -25,7 +25,7 @@ from torch import nn
 
 from jmp.eager import plain_optimizers
 from jmp.errors import ArgumentTypeError
-from jmp.fsdp import activation_checkpointing, layout, materialise, state_dicts
+from jmp.fsdp import activation_checkpointing, layout, materialise, state_dicts, tensor_parallel_plans
 from jmp.fsdp.options import (
     BackwardPrefetch,
     CPUOffload,
@@ -108,7 +108,8 @@ class FullyShardedDataParallel(DistributedModel):
         if isinstance(module, DistributedModel) or not isinstance(module, nn.Module):
             laid_out = " already laid out by jmp; wrap the module itself, once" if isinstance(module, nn.Module) else ""
             raise ArgumentTypeError(f"{WHERE} takes a torch.nn.Module, not a {type(module).__name__}{laid_out}")
-        wanted = layout.request(sharding_strategy, process_group, device_mesh, mixed_precision, WHERE)  # checks only
+        tp = tensor_parallel_plans.degree_of(module)  # a PyTorch TP plan's (parallelize_module)
+        wanted = layout.request(sharding_strategy, process_group, device_mesh, mixed_precision, WHERE, tp)
         module = _unwrap_nested(module)
         ignored = _ignored(module, ignored_modules, ignored_states)
         given = dict(

@@ -50,6 +50,7 @@ class Request:
     shard_degree: int
     reshard_after_forward: bool | None  # None: leave the config's (nothing is split, nothing to reshard)
     half: torch.dtype | None  # the compute dtype of floating parameters; None: the module's own
+    tp_degree: int | None = None  # a PyTorch TP plan's degree (jmp.fsdp.tensor_parallel_plans); None: the config's
 
     def config_keys(self) -> dict[str, Any]:
         keys: dict[str, Any] = {
@@ -60,6 +61,8 @@ class Request:
         }
         if self.reshard_after_forward is not None:
             keys["reshard_after_forward"] = self.reshard_after_forward
+        if self.tp_degree is not None:
+            keys["tensor_parallel_degree"] = self.tp_degree
         return keys
 
 
@@ -69,8 +72,10 @@ def request(
     device_mesh: Any,
     mixed_precision: MixedPrecision | None,
     where: str,
+    tp_degree: int | None = None,
 ) -> Request:
-    """The layout and precision ``FullyShardedDataParallel``'s arguments ask for, on the run's mesh.
+    """The layout and precision ``FullyShardedDataParallel``'s arguments ask for, on the run's mesh (with
+    ``tp_degree``: that tensor-parallel degree).
 
     Raises:
         ArgumentTypeError: an argument of the wrong type.
@@ -83,6 +88,8 @@ def request(
         raise ArgumentTypeError(f"{where}: mixed_precision takes a MixedPrecision, not {mixed_precision!r}")
     mesh = state.get_mesh()
     data_devices = mesh.shape["dp"] * mesh.shape["fsdp"]
+    if tp_degree is not None:  # the devices left for data parallelism (smp.init checks the whole)
+        data_devices = data_devices * mesh.shape["tp"] // tp_degree
     run = v2_initialization.current_run()
     v2_degree = None if run is None else run.hybrid_shard_degree  # 0: the sharding strategy decides
     if v2_degree is not None and v2_degree >= 2:  # SMP v2: its degree, under HYBRID_SHARD, whatever the script says
@@ -102,7 +109,7 @@ def request(
         degree = _hybrid_degree(process_group, device_mesh, mesh, configured, where)
     else:
         group_size = _group_size(process_group, device_mesh)
-        degree = data_devices if group_size is None else group_size * _devices_per_process(mesh)
+        degree = data_devices if group_size is None else group_size * _devices_per_process(mesh, device_mesh)
     if degree < 1 or data_devices % degree:
         raise ConfigError(
             f"{where}: sharding over {degree} devices, but the {data_devices} data-parallel devices of the mesh "
@@ -110,7 +117,7 @@ def request(
             "groups) that divides them"
         )
     reshard = None if strategy is ShardingStrategy.NO_SHARD else strategy not in KEEP_GATHERED
-    return Request(strategy, degree, reshard, _compute_dtype(mixed_precision, where))
+    return Request(strategy, degree, reshard, _compute_dtype(mixed_precision, where), tp_degree)
 
 
 def apply(wanted: Request, where: str) -> None:
@@ -138,13 +145,17 @@ def shard_group(strategy: ShardingStrategy) -> dist.ProcessGroup:
     """FSDP's ``process_group`` for ``strategy``: the processes one parameter is split over (hybrid strategies),
     else all the data-parallel processes, as a ``torch.distributed`` group."""
     axes = ("fsdp",) if strategy in HYBRID else ("dp", "fsdp")
-    return _group_of(axes)
+    return group_of(axes)
 
 
-def _group_of(axes: tuple[str, ...]) -> dist.ProcessGroup:
-    """This process's group of the processes whose devices differ only along ``axes`` (made for every process's
-    group at the first call, in the same order everywhere, as ``dist.new_group`` requires)."""
-    partition = process_groups.partition_of(state.get_mesh(), axes)
+def group_of(axes: tuple[str, ...]) -> dist.ProcessGroup:
+    """This process's group of the processes whose devices differ only along ``axes`` of the run's mesh."""
+    return group_in(process_groups.partition_of(state.get_mesh(), axes))
+
+
+def group_in(partition: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
+    """This process's group of ``partition`` (each group made at the first call, in the same order everywhere, as
+    ``dist.new_group`` requires)."""
     for members in partition:
         if members not in _groups:
             world = len(members) == dist.get_world_size()
@@ -163,7 +174,7 @@ def _hybrid_degree(process_group: Any, device_mesh: Any, mesh: Any, configured: 
     if device_mesh is not None:
         if device_mesh.ndim != 2:
             raise ArgumentTypeError(f"{where}: hybrid sharding takes a 2-D device_mesh (replicate, shard)")
-        return device_mesh.size(1) * _devices_per_process(mesh)
+        return device_mesh.size(1) * _devices_per_process(mesh, device_mesh)
     if configured is not None:
         return configured
     return min(_devices_per_process(mesh) * state.local_size(), mesh.shape["dp"] * mesh.shape["fsdp"])
@@ -180,8 +191,11 @@ def _group_size(process_group: Any, device_mesh: Any) -> int | None:
     return dist.get_world_size(process_group)
 
 
-def _devices_per_process(mesh: Any) -> int:
-    """The data-parallel devices one process drives (its devices of the mesh over its model-parallel degrees)."""
+def _devices_per_process(mesh: Any, device_mesh: Any = None) -> int:
+    """The data-parallel devices one process drives (its devices of the mesh over its model-parallel degrees); 1
+    for jmp's own ``DeviceMesh`` (``jmp.fsdp.device_mesh``), whose sizes count devices."""
+    if getattr(device_mesh, "counts_devices", False):
+        return 1
     mine = sum(device.process_index == jax.process_index() for device in mesh.devices.flat)
     others = mesh.shape["pp"] * mesh.shape["ep"] * mesh.shape["tp"]
     return max(1, mine // others)

@@ -25,7 +25,8 @@ from jmp.runtime.marks import mark, mark_of, marking_created
 logger = logging.getLogger("jmp")
 
 _MARK = "tensor_parallel"
-COLUMN, ROW, VOCAB = "column", "row", "vocab"
+_PLAN = "tensor_parallel_plan"  # a role a PyTorch TP plan gave the module (jmp.fsdp.tensor_parallel_plans)
+COLUMN, ROW, VOCAB, WHOLE = "column", "row", "vocab", "whole"
 
 _COLUMN_NAMES = frozenset(
     {"q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "c_attn", "c_fc", "query", "key", "value",
@@ -155,8 +156,18 @@ def _sizes(module: nn.Module) -> tuple[int, int]:
     return module.in_features, module.out_features
 
 
+def plan(module: nn.Module, role: str) -> None:
+    """Give ``module`` a plan's role (``COLUMN``, ``ROW``, ``VOCAB`` or ``WHOLE``): once any module of a model has
+    one, exactly the planned modules are split, as the plan says, and no naming rule applies."""
+    mark(module, _PLAN, role)
+
+
 def _roles(root: nn.Module) -> dict[str, tuple[str, nn.Module, nn.Module | None]]:
     """torch path -> (role, module, parent) for every distributed layer that gets split."""
+    parents = {id(c): m for m in root.modules() for c in m.children()}
+    planned = {p: (mark_of(m, _PLAN), m, parents.get(id(m))) for p, m in root.named_modules() if mark_of(m, _PLAN)}
+    if planned:
+        return {path: role for path, role in planned.items() if role[0] != WHOLE}
     marked = any(mark_of(m, _MARK) is True for m in root.modules())  # only exclusions: the rest is split
     roles: dict[str, tuple[str, nn.Module, nn.Module | None]] = {}
 
@@ -241,6 +252,7 @@ _SPECS = {  # (kind, role) -> {parameter name: spec}
     ("conv1d", COLUMN): {"weight": (None, "tp"), "bias": ("tp",)},
     ("conv1d", ROW): {"weight": ("tp", None), "bias": (None,)},
     ("embedding", VOCAB): {"weight": ("tp", None)},
+    ("embedding", COLUMN): {"weight": (None, "tp")},
     ("attention", COLUMN): {
         "in_proj_weight": ("tp", None),
         "in_proj_bias": ("tp",),
@@ -279,7 +291,9 @@ def _check_divisible(path: str, module: nn.Module, kind: str, role: str, parent:
         "choose a tensor_parallel_degree that divides it, or keep the module whole with "
         "smp.set_tensor_parallelism(module, False)"
     )
-    if kind == "embedding":
+    if kind == "embedding" and role == COLUMN:
+        size, what = module.embedding_dim, "embedding features"
+    elif kind == "embedding":
         size, what = module.num_embeddings, "vocabulary entries"
     elif kind == "registered_embedding":
         size, what = _matrix(module).shape[0], "vocabulary entries"

@@ -14,8 +14,10 @@
   ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``'s ``apply_activation_checkpointing``,
   ``checkpoint_wrapper``, ``offload_wrapper``; with them ``FSDP.state_dict_type`` and the other class-level calls
   are jmp's; so is ``torch.nn.parallel.DistributedDataParallel`` (and ``torch.nn.parallel.distributed``'s), FSDP
-  with every parameter replicated. ``ShardingStrategy``, ``MixedPrecision``, ``StateDictType``, the wrap policies
-  stay torch's (jmp takes torch's own).
+  with every parameter replicated; FSDP2's ``fully_shard``, ``init_device_mesh`` and
+  ``torch.distributed.tensor.parallel.parallelize_module`` are jmp's too (tensor-parallel plans as data; the style
+  classes and ``loss_parallel`` stay torch's). ``ShardingStrategy``, ``MixedPrecision``, ``StateDictType``, the
+  wrap policies stay torch's (jmp takes torch's own).
   And ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict`` takes
   SMP's ``process_group=``, and ``torch.distributed.checkpoint``'s ``save_state_dict`` / ``load_state_dict`` SMP's
   global ``coordinator_rank`` (``jmp.fsdp.distributed_checkpoint``); its ``save`` / ``load`` / ``async_save`` write
@@ -172,7 +174,9 @@ def _run_shadowed_sitecustomize() -> None:
 # module -> what to do once it has run
 AFTER_IMPORT = {
     _DISTRIBUTED: patch_init_process_group,
-    "torch.distributed.fsdp": JmpNames("jmp.fsdp", ("FullyShardedDataParallel",)),
+    "torch.distributed.fsdp": JmpNames("jmp.fsdp", ("FullyShardedDataParallel", "fully_shard")),
+    "torch.distributed.device_mesh": JmpNames("jmp.fsdp", ("init_device_mesh",)),
+    "torch.distributed.tensor.parallel": JmpNames("jmp.fsdp", ("parallelize_module",)),
     "torch.nn.parallel": JmpNames("jmp.fsdp", ("DistributedDataParallel",)),
     "torch.nn.parallel.distributed": JmpNames("jmp.fsdp", ("DistributedDataParallel",)),
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper": JmpNames(
