@@ -122,6 +122,8 @@ def optimizer_state_from(optimizer: Any, arrays: Mapping[str, jax.Array]) -> tup
                 node,
             )
         store = optimizer.model.store
+        if not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(node)):
+            return node  # an abstract model's (smp.estimate_memory): no values to move
         names = list(jax.eval_shape(store.field_named, node))  # unpacked only for names ``arrays`` lacks
         current = store.field_named(node) if any(f"{prefix}/{n}" not in arrays for n in names) else {}
         named = {name: arrays[f"{prefix}/{name}"] if f"{prefix}/{name}" in arrays else current[name] for name in names}
