@@ -25,40 +25,7 @@ from torch import nn
 import jmp
 import jmp as smp
 from benchmarks.harness import machine, write_results
-
-
-class ReversibleFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, blocks):
-        x1, x2 = torch.chunk(x, 2, dim=-1)
-        with torch.no_grad():
-            for f, g in blocks:
-                x1 = x1 + f(x2)
-                x2 = x2 + g(x1)
-        ctx.blocks = blocks
-        ctx.save_for_backward(x1, x2)
-        return torch.cat([x1, x2], dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        y1, y2 = ctx.saved_tensors
-        dy1, dy2 = torch.chunk(grad, 2, dim=-1)
-        for f, g in reversed(ctx.blocks):
-            with torch.enable_grad():
-                y1.requires_grad = True
-                g_y1 = g(y1)
-                g_y1.backward(dy2)
-            with torch.no_grad():
-                x2 = y2 - g_y1
-                dy1 = dy1 + y1.grad
-            with torch.enable_grad():
-                x2.requires_grad = True
-                f_x2 = f(x2)
-                f_x2.backward(dy1)
-            with torch.no_grad():
-                y1, y2 = y1 - f_x2, x2.detach()
-                dy2 = dy2 + x2.grad
-        return torch.cat([dy1, dy2], dim=-1), None
+from tests.torch_bridge.test_reversible_layers import ReversibleFunction
 
 
 class Stack(nn.Module):
