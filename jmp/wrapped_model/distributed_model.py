@@ -471,13 +471,15 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
             reason,
         )
         self.stacks = []
+        self.programs.clear()
+        if not isinstance(self.store, StackStore):
+            return  # per layer already (a pipeline's stage buffers, or stacks never stored stacked)
         named = self.store.named(self.training_state.params)
         self.store = TreeStore(self.layout)
         if self.abstract:
             self.training_state.params = with_shardings(jax.eval_shape(self.store.pack, named), self.store.shardings)
         else:
             self.training_state.params = self.store.pack(named)
-        self.programs.clear()
         for optimizer in self._live_optimizers():
             optimizer.parameters_moved()
 
