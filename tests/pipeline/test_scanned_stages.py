@@ -39,12 +39,20 @@ def test_each_stage_runs_its_equal_share_of_the_layers_as_one_scan(caplog):
     assert "model.embed_tokens" in stage_0 and "lm_head" in stage_1
 
 
-@pytest.mark.parametrize("partition", ["automatic", "manual"])
-def test_scanned_stages_train_as_pytorch(partition):
-    """Three AdamW steps of a 5-layer Llama at pp2 x dp4, cut automatically (layers 0-2 / 3-4) or by hand (0-1 /
-    2-4): the first step's gradients and every loss as PyTorch's (float32 rounding only, as tests/pipeline/test_3d)."""
-    reference, module = causal_lm("llama", hidden=32, layers=5), causal_lm("llama", hidden=32, layers=5)
-    config = dict(CONFIG)
+TENSOR_PARALLEL = {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2}
+
+
+@pytest.mark.parametrize(
+    "name, partition, degrees",
+    [("llama", "automatic", {}), ("llama", "manual", {}), ("gpt2", "automatic", TENSOR_PARALLEL)],
+    ids=["llama-automatic", "llama-manual", "gpt2-tp2xfsdp2"],
+)
+def test_scanned_stages_train_as_pytorch(name, partition, degrees):
+    """Three AdamW steps of a 5-layer model at pp2, cut automatically (layers 0-2 / 3-4) or by hand (0-1 / 2-4): the
+    first step's gradients and every loss as PyTorch's (float32 rounding only, as tests/pipeline/test_3d). Under
+    tensor parallelism the layers run one by one (GPT-2's fused q/k/v split needs its constraints, set per equation)."""
+    reference, module = causal_lm(name, hidden=32, layers=5), causal_lm(name, hidden=32, layers=5)
+    config = dict(CONFIG) | degrees
     if partition == "manual":
         config |= {"auto_partition": False, "default_partition": 0}
         for layer in module.model.layers[2:]:
