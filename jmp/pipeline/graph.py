@@ -123,6 +123,9 @@ def run_equations(eqns: Sequence[core.JaxprEqn], env: dict) -> dict:
         if eqn.primitive.name in ("checkpoint", "remat2"):  # its equations replayed here too (splits: ``_whole_along``)
             _bind_outputs(eqn, _checkpoint(eqn, args), env)
             continue
+        if eqn.primitive.name == "scan":  # a stage's scanned layers: its body's equations replayed here too
+            _bind_outputs(eqn, _scan(eqn, args), env)
+            continue
         if eqn.primitive.name == "split":
             args[0] = _whole_along(args[0], eqn.params["axis"])
         if eqn.primitive.name in _SHIFTS:
@@ -158,6 +161,29 @@ def _checkpoint(eqn: core.JaxprEqn, args: list) -> list:
 
     with eqn.ctx.manager:
         return jax.checkpoint(region, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])(*args)
+
+
+def _scan(eqn: core.JaxprEqn, args: list) -> list:
+    """A ``lax.scan`` run again as one, its body's equations evaluated by ``run_equations``."""
+    params, body = eqn.params, eqn.params["jaxpr"]
+    consts, carries = params["num_consts"], params["num_carry"]
+
+    def step(carry: list, xs: list) -> tuple[list, list]:
+        local = dict(zip(body.jaxpr.constvars, body.consts))
+        local = run_equations(body.jaxpr.eqns, local | dict(zip(body.jaxpr.invars, [*args[:consts], *carry, *xs])))
+        outs = [read(local, v) for v in body.jaxpr.outvars]
+        return outs[:carries], outs[carries:]
+
+    with eqn.ctx.manager:
+        carry, ys = jax.lax.scan(
+            step,
+            args[consts : consts + carries],
+            args[consts + carries :],
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params["unroll"],
+        )
+    return [*carry, *ys]
 
 
 def _whole_along(value: jax.Array, axis: int) -> jax.Array:

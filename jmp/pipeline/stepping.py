@@ -57,23 +57,8 @@ class Pipeline:
 
     def layer_stages(self) -> dict[str, int] | None:
         """Torch path -> stage, where the cut is known before the forward is traced (manual, or even layers): the
-        layer stacks then run as one scan a stage; None: they run one by one.
-
-        Under tensor or context parallelism they run one by one: the constraints that keep XLA's collective permutes
-        out of stage code (``graph.run_equations``) are set equation by equation, and a scan's body is one equation.
-        """
-        if self.partition is None or self.partition.marks is None:
-            return None
-        split = [axis for axis in ("tp", "cp") if self.mesh.shape.get(axis, 1) > 1]
-        if split and self.stacks:
-            notices.info_once(
-                "pipeline-stacks-split",
-                "pipeline: each stage's layers run one by one, not as one scan, under %s parallelism (compile time "
-                "then grows with depth)",
-                " and ".join({"tp": "tensor", "cp": "context"}[axis] for axis in split),
-            )
-            return None
-        return self.partition.marks
+        layer stacks then run as one scan a stage; None: they run one by one, cut at module calls."""
+        return self.partition.marks if self.partition is not None else None
 
     def trace(self, flat_forward: Callable, *avals: Any) -> core.ClosedJaxpr:
         if self.partition is None and not self.config.auto_partition:

@@ -50,7 +50,8 @@ TENSOR_PARALLEL = {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 
 def test_scanned_stages_train_as_pytorch(name, partition, degrees):
     """Three AdamW steps of a 5-layer model at pp2, cut automatically (layers 0-2 / 3-4) or by hand (0-1 / 2-4): the
     first step's gradients and every loss as PyTorch's (float32 rounding only, as tests/pipeline/test_3d). Under
-    tensor parallelism the layers run one by one (GPT-2's fused q/k/v split needs its constraints, set per equation)."""
+    tensor parallelism GPT-2's fused q/k/v split inside the scanned body needs the stage's constraints
+    (``graph.run_equations`` replays the body); without them XLA moves it with a collective permute."""
     reference, module = causal_lm(name, hidden=32, layers=5), causal_lm(name, hidden=32, layers=5)
     config = dict(CONFIG) | degrees
     if partition == "manual":
