@@ -10,7 +10,7 @@ stages whose equations read them.
 - Automatic, for a model whose body is one stack of identical layers (``jmp.stacks``; the only layer list with
   at least as many layers as stages): equal layer counts a stage, as MaxText's pipeline does; the code before
   the stack goes to the first stage, the code after it to the last. Each stage's layers then run as one scan,
-  so tracing and compiling do not grow with depth.
+  so the layer body is traced and compiled once a stage.
 - Automatic, otherwise: cuts go at module calls, chosen to minimise the largest stage cost, where a stage's cost
   mixes its share of the forward FLOPs (XLA's cost analysis) and of the parameter bytes, weighted by
   ``memory_weight`` (``optimize="memory"``: bytes only). Calls are taken from the outermost levels of the

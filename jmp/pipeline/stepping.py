@@ -28,7 +28,7 @@ from jmp.pipeline.stage_buffers import COPIES, StageLayout
 from jmp.runtime import marks as module_marks
 from jmp.runtime import notices
 from jmp.runtime.config import Config
-from jmp.stacks import find_stacks
+from jmp.stacks import LayerStack
 from jmp.torch_bridge import torch_name
 
 logger = logging.getLogger("jmp")
@@ -39,14 +39,16 @@ UNEVEN_STAGES, UNEVEN_STAGES_BYTES = 0.5, 2**20
 
 
 class Pipeline:
-    def __init__(self, module: nn.Module, config: Config, mesh: Any, specs: Mapping[str, Any]):
+    def __init__(
+        self, module: nn.Module, config: Config, mesh: Any, specs: Mapping[str, Any], stacks: Sequence[LayerStack]
+    ):
         self.module = module
         self.config = config
         self.mesh = mesh
         self.stages = config.pipeline_parallel_degree
         self.specs = dict(specs)
         self.paths = [path for path, _ in module.named_modules(remove_duplicate=False)]
-        self.stacks = find_stacks(module) if config.scan_layers else []
+        self.stacks = list(stacks)  # the model's layer stacks (``jmp.stacks``; none without scan_layers)
         self.partition: placement.Partition | None = None
         self.layout: StageLayout | None = None
         self.read_as: dict[str, Any] = {}  # parameter -> the dtype its forward reads it in, where it is cast

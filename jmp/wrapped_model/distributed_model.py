@@ -194,9 +194,9 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         self.programs = ProgramCache()
         self.call_hooks = experts.expert_parallel_hooks(module, mesh, config.expert_capacity_factor)
         _log_layout(self.layout.specs, mesh)
-        self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs)
         # repeated identical layers run as one scan (jmp.stacks); in a pipeline, one scan a stage
         self.stacks = stacks.find_stacks(module) if config.scan_layers else []
+        self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs, self.stacks)
         self.store: ParameterStore = TreeStore(self.layout)  # a StageStore once a pipeline's stages are cut
         self._stack_storage()
         sdp_partitions.attach(self)  # p.ds_tensor, as SMP's sharded data parallelism (DeepSpeed's) has it
@@ -673,8 +673,8 @@ def _check_fit(state_dict: dict, variables: dict, strict: bool) -> None:
         raise StateDictError("load_state_dict failed (" + " | ".join(problems) + ")")
 
 
-def _pipeline_for(module: torch.nn.Module, config: Any, mesh: Any, specs: dict) -> Pipeline | None:
-    return None if config.pipeline_parallel_degree == 1 else Pipeline(module, config, mesh, specs)
+def _pipeline_for(module: torch.nn.Module, config: Any, mesh: Any, specs: dict, stacks: list) -> Pipeline | None:
+    return None if config.pipeline_parallel_degree == 1 else Pipeline(module, config, mesh, specs, stacks)
 
 
 def _is_delayed(module: torch.nn.Module) -> bool:
