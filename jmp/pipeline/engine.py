@@ -50,6 +50,7 @@ from jmp.pipeline import residuals
 from jmp.pipeline.schedule import BACKWARD, FORWARD, Schedule
 from jmp.pipeline.split import StagePrograms
 from jmp.pipeline.stage_buffers import COPIES, StageLayout
+from jmp.stacks import storage as stacks_storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +211,8 @@ class _Engine:
     def copy_names(self, stage: int) -> list[str]:
         """The per-replica copies of parameters (``copies_name``) that ``stage`` reads and differentiates."""
         names = [n for n in self.programs.stage_params[stage] if n.endswith(COPIES)]
-        return [n for n in names if self.layout.place(n.removesuffix(COPIES), stage).key in self.diff_keys]
+        names = [n for n in names if self.layout.place(n.removesuffix(COPIES), stage).key in self.diff_keys]
+        return self.layout.with_runs(stage, names)
 
     @functools.cached_property
     def held_positions(self) -> list[int]:
@@ -407,11 +409,14 @@ class _Engine:
         """The stage on one microbatch; the parameters' copies as given (``copies``, by name) or read from copies
         of the rows."""
         copies = copies or {}
-        names = [n for n in self.programs.stage_params[stage] if n not in copies]
+        given = {n for key in copies for n in self.layout.members(key)}
+        names = [n for n in self.programs.stage_params[stage] if n not in given]
         if any(n.endswith(COPIES) for n in names):
             rows = {**self.copies_of(rows), **rows}
-        params = self.layout.stage_params(rows, stage, names, self.copy_axes)
-        return self.programs.run(stage, {**params, **copies}, rest, microbatch, carry)
+        with stacks_storage.tracing_views():  # a stage's layers of a stack weight read as one slice
+            params = self.layout.stage_params(rows, stage, names, self.copy_axes)
+            params = self.layout.layer_views({**params, **copies})
+            return self.programs.run(stage, params, rest, microbatch, carry)
 
     def rest_seen(self, inputs: StepInputs, buffers: Sequence[jax.Array], m: jax.Array) -> list[jax.Array]:
         """The rest a microbatch's forward reads: threaded buffers as they stand, the others as the step got

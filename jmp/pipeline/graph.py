@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.extend import core
 
+from jmp.stacks import storage as stacks_storage
 from jmp.torch_bridge.module import TorchModule, call_hooks
 
 _PREFIX = "jmp:"
@@ -126,6 +127,14 @@ def run_equations(eqns: Sequence[core.JaxprEqn], env: dict) -> dict:
         if eqn.primitive.name == "scan":  # a stage's scanned layers: its body's equations replayed here too
             _bind_outputs(eqn, _scan(eqn, args), env)
             continue
+        stacked = stacks_storage.stacked_source(args) if eqn.primitive.name == "stack" else None
+        if stacked is not None and eqn.params["axis"] == 0:  # a stage's layers of a stack weight, read as one slice
+            _bind_outputs(eqn, [stacked], env)
+            continue
+        cast = _cast_row(eqn, args[0]) if eqn.primitive.name == "convert_element_type" else None
+        if cast is not None:  # a layer's weight cast where it is read, as a row of its stage's layers cast at once
+            _bind_outputs(eqn, [cast], env)
+            continue
         if eqn.primitive.name == "split":
             args[0] = _whole_along(args[0], eqn.params["axis"])
         if eqn.primitive.name in _SHIFTS:
@@ -143,6 +152,11 @@ def run_equations(eqns: Sequence[core.JaxprEqn], env: dict) -> dict:
             outs = [_whole_along(o, o.ndim - 1) for o in outs]
         _bind_outputs(eqn, outs, env)
     return env
+
+
+def _cast_row(eqn: core.JaxprEqn, row: Any) -> Any:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    return stacks_storage.converted_row(row, lambda whole: eqn.primitive.bind(whole, **params), str(params))
 
 
 def _bind_outputs(eqn: core.JaxprEqn, values: Sequence[Any], env: dict) -> None:

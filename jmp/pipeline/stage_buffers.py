@@ -8,7 +8,8 @@ and tensor parallelism): each device's piece of a parameter sits in the grid cel
 unpacking is a reshape and transpose that moves no data. Parameters with the same split, dtype and
 optimizer param group share a buffer; a parameter used by two stages (tied weights) is stored in both and
 its gradient pieces are summed (``sync_tied``), so the copies stay equal; a reduction over all parameters
-counts it once (``counted_once``).
+counts it once (``counted_once``). A layer stack's weight is stored layer after layer (``groups``), so a stage
+reads its layers' copies as one slice and a scan over them takes that slice as its stacked weight (``with_runs``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jmp.sharding.param_specs import without_axis
+from jmp.stacks import storage as stacks_storage
 
 # what follows a parameter's name or a buffer's key to name its per-replica copies
 # (``jmp.compiled_step.replica_gradients``); torch names hold no "@"
@@ -110,6 +112,7 @@ class StageLayout:
         labels: Mapping[str, str],
         mesh: Mesh,
         shard_optimizer_state: bool = False,
+        groups: Sequence[Sequence[str]] = (),
     ):
         self.mesh = mesh
         # ZeRO-1: the optimizer state's buffers are split over dp along their length as well
@@ -120,7 +123,14 @@ class StageLayout:
         self.places: dict[str, list[Place]] = {}
         lengths: dict[tuple[str, int], int] = {}
         signatures: dict[str, tuple] = {}
-        for name, shape in shapes.items():
+        self.groups = [tuple(g) for g in groups]  # a layer stack's weight, one name a layer: stored side by side
+        self.runs: dict[str, tuple[str, ...]] = {}  # run key -> its layers' names (``with_runs``)
+        self._run_places: dict[str, Place] = {}
+        first_of = {g[0]: g for g in self.groups}
+        grouped = {name for g in self.groups for name in g}
+        order = [m for n in shapes if n not in grouped or n in first_of for m in first_of.get(n, (n,))]
+        for name in order:
+            shape = shapes[name]
             dims = tuple(_axes(entry) for entry in tuple(specs[name]) + (None,) * (len(shape) - len(specs[name])))
             grid_axes = tuple(a for axes in dims for a in axes)
             packing = Packing(tuple(shape), dims, grid_axes, tuple(mesh.shape[a] for a in grid_axes))
@@ -262,34 +272,72 @@ class StageLayout:
     ) -> dict[str, jax.Array]:
         """Parameters ``names`` of ``stage`` from this device's rows ``[1, *grid, length]``; a name of a parameter's
         per-replica copies (``copies_name``) from the copies of its buffer, ``[replicas, 1, *grid, length]``, the
-        replicas split over ``copy_axes``."""
+        replicas split over ``copy_axes``. A stack weight's layers that the stage stores side by side are read as
+        one slice, ``[layers, *shape]`` (copies: ``[layers, replicas, *shape]``), under their run's key (``runs``;
+        ``layer_views`` hands each layer its row)."""
         gather = not jax.sharding.get_abstract_mesh().empty  # inside the pipeline's shard_map
         out = {}
-        for name in names:
+        for name in self.with_runs(stage, names):
             param = name.removesuffix(COPIES)
-            place = self.place(param, stage)
+            place, layers = self.place(param, stage), (None,) * (param in self.runs)
             if name == param:
-                out[name] = self._read(rows[place.key], place, name, row=0)
-                replicas = ()
+                out[name], replicas = self._read(rows[place.key], place, name, row=0), ()
             else:
                 read = functools.partial(self._read, place=place, name=param, row=0)
-                out[name] = jax.vmap(read)(rows[place.key + COPIES])
-                replicas = (copy_axes,)
+                out[name], replicas = jax.vmap(read, out_axes=len(layers))(rows[place.key + COPIES]), (copy_axes,)
             if gather:  # FSDP: the stage uses the whole weight, gathered over fsdp where it is used
-                whole = without_axis(self.param_shardings[param].spec, "fsdp")
-                out[name] = jax.lax.with_sharding_constraint(out[name], PartitionSpec(*replicas, *whole))
+                whole = without_axis(self.param_shardings[self.members(param)[0]].spec, "fsdp")
+                out[name] = jax.lax.with_sharding_constraint(out[name], PartitionSpec(*layers, *replicas, *whole))
         return out
 
+    def with_runs(self, stage: int, names: Sequence[str]) -> list[str]:
+        """``names`` with the layers of a stack weight that ``stage`` stores side by side (two or more) as one run:
+        a key packed as their stacked array (each layer's cells in turn)."""
+        out = list(names)
+        for group in self.groups:
+            for suffix in ("", COPIES):
+                run = tuple(n for n in group if n + suffix in out)
+                places = [self.place(n, stage) for n in run]
+                if len(run) < 2 or any(
+                    p.key != places[0].key or p.offset != places[0].offset + i * p.size for i, p in enumerate(places)
+                ):
+                    continue
+                key, first = f"{run[0]}*{len(run)}", self.packing[run[0]]
+                self.runs[key], self._run_places[key] = (
+                    run,
+                    dataclasses.replace(places[0], size=places[0].size * len(run)),
+                )
+                self.packing[key] = dataclasses.replace(first, shape=(len(run), *first.shape), dims=((), *first.dims))
+                out = [n for n in out if n not in {m + suffix for m in run}] + [key + suffix]
+        return out
+
+    def layer_views(self, params: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Parameters by name, each run (``with_runs``) as its layers' rows (inside ``stacks.storage.tracing_views``:
+        a layer scan stacking them reads the run itself)."""
+        out = {}
+        for key, value in params.items():
+            members = self.members(key)
+            out.update(zip(members, stacks_storage.layer_views(value)) if len(members) > 1 else [(key, value)])
+        return out
+
+    def members(self, key: str) -> tuple[str, ...]:
+        """The names a parameter's or a run's key (``with_runs``) stands for, copies' keys for copies' names."""
+        suffix = COPIES if key.endswith(COPIES) else ""
+        return tuple(n + suffix for n in self.runs.get(key.removesuffix(suffix), (key.removesuffix(suffix),)))
+
     def place(self, name: str, stage: int) -> Place:
-        return next(p for p in self.places[name] if p.stage == stage)
+        return self._run_places[name] if name in self.runs else next(p for p in self.places[name] if p.stage == stage)
 
     def add_to_copies(self, copies: jax.Array, stage: int, values: Mapping[str, jax.Array]) -> jax.Array:
         """``copies`` ``[replicas, 1, *grid, length]`` (a buffer's per-replica sums on this device) plus each
-        replica's ``values`` of parameters by name ``[replicas, *shape]``, at their places on ``stage``: one
-        concatenation of their cells (zeros between), which XLA fuses into the sum."""
+        replica's ``values`` of parameters by name ``[replicas, *shape]`` (runs: ``[layers, replicas, *shape]``), at
+        their places on ``stage``: one concatenation of their cells (zeros between), which XLA fuses into the sum."""
         if not values:
             return copies
-        cells = [(self.place(name, stage), jax.vmap(self.packing[name].to_cells)(v)) for name, v in values.items()]
+        cells = [
+            (self.place(name, stage), jax.vmap(self.packing[name].to_cells, in_axes=int(name in self.runs))(v))
+            for name, v in values.items()
+        ]
         empty = jnp.zeros((copies.shape[0], *copies.shape[2:]), copies.dtype)
         return copies + _joined(cells, empty)[:, None]
 

@@ -28,7 +28,7 @@ from jmp.pipeline.stage_buffers import COPIES, StageLayout
 from jmp.runtime import marks as module_marks
 from jmp.runtime import notices
 from jmp.runtime.config import Config
-from jmp.stacks import LayerStack
+from jmp.stacks import LayerStack, stacked_groups
 from jmp.torch_bridge import torch_name
 
 logger = logging.getLogger("jmp")
@@ -91,7 +91,10 @@ class Pipeline:
         shapes = {n: tuple(v.aval.shape) for n, v in zip(names, params)}
         dtypes = {n: v.aval.dtype for n, v in zip(names, params)}
         self.read_as = _cast_dtypes(jaxpr, dict(zip(params, names)))
-        self.layout = StageLayout(shapes, dtypes, self.specs, usage, labels, self.mesh, config.shard_optimizer_state)
+        groups = stacked_groups(self.stacks, names, shapes, dtypes, self.specs).values()
+        self.layout = StageLayout(
+            shapes, dtypes, self.specs, usage, labels, self.mesh, config.shard_optimizer_state, groups
+        )
         self._log(jaxpr, programs)
         return self.layout
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,10 +21,8 @@ import jax
 from jmp.stacks.detection import LayerStack
 from jmp.torch_bridge.context_vars import set_within
 
-# id(layer slice) -> (the slice, its stacked array, its row), for the trace under way
-_ORIGINS: contextvars.ContextVar[dict[int, tuple[Any, Any, int]] | None] = contextvars.ContextVar(
-    "jmp_stacked_origins", default=None
-)
+# id(layer slice) -> (the slice, its stacked array, its row), for the trace under way (and ``converted_row``'s)
+_ORIGINS: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar("jmp_stacked_origins", default=None)
 
 
 def stacked_key(container: str, suffix: str) -> str:
@@ -73,6 +71,21 @@ def layer_views(stacked: Any) -> list[Any]:
         for i, row in enumerate(rows):
             origins[id(row)] = (row, stacked, i)
     return rows
+
+
+def converted_row(row: Any, convert: Callable[[Any], Any], how: Hashable) -> Any | None:
+    """``convert(row)`` (elementwise, named by ``how``) of a layer view ``row``, as that row of ``convert`` of its
+    whole stacked array, converted once in this trace: so a scan stacking the converted rows reads one array
+    (``stacked_source``); None if ``row`` is no view."""
+    origins = _ORIGINS.get()
+    found = origins.get(id(row)) if origins else None
+    if found is None or found[0] is not row:
+        return None
+    _, stacked, index = found
+    key = (id(stacked), how)  # the converted rows, beside the views' ids in the trace's record
+    if key not in origins:
+        origins[key] = layer_views(convert(stacked))
+    return origins[key][index]
 
 
 def stacked_source(layers: Sequence[Any]) -> Any | None:

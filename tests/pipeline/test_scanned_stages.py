@@ -6,7 +6,9 @@ made automatically or by hand.
 
 from __future__ import annotations
 
+import collections
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -19,21 +21,23 @@ from tests.sharding.models import causal_lm, lm_step, token_batches
 CONFIG = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}
 
 
-def lowered_dots(layers: int, caplog) -> tuple[int, str]:
-    """(dot_general count of the pipelined step's StableHLO, the partition log) for a Llama of ``layers``."""
+def lowered_ops(layers: int, caplog) -> tuple[collections.Counter, str]:
+    """(the pipelined step's StableHLO operations by name, the partition log) for a Llama of ``layers``."""
     smp.init(CONFIG)
     model = smp.DistributedModel(causal_lm("llama", hidden=32, layers=layers))
     with caplog.at_level(logging.INFO, logger="jmp"):
         text = lm_step.lower(model, token_batches(1)[0]).as_text()
     partition = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Partition assignments"))
     caplog.clear()
-    return text.count("stablehlo.dot_general"), partition
+    return collections.Counter(re.findall(r"= (?:\"?)([a-z_]+\.[a-z_]+)", text)), partition
 
 
 def test_each_stage_runs_its_equal_share_of_the_layers_as_one_scan(caplog):
-    dots_4, partition_4 = lowered_dots(4, caplog)
-    dots_8, partition_8 = lowered_dots(8, caplog)
-    assert dots_4 == dots_8  # one layer body a stage, forward and backward, at either depth
+    """The program is the same at either depth: one layer body a stage, forward and backward, and each weight of a
+    stage's layers read from its buffer as one slice, its gradient written back as one (not one a layer)."""
+    ops_4, partition_4 = lowered_ops(4, caplog)
+    ops_8, partition_8 = lowered_ops(8, caplog)
+    assert ops_4["stablehlo.dot_general"] > 0 and ops_4 == ops_8, ops_8 - ops_4
     stage_0, stage_1 = partition_8.split("; stage 1: ")
     assert "model.layers.0-3" in stage_0 and "model.layers.4-7" in stage_1
     assert "model.embed_tokens" in stage_0 and "lm_head" in stage_1
