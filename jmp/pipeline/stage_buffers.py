@@ -285,8 +285,10 @@ class StageLayout:
             else:
                 read = functools.partial(self._read, place=place, name=param, row=0)
                 out[name], replicas = jax.vmap(read, out_axes=len(layers))(rows[place.key + COPIES]), (copy_axes,)
-            if gather:  # FSDP: the stage uses the whole weight, gathered over fsdp where it is used
-                whole = without_axis(self.param_shardings[self.members(param)[0]].spec, "fsdp")
+            if gather:  # FSDP: the stage uses the whole weight, gathered over fsdp where it is used (a scan's: a
+                # layer at a time, each layer's weight gathered in its turn)
+                spec = self.param_shardings[self.members(param)[0]].spec
+                whole = spec if layers else without_axis(spec, "fsdp")
                 out[name] = jax.lax.with_sharding_constraint(out[name], PartitionSpec(*layers, *replicas, *whole))
         return out
 
