@@ -2,19 +2,12 @@
 
 A state dict with a ``jax.Array`` anywhere in it (``get_state_dict`` of a jmp FSDP model, ``jmp.fsdp.dcp_state_dicts``)
 is written as an Orbax checkpoint in the ``checkpoint_id`` directory: every process writes the shards it owns (no
-array is gathered), torch tensors are written whole by process 0, and other Python objects are pickled (torch's
-``torch.save``, loaded back under ``jmp.saving.user_content``'s rule: plain data, no code run). Beside them a JSON
-``meta`` item records each value's key path, kind, shape and dtype.
-
-Crash safety is jmp's partial checkpoints' (``jmp.saving.partial``): Orbax writes into a temporary directory renamed
-into place once every process has finished, so a save killed half way leaves no ``checkpoint_id`` directory, and a
-``checkpoint_id`` that exists is written beside it (``<id>.replacing``) and swapped in when complete
-(``jmp.saving.directory.replace_dir``): the previous checkpoint stays loadable until the new one is whole.
-
-``load`` reads each value the state dict it is given asks for: a ``jax.Array`` straight into that array's sharding
-(so a checkpoint saved at one layout or process count loads at another), replacing it in the dict; a torch tensor in
-place (``copy_``), as torch's ``load`` does; any other value replaced. A state dict without jmp's arrays, and a
-directory torch wrote, go to torch's own functions.
+array is gathered), torch tensors are written whole by process 0, and other Python objects are pickled (loaded back
+under ``jmp.saving.user_content``'s rule: plain data, no code run), beside a JSON ``meta`` item describing each value.
+Crash safety is jmp's partial checkpoints' (``jmp.saving.partial``): a save killed half way leaves the previous
+checkpoint loadable. ``load`` reads each ``jax.Array`` straight into the sharding of the array it replaces (so a
+checkpoint saved at one layout or process count loads at another) and copies into torch tensors in place, as
+torch's ``load`` does. A state dict without jmp's arrays, and a directory torch wrote, go to torch's own functions.
 """
 
 from __future__ import annotations
