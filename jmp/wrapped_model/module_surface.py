@@ -1,16 +1,9 @@
 """What makes a ``DistributedModel`` look like the torch module it wraps (SMP v1's ``DistributedModel`` API).
 
-- ``ModelOptions``: SMP's constructor arguments (``trace_device``, ``backward_passes_per_step``, ...),
-  validated; those that mean nothing here log one line when given a non-default value.
-- ``ModuleSurface``: the ``nn.Module`` methods scripts call on the wrapped model: parameter and module
-  iteration (the torch module's own tensors, so torch optimizers and param groups built on them are found
-  by ``DistributedOptimizer``), SMP's ``local_*`` views, ``partitioned`` and post-partition hooks, device
-  moves (no-ops), dtype casts (refused: the dtype is fixed when the model is laid out) and delegation of the
-  torch module's instance attributes (``model.config`` of a Hugging Face model, its submodules); the methods of
-  the user's class come with the class the model takes (``jmp.wrapped_model.user_class``).
-
-The torch module keeps the values it had when it was wrapped (or last loaded): it is the model's names and
-identities, not its current weights; ``model.state_dict()`` gathers those.
+SMP's constructor arguments (``ModelOptions``) and the ``nn.Module`` methods scripts call on the wrapped model
+(``ModuleSurface``); the methods of the user's class come with the class the model takes
+(``jmp.wrapped_model.user_class``). The torch module keeps the values it had when it was wrapped (or last
+loaded): it is the model's names and identities, not its current weights; ``model.state_dict()`` gathers those.
 """
 
 from __future__ import annotations

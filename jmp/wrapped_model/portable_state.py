@@ -4,12 +4,9 @@ Keys name what a value is, not where it lives: parameters by torch name (a pipel
 unpacked), buffers and the random stream by their path in the module, optimizer state by its path in the
 optax state with each parameter-shaped field expanded by torch name. The same model and optimizer under
 another mesh, parallelism or pipeline split give the same keys and shapes, so a checkpoint written under one
-layout restores under another, each array read straight into its new sharding.
-
-``model_arrays`` / ``optimizer_arrays`` take the state out (``targets`` of them say where a restore puts
-each array under the current layout: parameter-shaped values as their parameter). ``model_state_from`` and
-``optimizer_state_from`` build the state to hold from restored arrays, leaving the model and optimizer
-untouched (the caller assigns once everything has been read, so a failed load changes nothing).
+layout restores under another, each array read straight into its new sharding. Restoring builds the state to
+hold and leaves the model and optimizer untouched: the caller assigns once everything has been read, so a failed
+load changes nothing.
 """
 
 from __future__ import annotations
