@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,8 +29,8 @@ from torch.distributed.checkpoint import state_dict_saver as torch_saver
 
 from jmp.errors import CheckpointError, StateDictError
 from jmp.runtime import comm
-from jmp.saving import directory, user_content
-from jmp.saving.orbax_import import async_writer, orbax_checkpoint, root_logging_kept
+from jmp.saving import partial, user_content
+from jmp.saving.orbax_import import orbax_checkpoint, root_logging_kept
 from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
 
 logger = logging.getLogger("jmp")
@@ -40,19 +39,8 @@ FORMAT = "jmp.distributed_checkpoint"
 VALUES, META, OBJECTS = "values", "meta", "objects"
 ARRAY, TENSOR = "array", "tensor"  # a jmp array, written by its owners; a torch tensor, written by process 0
 
-_pending: concurrent.futures.Future | None = None
-_finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jmp-dcp")
-
-
-def wait_for_saves() -> None:
-    """Block until the last ``async_save`` is complete (its errors are raised here)."""
-    global _pending
-    pending, _pending = _pending, None
-    if pending is not None:
-        pending.result()
-
-
-threading._register_atexit(wait_for_saves)  # before the shutdown stops Orbax's writer threads (as jmp.saving.partial)
+_writes = partial.BackgroundWrites("jmp-dcp")
+wait_for_saves = _writes.wait
 
 
 def holds_jmp_arrays(state_dict: Mapping) -> bool:
@@ -178,7 +166,6 @@ def load(
 
 
 def _start(state_dict: Mapping, target: Path, planner: Any, process_group: Any) -> concurrent.futures.Future:
-    global _pending
     if planner is not None and type(planner) is not DefaultSavePlanner:
         raise StateDictError(
             f"torch.distributed.checkpoint.save: a state dict holding jmp's arrays is written by jmp's Orbax writer, "
@@ -202,36 +189,7 @@ def _start(state_dict: Mapping, target: Path, planner: Any, process_group: Any) 
         blob = user_content.to_bytes(objects, call="torch.distributed.checkpoint.save")
         values[OBJECTS] = np.frombuffer(blob, np.uint8)
     meta = {"format": FORMAT, "entries": entries}
-
-    wait_for_saves()
-    if jax.process_count() > 1:
-        comm.barrier()  # process 0's last save is in place: every process sees the same directory below
-    written = target.with_name(target.name + directory.REPLACING_SUFFIX) if target.exists() else target
-    primary = jax.process_index() == 0
-    if primary:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    ocp = orbax_checkpoint()
-    with root_logging_kept():
-        checkpointer = async_writer(VALUES, META)
-        checkpointer.save(
-            written.absolute(),
-            args=ocp.args.Composite(**{VALUES: ocp.args.PyTreeSave(values), META: ocp.args.JsonSave(meta)}),
-            force=True,  # only ever deletes a replacement a failed save left
-        )
-
-    def finish() -> None:
-        try:
-            checkpointer.wait_until_finished()  # written, and renamed into place
-        except Exception:
-            logger.exception("torch.distributed.checkpoint.save: writing %s failed", written)
-            raise
-        finally:
-            checkpointer.close()
-        if primary and written != target:
-            directory.replace_dir(written, target)
-
-    _pending = _finisher.submit(finish)
-    return _pending
+    return _writes.start(target, (VALUES, META), values, meta, "torch.distributed.checkpoint.save")
 
 
 # --- reading ----------------------------------------------------------------------------------------------------
