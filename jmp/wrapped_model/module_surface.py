@@ -123,23 +123,9 @@ class ModelOptions:
             )
 
 
-_FLAGS = (
-    "trace_execution_times",
-    "overlapping_allreduce",
-    "average_grads_across_microbatches",
-    "trace_memory_usage",
-    "broadcast_buffers",
-    "gradient_as_bucket_view",
-)
-_NO_EFFECT = (
-    "trace_device",
-    "trace_execution_times",
-    "overlapping_allreduce",
-    "bucket_cap_mb",
-    "trace_memory_usage",
-    "broadcast_buffers",
-    "gradient_as_bucket_view",
-)
+_READ = ("backward_passes_per_step", "average_grads_across_microbatches")  # the step reads these; XLA does the rest
+_FLAGS = tuple(f.name for f in dataclasses.fields(ModelOptions) if f.type == "bool")
+_NO_EFFECT = tuple(f.name for f in dataclasses.fields(ModelOptions) if f.name not in _READ)
 
 
 def _expect(name: str, value: Any, kind: type) -> None:
