@@ -71,11 +71,8 @@ def request(
     tp_degree: int | None = None,
 ) -> Request:
     """The layout and precision ``FullyShardedDataParallel``'s arguments ask for, on the run's mesh (with
-    ``tp_degree``: that tensor-parallel degree).
-
-    Raises:
-        ArgumentTypeError: an argument of the wrong type.
-        ConfigError: the strategy's degree does not divide the data-parallel devices.
+    ``tp_degree``: that tensor-parallel degree); an ``ArgumentTypeError`` for an argument of the wrong type, a
+    ``ConfigError`` when the strategy's degree does not divide the data-parallel devices.
     """
     strategy = ShardingStrategy.FULL_SHARD if strategy is None else strategy
     if not isinstance(strategy, ShardingStrategy):
