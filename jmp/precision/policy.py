@@ -65,11 +65,9 @@ class Precision:
 
 
 def resolve(config: Config, dtypes: Mapping[str, Any], platform: str) -> Precision:
-    """The policy for parameters of ``dtypes`` (torch name -> JAX dtype as converted) under ``config``.
-
-    Raises:
-        ConfigError: the config and the module disagree on the half-precision type, the module mixes
-            bf16 and fp16 parameters, or the backend cannot compute in the dtype.
+    """The policy for parameters of ``dtypes`` (torch name -> JAX dtype as converted) under ``config``; a
+    ``ConfigError`` when the config and the module disagree on the half-precision type, the module mixes bf16 and
+    fp16 parameters, or the backend cannot compute in the dtype.
     """
     asked = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
     module_halves = {t for t, j in HALF.items() for d in dtypes.values() if jnp.dtype(d) == jnp.dtype(j)}
