@@ -73,11 +73,9 @@ class ModelOptions:
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> ModelOptions:
-        """The options given to ``smp.DistributedModel(module, **options)``, checked.
-
-        Raises:
-            ArgumentTypeError: an unknown keyword, or a value of the wrong type.
-            ConfigError: ``trace_device`` is not "cpu"/"gpu", or ``backward_passes_per_step`` < 1.
+        """The options given to ``smp.DistributedModel(module, **options)``, checked: an ``ArgumentTypeError`` for an
+        unknown keyword or a value of the wrong type, a ``ConfigError`` for a ``trace_device`` other than "cpu" / "gpu"
+        or a ``backward_passes_per_step`` below 1.
         """
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - set(fields))
