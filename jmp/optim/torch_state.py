@@ -189,8 +189,6 @@ class TorchStateAdapter:
         }
         self.model.load_state_dict(loaded, strict=False)
 
-    # --- torch's indices ---
-
     def positions(self) -> dict[int, int]:
         """id(torch parameter) -> its index in torch's optimizer state_dict (param_groups order)."""
         order = (p for g in self.torch_optimizer.param_groups for p in g["params"])
@@ -221,9 +219,6 @@ class TorchStateAdapter:
             return field
         named = _loaded_field(store.field_named(field), torch_name, index, tensors)
         return store.field_from_named(named, like=field)
-
-
-# --- the loss scaler -----------------------------------------------------
 
 
 def scaler_to_torch(scaling: loss_scaling.LossScaling, scale_state: Any, loss_scale: float, overflow: bool) -> dict:
