@@ -39,9 +39,6 @@ def _is_key(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
-# --- the model ------------------------------------------------------------------------------------------
-
-
 def model_arrays(model: Any) -> dict[str, jax.Array]:
     """``params/<torch name>`` (float32 masters in mixed precision) and ``buffers/<path>`` (random keys as
     their raw key data)."""
@@ -71,9 +68,6 @@ def model_state_from(model: Any, arrays: Mapping[str, jax.Array]) -> tuple[Any, 
         return jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf)) if _is_key(leaf) else value
 
     return params, jax.tree_util.tree_map_with_path(buffer, model.training_state.rest)
-
-
-# --- the optimizer --------------------------------------------------------------------------------------
 
 
 def _parameter_shaped(optimizer: Any) -> Any:
