@@ -162,9 +162,6 @@ def load(
             _parent(state_dict, path)[path[-1]] = value
 
 
-# --- writing ----------------------------------------------------------------------------------------------------
-
-
 def _start(state_dict: Mapping, target: Path, planner: Any, process_group: Any) -> concurrent.futures.Future:
     if planner is not None and type(planner) is not DefaultSavePlanner:
         raise StateDictError(
@@ -190,9 +187,6 @@ def _start(state_dict: Mapping, target: Path, planner: Any, process_group: Any) 
         values[OBJECTS] = np.frombuffer(blob, np.uint8)
     meta = {"format": FORMAT, "entries": entries}
     return _writes.start(target, (VALUES, META), values, meta, "torch.distributed.checkpoint.save")
-
-
-# --- reading ----------------------------------------------------------------------------------------------------
 
 
 def _meta(root: Path) -> dict | None:
