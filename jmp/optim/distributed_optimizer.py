@@ -169,8 +169,6 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
             self._last_hyperparams = (values, arrays)
         return self._last_hyperparams[1]
 
-    # --- the update --------------------------------------------------------------------------------------------
-
     def step(self, closure: Any = None) -> None:
         """Apply the gradients accumulated since ``zero_grad()`` (none: no update, as in torch), without waiting.
 
