@@ -25,8 +25,6 @@ from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.runtime import notices
 from jmp.wrapped_model.seams import AttachedOptimizer
 
-# --- constructor arguments ------------------------------------------------------------------------------
-
 
 class ModelParameters(Iterator[nn.Parameter]):
     """``model.parameters()``: an iterator over the torch module's parameters that gives them their current
@@ -131,9 +129,6 @@ def _expect(name: str, value: Any, kind: type) -> None:
         raise ArgumentTypeError(
             f"smp.DistributedModel({name}=...) takes a {kind.__name__}, not {type(value).__name__} ({value!r})"
         )
-
-
-# --- the module-like surface ----------------------------------------------------------------------------
 
 
 class ModuleSurface:
@@ -296,8 +291,6 @@ class ModuleSurface:
         self._post_step_hooks.clear()
         for hook in hooks:
             hook(self, self.attached_optimizer)
-
-    # --- gradients ------------------------------------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradients, as the optimizer's ``zero_grad()`` does."""
