@@ -46,9 +46,6 @@ def optimizer_transform(
     return optax.multi_transform(transforms | {FROZEN: optax.set_to_zero()}, labels)
 
 
-# --- the optax state's param groups ---------------------------------------------------------------------------
-
-
 def group_states(opt_state: Any) -> Iterator[tuple[int, Any]]:
     """(group index, InjectStatefulHyperparamsState) of each torch param group in a multi_transform state."""
     for label, masked in opt_state.inner_states.items():
@@ -167,8 +164,6 @@ class TorchStateAdapter:
                 for i in self.group_indices(group):
                     per_param.setdefault(i, {})["step"] = step.clone()
         return per_param
-
-    # --- the float32 masters of a half-precision module ---
 
     def module_is_half(self) -> bool:
         """Whether the user's module holds half-precision parameters (jmp keeps float32 masters for them)."""
