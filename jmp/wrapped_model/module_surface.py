@@ -150,8 +150,6 @@ class ModuleSurface:
         self._post_step_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
         self._stepped = False
 
-    # --- what the torch module holds ---------------------------------------------------------------------
-
     def get_module(self) -> nn.Module:
         """The wrapped torch module (SMP's ``get_module()``; the same object as ``model.module``)."""
         return self.module
@@ -238,8 +236,6 @@ class ModuleSurface:
         """Torch names of the parameters with a piece on one of this process's devices."""
         return self.store.held_names(jax.process_index())
 
-    # --- partitioning -------------------------------------------------------------------------------------
-
     @property
     def partitioned(self) -> bool:
         """Whether the model's layout is fixed: from construction without pipeline parallelism, from the
@@ -298,8 +294,6 @@ class ModuleSurface:
         if optimizer is not None:
             optimizer.zero_grad(set_to_none)
         self.training_state.grads = None
-
-    # --- devices and dtypes -----------------------------------------------------------------------------
 
     def cpu(self) -> Any:
         """No-op (returns the model): its arrays stay on the mesh's devices."""
