@@ -247,9 +247,6 @@ def scaler_from_torch(scaling: loss_scaling.LossScaling, state_dict: dict) -> An
     return None
 
 
-# --- walking the optax state ----------------------------------------------------------------------------------
-
-
 def _find_states(tree: Any, state_type: type) -> list:
     if isinstance(tree, state_type):
         return [tree]
