@@ -240,9 +240,6 @@ def _restore(root: Path, saved: dict, wanted: dict) -> dict[str, Any]:
     return out
 
 
-# --- the state dict's leaves and where a checkpoint lives -------------------------------------------------------
-
-
 def _leaves(tree: Mapping, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """(key path, value) of each value in the nested dicts of ``tree`` (an empty dict is a value)."""
     for key, value in tree.items():

@@ -147,8 +147,6 @@ class FullyShardedDataParallel(DistributedModel):
         self.state_dict_settings = state_dicts.settings(StateDictType.FULL_STATE_DICT, None, None)
         activation_checkpointing.apply_pending(self)
 
-    # --- the module, its values and its gradients --------------------------------------------------------------
-
     @property
     def module(self) -> nn.Module:
         """The wrapped module with the current values (``DistributedModel.module``; read under full state dicts
