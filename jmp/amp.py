@@ -149,8 +149,6 @@ class GradScaler:
             )
         self._stages.clear()
 
-    # --- torch's accessors --------------------------------------------------------------------------------
-
     def get_scale(self) -> float:
         """The current scale (waits for the last update); 1.0 when disabled."""
         return float(self.current_scale) if self._enabled else 1.0

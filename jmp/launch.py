@@ -1,47 +1,20 @@
 """``python -m jmp.launch [-n N] [--cpu-devices K] [--max-restarts R] [options] [-m module | script.py] [args...]``.
 
-SageMaker's launcher for model-parallel jobs, on one machine: it starts one process per device (SMP's process
-model: a script's batch size is per process), N processes with torchrun's environment (``MASTER_ADDR``,
-``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ...), so ``smp.init()`` in each joins one JAX
-multi-process run (``jax.distributed``). Without GPUs a device is an emulated CPU device: each process gets
-``--cpu-devices`` of them (default 1); with GPUs, ``-n`` defaults to their number and each process sees its
-share of them. On a cluster use the cluster's launcher (torchrun, SLURM, mpirun), which ``smp.init()``
-recognises too.
+SageMaker's launcher for model-parallel jobs, on one machine: one process per device (SMP's process model: a
+script's batch is per process), with torchrun's environment, so ``smp.init()`` in each joins one JAX
+multi-process run (``jax.distributed``). Without GPUs each process gets ``--cpu-devices`` emulated CPU devices
+(default 1); with GPUs, ``-n`` defaults to their number and each process sees its share. On a cluster use the
+cluster's launcher (torchrun, SLURM, mpirun), which ``smp.init()`` recognises too. In the processes SMP's and
+torch's import paths resolve to jmp (``runtime/smp_import_path``; ``--no-smp-aliases`` turns it off) and
+``SM_HP_MP_PARAMETERS`` / ``SM_FRAMEWORK_PARAMS`` are set as SageMaker sets them, so SMP scripts, and tools that
+detect SMP that way (Hugging Face's ``is_sagemaker_mp_enabled``), run with no edit (docs/running_scripts.md).
 
-An SMP script runs with no edit: in the processes, ``import smdistributed.modelparallel.torch as smp`` (and
-``smdistributed.modelparallel``, its submodules) resolve to jmp, ``import torch.sagemaker as tsm`` (SMP v2) to
-``jmp.tsm``, ``import smdistributed.dataparallel.torch.torch_smddp`` registers the ``"smddp"`` backend,
-``torch.distributed.init_process_group`` starts gloo whatever backend it names, and a script's PyTorch FSDP
-wrapper names (``FullyShardedDataParallel``, ``apply_activation_checkpointing``, ...) are ``jmp.fsdp``'s, as
-SMP v2's container patches torch's (``--no-smp-aliases`` turns all this off; ``runtime/smp_import_path``),
-``SM_HP_MP_PARAMETERS`` holds ``--mp-parameters`` (else what the environment has) and ``SM_FRAMEWORK_PARAMS``
-says MPI is enabled, as SageMaker's launcher sets them, so tools that detect SMP that way (Hugging Face's
-``is_sagemaker_mp_enabled``) see it. Hyperparameters are the script's arguments, passed on as given.
-
-The children's output passes through the launcher line by line, as they wrote it, less gloo's connection
-lines ("[Gloo] Rank 0 is connected to 7 peer ranks ..."), which JAX's CPU collectives print once per process
-and peer group. When one child exits non-zero or is killed, the launcher (the children's parent: it learns
-of it at once) says on stderr which rank failed and how, and stops the others: SIGTERM, then SIGKILL
-``--grace`` seconds later (default 5; a process in a JAX multi-process run catches SIGTERM, and after a peer's
-death it can only wait in a collective, so it is the SIGKILL that stops it: seconds, not JAX's 60 s heartbeat
-timeout). With ``--max-restarts N`` (torchrun's option) it then starts every process again, on a fresh port,
-up to N times; each restart is said in one line (which rank failed, how, the time lost). The processes see
-torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 on the first attempt) and ``TORCHELASTIC_MAX_RESTARTS``; a script
-that resumes with ``smp.resume_from_checkpoint(path)`` continues from its newest complete checkpoint. Without
-restarts left the launcher exits with the failed child's code (128 + the signal number for a signal).
-A process that fails while the processes connect (``smp.init`` starting JAX's runtime and its first collective;
-on a loaded machine the coordinator or gloo times out) failed to start, not to train: the launcher starts the
-run again on a fresh port, up to ``STARTUP_RETRIES`` times besides ``--max-restarts``, then says what to do.
-SIGINT / SIGTERM / SIGHUP sent to the launcher are passed on to the children and end the run (no restart); it
-exits 0 if every child then does, else 128 + the signal. With ``--preemption-checkpoint-dir DIR``, a SIGTERM
-(to the launcher or to one process: a spot reclaim) makes every process finish its step, save a checkpoint in
-DIR and exit 0 (``jmp.saving.preemption``); they get ``--preemption-grace`` seconds (default 120) for it.
-With ``--step-timeout S``, a run where some process finished no optimizer step for S seconds (after its first
-one: compiling is not timed) is hung (a collective that never completes, a process stopped by SIGSTOP): the
-launcher names the ranks (and those stopped), has every process dump its Python stack (SIGUSR1, faulthandler,
-installed by jmp when ``JMP_PROGRESS_FILE`` is set), and treats it as a failure (exit code 124, or a restart).
-S must exceed the longest stretch without an optimizer step (a validation pass, a synchronous save).
-The launcher exits 0 only when every child does.
+A failed or killed child is seen at once (the launcher is its parent): the others are stopped, then restarted
+with ``--max-restarts`` (torchrun's ``TORCHELASTIC_*`` variables), or the launcher exits with the failed
+child's code (128 + the signal number for a signal). ``--preemption-checkpoint-dir`` and ``--step-timeout``:
+docs/checkpoints.md (the timeout must exceed the longest stretch without an optimizer step: a validation pass,
+a synchronous save). Signals sent to the launcher are passed on and end the run (no restart). It exits 0 only
+when every child does.
 
 This file uses the standard library only: running it does not import jmp (torch and JAX).
 """

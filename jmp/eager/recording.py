@@ -143,8 +143,6 @@ class Recording:
         self.model_call = Call(None, tuple(refs), spec, tuple(indices), self.autocast)
         self.returned = torch_pytree.tree_unflatten(outputs, out_spec)
 
-    # --- recording ------------------------------------------------------------------------------------------
-
     def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func`` on values of this recording: its result as new values (shapes from the ``meta`` device)."""
         leaves, spec = torch_pytree.tree_flatten((args, kwargs))
@@ -210,8 +208,6 @@ class Recording:
                 outputs.append(leaf)
                 indices.append(None)
         return outputs, indices
-
-    # --- running ----------------------------------------------------------------------------------------
 
     def backward(self, tensor: LazyTensor, gradient: Any = None, retain_graph: Any = None, **rest: Any) -> None:
         """``tensor.backward(gradient)``: run the recording as one step that differentiates ``tensor``."""

@@ -3,21 +3,8 @@
     from jmp.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy, fully_shard
     # instead of: from torch.distributed.fsdp import ...
 
-- ``FullyShardedDataParallel`` (``fully_sharded``): a ``DistributedModel`` laid out as FSDP's arguments ask
-  (``layout``), with FSDP's methods and class-level API (``state_dict_type``, ``optim_state_dict``,
-  ``summon_full_params``, ``clip_grad_norm_``, ...; ``state_dicts``).
-- ``DistributedDataParallel`` (``data_parallel``): PyTorch's DDP as FSDP's ``NO_SHARD`` layout.
-- ``fully_shard`` (FSDP2, ``fully_shard``): marks modules and swaps their class in place; the root runs a
-  ``FullyShardedDataParallel`` from its first call.
-- ``init_device_mesh`` (``device_mesh``): named meshes counting devices; ``parallelize_module``
-  (``tensor_parallel_plans``): PyTorch's tensor-parallel plans as jmp's per-parameter splits over ``tp``.
-- ``apply_activation_checkpointing``, ``checkpoint_wrapper``, ``offload_wrapper`` (``activation_checkpointing``):
-  jmp's remat and activation offloading.
-- The option types and wrap policies are torch's own objects (``options``).
-- ``torch.distributed.checkpoint`` for these models: ``get_state_dict`` / ``set_state_dict`` with jmp's sharded
-  arrays (``dcp_state_dicts``), ``save`` / ``async_save`` / ``load`` of them on Orbax (``dcp_orbax``), SMP v2's
-  ``process_group`` / ``coordinator_rank`` arguments (``distributed_checkpoint``); a script reaches them under
-  ``jmp.launch`` by torch's names.
+The modules, one concept each, are listed in docs/code_map.md; under ``jmp.launch`` a script reaches them by
+torch's names.
 """
 
 from jmp.fsdp import options

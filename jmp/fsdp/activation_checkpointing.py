@@ -1,17 +1,12 @@
 """torch's activation-checkpointing wrappers (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``) as
 jmp's remat: ``apply_activation_checkpointing``, ``checkpoint_wrapper``, ``offload_wrapper``.
 
-torch wraps each chosen module in a ``CheckpointWrapper`` (recompute in the backward) or an ``OffloadWrapper``
-(saved activations on the CPU). Here a chosen module is marked instead, as ``smp.set_activation_checkpointing``
-marks it, and stays where it is: the module tree and the state-dict names are the script's (torch's wrappers
-change the names and strip them again in their state-dict hooks), and every wrapper function returns the module
-it was given. A checkpointed module keeps only its inputs for the backward (jax.checkpoint); ``offload_wrapper``
-puts what the checkpointed modules inside it keep (their inputs) in host memory (``pinned_host``) and, for a
-module with no checkpointed module inside, makes the module one checkpoint whose inputs go there: jmp offloads
-what checkpoints keep and recomputes the rest, where torch's ``save_on_cpu`` keeps every saved activation.
-
-A module marked before its model is wrapped (the checkpointing applied to the bare module, then
-``FullyShardedDataParallel`` or ``fully_shard``) is checkpointed once the FSDP wrapper lays the model out.
+A chosen module is marked, as ``smp.set_activation_checkpointing`` marks it, instead of wrapped: the module tree and
+state-dict names stay the script's (torch's wrappers change the names and strip them again in their state-dict
+hooks), and every wrapper function returns the module it was given. ``offload_wrapper`` puts what the checkpointed
+modules inside it keep (their inputs) in host memory, or makes a module with none inside one checkpoint whose inputs
+go there: jmp offloads what checkpoints keep and recomputes the rest, where torch's ``save_on_cpu`` keeps every
+saved activation. A module marked before its model is wrapped is checkpointed once the FSDP wrapper lays it out.
 """
 
 from __future__ import annotations

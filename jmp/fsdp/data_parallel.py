@@ -1,12 +1,8 @@
 """``DistributedDataParallel``: PyTorch's DDP wrapper as a ``DistributedModel`` with every parameter replicated.
 
-DDP is FSDP's ``NO_SHARD`` layout (``jmp.fsdp.layout``): each process feeds its own rows, its loss is its rows'
-own, and the gradients are the mean of the processes' (DDP's all-reduce, inside the compiled step). A torchrun
-DDP script runs as written under ``python -m jmp.launch``: the wrapper starts jmp (``smp.init()``, reading
-``SM_HP_MP_PARAMETERS``) when the script has not, and gives every process process 0's values, as DDP's
-constructor broadcasts them. Arguments that tune DDP's reducer (buckets, unused-parameter search, static graphs,
-the CUDA device) have nothing to tune in one compiled XLA program: they are accepted, and a non-default value is
-logged once.
+DDP is FSDP's ``NO_SHARD`` layout (``jmp.fsdp.layout``); what a torchrun DDP script gets under
+``python -m jmp.launch``: docs/running_scripts.md. Arguments that tune DDP's reducer have nothing to tune in one
+compiled XLA program: they are accepted, and a non-default value is logged once.
 """
 
 from __future__ import annotations

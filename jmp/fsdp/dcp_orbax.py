@@ -2,19 +2,12 @@
 
 A state dict with a ``jax.Array`` anywhere in it (``get_state_dict`` of a jmp FSDP model, ``jmp.fsdp.dcp_state_dicts``)
 is written as an Orbax checkpoint in the ``checkpoint_id`` directory: every process writes the shards it owns (no
-array is gathered), torch tensors are written whole by process 0, and other Python objects are pickled (torch's
-``torch.save``, loaded back under ``jmp.saving.user_content``'s rule: plain data, no code run). Beside them a JSON
-``meta`` item records each value's key path, kind, shape and dtype.
-
-Crash safety is jmp's partial checkpoints' (``jmp.saving.partial``): Orbax writes into a temporary directory renamed
-into place once every process has finished, so a save killed half way leaves no ``checkpoint_id`` directory, and a
-``checkpoint_id`` that exists is written beside it (``<id>.replacing``) and swapped in when complete
-(``jmp.saving.directory.replace_dir``): the previous checkpoint stays loadable until the new one is whole.
-
-``load`` reads each value the state dict it is given asks for: a ``jax.Array`` straight into that array's sharding
-(so a checkpoint saved at one layout or process count loads at another), replacing it in the dict; a torch tensor in
-place (``copy_``), as torch's ``load`` does; any other value replaced. A state dict without jmp's arrays, and a
-directory torch wrote, go to torch's own functions.
+array is gathered), torch tensors are written whole by process 0, and other Python objects are pickled (loaded back
+under ``jmp.saving.user_content``'s rule: plain data, no code run), beside a JSON ``meta`` item describing each value.
+Crash safety is jmp's partial checkpoints' (``jmp.saving.partial``): a save killed half way leaves the previous
+checkpoint loadable. ``load`` reads each ``jax.Array`` straight into the sharding of the array it replaces (so a
+checkpoint saved at one layout or process count loads at another) and copies into torch tensors in place, as
+torch's ``load`` does. A state dict without jmp's arrays, and a directory torch wrote, go to torch's own functions.
 """
 
 from __future__ import annotations
@@ -22,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,8 +29,8 @@ from torch.distributed.checkpoint import state_dict_saver as torch_saver
 
 from jmp.errors import CheckpointError, StateDictError
 from jmp.runtime import comm
-from jmp.saving import directory, user_content
-from jmp.saving.orbax_import import async_writer, orbax_checkpoint, root_logging_kept
+from jmp.saving import partial, user_content
+from jmp.saving.orbax_import import orbax_checkpoint, root_logging_kept
 from jmp.torch_bridge.interop import array_to_tensor, tensor_to_array
 
 logger = logging.getLogger("jmp")
@@ -47,19 +39,8 @@ FORMAT = "jmp.distributed_checkpoint"
 VALUES, META, OBJECTS = "values", "meta", "objects"
 ARRAY, TENSOR = "array", "tensor"  # a jmp array, written by its owners; a torch tensor, written by process 0
 
-_pending: concurrent.futures.Future | None = None
-_finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jmp-dcp")
-
-
-def wait_for_saves() -> None:
-    """Block until the last ``async_save`` is complete (its errors are raised here)."""
-    global _pending
-    pending, _pending = _pending, None
-    if pending is not None:
-        pending.result()
-
-
-threading._register_atexit(wait_for_saves)  # before the shutdown stops Orbax's writer threads (as jmp.saving.partial)
+_writes = partial.BackgroundWrites("jmp-dcp")
+wait_for_saves = _writes.wait
 
 
 def holds_jmp_arrays(state_dict: Mapping) -> bool:
@@ -181,11 +162,7 @@ def load(
             _parent(state_dict, path)[path[-1]] = value
 
 
-# --- writing ----------------------------------------------------------------------------------------------------
-
-
 def _start(state_dict: Mapping, target: Path, planner: Any, process_group: Any) -> concurrent.futures.Future:
-    global _pending
     if planner is not None and type(planner) is not DefaultSavePlanner:
         raise StateDictError(
             f"torch.distributed.checkpoint.save: a state dict holding jmp's arrays is written by jmp's Orbax writer, "
@@ -209,39 +186,7 @@ def _start(state_dict: Mapping, target: Path, planner: Any, process_group: Any) 
         blob = user_content.to_bytes(objects, call="torch.distributed.checkpoint.save")
         values[OBJECTS] = np.frombuffer(blob, np.uint8)
     meta = {"format": FORMAT, "entries": entries}
-
-    wait_for_saves()
-    if jax.process_count() > 1:
-        comm.barrier()  # process 0's last save is in place: every process sees the same directory below
-    written = target.with_name(target.name + directory.REPLACING_SUFFIX) if target.exists() else target
-    primary = jax.process_index() == 0
-    if primary:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    ocp = orbax_checkpoint()
-    with root_logging_kept():
-        checkpointer = async_writer(VALUES, META)
-        checkpointer.save(
-            written.absolute(),
-            args=ocp.args.Composite(**{VALUES: ocp.args.PyTreeSave(values), META: ocp.args.JsonSave(meta)}),
-            force=True,  # only ever deletes a replacement a failed save left
-        )
-
-    def finish() -> None:
-        try:
-            checkpointer.wait_until_finished()  # written, and renamed into place
-        except Exception:
-            logger.exception("torch.distributed.checkpoint.save: writing %s failed", written)
-            raise
-        finally:
-            checkpointer.close()
-        if primary and written != target:
-            directory.replace_dir(written, target)
-
-    _pending = _finisher.submit(finish)
-    return _pending
-
-
-# --- reading ----------------------------------------------------------------------------------------------------
+    return _writes.start(target, (VALUES, META), values, meta, "torch.distributed.checkpoint.save")
 
 
 def _meta(root: Path) -> dict | None:
@@ -293,9 +238,6 @@ def _restore(root: Path, saved: dict, wanted: dict) -> dict[str, Any]:
             value = jax.device_put(np.asarray(value).astype(target.dtype), target.sharding)
         out[key] = value
     return out
-
-
-# --- the state dict's leaves and where a checkpoint lives -------------------------------------------------------
 
 
 def _leaves(tree: Mapping, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:

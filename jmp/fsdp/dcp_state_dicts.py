@@ -1,18 +1,11 @@
 """``torch.distributed.checkpoint.state_dict``'s API (``get_state_dict`` / ``set_state_dict`` and the model / optimizer
 halves) for jmp's FSDP models: a ``FullyShardedDataParallel`` or a ``fully_shard`` root, and its torch optimizer.
 
-Keys are torch's: the model's by fully qualified name, the optimizer's ``state`` by the name of its parameter and its
-``param_groups`` listing names. Values follow ``StateDictOptions``:
-
-- ``full_state_dict=False`` (torch's default, where FSDP gives ``DTensor``s): the model's parameters and buffers and
-  the optimizer's per-parameter state are jmp's sharded ``jax.Array``s as the run holds them, each process owning its
-  shards; ``step`` is a tensor, ``param_groups`` plain values. ``jmp.fsdp.distributed_checkpoint``'s ``save`` writes
-  them with Orbax from their owners and ``load`` reads them into the shardings of the state dict it is given (the
-  run's layout of the moment), so a checkpoint saved at one layout loads at another. With ``cpu_offload`` the
-  arrays are put in the devices' host memory where they have one apart from their own.
-- ``full_state_dict=True``: full torch tensors on the host (a gather on every process); with ``cpu_offload`` only
-  rank 0 gets them, the others ``{}``, as torch does.
-
+Keys are torch's (the optimizer's ``state`` and ``param_groups`` by parameter name). Values follow
+``StateDictOptions``: with ``full_state_dict=False`` (torch's default, where FSDP gives ``DTensor``s) they are jmp's
+sharded ``jax.Array``s as the run holds them, which ``jmp.fsdp.dcp_orbax`` saves from their owners and loads into
+the run's layout of the moment (with ``cpu_offload``, in the devices' host memory where they have one);
+``full_state_dict=True`` gives full torch tensors on the host (with ``cpu_offload``, on rank 0 only, as torch does).
 ``set_*`` takes either kind (and a mix). A model or optimizer that is not jmp's goes to torch's own functions.
 """
 

@@ -103,10 +103,8 @@ def load_state_dict(
 
 def group_coordinator(process_group: Any, coordinator_rank: int, where: str, no_dist: bool = False) -> int:
     """The rank in ``process_group`` of the coordinator SMP v2's ``coordinator_rank`` names: the member with that
-    global rank, else (no member has it) the group rank itself, as PyTorch reads it.
-
-    Raises:
-        StateDictError: ``coordinator_rank`` is neither a member's global rank nor a rank in the group.
+    global rank, else (no member has it) the group rank itself, as PyTorch reads it; a ``StateDictError`` when it is
+    neither a member's global rank nor a rank in the group.
     """
     if process_group is None or no_dist or not dist.is_initialized():
         return coordinator_rank

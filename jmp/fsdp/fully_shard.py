@@ -2,15 +2,12 @@
 ``fully_shard(model)``, and a loop that keeps calling the original ``model``.
 
 As FSDP2 does, each call swaps the module's class in place for ``FSDP<ClassName>`` (``FSDPModule`` first in its
-MRO). The first call of such a module from the script (not from inside a jmp forward) makes it the root, as
-FSDP2's lazy initialisation at the first forward does: the ``FullyShardedDataParallel`` for it is built then,
-laid out as the calls asked (a 1-D mesh or none: sharded over the data-parallel devices; a 2-D mesh: hybrid;
-``reshard_after_forward`` of the per-block calls; the root's ``mp_policy``), so a meta-device model materialised
-by the script after ``fully_shard`` (``model.to_empty(...)``; ``model.init_weights()``) is built with the values
-the script gave it. From then on the root's ``__call__`` / ``forward`` run the jmp model; ``parameters()``,
-``named_parameters()`` and the module tree stay the module's own (what the torch optimizer and ``p.grad`` are
-read through); ``state_dict()`` gives the current values (written back into the module first),
-``load_state_dict`` loads into both, and ``train()`` / ``eval()`` switch both.
+MRO). The first call of such a module from the script (not from inside a jmp forward) makes it the root, as FSDP2's
+lazy initialisation does: its ``FullyShardedDataParallel`` is built then, laid out as the calls asked, so a
+meta-device model the script materialised after ``fully_shard`` (``model.to_empty(...)``; ``init_weights()``) is
+built with the script's values. From then on the root's ``__call__`` / ``forward`` run the jmp model; its
+parameters and module tree stay the module's own (what the torch optimizer and ``p.grad`` are read through), and
+``state_dict()``, ``load_state_dict``, ``train()`` / ``eval()`` act on both.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """``FullyShardedDataParallel``: PyTorch's FSDP wrapper as a ``DistributedModel`` laid out as its arguments ask.
 
-An FSDP script runs as written, its import line changed: the wrapped model is a ``DistributedModel`` (the eager
-loop ``loss = model(**batch).loss; loss.backward(); optimizer.step()``, ``p.grad``, checkpoints, ``smp.*`` all
-work on it), laid out by ``jmp.fsdp.layout`` (sharding strategy -> ``sharded_data_parallel_degree`` and
-``reshard_after_forward``; ``MixedPrecision`` -> ``bf16`` / ``fp16``). jmp lays out the whole model as one unit:
-``auto_wrap_policy`` is accepted and every parameter is placed by jmp's rules; FSDP instances nested inside the
-module (manual wrapping) are unwrapped into it. Arguments that tune FSDP's own engine (prefetching, all-gather
-rate limits, the CUDA device, flat parameters) have nothing to tune in one compiled XLA program: they are
-accepted, and a non-default value is logged once.
+An FSDP script runs as written, its import line changed: the wrapped model is a ``DistributedModel`` laid out by
+``jmp.fsdp.layout``. jmp lays out the whole model as one unit: ``auto_wrap_policy`` is accepted, and FSDP
+instances nested inside the module (manual wrapping) are unwrapped into it. Arguments that tune FSDP's own engine
+have nothing to tune in one compiled XLA program: they are accepted, and a non-default value is logged once.
 """
 
 from __future__ import annotations
@@ -150,8 +146,6 @@ class FullyShardedDataParallel(DistributedModel):
         self.world_size = dist.get_world_size(self.process_group)
         self.state_dict_settings = state_dicts.settings(StateDictType.FULL_STATE_DICT, None, None)
         activation_checkpointing.apply_pending(self)
-
-    # --- the module, its values and its gradients --------------------------------------------------------------
 
     @property
     def module(self) -> nn.Module:

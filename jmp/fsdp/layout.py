@@ -1,15 +1,11 @@
 """What PyTorch FSDP's arguments ask of jmp's layout, and the run's config changed to give it.
 
-FSDP's arguments are config keys here: the sharding strategy chooses ``sharded_data_parallel_degree`` (the
-devices one parameter is split over: all data-parallel devices for ``FULL_SHARD`` / ``SHARD_GRAD_OP``, a
-hybrid degree for ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2``, 1 for ``NO_SHARD``) and ``reshard_after_forward``
-(False for the ``SHARD_GRAD_OP`` family); ``MixedPrecision(param_dtype=...)`` chooses ``bf16`` / ``fp16`` (compute
-in the half dtype, float32 master parameters, as FSDP keeps its sharded parameters). When the run's config asks
-for something else, ``smp.init`` runs again with these keys changed and every other key kept, which says so once.
-
-After ``torch.sagemaker.init`` (``jmp.tsm``), SMP v2's rule holds: a ``hybrid_shard_degree`` of 2 or more is
-the shard degree whatever the strategy (which becomes ``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2`` staying itself);
-0 leaves it to the strategy, ``HYBRID_SHARD`` then sharding within one host, as SMP v2 documents.
+FSDP's arguments are config keys here: the sharding strategy chooses ``sharded_data_parallel_degree`` and
+``reshard_after_forward``, ``MixedPrecision(param_dtype=...)`` chooses ``bf16`` / ``fp16`` (float32 master
+parameters, as FSDP keeps its sharded parameters). When the run's config asks for something else, ``smp.init``
+runs again with these keys changed and every other key kept, which says so once. After ``torch.sagemaker.init``
+(``jmp.tsm``), SMP v2's rule holds: a ``hybrid_shard_degree`` of 2 or more is the shard degree whatever the
+strategy; 0 leaves it to the strategy, ``HYBRID_SHARD`` then sharding within one host, as SMP v2 documents.
 
 A process group or a ``DeviceMesh`` counts processes; jmp's degrees count devices: a group of ``n`` processes
 spans ``n`` times the data-parallel devices each process drives (1 under torchrun's one process per GPU).
@@ -75,11 +71,8 @@ def request(
     tp_degree: int | None = None,
 ) -> Request:
     """The layout and precision ``FullyShardedDataParallel``'s arguments ask for, on the run's mesh (with
-    ``tp_degree``: that tensor-parallel degree).
-
-    Raises:
-        ArgumentTypeError: an argument of the wrong type.
-        ConfigError: the strategy's degree does not divide the data-parallel devices.
+    ``tp_degree``: that tensor-parallel degree); an ``ArgumentTypeError`` for an argument of the wrong type, a
+    ``ConfigError`` when the strategy's degree does not divide the data-parallel devices.
     """
     strategy = ShardingStrategy.FULL_SHARD if strategy is None else strategy
     if not isinstance(strategy, ShardingStrategy):

@@ -36,11 +36,8 @@ def with_init_fns(
     where: str,
 ) -> None:
     """Run ``param_init_fn`` on every module of ``module`` in FSDP's order (breadth first from the root, not into
-    ignored modules), then ``post_param_init_fn`` once on the root (jmp's one FSDP unit).
-
-    Raises:
-        ArgumentTypeError: an init fn is not callable.
-        ConfigError: a tensor is still on the meta device afterwards.
+    ignored modules), then ``post_param_init_fn`` once on the root (jmp's one FSDP unit); an ``ArgumentTypeError``
+    when an init fn is not callable, a ``ConfigError`` when a tensor is still on the meta device afterwards.
     """
     for name, fn in (("param_init_fn", param_init_fn), ("post_param_init_fn", post_param_init_fn)):
         if fn is not None and not callable(fn):

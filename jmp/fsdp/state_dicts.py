@@ -1,17 +1,14 @@
 """FSDP's state dicts on jmp: what ``model.state_dict()`` gives under each ``StateDictType``, and the optimizer's
 state keyed by parameter name (``FSDP.optim_state_dict`` / ``FSDP.optim_state_dict_to_load``).
 
-- ``FULL_STATE_DICT``: the full tensors under torch's names (``DistributedModel.state_dict()``: gathered, on the
-  host); with ``FullStateDictConfig(rank0_only=True)`` processes other than rank 0 of the FSDP group get ``{}``.
-- ``SHARDED_STATE_DICT``: the same full tensors. FSDP gives ``ShardedTensor`` / ``DTensor`` pieces for
-  ``torch.distributed.checkpoint`` to write each rank's part; jmp's own reshardable checkpoints are
-  ``smp.save_checkpoint(partial=True)`` (Orbax), and a full tensor is what ``torch.distributed.checkpoint`` and
-  ``load_state_dict`` read back on any layout.
-- ``LOCAL_STATE_DICT``: this process's pieces (``local_state_dict()``, all of every tensor on one host), which
-  ``load_state_dict`` takes back on the same layout.
+- ``FULL_STATE_DICT``: the full tensors under torch's names, gathered on the host; with
+  ``FullStateDictConfig(rank0_only=True)`` processes other than rank 0 of the FSDP group get ``{}``.
+- ``SHARDED_STATE_DICT``: the same full tensors, not FSDP's ``ShardedTensor`` / ``DTensor`` pieces: a full tensor is
+  what ``torch.distributed.checkpoint`` and ``load_state_dict`` read back on any layout (jmp's own reshardable
+  checkpoints are ``smp.save_checkpoint(partial=True)``).
+- ``LOCAL_STATE_DICT``: this process's pieces (``local_state_dict()``), loadable on the same layout.
 
-The optimizer's state dict is torch's format (``{"state": {index: ...}, "param_groups": [...]}``, which the
-wrapped optimizer's ``state_dict()`` gives) with each parameter index replaced by the parameter's name, as
+The optimizer's state dict is torch's format with each parameter index replaced by the parameter's name, as
 FSDP's full and sharded optimizer state dicts are; ``optim_state_dict_to_load`` turns the names back into the
 indices of the optimizer it is given.
 """

@@ -61,10 +61,8 @@ def parallelize_module(
 
 
 def degree_of(module: nn.Module) -> int | None:
-    """The tp degree the plans on ``module``'s tree asked for (None: no plan).
-
-    Raises:
-        ArgumentTypeError: plans over meshes of different sizes.
+    """The tp degree the plans on ``module``'s tree asked for (None: no plan); an ``ArgumentTypeError`` for plans over
+    meshes of different sizes.
     """
     degrees = {mark_of(m, DEGREE) for m in module.modules()} - {None}
     if len(degrees) > 1:

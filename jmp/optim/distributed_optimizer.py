@@ -1,9 +1,7 @@
 """``DistributedOptimizer``: the user's ``torch.optim`` optimizer (or an optax transformation), run by optax.
 
 The torch optimizer stays the source of hyper-parameters: ``param_groups`` (LR schedulers' writes included)
-are read at every ``step()`` and fed to the compiled update as values, so no change recompiles. Beside it:
-``torch_state`` (torch's ``state_dict`` format), ``update_steps`` (unscale, clip, skip), ``fused_path`` (Pallas
-kernels) and ``jmp.precision.loss_scaling``.
+are read at every ``step()`` and fed to the compiled update as values, so no change recompiles.
 """
 
 from __future__ import annotations
@@ -170,8 +168,6 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
             )
             self._last_hyperparams = (values, arrays)
         return self._last_hyperparams[1]
-
-    # --- the update --------------------------------------------------------------------------------------------
 
     def step(self, closure: Any = None) -> None:
         """Apply the gradients accumulated since ``zero_grad()`` (none: no update, as in torch), without waiting.

@@ -94,9 +94,6 @@ def torch_adagrad(lr_decay: float, eps: float, initial_accumulator_value: float)
     return optax.GradientTransformation(init, update)
 
 
-# --- torch optimizers ---------------------------------------------------------------------------------------
-
-
 def _steps(*pieces: optax.GradientTransformation | None) -> optax.GradientTransformation:
     return optax.chain(*(p for p in pieces if p is not None))
 

@@ -46,9 +46,6 @@ def optimizer_transform(
     return optax.multi_transform(transforms | {FROZEN: optax.set_to_zero()}, labels)
 
 
-# --- the optax state's param groups ---------------------------------------------------------------------------
-
-
 def group_states(opt_state: Any) -> Iterator[tuple[int, Any]]:
     """(group index, InjectStatefulHyperparamsState) of each torch param group in a multi_transform state."""
     for label, masked in opt_state.inner_states.items():
@@ -168,8 +165,6 @@ class TorchStateAdapter:
                     per_param.setdefault(i, {})["step"] = step.clone()
         return per_param
 
-    # --- the float32 masters of a half-precision module ---
-
     def module_is_half(self) -> bool:
         """Whether the user's module holds half-precision parameters (jmp keeps float32 masters for them)."""
         return any(p.dtype in precision.HALF for p in self.model.torch_module.parameters())
@@ -188,8 +183,6 @@ class TorchStateAdapter:
             names[i]: tensor for g, tensors in enumerate(masters) for i, tensor in zip(self.group_indices(g), tensors)
         }
         self.model.load_state_dict(loaded, strict=False)
-
-    # --- torch's indices ---
 
     def positions(self) -> dict[int, int]:
         """id(torch parameter) -> its index in torch's optimizer state_dict (param_groups order)."""
@@ -223,9 +216,6 @@ class TorchStateAdapter:
         return store.field_from_named(named, like=field)
 
 
-# --- the loss scaler -----------------------------------------------------
-
-
 def scaler_to_torch(scaling: loss_scaling.LossScaling, scale_state: Any, loss_scale: float, overflow: bool) -> dict:
     """SMP's fp16 optimizer entries (``dynamic_loss_scale``, ``loss_scaler``, ``overflow``); none if not scaling."""
     if scaling.kind is None:
@@ -255,9 +245,6 @@ def scaler_from_torch(scaling: loss_scaling.LossScaling, state_dict: dict) -> An
     if scaler is not None and scaling.kind == "static":
         return np.float32(scaler["cur_scale"])
     return None
-
-
-# --- walking the optax state ----------------------------------------------------------------------------------
 
 
 def _find_states(tree: Any, state_type: type) -> list:

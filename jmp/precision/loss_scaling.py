@@ -1,13 +1,9 @@
 """Loss-scale arithmetic for fp16 training: pure JAX, jit-able, no host sync.
 
-Two update rules live here, each a pure function of scalar arrays so it can sit inside the compiled step:
-
-- SMP v1's dynamic loss scaler (``DistributedOptimizer(dynamic_loss_scale=True, dynamic_loss_args=...)``),
-  which is Megatron-LM / DeepSpeed's ``DynamicLossScaler``: :func:`updated`.
-- ``torch.amp.GradScaler``'s rule (torch's ``_amp_update_scale_``): :func:`grad_scaler_updated`.
-
-SMP's loss-scaling options (``static_loss_scale``, ``dynamic_loss_scale``, ``dynamic_loss_args``), checked
-against what the model computes in, become a :class:`LossScaling` here too: :func:`scaling_for`.
+Two update rules, each a pure function of scalar arrays so it can sit inside the compiled step: SMP v1's dynamic
+loss scaler, which is Megatron-LM / DeepSpeed's ``DynamicLossScaler`` (:func:`updated`), and
+``torch.amp.GradScaler``'s (torch's ``_amp_update_scale_``: :func:`grad_scaler_updated`). SMP's loss-scaling
+options, checked against what the model computes in, become a :class:`LossScaling` (:func:`scaling_for`).
 
 Scales are float32, as in torch. Growth is by ``scale * factor`` in float32, so with the power-of-two factors
 everyone uses the scales are exact powers of two. A growth that would overflow float32 to ``inf`` is skipped

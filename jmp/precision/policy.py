@@ -1,25 +1,12 @@
-"""Mixed precision: what a model computes in, and what it keeps between steps.
+"""Mixed precision: what a model computes in, and what it keeps between steps (docs/precision.md).
 
-Training in bf16 or fp16 is asked for by the config (``bf16: True`` / ``fp16: True``) or by a module
-whose parameters already are half precision (``model.to(torch.bfloat16)``, ``smp.model_creation(dtype=...)``).
-Either way the model keeps **float32 master parameters**; a step casts them to the compute dtype inside
-the compiled program (an FSDP all-gather then moves half-precision values) and differentiates through
-the cast, and the gradients are kept in the compute dtype until the optimizer unscales them into
-float32 and updates the masters. Bytes held per parameter with AdamW:
-
-    master parameter (fp32)       4
-    Adam exp_avg, exp_avg_sq      8   (fp32, as torch.amp keeps them)
-    gradient (bf16 / fp16)        2
-                                 --
-                                 14   (SMP's figure: 20; the half-precision copy of the parameters
-                                       exists only inside the step program, and no fp32 gradient
-                                       copy is kept: the optimizer unscales inside its update)
-
-With the config keys, the forward also runs under torch's CUDA autocast lists, whatever the device, so a
-run computes the same on a laptop CPU and a GPU: matmuls and convolutions in the half dtype; softmax,
-norms, ``pow``, losses and the other ops autocast keeps in float32 compute in float32, and hand their
-same-shaped results back in the half dtype (reductions and losses stay float32) under ``jax.checkpoint``,
-so activations are held in half precision only (``jmp.torch_bridge.autocast.forced(half_results=True)``).
+Training in bf16 or fp16 is asked for by the config (``bf16`` / ``fp16``) or by a module whose parameters already
+are half precision. Either way the model keeps float32 master parameters, cast to the compute dtype inside the
+compiled program (so an FSDP all-gather moves half-precision values); gradients stay in the compute dtype until
+the optimizer unscales them inside its update, so no float32 gradient copy is held. With the config keys the
+forward runs under torch's CUDA autocast lists on every device, the float32 ops handing their same-shaped results
+back in the half dtype under ``jax.checkpoint`` (``jmp.torch_bridge.autocast.forced(half_results=True)``), so
+activations are held in half precision only.
 """
 
 from __future__ import annotations
@@ -78,11 +65,9 @@ class Precision:
 
 
 def resolve(config: Config, dtypes: Mapping[str, Any], platform: str) -> Precision:
-    """The policy for parameters of ``dtypes`` (torch name -> JAX dtype as converted) under ``config``.
-
-    Raises:
-        ConfigError: the config and the module disagree on the half-precision type, the module mixes
-            bf16 and fp16 parameters, or the backend cannot compute in the dtype.
+    """The policy for parameters of ``dtypes`` (torch name -> JAX dtype as converted) under ``config``; a
+    ``ConfigError`` when the config and the module disagree on the half-precision type, the module mixes bf16 and
+    fp16 parameters, or the backend cannot compute in the dtype.
     """
     asked = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
     module_halves = {t for t, j in HALF.items() for d in dtypes.values() if jnp.dtype(d) == jnp.dtype(j)}

@@ -1,12 +1,9 @@
 """The smp activation-checkpointing functions, on ``jax.checkpoint``.
 
-``checkpoint(module, *args)`` checkpoints one call inside a forward; ``checkpoint_sequential`` runs an
-``nn.Sequential`` in checkpointed groups; ``set_activation_checkpointing`` checkpoints every call of a
-``DistributedModel``'s submodule in steps. A checkpoint keeps its inputs (and what its policy keeps) and
-replays the random stream in the recomputation. Every tensor in any argument structure is an input, so
-SMP's ``pack_args_as_tuple`` changes nothing. What a checkpointed module leaves behind must come out through
-its outputs, buffers or in-place argument writes (call Hugging Face models with ``use_cache=False``).
-Outside a step ``checkpoint`` just calls the module.
+A checkpoint keeps its inputs (and what its policy keeps) and replays the random stream in the recomputation.
+Every tensor in any argument structure is an input, so SMP's ``pack_args_as_tuple`` changes nothing. What a
+checkpointed module leaves behind must come out through its outputs, buffers or in-place argument writes (call
+Hugging Face models with ``use_cache=False``).
 """
 
 from __future__ import annotations

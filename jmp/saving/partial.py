@@ -32,21 +32,69 @@ logger = logging.getLogger("jmp")
 FORMAT = "jmp.partial_checkpoint"
 USER_CONTENT = "user_content"
 
-_pending: concurrent.futures.Future | None = None  # the last save, complete with its pointer moved
-_finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jmp-checkpoint")
+
+class BackgroundWrites:
+    """Orbax checkpoints written in the background, one at a time: the next one, and the process's end, wait."""
+
+    def __init__(self, thread_name: str):
+        self.pending: concurrent.futures.Future | None = None
+        self.finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        # Before the interpreter's shutdown stops thread pools (Orbax's writers among them), not after: an atexit
+        # handler would be too late. concurrent.futures uses the same hook.
+        threading._register_atexit(self.wait)
+
+    def wait(self) -> None:
+        """Block until the last asynchronous save is complete (its errors are raised here)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def start(
+        self, target: Path, items: tuple[str, str], values: dict, meta: dict, call: str, then: Any = None
+    ) -> concurrent.futures.Future:
+        """Start writing ``values`` and the JSON ``meta`` (Orbax items named ``items``) into ``target``; once it is
+        complete, process 0 puts it in place and calls ``then()``. Returns once the arrays are off the devices."""
+        self.wait()
+        if jax.process_count() > 1:
+            comm.barrier()  # process 0's last save is in place: every process sees the same directory below
+        # a target saved before is written beside the old checkpoint and swapped in once complete: Orbax's force=True
+        # would delete the old one first, and a failure while writing would leave neither
+        written = target.with_name(target.name + directory.REPLACING_SUFFIX) if target.exists() else target
+        primary = jax.process_index() == 0
+        if primary:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        ocp = orbax_checkpoint()
+        arrays_item, json_item = items
+        with root_logging_kept():
+            checkpointer = async_writer(arrays_item, json_item)
+            checkpointer.save(
+                written.absolute(),
+                args=ocp.args.Composite(
+                    **{arrays_item: ocp.args.PyTreeSave(values), json_item: ocp.args.JsonSave(meta)}
+                ),
+                force=True,  # only ever deletes a replacement a failed save left
+            )
+
+        def finish() -> None:
+            try:
+                checkpointer.wait_until_finished()  # written, and renamed into place
+            except Exception:
+                logger.exception("%s: writing %s failed", call, written)
+                raise
+            finally:
+                checkpointer.close()
+            if primary:
+                if written != target:
+                    directory.replace_dir(written, target)
+                if then is not None:
+                    then()
+
+        self.pending = self.finisher.submit(finish)
+        return self.pending
 
 
-def wait_for_saves() -> None:
-    """Block until the last asynchronous save is complete (its errors are raised here)."""
-    global _pending
-    pending, _pending = _pending, None
-    if pending is not None:
-        pending.result()
-
-
-# Before the interpreter's shutdown stops thread pools (Orbax's writers among them), not after: an atexit
-# handler would be too late. concurrent.futures uses the same hook.
-threading._register_atexit(wait_for_saves)
+_writes = BackgroundWrites("jmp-checkpoint")
+wait_for_saves = _writes.wait
 
 
 def save(
@@ -58,7 +106,6 @@ def save(
     keep: int | None,
 ) -> None:
     """Start writing ``<root>/<tag>_partial``; once complete, ``newest`` names it and those beyond ``keep`` go."""
-    global _pending
     blob = np.frombuffer(user_content_file.to_bytes(user_content), np.uint8)
     wait_for_saves()
     meta = meta | {
@@ -67,43 +114,14 @@ def save(
         "saved_at_ns": time.time_ns(),
         "arrays": {key: {"shape": list(v.shape), "dtype": str(v.dtype)} for key, v in arrays.items()},
     }
-    primary = jax.process_index() == 0
+
+    def then() -> None:
+        directory.point_newest(root, tag)
+        if keep is not None:
+            _prune(root, keep, current=tag)
+
     target = directory.partial_dir(root, tag)
-    if jax.process_count() > 1:
-        comm.barrier()  # process 0's last save is in place: every process sees the same directory below
-    # a tag saved before is written beside the old checkpoint and swapped in once complete: Orbax's force=True
-    # would delete the old one first, and a failure while writing would leave neither
-    written = directory.replacement_dir(root, tag) if target.exists() else target
-
-    ocp = orbax_checkpoint()
-    if primary:
-        root.mkdir(parents=True, exist_ok=True)
-    with root_logging_kept():
-        checkpointer = async_writer("state", "meta")
-        checkpointer.save(
-            written.absolute(),
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(dict(arrays) | {USER_CONTENT: blob}), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,  # only ever deletes a replacement a failed save left
-        )
-
-    def finish() -> None:
-        try:
-            checkpointer.wait_until_finished()  # written, and renamed into place
-        except Exception:
-            logger.exception("save_checkpoint: writing %s failed", written)
-            raise
-        finally:
-            checkpointer.close()
-        if primary:
-            if written != target:
-                directory.replace_dir(written, target)
-            directory.point_newest(root, tag)
-            if keep is not None:
-                _prune(root, keep, current=tag)
-
-    _pending = _finisher.submit(finish)
+    _writes.start(target, ("state", "meta"), dict(arrays) | {USER_CONTENT: blob}, meta, "save_checkpoint", then)
 
 
 def read_meta(root: Path, tag: str) -> dict:

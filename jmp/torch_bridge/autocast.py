@@ -245,9 +245,6 @@ def call_whole(torch_fn: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any)
     return state.run(torch_fn, lambda a, k: fn(*a, **k), args, kwargs)
 
 
-# --- casting ----------------------------------------------------------------------------------------------------
-
-
 def _castable_dtype(leaf: Any) -> torch.dtype | None:
     """The torch dtype of a tensor or array that autocast may cast (floating, not float64), else None."""
     if isinstance(leaf, torch.Tensor):

@@ -145,22 +145,17 @@ def convert(module: torch.nn.Module, *, rngs: nnx.Rngs | int | None = None, allo
     and is called like the torch module, with ``jax.Array``s for tensors.
 
     Args:
-        module: the torch module to convert.
         rngs: seeds dropout and ``torch.rand*`` inside the model: an ``nnx.Rngs`` or an int seed. By
             default it follows torch's seed (``torch.manual_seed``), so a seeded torch script is
             reproducible here too.
         allow_meta: tensors on the meta device become Variables holding ``jax.ShapeDtypeStruct``s, for
             ``jmp.wrapped_model.delayed_init`` to fill by running the module's initialisation code (else an error).
 
-    Returns:
-        The converted ``flax.nnx.Module`` (a ``TorchModule``).
-
     Raises:
         ConversionError: a submodule is not a ``torch.nn.Module``, is a TorchScript module or is wrapped in
             ``DistributedDataParallel``; a tensor is on the meta device (without ``allow_meta``); an
             attribute's name clashes with the converted module's own; an ``nn.Embedding`` uses ``max_norm``
-            or ``scale_grad_by_freq``.
-            Unsupported torch ops are not found here but when the converted module runs
+            or ``scale_grad_by_freq``. Unsupported torch ops are found when the converted module runs
             (``UnsupportedOpError``).
     """
     if not isinstance(rngs, nnx.Rngs):

@@ -1,21 +1,13 @@
-"""The interception layer: every torch call made by forward code on the
-bridge's tensors (or inside a bridge session, for factories) is looked up in
-the lowering registry and run as JAX.
+"""The interception layer: every torch call made by forward code on the bridge's tensors (or inside a bridge
+session, for factories) is looked up in the lowering registry and run as JAX.
 
-A *session* is active while a converted module runs torch code: it installs a
-``TorchFunctionMode`` (so factory functions such as ``torch.arange`` are seen
-too), makes ``torch.compiler.is_compiling()`` answer True (so Hugging Face
-models take their trace-friendly branches), and provides the random stream for
-dropout and ``torch.rand*``. A *scope* records which module is running, for
-error messages.
-
-``torch.autograd.Function.apply`` does not go through the torch-function
-protocol, so while any session runs it is replaced by one that sends calls made
-inside a session to the dispatcher as ``FUNCTION_APPLY(function, *args)``
-(lowered in ``lowering/autograd_function.py``); torch's higher-order ops (``torch.cond``, ``scan``,
-``associative_scan``, ...) are routed the same way (``higher_order_ops.py``). Likewise ``torch.autocast``
-entered in a session drives jmp's autocast state (``autocast.py``), under which
-the dispatcher casts a call's arguments by the op's autocast policy.
+A *session* is active while a converted module runs torch code: its ``TorchFunctionMode`` sees factory functions
+such as ``torch.arange`` too, ``torch.compiler.is_compiling()`` answers True (so Hugging Face models take their
+trace-friendly branches), and it provides the random stream for dropout and ``torch.rand*``. A *scope* records
+which module is running, for error messages. ``torch.autograd.Function.apply`` and torch's higher-order ops
+(``torch.cond``, ``scan``, ...) do not go through the torch-function protocol, so while any session runs they are
+routed to the dispatcher (``lowering/autograd_function.py``, ``higher_order_ops.py``); ``torch.autocast`` entered in
+a session drives jmp's autocast state (``autocast.py``), by which the dispatcher casts a call's arguments.
 """
 
 from __future__ import annotations

@@ -96,8 +96,6 @@ class State:
     def __init__(self):
         object.__setattr__(self, "ranker", Ranker())
 
-    # --- the config ---------------------------------------------------------------------------------------
-
     tensor_parallel_degree = _degree("tensor_parallel_degree", "tp")
     expert_parallel_degree = _degree("expert_parallel_degree", "ep")
     context_parallel_degree = _degree("context_parallel_degree", _CONTEXT_AXIS)
@@ -111,8 +109,6 @@ class State:
     fsdp_cache_flush_warnings = _from_config("fsdp_cache_flush_warnings")
     allow_empty_shards = _from_config("allow_empty_shards")
     random_seed = _from_config("random_seed")
-
-    # --- ranks and groups ---------------------------------------------------------------------------------
 
     @property
     def tp_rank(self) -> int:

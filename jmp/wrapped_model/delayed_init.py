@@ -1,19 +1,11 @@
-"""Models built on the meta device, initialised directly into their shards.
+"""Models built on the meta device, initialised directly into their shards (docs/parallelism.md).
 
-A model built inside ``smp.delay_param_initialization()`` (or ``smp.model_creation()`` with the config key
-``delayed_parameter_initialization``, or plainly ``with torch.device("meta")``) has shapes but no values.
-``DistributedModel`` runs the model's own initialisation code through the bridge, in one compiled program
-whose outputs are laid out as the model's parameters: each device computes only its own shard, so no
-process ever holds the whole model.
-
-The initialisation code is the one a meta-device model is expected to carry: a Hugging Face model's
-``initialize_weights()`` (its ``_init_weights`` per module, which also fills buffers such as rotary
-frequencies), else every module's ``reset_parameters()`` (torch's layers; the convention FSDP relies on),
-children before parents. A tensor none of it writes is an error, never silently zero.
-
-Random draws come from JAX's counter-based generator seeded by the config's ``random_seed``, so the values
-are the same on any mesh and layout (a sharded draw equals the whole draw); they are not the values torch's
-CPU generator would give.
+``DistributedModel`` runs the model's own initialisation code through the bridge, in one compiled program whose
+outputs are laid out as the model's parameters: each device computes only its own shard, so no process ever holds
+the whole model. The code is a Hugging Face model's ``initialize_weights()``, else every module's
+``reset_parameters()``, children before parents; a tensor none of it writes is an error, never silently zero.
+Random draws come from JAX's counter-based generator seeded by the config's ``random_seed``, so the values are the
+same on any mesh and layout (a sharded draw equals the whole draw), not the values torch's CPU generator would give.
 """
 
 from __future__ import annotations
@@ -78,10 +70,7 @@ def initialisation(
     It runs the model's initialisation code on zero placeholders and returns ``(finish(params), rest)``, the
     parameters laid out by ``param_shardings`` and the rest ``replicated``. Its inputs are the concrete
     leaves (the random stream's state), replicated. Lowering traces the initialisation code, so a tensor the
-    code leaves unwritten is reported here.
-
-    Raises:
-        ConfigError: some parameters or buffers were not written by the model's initialisation code.
+    code leaves unwritten is reported here (``ConfigError``).
     """
     leaves, treedef = jax.tree.flatten((params, rest))
     abstract = [is_abstract(leaf) for leaf in leaves]

@@ -1,16 +1,9 @@
 """What makes a ``DistributedModel`` look like the torch module it wraps (SMP v1's ``DistributedModel`` API).
 
-- ``ModelOptions``: SMP's constructor arguments (``trace_device``, ``backward_passes_per_step``, ...),
-  validated; those that mean nothing here log one line when given a non-default value.
-- ``ModuleSurface``: the ``nn.Module`` methods scripts call on the wrapped model: parameter and module
-  iteration (the torch module's own tensors, so torch optimizers and param groups built on them are found
-  by ``DistributedOptimizer``), SMP's ``local_*`` views, ``partitioned`` and post-partition hooks, device
-  moves (no-ops), dtype casts (refused: the dtype is fixed when the model is laid out) and delegation of the
-  torch module's instance attributes (``model.config`` of a Hugging Face model, its submodules); the methods of
-  the user's class come with the class the model takes (``jmp.wrapped_model.user_class``).
-
-The torch module keeps the values it had when it was wrapped (or last loaded): it is the model's names and
-identities, not its current weights; ``model.state_dict()`` gathers those.
+SMP's constructor arguments (``ModelOptions``) and the ``nn.Module`` methods scripts call on the wrapped model
+(``ModuleSurface``); the methods of the user's class come with the class the model takes
+(``jmp.wrapped_model.user_class``). The torch module keeps the values it had when it was wrapped (or last
+loaded): it is the model's names and identities, not its current weights; ``model.state_dict()`` gathers those.
 """
 
 from __future__ import annotations
@@ -31,8 +24,6 @@ from torch.utils.hooks import RemovableHandle
 from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.runtime import notices
 from jmp.wrapped_model.seams import AttachedOptimizer
-
-# --- constructor arguments ------------------------------------------------------------------------------
 
 
 class ModelParameters(Iterator[nn.Parameter]):
@@ -80,11 +71,9 @@ class ModelOptions:
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> ModelOptions:
-        """The options given to ``smp.DistributedModel(module, **options)``, checked.
-
-        Raises:
-            ArgumentTypeError: an unknown keyword, or a value of the wrong type.
-            ConfigError: ``trace_device`` is not "cpu"/"gpu", or ``backward_passes_per_step`` < 1.
+        """The options given to ``smp.DistributedModel(module, **options)``, checked: an ``ArgumentTypeError`` for an
+        unknown keyword or a value of the wrong type, a ``ConfigError`` for a ``trace_device`` other than "cpu" / "gpu"
+        or a ``backward_passes_per_step`` below 1.
         """
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - set(fields))
@@ -130,23 +119,9 @@ class ModelOptions:
             )
 
 
-_FLAGS = (
-    "trace_execution_times",
-    "overlapping_allreduce",
-    "average_grads_across_microbatches",
-    "trace_memory_usage",
-    "broadcast_buffers",
-    "gradient_as_bucket_view",
-)
-_NO_EFFECT = (
-    "trace_device",
-    "trace_execution_times",
-    "overlapping_allreduce",
-    "bucket_cap_mb",
-    "trace_memory_usage",
-    "broadcast_buffers",
-    "gradient_as_bucket_view",
-)
+_READ = ("backward_passes_per_step", "average_grads_across_microbatches")  # the step reads these; XLA does the rest
+_FLAGS = tuple(f.name for f in dataclasses.fields(ModelOptions) if f.type == "bool")
+_NO_EFFECT = tuple(f.name for f in dataclasses.fields(ModelOptions) if f.name not in _READ)
 
 
 def _expect(name: str, value: Any, kind: type) -> None:
@@ -154,9 +129,6 @@ def _expect(name: str, value: Any, kind: type) -> None:
         raise ArgumentTypeError(
             f"smp.DistributedModel({name}=...) takes a {kind.__name__}, not {type(value).__name__} ({value!r})"
         )
-
-
-# --- the module-like surface ----------------------------------------------------------------------------
 
 
 class ModuleSurface:
@@ -177,8 +149,6 @@ class ModuleSurface:
         self._post_partition_hooks_ran = False
         self._post_step_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
         self._stepped = False
-
-    # --- what the torch module holds ---------------------------------------------------------------------
 
     def get_module(self) -> nn.Module:
         """The wrapped torch module (SMP's ``get_module()``; the same object as ``model.module``)."""
@@ -266,8 +236,6 @@ class ModuleSurface:
         """Torch names of the parameters with a piece on one of this process's devices."""
         return self.store.held_names(jax.process_index())
 
-    # --- partitioning -------------------------------------------------------------------------------------
-
     @property
     def partitioned(self) -> bool:
         """Whether the model's layout is fixed: from construction without pipeline parallelism, from the
@@ -320,16 +288,12 @@ class ModuleSurface:
         for hook in hooks:
             hook(self, self.attached_optimizer)
 
-    # --- gradients ------------------------------------------------------------------------------------------
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradients, as the optimizer's ``zero_grad()`` does."""
         optimizer = self.attached_optimizer
         if optimizer is not None:
             optimizer.zero_grad(set_to_none)
         self.training_state.grads = None
-
-    # --- devices and dtypes -----------------------------------------------------------------------------
 
     def cpu(self) -> Any:
         """No-op (returns the model): its arrays stay on the mesh's devices."""

@@ -4,12 +4,9 @@ Keys name what a value is, not where it lives: parameters by torch name (a pipel
 unpacked), buffers and the random stream by their path in the module, optimizer state by its path in the
 optax state with each parameter-shaped field expanded by torch name. The same model and optimizer under
 another mesh, parallelism or pipeline split give the same keys and shapes, so a checkpoint written under one
-layout restores under another, each array read straight into its new sharding.
-
-``model_arrays`` / ``optimizer_arrays`` take the state out (``targets`` of them say where a restore puts
-each array under the current layout: parameter-shaped values as their parameter). ``model_state_from`` and
-``optimizer_state_from`` build the state to hold from restored arrays, leaving the model and optimizer
-untouched (the caller assigns once everything has been read, so a failed load changes nothing).
+layout restores under another, each array read straight into its new sharding. Restoring builds the state to
+hold and leaves the model and optimizer untouched: the caller assigns once everything has been read, so a failed
+load changes nothing.
 """
 
 from __future__ import annotations
@@ -42,9 +39,6 @@ def _is_key(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
-# --- the model ------------------------------------------------------------------------------------------
-
-
 def model_arrays(model: Any) -> dict[str, jax.Array]:
     """``params/<torch name>`` (float32 masters in mixed precision) and ``buffers/<path>`` (random keys as
     their raw key data)."""
@@ -74,9 +68,6 @@ def model_state_from(model: Any, arrays: Mapping[str, jax.Array]) -> tuple[Any, 
         return jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf)) if _is_key(leaf) else value
 
     return params, jax.tree_util.tree_map_with_path(buffer, model.training_state.rest)
-
-
-# --- the optimizer --------------------------------------------------------------------------------------
 
 
 def _parameter_shaped(optimizer: Any) -> Any:

@@ -1,13 +1,8 @@
 """What a ``DistributedModel`` holds, as the three records the step and the optimizer work with.
 
-- ``ParameterLayout`` (frozen): each parameter's torch name, shape, dtype and ``PartitionSpec``, the
-  tree structure the converted module keeps them in, and the mesh and config the model was built with.
-- ``TrainingState`` (mutable): the values that change every step: parameters (as stored: a tree, or a
-  pipelined model's stage buffers), the rest of the module state (buffers, random stream), gradients,
-  and the last step's side outputs.
-- ``ProgramCache``: the compiled programs of the model's step functions, keyed by what they were traced
-  for, with explicit invalidation (activation checkpointing annotations change what a program computes).
-
+``ParameterLayout`` (frozen: names, shapes, dtypes, ``PartitionSpec``s, the mesh and config), ``TrainingState``
+(mutable: the values that change every step) and ``ProgramCache`` (the compiled programs of the model's step
+functions, with explicit invalidation: activation checkpointing annotations change what a program computes).
 ``jmp.compiled_step`` and ``jmp.optim.distributed_optimizer`` read and write these through the model's
 public attributes (``model.layout``, ``model.training_state``, ``model.programs``); nothing else of the model is shared.
 """

@@ -1,23 +1,18 @@
 """SMP's attribute paths into a wrapped model, as views of the user's own modules.
 
-Scripts written for SMP reach the user's model through SMP's nesting (``DistributedModel`` -> its wrapped
-module -> the data-parallel wrapper -> the user's model: ``model.module.module.module``) and, with SMP's
-``DistributedTransformer``, the layer stack as ``transformer.seq_layers``. Here ``model.module`` is the user's
-model itself, so these paths are given as plain attributes that are not submodules: the module tree,
-``named_modules()`` and ``state_dict()`` keys stay the user's, and no parameter is counted twice.
+Scripts written for SMP reach the user's model through SMP's nesting (``model.module.module.module``: the wrapped
+module, the data-parallel wrapper, the user's model) and, with SMP's ``DistributedTransformer``, the layer stack as
+``transformer.seq_layers``, its layers' ``attention`` and ``output``. Here ``model.module`` is the user's model
+itself, so these paths are plain attributes that are not submodules: the module tree, ``named_modules()`` and
+``state_dict()`` keys stay the user's, and no parameter is counted twice.
 
-- ``module.module``: a view of the user's model one wrapper further in; its ``module`` is a view with no
-  ``module`` of its own, so code that unwraps ``.module`` until there is none (Hugging Face's
-  ``unwrap_model``) stops, at a view that forwards everything to the model.
-- ``seq_layers`` on every Hugging Face transformer body (a ``PreTrainedModel`` that is its own ``base_model``): its
-  layer list (GPT-2's ``h``, Llama's ``layers``,
-  ...), the same ``nn.ModuleList`` object, so ``set_activation_checkpointing`` and ``set_partition`` act on the
-  real layers; and ``transformer`` on a model whose body has another name (``gpt_neox``, ``model``), as SMP's
-  ``DistributedTransformerLMHead`` has. SMP gives these with tensor parallelism; here every wrapped model has
-  them, as the activation-checkpointing seed's example reads ``seq_layers`` of a model built without it.
-- ``attention`` and ``output`` on each of those layers: its attention and its feed-forward block (GPT-2's
-  ``attn`` and ``mlp``), the names of SMP's ``DistributedTransformerLayer``, which scripts checkpoint one by one
-  (AWS's gpt2 script with ``--checkpoint_sublayers``).
+- ``module.module`` is a view whose innermost level has no ``module``, so code that unwraps ``.module`` until there
+  is none (Hugging Face's ``unwrap_model``) stops, at a view that forwards everything to the model.
+- ``seq_layers`` on every Hugging Face transformer body is its layer list, the same ``nn.ModuleList`` object, so
+  ``set_activation_checkpointing`` and ``set_partition`` act on the real layers. SMP gives these paths with tensor
+  parallelism; here every wrapped model has them, as the activation-checkpointing seed's example reads
+  ``seq_layers`` of a model built without it. Scripts checkpoint ``attention`` / ``output`` one by one (AWS's gpt2
+  script with ``--checkpoint_sublayers``).
 """
 
 from __future__ import annotations

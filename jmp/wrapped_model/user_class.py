@@ -1,22 +1,12 @@
 """The wrapped model is the module: a ``DistributedModel`` takes a subclass of the user's module class.
 
 As PyTorch's FSDP2 ``fully_shard`` does, ``smp.DistributedModel(module)`` swaps the new instance's class for one made
-once per user class, ``Distributed<Name>(DistributedModel, Name)``. The user's methods and properties are found on
-it and run with ``self`` the distributed model: ``self.parameters()`` and ``self.named_parameters()`` are its
-parameters (what ``DistributedOptimizer`` finds the model by), ``self(...)`` runs its forward through jmp,
-``self.config`` and submodules are the wrapped module's (submodules and tensors with the current values), and
-``isinstance(model, Name)`` holds. ``DistributedModel``'s own names come first (``forward``, ``state_dict``,
-``train``, ``to``, ...: torch's API answered for the distributed model); a user name they hide is said once.
-
-What cannot follow the distributed model is said at the call, not refused in advance:
-
-- a user method that changes the wrapped module's parameters or buffers (their names, shapes or dtypes: nanoGPT's
-  ``crop_block_size``, Hugging Face's ``resize_token_embeddings``) raises ``ConfigError`` when it returns: the model
-  is laid out for the tensors it was built with. A method that replaces a tensor by one of the same shape has the
-  new values loaded.
-- the methods of torch's own classes (``nn.Sequential``'s ``__getitem__``, ``nn.ModuleList``'s ``__len__``, ...)
-  read the instance's ``_modules``, which on the distributed model hold the wrapped module itself: they run on the
-  wrapped module.
+once per user class, ``Distributed<Name>(DistributedModel, Name)``, whose user methods run with ``self`` the
+distributed model; what scripts get from it: docs/training.md. What cannot follow the distributed model is said at
+the call, not refused in advance: a user method that changes the wrapped module's tensors' names, shapes or dtypes
+raises ``ConfigError`` when it returns (one that replaces a tensor by one of the same shape has the new values
+loaded), and the methods of torch's own classes (``nn.Sequential``'s ``__getitem__``, ...) read the instance's
+``_modules``, which on the distributed model hold the wrapped module itself: they run on the wrapped module.
 """
 
 from __future__ import annotations

@@ -167,9 +167,6 @@ def _first(extra: _Pass) -> str:
     return "param" if extra.return_params else "update"
 
 
-# --- Adam, AdamW ----------------------------------------------------------------------------------------------
-
-
 def _adam_step(decoupled: bool, maximize: bool):
     def step(s, g, m, v, p):
         lr, b1, b2, eps, weight_decay, correction1, correction2, keep1, keep2 = (s[i] for i in range(9))
@@ -225,9 +222,6 @@ def fused_apex_adam(lr, beta1, beta2, eps, weight_decay, *, adam_w_mode, bias_co
     if not bias_correction:
         raise ValueError("fused_apex_adam corrects the moments' bias; use jmp.optim.torch_rules.apex_adam without")
     return fused_adam(lr, beta1, beta2, eps, weight_decay, decoupled=adam_w_mode, interpret=interpret)
-
-
-# --- LAMB ------------------------------------------------------------------------------------------------------
 
 
 def _lamb_step(adam_w_mode: bool):
@@ -287,9 +281,6 @@ def fused_lamb(
     return optax.GradientTransformationExtraArgs(chain.init, update)
 
 
-# --- SGD -------------------------------------------------------------------------------------------------------
-
-
 def _sgd_step(nesterov: bool, maximize: bool, has_momentum: bool):
     def step(s, g, *rest):
         lr, momentum, keep, weight_decay, started = (s[i] for i in range(5))
@@ -333,9 +324,6 @@ def fused_sgd(
         return jax.tree.unflatten(treedef, first), state
 
     return optax.GradientTransformationExtraArgs(chain.init, update)
-
-
-# --- Adagrad ---------------------------------------------------------------------------------------------------
 
 
 def _adagrad_step(maximize: bool):

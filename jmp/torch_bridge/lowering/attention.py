@@ -141,9 +141,6 @@ def mask_kind(mask, is_causal: bool, length: int, source: int) -> str:
     return "none" if not is_causal and known.all() else "other"
 
 
-# --- the lowering -------------------------------------------------------------------------------------------------
-
-
 @register_lowering(F.scaled_dot_product_attention)
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False

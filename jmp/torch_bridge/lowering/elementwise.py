@@ -209,9 +209,6 @@ def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
     return bool(jnp.all(isclose(input, other, rtol, atol, equal_nan)))
 
 
-# --- unary -----------------------------------------------------------------
-
-
 def _float_result(x):
     """Torch's dtype for float-valued unary math: integers and bools become the default float."""
     return cast(x, result_dtype(x, kind=INT_TO_FLOAT))
