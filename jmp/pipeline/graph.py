@@ -201,7 +201,8 @@ def _scan(eqn: core.JaxprEqn, args: list) -> list:
 
 
 def _whole_along(value: jax.Array, axis: int) -> jax.Array:
-    """``value`` gathered along ``axis`` when tensor parallelism may have split it (the rest left to XLA).
+    """``value`` gathered along ``axis`` when tensor parallelism, or FSDP's weights split inside a scanned stage,
+    may have split it (the rest left to XLA).
 
     Splitting a tensor-parallel output into pieces that do not line up with its shards (GPT-2's fused q, k,
     v), or gathering rows of a table split over tp along its features (Llama's embedding, when the stage keeps
@@ -211,7 +212,7 @@ def _whole_along(value: jax.Array, axis: int) -> jax.Array:
     all-gather, which waits only for its group, does the same move.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.shape.get("tp", 1) == 1 or axis != value.ndim - 1:
+    if mesh.empty or mesh.shape.get("tp", 1) * mesh.shape.get("fsdp", 1) == 1 or axis != value.ndim - 1:
         return value
     free = jax.sharding.PartitionSpec.UNCONSTRAINED
     return jax.lax.with_sharding_constraint(value, jax.sharding.PartitionSpec(*[free] * axis, None))
