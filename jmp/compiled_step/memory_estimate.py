@@ -8,6 +8,10 @@ shard). Given a batch, the step program is lowered and compiled ahead of time, a
 and XLA's ``memory_analysis`` gives the rest: the inputs and the temporaries (activations kept for the
 backward, gathered weights, pipeline buffers).
 
+With ``target="h100"`` (or another of ``gpu_target.TARGETS``) the step is compiled for that GPU from this host,
+over ``devices`` of them, by JAX's CUDA plugin (``gpu_target``): XLA's GPU temporaries and cuDNN's attention
+instead of this backend's.
+
 ``estimate_memory(num_params, config)`` is the back-of-envelope figure for a size alone, per parameter:
 4 bytes stored (float32, the masters in mixed precision), gradients in the compute dtype, the optimizer's
 slots in float32, split as the degrees split them.
@@ -27,6 +31,7 @@ import numpy as np
 import optax
 import torch
 
+from jmp.compiled_step import gpu_target
 from jmp.compiled_step.function import step as smp_step
 from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.optim.distributed_optimizer import DistributedOptimizer
@@ -120,6 +125,8 @@ def estimate_memory(
     optimizer: Any = torch.optim.AdamW,
     step: Callable | None = None,
     activation_checkpointing: dict[str, str] | None = None,
+    target: str | None = None,
+    devices: int | None = None,
 ) -> MemoryEstimate:
     """Bytes per device of training ``model`` under ``config`` (default: the current one), without running it.
 
@@ -135,12 +142,21 @@ def estimate_memory(
         activation_checkpointing: torch paths of submodules -> strategy (``{"transformer.h": "each"}``), as
             ``smp.set_activation_checkpointing`` would set them, for this estimate (modules already marked
             keep their marks).
+        target: a GPU (``"h100"``, ``"h200"``, ``"a100"``) to compile for from this host (None: this backend).
+        devices: how many of ``target``'s GPUs (default: as many as this host has devices).
 
     In a multi-process run, call it on every process (with a config, it checks the config is the same
     everywhere, as ``smp.init`` does).
     """
     if isinstance(model, (int, np.integer)):
         return _rule_of_thumb(int(model), config, optimizer)
+    if target is not None:
+        gpu = gpu_target.get(target)
+        on = gpu_target.devices(gpu, devices or jax.device_count())
+        current = dataclasses.asdict(state.get_config()) if state.is_initialized() else {}
+        with state.using(config if config is not None else current, on):
+            estimate = estimate_memory(model, None, batch, optimizer, step, activation_checkpointing)
+        return dataclasses.replace(estimate, method=f"{estimate.method} for {len(on)} x {gpu.name}")
     if config is not None:
         with state.using(config):
             return estimate_memory(model, None, batch, optimizer, step, activation_checkpointing)
@@ -158,7 +174,9 @@ def estimate_memory(
             return _from_layout(laid_out, tx, layout)
         run = step or _default_step
         arguments = batch if isinstance(batch, tuple) else (batch,)
-        compiled = run.lower(laid_out, *arguments).compile()
+        device = laid_out.layout.mesh.devices.flat[0]
+        compile_only = device.platform == "gpu" and device not in jax.devices()  # a target, not this host's
+        compiled = run.lower(laid_out, *arguments).compile(gpu_target.COMPILER_OPTIONS if compile_only else None)
     memory = compiled.memory_analysis()
     params = per_device_bytes(laid_out.training_state.params)
     rest = per_device_bytes(laid_out.training_state.rest)

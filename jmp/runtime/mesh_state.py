@@ -116,12 +116,13 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
 
 
 @contextlib.contextmanager
-def using(config: dict[str, Any]) -> Iterator[None]:
-    """Inside, the run's config and mesh are ``config``'s (as ``init(config)`` makes them); then they are restored."""
+def using(config: dict[str, Any], devices: list | None = None) -> Iterator[None]:
+    """Inside, the run's config and mesh are ``config``'s (as ``init(config, devices=devices)`` makes them); then
+    they are restored."""
     global _config, _mesh
     saved = _config, _mesh
     try:
-        init(config)
+        init(config, devices=devices)
         yield
     finally:
         _config, _mesh = saved

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from jmp.runtime import notices
+from jmp.runtime import mesh_state, notices
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.lowering import grouped_matmul, ring_attention
 from jmp.torch_bridge.lowering.nn_functional import apply_dropout
@@ -74,6 +74,16 @@ def cuda_capability() -> tuple[int, int] | None:
         return int(major), int(minor)
     except Exception:  # no GPU backend, ROCm, another JAX layout: not cuDNN
         return None
+
+
+def mesh_capability() -> tuple[int, int] | None:
+    """(major, minor) of jmp's mesh devices when they are CUDA GPUs compiled for without one attached
+    (``smp.estimate_memory(target=...)``); None otherwise."""
+    device = mesh_state.get_mesh().devices.flat[0] if mesh_state.is_initialized() else None
+    kind = getattr(device, "compute_capability", None)
+    if kind is None or device.platform != "gpu" or "NVIDIA" not in device.device_kind:
+        return None
+    return tuple(int(x) for x in kind.split(".")[:2])
 
 
 def cudnn_refusal(dtype, query_shape, key_shape, value_shape, capability: tuple[int, int] | None) -> str | None:
@@ -176,7 +186,7 @@ def scaled_dot_product_attention(
     requested = requested_implementation()
     implementation = choose_implementation(
         platform=platform,
-        capability=cuda_capability() if platform == "gpu" else None,
+        capability=(cuda_capability() or mesh_capability()) if platform == "gpu" else None,
         dtype=q.dtype,
         query_shape=q.shape,
         key_shape=k.shape,
