@@ -4,7 +4,8 @@ JAX's CUDA plugin compiles for a GPU described by XLA's ``GpuTargetConfigProto``
 (``jax.experimental.topologies``): the devices it makes can lay out a mesh and compile, not run. Each target
 here is the datasheet of one GPU (SXM parts), written out as that proto, and the peaks a roofline needs.
 Needs ``pip install jax-cuda12-plugin==<jaxlib's version> "nvidia-cudnn-cu12>=9.8,<10"`` (cuDNN: JAX reads
-its version before it emits cuDNN's flash attention).
+its version before it emits cuDNN's flash attention) and, on a host without CUDA, ``JAX_PLATFORMS=cpu`` (or
+``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``) before JAX starts, else the plugin fails its CUDA version check unloaded.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 import jax
 from jax.experimental import topologies
 
-from jmp.errors import ConfigError
+from jmp.errors import ConfigError, JmpError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,31 +58,21 @@ def get(target: str | GpuTarget) -> GpuTarget:
     return TARGETS[target.lower()]
 
 
+_LIMITS = (  # CUDA's per-block and per-SM limits, the same on compute capability 8.0 and 9.0
+    "threads_per_block_limit: 1024 threads_per_warp: 32 threads_per_core_limit: 2048 shared_memory_per_block: 49152 "
+    "block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 registers_per_core_limit: 65536 "
+    "registers_per_block_limit: 65536"
+)
+
+
 def target_config(gpu: GpuTarget) -> str:
-    """``gpu`` as XLA's ``GpuTargetConfigProto`` in text form (CUDA's per-SM limits of compute capability 8-9)."""
-    info = {
-        "threads_per_block_limit": 1024,
-        "threads_per_warp": 32,
-        "shared_memory_per_block": 48 << 10,
-        "shared_memory_per_core": gpu.shared_memory_per_core,
-        "shared_memory_per_block_optin": gpu.shared_memory_per_core - (1 << 10),
-        "threads_per_core_limit": 2048,
-        "core_count": gpu.cores,
-        "fpus_per_core": 128 if gpu.capability >= (9, 0) else 64,
-        "block_dim_limit_x": 2**31 - 1,
-        "block_dim_limit_y": 65535,
-        "block_dim_limit_z": 65535,
-        "memory_bandwidth": int(gpu.memory_bandwidth),
-        "l2_cache_size": gpu.l2_bytes,
-        "clock_rate_ghz": gpu.clock_ghz,
-        "device_memory_size": gpu.memory_bytes,
-        "registers_per_core_limit": 65536,
-        "registers_per_block_limit": 65536,
-    }
-    major, minor = gpu.capability
-    fields = " ".join(f"{k}: {v}" for k, v in info.items())
+    """``gpu`` as XLA's ``GpuTargetConfigProto`` in text form."""
+    (major, minor), shared = gpu.capability, gpu.shared_memory_per_core
     return (
-        f"gpu_device_info {{ {fields} cuda_compute_capability {{ major: {major} minor: {minor} }} }} "
+        f"gpu_device_info {{ {_LIMITS} core_count: {gpu.cores} fpus_per_core: {128 if major >= 9 else 64} "
+        f"shared_memory_per_core: {shared} shared_memory_per_block_optin: {shared - 1024} l2_cache_size: "
+        f"{gpu.l2_bytes} memory_bandwidth: {int(gpu.memory_bandwidth)} clock_rate_ghz: {gpu.clock_ghz} "
+        f"device_memory_size: {gpu.memory_bytes} cuda_compute_capability {{ major: {major} minor: {minor} }} }} "
         f'platform_name: "CUDA" dnn_version_info {{ major: 9 minor: 8 }} device_description_str: "{gpu.name}"'
     )
 
@@ -97,8 +88,10 @@ def devices(target: str | GpuTarget, count: int) -> list:
             platform="cuda", target_config=target_config(gpu), topology=f"1x1x{count}"
         )
     except Exception as error:  # no plugin (ImportError, NotImplementedError), no cuDNN (RuntimeError)
-        raise ConfigError(
-            f"compiling for {gpu.name} without one needs JAX's CUDA plugin and cuDNN: pip install "
-            f'jax-cuda12-plugin=={jax.__version__} "nvidia-cudnn-cu12>=9.8,<10" ({type(error).__name__}: {error})'
+        raise JmpError(
+            f"compiling for {gpu.name} without one needs JAX's CUDA plugin and cuDNN (pip install "
+            f'jax-cuda12-plugin=={jax.__version__} "nvidia-cudnn-cu12>=9.8,<10"), and on a host without CUDA, '
+            "JAX_PLATFORMS=cpu or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before JAX starts (the plugin's version check "
+            f"fails there and it is not loaded): {type(error).__name__}: {error}"
         ) from error
     return list(topology.devices)

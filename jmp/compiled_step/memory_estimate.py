@@ -296,12 +296,14 @@ def candidate_layouts(devices: int, *, max_tp: int = 8) -> Iterable[dict[str, An
 
 def what_fits(
     model: torch.nn.Module,
-    budget_bytes: int,
+    budget_bytes: int | None,
     batch: Any = None,
     optimizer: Any = torch.optim.AdamW,
     layouts: Iterable[dict[str, Any]] | None = None,
     step: Callable | None = None,
     activation_checkpointing: dict[str, str] | None = None,
+    target: str | None = None,
+    devices: int | None = None,
 ) -> list[tuple[dict[str, Any], MemoryEstimate]]:
     """The layouts under which ``model`` trains in ``budget_bytes`` per device, cheapest communication first.
 
@@ -310,14 +312,19 @@ def what_fits(
     (one gradient all-reduce) before ZeRO-1 (plus a parameter all-gather), sharded data parallelism (weights
     gathered in every forward and backward) and tensor parallelism (activations exchanged in every layer).
     A default candidate the model cannot take (a tensor-parallel degree that does not divide its heads) is
-    skipped with an INFO log; one of ``layouts`` given explicitly raises the ``ConfigError``.
+    skipped with an INFO log; one of ``layouts`` given explicitly raises the ``ConfigError``. With a ``target``
+    GPU, each is compiled for ``devices`` of them (``estimate_memory``), and a None budget is the GPU's memory.
     """
     explicit = layouts is not None
-    options = list(layouts if explicit else candidate_layouts(jax.device_count()))
+    count = devices or jax.device_count()
+    options = list(layouts if explicit else candidate_layouts(count))
+    if target is not None:
+        gpu_target.devices(target, count)  # an unknown GPU or a missing plugin stops here, not as a skipped layout
+        budget_bytes = gpu_target.get(target).memory_bytes if budget_bytes is None else budget_bytes
     fitting = []
     for config in options:
         try:
-            estimate = estimate_memory(model, config, batch, optimizer, step, activation_checkpointing)
+            estimate = estimate_memory(model, config, batch, optimizer, step, activation_checkpointing, target, count)
         except ConfigError as error:
             if explicit:
                 raise

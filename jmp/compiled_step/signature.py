@@ -169,18 +169,12 @@ def place_arguments(
             if axis is not None:
                 batching.check_divisible(names[i], shapes[i], axis, microbatches, shards, processes)
                 sharding = NamedSharding(mesh, batch_spec(shapes[i], axis, fed_over, mesh))
-                arrays.append(
-                    jax.ShapeDtypeStruct(shapes[i], array.dtype, sharding=sharding)
-                    if abstract
-                    else batching.whole_batch(array, sharding, shapes[i])
-                )
+                placed = None if abstract else batching.whole_batch(array, sharding, shapes[i])
             else:  # the same value on every process
-                replicated = NamedSharding(mesh, PartitionSpec())
-                arrays.append(
-                    jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=replicated)
-                    if abstract
-                    else jax.device_put(array, replicated)
-                )
+                sharding = NamedSharding(mesh, PartitionSpec())
+                placed = None if abstract else jax.device_put(array, sharding)
+            shape = shapes[i] if axis is not None else array.shape
+            arrays.append(jax.ShapeDtypeStruct(shape, array.dtype, sharding=sharding) if abstract else placed)
             leaves.append(Leaf("array", axis, dtype))
         else:
             leaves.append(Leaf("static", static=Static(value)))

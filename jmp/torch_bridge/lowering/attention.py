@@ -56,8 +56,11 @@ def requested_implementation() -> str | None:
 
 
 def traced_platform() -> str:
-    """The platform being traced for: the mesh's devices where one is set, else JAX's default backend."""
+    """The platform being traced for: the mesh's devices where one is set (JAX's, else jmp's), else JAX's default
+    backend."""
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is None and mesh_state.is_initialized():
+        device = mesh_state.get_mesh().devices.flat[0]
     return device.platform if device is not None else jax.default_backend()
 
 
@@ -80,10 +83,8 @@ def mesh_capability() -> tuple[int, int] | None:
     """(major, minor) of jmp's mesh devices when they are CUDA GPUs compiled for without one attached
     (``smp.estimate_memory(target=...)``); None otherwise."""
     device = mesh_state.get_mesh().devices.flat[0] if mesh_state.is_initialized() else None
-    kind = getattr(device, "compute_capability", None)
-    if kind is None or device.platform != "gpu" or "NVIDIA" not in device.device_kind:
-        return None
-    return tuple(int(x) for x in kind.split(".")[:2])
+    kind = getattr(device, "compute_capability", None) if device is not None and device.platform == "gpu" else None
+    return tuple(int(x) for x in kind.split(".")[:2]) if kind and "NVIDIA" in device.device_kind else None
 
 
 def cudnn_refusal(dtype, query_shape, key_shape, value_shape, capability: tuple[int, int] | None) -> str | None:
