@@ -20,8 +20,8 @@ from jmp.errors import ConfigError, JmpError
 
 @dataclasses.dataclass(frozen=True)
 class GpuTarget:
-    """One GPU: what XLA compiles for, and its peaks (dense bf16 FLOP/s; bytes/s of memory and of NVLink, one
-    direction)."""
+    """One GPU: what XLA compiles for, and its peaks (dense bf16 FLOP/s; bytes/s of memory, of NVLink one way, and
+    of the network between hosts: AWS's p5 / p5e / p4d EFA, 3,200 / 3,200 / 400 Gb/s over 8 GPUs)."""
 
     name: str
     capability: tuple[int, int]
@@ -33,15 +33,16 @@ class GpuTarget:
     shared_memory_per_core: int
     bf16_flops: float
     link_bandwidth: float
+    network_bandwidth: float
 
 
 TARGETS = {
     "h100": GpuTarget("NVIDIA H100 80GB HBM3", (9, 0), 132, 84_942_979_072, 3.35e12, 50 << 20, 1.98, 228 << 10,
-                      989e12, 450e9),
+                      989e12, 450e9, 50e9),
     "h200": GpuTarget("NVIDIA H200", (9, 0), 132, 150_110_011_392, 4.8e12, 50 << 20, 1.98, 228 << 10, 989e12,
-                      450e9),
+                      450e9, 50e9),
     "a100": GpuTarget("NVIDIA A100-SXM4-80GB", (8, 0), 108, 85_198_045_184, 2.04e12, 40 << 20, 1.41, 164 << 10,
-                      312e12, 300e9),
+                      312e12, 300e9, 6.25e9),
 }  # fmt: skip
 
 # Matmuls as cuBLAS calls: on a GPU, autotuning picks cuBLAS for most training-sized matmuls (the H100 Llama step of

@@ -32,6 +32,7 @@ import optax
 import torch
 
 from jmp.compiled_step import gpu_target
+from jmp.compiled_step.collectives import collective_bytes
 from jmp.compiled_step.function import step as smp_step
 from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.optim.distributed_optimizer import DistributedOptimizer
@@ -54,6 +55,7 @@ class MemoryEstimate:
     precision are ``master_copies``); ``gradients``: one step's gradients, as kept for the optimizer;
     ``optimizer_state``: the optimizer's slots; ``buffers``: buffers and the random stream; ``inputs``: the
     batch's share; ``temporaries``: the compiled step's working memory. None: not estimated (no batch given).
+    ``collectives``: bytes each device sends a step, by collective kind (``collectives.collective_bytes``).
     """
 
     layout: dict[str, int]
@@ -65,6 +67,7 @@ class MemoryEstimate:
     inputs: int | None = None
     temporaries: int | None = None
     method: str = "layout rules"
+    collectives: dict[str, dict[str, float]] | None = None
 
     @property
     def total(self) -> int:
@@ -77,6 +80,7 @@ class MemoryEstimate:
             **{n: getattr(self, n) for n in _FIELDS},
             "total": self.total,
             "method": self.method,
+            "collectives": self.collectives,
         }
 
     def fits(self, budget_bytes: int) -> bool:
@@ -154,7 +158,8 @@ def estimate_memory(
         gpu = gpu_target.get(target)
         on = gpu_target.devices(gpu, devices or jax.device_count())
         current = dataclasses.asdict(state.get_config()) if state.is_initialized() else {}
-        with state.using(config if config is not None else current, on):
+        uncached = {**(config if config is not None else current), "compilation_cache": False}  # can't be loaded
+        with state.using(uncached, on):
             estimate = estimate_memory(model, None, batch, optimizer, step, activation_checkpointing)
         return dataclasses.replace(estimate, method=f"{estimate.method} for {len(on)} x {gpu.name}")
     if config is not None:
@@ -193,6 +198,7 @@ def estimate_memory(
         inputs=max(0, memory.argument_size_in_bytes - params - rest),
         temporaries=memory.temp_size_in_bytes,
         method="compiled step",
+        collectives=collective_bytes(compiled.as_text(), laid_out.layout.mesh.size),
     )
 
 

@@ -128,6 +128,7 @@ def using(config: dict[str, Any], devices: list | None = None) -> Iterator[None]
         _config, _mesh = saved
         if _mesh is not None:
             process_groups.start(_mesh, GROUP_AXES)  # the groups made before are kept: no new ones here
+            compilation.configure_cache(_config.compilation_cache)
 
 
 # SMP's placement letters: D (data parallelism; here dp, fsdp and ep, which split the batch), P, T.
