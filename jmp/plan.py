@@ -32,17 +32,13 @@ from jmp.compiled_step.memory_estimate import candidate_layouts, estimate_memory
 from jmp.errors import ConfigError
 
 LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, num_key_value_heads=8)
-MODELS = {
-    "gpt2": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024)),
-    "llama3-8b": (
-        "llama",
-        dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, **LLAMA3),
-    ),
-    "llama3-70b": (
-        "llama",
-        dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, **LLAMA3),
-    ),
-}
+MODELS = {  # name -> (model type, its config's values); GPT2Config's defaults are GPT-2 124M's
+    "gpt2": ("gpt2", {}),
+    "llama3-8b": ("llama", dict(LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32)),
+    "llama3-70b": ("llama", dict(LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                 num_attention_heads=64)),
+}  # fmt: skip
 
 
 def model_config(name: str) -> transformers.PretrainedConfig:
