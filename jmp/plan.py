@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  fits {gpu.memory_bytes / 2**30:.1f} GiB: {memory.total <= gpu.memory_bytes}")
     print("collectives, bytes sent per device a step (over the network):")
     for kind, row in sent.items():
-        print(f"  {kind:<20} {row['bytes'] / 2**30:10.3f} GiB ({row['network_bytes'] / 2**30:.3f})")
+        print(f"  {kind:<20} {row['bytes'] / 2**30:10.4g} GiB ({row['network_bytes'] / 2**30:.4g})")
     print(f"FLOPs per device a step: {flops:.3e}")
     print("roofline: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items()) + f"; bound by {bound}")
     return {"config": config, "memory": memory.as_dict(), "collectives": sent, "flops": flops, "seconds": seconds}
