@@ -49,6 +49,11 @@ from jmp.wrapped_model.distributed_model import DistributedModel, current_trace
 __all__ = ["StepFunction", "StepOutput", "is_tracing", "step"]
 
 
+def _unit_scale_shape(mesh) -> jax.ShapeDtypeStruct:
+    """An abstract model's loss scale without loss scaling: its shape only (its mesh may be compile-only devices)."""
+    return jax.ShapeDtypeStruct((), jax.numpy.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """One call of a step function, ready to run: the model, the arrays on the devices, the program."""
@@ -160,9 +165,10 @@ class StepFunction:
         fed_over = state.feeding_axes() if processes > 1 else state.DATA_AXES
         placed = place_arguments(
             bound, flat, mesh, microbatches, self.non_split_inputs, self.input_split_axes, processes, fed_over,
-            model.pipeline is not None,
+            model.pipeline is not None, model.abstract,
         )  # fmt: skip
         scaling = model.loss_scaling
+        scale = model.loss_scale if not model.abstract or scaling is not None else _unit_scale_shape(mesh)
         signature = StepSignature(
             spec,
             placed.leaves,
@@ -175,7 +181,7 @@ class StepFunction:
             model.graphdef,
         )
         if model.pipeline is not None and not model.pipeline.ready:
-            self._partition(model, signature, [*placed.arrays, model.loss_scale])
+            self._partition(model, signature, [*placed.arrays, scale])
         model.run_post_partition_hooks()
         key = (self, signature)
         program, traced = model.programs.get(key, lambda: step_program.compile_step(self.fn, model, signature))
@@ -183,13 +189,13 @@ class StepFunction:
             # first call: trace before reading the scale (tracing may bind a GradScaler)
             training = model.training_state
             try:
-                program.trace(training.params, training.rest, [*placed.arrays, model.loss_scale])  # jax.jit keeps it
+                program.trace(training.params, training.rest, [*placed.arrays, scale])  # jax.jit keeps it
             except TracedControlFlowError as error:  # data-dependent shapes: the step runs op by op
                 program, traced = model.programs.replace(key, uncompiled.fall_back(self.fn, model, signature, error))
         share = None
         if jax.process_count() > 1:
             share = ProcessShare(feeding, processes, NamedSharding(mesh, PartitionSpec()))
-        return _Call(model, [*placed.arrays, model.loss_scale], program, traced, signature.data_shards, share)
+        return _Call(model, [*placed.arrays, scale], program, traced, signature.data_shards, share)
 
     def _partition(self, model: DistributedModel, signature: StepSignature, arrays: list) -> None:
         """Cut a pipelined model into stages from this call's forward (its first step), and move its parameters."""

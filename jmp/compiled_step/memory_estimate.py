@@ -8,6 +8,10 @@ shard). Given a batch, the step program is lowered and compiled ahead of time, a
 and XLA's ``memory_analysis`` gives the rest: the inputs and the temporaries (activations kept for the
 backward, gathered weights, pipeline buffers).
 
+With ``target="h100"`` (or another of ``gpu_target.TARGETS``) the step is compiled for that GPU from this host,
+over ``devices`` of them, by JAX's CUDA plugin (``gpu_target``): XLA's GPU temporaries and cuDNN's attention
+instead of this backend's.
+
 ``estimate_memory(num_params, config)`` is the back-of-envelope figure for a size alone, per parameter:
 4 bytes stored (float32, the masters in mixed precision), gradients in the compute dtype, the optimizer's
 slots in float32, split as the degrees split them.
@@ -27,6 +31,8 @@ import numpy as np
 import optax
 import torch
 
+from jmp.compiled_step import gpu_target
+from jmp.compiled_step.collectives import collective_bytes
 from jmp.compiled_step.function import step as smp_step
 from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.optim.distributed_optimizer import DistributedOptimizer
@@ -49,6 +55,7 @@ class MemoryEstimate:
     precision are ``master_copies``); ``gradients``: one step's gradients, as kept for the optimizer;
     ``optimizer_state``: the optimizer's slots; ``buffers``: buffers and the random stream; ``inputs``: the
     batch's share; ``temporaries``: the compiled step's working memory. None: not estimated (no batch given).
+    ``collectives``: bytes each device sends a step, by collective kind (``collectives.collective_bytes``).
     """
 
     layout: dict[str, int]
@@ -60,6 +67,7 @@ class MemoryEstimate:
     inputs: int | None = None
     temporaries: int | None = None
     method: str = "layout rules"
+    collectives: dict[str, dict[str, float]] | None = None
 
     @property
     def total(self) -> int:
@@ -72,6 +80,7 @@ class MemoryEstimate:
             **{n: getattr(self, n) for n in _FIELDS},
             "total": self.total,
             "method": self.method,
+            "collectives": self.collectives,
         }
 
     def fits(self, budget_bytes: int) -> bool:
@@ -120,6 +129,8 @@ def estimate_memory(
     optimizer: Any = torch.optim.AdamW,
     step: Callable | None = None,
     activation_checkpointing: dict[str, str] | None = None,
+    target: str | None = None,
+    devices: int | None = None,
 ) -> MemoryEstimate:
     """Bytes per device of training ``model`` under ``config`` (default: the current one), without running it.
 
@@ -135,12 +146,22 @@ def estimate_memory(
         activation_checkpointing: torch paths of submodules -> strategy (``{"transformer.h": "each"}``), as
             ``smp.set_activation_checkpointing`` would set them, for this estimate (modules already marked
             keep their marks).
+        target: a GPU (``"h100"``, ``"h200"``, ``"a100"``) to compile for from this host (None: this backend).
+        devices: how many of ``target``'s GPUs (default: as many as this host has devices).
 
     In a multi-process run, call it on every process (with a config, it checks the config is the same
     everywhere, as ``smp.init`` does).
     """
     if isinstance(model, (int, np.integer)):
         return _rule_of_thumb(int(model), config, optimizer)
+    if target is not None:
+        gpu = gpu_target.get(target)
+        on = gpu_target.devices(gpu, devices or jax.device_count())
+        current = dataclasses.asdict(state.get_config()) if state.is_initialized() else {}
+        uncached = {**(config if config is not None else current), "compilation_cache": False}  # can't be loaded
+        with state.using(uncached, on):
+            estimate = estimate_memory(model, None, batch, optimizer, step, activation_checkpointing)
+        return dataclasses.replace(estimate, method=f"{estimate.method} for {len(on)} x {gpu.name}")
     if config is not None:
         with state.using(config):
             return estimate_memory(model, None, batch, optimizer, step, activation_checkpointing)
@@ -158,7 +179,9 @@ def estimate_memory(
             return _from_layout(laid_out, tx, layout)
         run = step or _default_step
         arguments = batch if isinstance(batch, tuple) else (batch,)
-        compiled = run.lower(laid_out, *arguments).compile()
+        device = laid_out.layout.mesh.devices.flat[0]
+        compile_only = device.platform == "gpu" and device not in jax.devices()  # a target, not this host's
+        compiled = run.lower(laid_out, *arguments).compile(gpu_target.COMPILER_OPTIONS if compile_only else None)
     memory = compiled.memory_analysis()
     params = per_device_bytes(laid_out.training_state.params)
     rest = per_device_bytes(laid_out.training_state.rest)
@@ -175,6 +198,7 @@ def estimate_memory(
         inputs=max(0, memory.argument_size_in_bytes - params - rest),
         temporaries=memory.temp_size_in_bytes,
         method="compiled step",
+        collectives=collective_bytes(compiled.as_text(), laid_out.layout.mesh.size),
     )
 
 
@@ -278,12 +302,14 @@ def candidate_layouts(devices: int, *, max_tp: int = 8) -> Iterable[dict[str, An
 
 def what_fits(
     model: torch.nn.Module,
-    budget_bytes: int,
+    budget_bytes: int | None,
     batch: Any = None,
     optimizer: Any = torch.optim.AdamW,
     layouts: Iterable[dict[str, Any]] | None = None,
     step: Callable | None = None,
     activation_checkpointing: dict[str, str] | None = None,
+    target: str | None = None,
+    devices: int | None = None,
 ) -> list[tuple[dict[str, Any], MemoryEstimate]]:
     """The layouts under which ``model`` trains in ``budget_bytes`` per device, cheapest communication first.
 
@@ -292,14 +318,19 @@ def what_fits(
     (one gradient all-reduce) before ZeRO-1 (plus a parameter all-gather), sharded data parallelism (weights
     gathered in every forward and backward) and tensor parallelism (activations exchanged in every layer).
     A default candidate the model cannot take (a tensor-parallel degree that does not divide its heads) is
-    skipped with an INFO log; one of ``layouts`` given explicitly raises the ``ConfigError``.
+    skipped with an INFO log; one of ``layouts`` given explicitly raises the ``ConfigError``. With a ``target``
+    GPU, each is compiled for ``devices`` of them (``estimate_memory``), and a None budget is the GPU's memory.
     """
     explicit = layouts is not None
-    options = list(layouts if explicit else candidate_layouts(jax.device_count()))
+    count = devices or jax.device_count()
+    options = list(layouts if explicit else candidate_layouts(count))
+    if target is not None:
+        gpu_target.devices(target, count)  # an unknown GPU or a missing plugin stops here, not as a skipped layout
+        budget_bytes = gpu_target.get(target).memory_bytes if budget_bytes is None else budget_bytes
     fitting = []
     for config in options:
         try:
-            estimate = estimate_memory(model, config, batch, optimizer, step, activation_checkpointing)
+            estimate = estimate_memory(model, config, batch, optimizer, step, activation_checkpointing, target, count)
         except ConfigError as error:
             if explicit:
                 raise

@@ -132,6 +132,7 @@ def place_arguments(
     processes: int,
     fed_over: tuple[str, ...],
     pipelined: bool = False,
+    abstract: bool = False,
 ) -> PlacedArguments:
     """Sort the flattened arguments ``flat`` of ``bound`` into leaves; tensors go to the devices, those with a
     batch axis (``split_axes``, default 0, none for names in ``non_split``) sharded over the data axes.
@@ -139,7 +140,8 @@ def place_arguments(
     ``processes`` feed equal shares of the batch (1: this process feeds all of it), each to the devices of
     the process that feeds it: the batch is sharded over the mesh axes ``fed_over`` (the program lays it out
     over the data axes). One process's batch that its data-parallel devices cannot share equally is given whole
-    to each (``microbatches.whole_on_every_device``), unless the model is ``pipelined``.
+    to each (``microbatches.whole_on_every_device``), unless the model is ``pipelined``. For an ``abstract`` model
+    the arrays are ``jax.ShapeDtypeStruct``s: nothing is placed.
     """
     names = _argument_names(bound)
     tensors = {
@@ -167,9 +169,12 @@ def place_arguments(
             if axis is not None:
                 batching.check_divisible(names[i], shapes[i], axis, microbatches, shards, processes)
                 sharding = NamedSharding(mesh, batch_spec(shapes[i], axis, fed_over, mesh))
-                arrays.append(batching.whole_batch(array, sharding, shapes[i]))
+                placed = None if abstract else batching.whole_batch(array, sharding, shapes[i])
             else:  # the same value on every process
-                arrays.append(jax.device_put(array, NamedSharding(mesh, PartitionSpec())))
+                sharding = NamedSharding(mesh, PartitionSpec())
+                placed = None if abstract else jax.device_put(array, sharding)
+            shape = shapes[i] if axis is not None else array.shape
+            arrays.append(jax.ShapeDtypeStruct(shape, array.dtype, sharding=sharding) if abstract else placed)
             leaves.append(Leaf("array", axis, dtype))
         else:
             leaves.append(Leaf("static", static=Static(value)))

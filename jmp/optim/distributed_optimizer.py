@@ -103,6 +103,8 @@ class DistributedOptimizer(TorchOptimizerSurface, torch.optim.Optimizer):
         return False if self._found_inf is None else bool(self._found_inf)
 
     def _place(self, tree: Any) -> Any:
+        if self.model.abstract:  # shapes only: the mesh may be of devices compiled for, not attached
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self._replicated), tree)
         return jax.device_put(tree, self._replicated)
 
     def _build(self) -> None:

@@ -116,17 +116,19 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
 
 
 @contextlib.contextmanager
-def using(config: dict[str, Any]) -> Iterator[None]:
-    """Inside, the run's config and mesh are ``config``'s (as ``init(config)`` makes them); then they are restored."""
+def using(config: dict[str, Any], devices: list | None = None) -> Iterator[None]:
+    """Inside, the run's config and mesh are ``config``'s (as ``init(config, devices=devices)`` makes them); then
+    they are restored."""
     global _config, _mesh
     saved = _config, _mesh
     try:
-        init(config)
+        init(config, devices=devices)
         yield
     finally:
         _config, _mesh = saved
         if _mesh is not None:
             process_groups.start(_mesh, GROUP_AXES)  # the groups made before are kept: no new ones here
+            compilation.configure_cache(_config.compilation_cache)
 
 
 # SMP's placement letters: D (data parallelism; here dp, fsdp and ep, which split the batch), P, T.

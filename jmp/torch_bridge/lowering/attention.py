@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from jmp.runtime import notices
+from jmp.runtime import mesh_state, notices
 from jmp.torch_bridge import dispatch
 from jmp.torch_bridge.lowering import grouped_matmul, ring_attention
 from jmp.torch_bridge.lowering.nn_functional import apply_dropout
@@ -56,8 +56,11 @@ def requested_implementation() -> str | None:
 
 
 def traced_platform() -> str:
-    """The platform being traced for: the mesh's devices where one is set, else JAX's default backend."""
+    """The platform being traced for: the mesh's devices where one is set (JAX's, else jmp's), else JAX's default
+    backend."""
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is None and mesh_state.is_initialized():
+        device = mesh_state.get_mesh().devices.flat[0]
     return device.platform if device is not None else jax.default_backend()
 
 
@@ -74,6 +77,14 @@ def cuda_capability() -> tuple[int, int] | None:
         return int(major), int(minor)
     except Exception:  # no GPU backend, ROCm, another JAX layout: not cuDNN
         return None
+
+
+def mesh_capability() -> tuple[int, int] | None:
+    """(major, minor) of jmp's mesh devices when they are CUDA GPUs compiled for without one attached
+    (``smp.estimate_memory(target=...)``); None otherwise."""
+    device = mesh_state.get_mesh().devices.flat[0] if mesh_state.is_initialized() else None
+    kind = getattr(device, "compute_capability", None) if device is not None and device.platform == "gpu" else None
+    return tuple(int(x) for x in kind.split(".")[:2]) if kind and "NVIDIA" in device.device_kind else None
 
 
 def cudnn_refusal(dtype, query_shape, key_shape, value_shape, capability: tuple[int, int] | None) -> str | None:
@@ -173,7 +184,7 @@ def scaled_dot_product_attention(
     requested = requested_implementation()
     implementation = choose_implementation(
         platform=platform,
-        capability=cuda_capability() if platform == "gpu" else None,
+        capability=(cuda_capability() or mesh_capability()) if platform == "gpu" else None,
         dtype=q.dtype,
         query_shape=q.shape,
         key_shape=k.shape,
