@@ -88,3 +88,15 @@ def test_gpt2_124m_on_one_h100_is_within_ten_percent_of_the_peak_measured_there(
         devices=1,
     )  # fmt: skip
     assert estimate.total == pytest.approx(side["peak_memory_bytes"], rel=0.10)
+
+
+def test_llama_pipeline_compiles_for_h100s_with_xlas_attention_in_its_stages():
+    """JAX's partitioning of cuDNN's attention fails inside the pipeline's shard_map (pp2: an AssertionError on a
+    manual sharding; pp2 x sdp2: "'GSPMDSharding' object has no attribute 'spec'"): stages take XLA's attention."""
+    config = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=32)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**config))
+    layout = {"pipeline_parallel_degree": 2, "microbatches": 2, "sharded_data_parallel_degree": 2, "bf16": True}
+    estimate = smp.estimate_memory(model, layout, batch=BATCH, target="h100", devices=4)
+    assert estimate.layout["pp"] == 2 and estimate.temporaries > 0

@@ -51,6 +51,7 @@ def test_a_cuda_gpu_with_bfloat16_and_a_supported_head_dim_gets_cudnn(mask, expe
         {"bias": True},  # an additive float mask, e.g. ALiBi
         {"mask": "other"},  # a boolean mask known not to be causal
         {"batched": True},  # under the per-process vmap
+        {"staged": True},  # inside a pipeline stage's shard_map
         {"mask": "traced", "query_shape": (8, 1, 12, 64)},  # decoding: one query against many keys
     ],
 )

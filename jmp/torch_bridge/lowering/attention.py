@@ -120,16 +120,20 @@ def choose_implementation(
     bias: bool,
     batched: bool = False,
     requested: str | None = None,
+    staged: bool = False,
 ) -> str:
     """How to run one attention: "xla", "cudnn", or "cudnn_if_causal" (decided when the step runs).
 
     Shapes are JAX's (batch, seq, heads, dim). ``mask``: "none", "causal" (known to be the causal pattern),
     "traced" (a full (T, S) boolean mask the trace cannot read) or "other". ``bias``: an additive float mask.
-    ``batched``: traced under the step's per-process ``jax.vmap``.
+    ``batched``: traced under the step's per-process ``jax.vmap``. ``staged``: inside a pipeline stage (a
+    ``shard_map`` with manual mesh axes), where JAX's partitioning of cuDNN's attention (``custom_partitioning``)
+    fails to compile (a Llama at pp2: "AssertionError" on a manual sharding; at pp2 x sdp2: "'GSPMDSharding'
+    object has no attribute 'spec'", compiled for an H100 by ``smp.estimate_memory(target=...)``).
     """
     if requested is not None:
         return requested
-    if platform != "gpu" or bias or mask == "other" or batched:
+    if platform != "gpu" or bias or mask == "other" or batched or staged:
         return "xla"
     if cudnn_refusal(dtype, query_shape, key_shape, value_shape, capability) is not None:
         return "xla"
@@ -181,7 +185,7 @@ def scaled_dot_product_attention(
     mask, bias = _mask_or_bias(attn_mask)
     length, source = q.shape[1], k.shape[1]
     kind = mask_kind(mask, is_causal, length, source)
-    requested = requested_implementation()
+    requested, staged = requested_implementation(), bool(jax.sharding.get_abstract_mesh().manual_axes)
     implementation = choose_implementation(
         platform=platform,
         capability=(cuda_capability() or mesh_capability()) if platform == "gpu" else None,
@@ -193,7 +197,15 @@ def scaled_dot_product_attention(
         bias=bias is not None,
         batched=dispatch.batch_axis() is not None,
         requested=requested,
+        staged=staged,
     )
+    if platform == "gpu" and requested is None and staged:
+        notices.warn_once(
+            "attention-in-stage",
+            "attention: XLA's inside pipeline stages (JAX's partitioning of cuDNN's flash attention fails to compile "
+            "there); %s=cudnn tries cuDNN",
+            ENVIRONMENT_VARIABLE,
+        )
     if is_causal and length != source:
         causal = jnp.tril(jnp.ones((length, source), bool))
         mask = causal if mask is None else mask & causal
