@@ -225,19 +225,63 @@ def worker(name: str) -> dict:
     }
 
 
+def plan(name: str) -> dict:
+    """Nothing run: the estimate of case ``name`` against this host's memory, and what ``smp.what_fits`` offers
+    in it with each decoder layer checkpointed (the Qwen2 of 494M parameters was killed at 24 GiB)."""
+    spec, config, _ = parse_case(name)
+    import jax
+    import torch
+    import transformers
+
+    import jmp as smp
+
+    hf = getattr(transformers, spec["kind"])(**{k: v for k, v in spec.items() if k != "kind"})
+    with smp.delay_param_initialization(True):
+        module = transformers.AutoModelForCausalLM.from_config(hf)
+    ids = torch.randint(0, spec["vocab_size"], (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    smp.init(config)
+    host = os.sysconf("SC_PHYS_PAGES") * PAGE
+    budget = (host - resident()[1]) // jax.device_count()  # each device's share of what the process may still take
+    estimate = smp.estimate_memory(module, None, batch=batch)
+    precision = {k: v for k, v in config.items() if k == "bf16"}
+    layouts = [{**LAYOUTS[layout], **precision} for layout in ("fsdp8", "tp2xfsdp4")]
+    fitting = smp.what_fits(
+        module, budget, batch=batch, layouts=layouts, activation_checkpointing={"model.layers": "each"}
+    )
+    return {
+        "case": name,
+        "host_bytes": host,
+        "budget_per_device": budget,
+        "estimate": estimate.as_dict(),
+        "fits": estimate.fits(budget),
+        "what_fits_checkpointed": [{"config": c, "estimate": e.as_dict()} for c, e in fitting],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", nargs="*", default=case_names())
     parser.add_argument("--out", default="benchmarks/results/estimate_peak.json")
     parser.add_argument("--worker")
+    parser.add_argument("--plan", help="a case to estimate against this host's memory, without running it")
     args = parser.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker)), flush=True)
         return
+    if args.plan:
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        result = plan(args.plan)
+        print(json.dumps(result, indent=1), flush=True)
+        saved = json.load(open(args.out)) if os.path.exists(args.out) else {"rows": []}
+        saved.setdefault("plans", {})[args.plan] = result
+        json.dump(saved, open(args.out, "w"), indent=2, default=str)
+        return
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     rows, previous = [], {}
     if os.path.exists(args.out):
-        previous = {row["case"]: row for row in json.load(open(args.out)).get("rows", [])}
+        saved = json.load(open(args.out))
+        previous = {row["case"]: row for row in saved.get("rows", [])}
     for name in args.cases:
         run = subprocess.run([sys.executable, "-m", "benchmarks.estimate_peak", "--worker", name], env=env,
                              capture_output=True, text=True)  # fmt: skip
@@ -254,7 +298,8 @@ def main() -> None:
         previous[name] = row
     from benchmarks.harness import machine, write_results
 
-    write_results(args.out, {"machine": machine(), "rows": list(previous.values())})
+    plans = json.load(open(args.out)).get("plans", {}) if os.path.exists(args.out) else {}
+    write_results(args.out, {"machine": machine(), "rows": list(previous.values()), "plans": plans})
 
 
 if __name__ == "__main__":
