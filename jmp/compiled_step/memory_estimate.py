@@ -23,6 +23,7 @@ import dataclasses
 import html
 import logging
 import math
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -38,12 +39,14 @@ from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.remat import api as remat
 from jmp.runtime import mesh_state as state
+from jmp.runtime import programs_in_flight
 from jmp.runtime.config import parse
 from jmp.wrapped_model.distributed_model import DistributedModel, abstract_models, with_shardings
 
 logger = logging.getLogger("jmp")  # one logger: its rank-0 filter (runtime.rank_zero_logging) sees every notice
 
 _FIELDS = ("parameters", "master_copies", "gradients", "optimizer_state", "buffers", "inputs", "temporaries")
+_FIELDS += ("library_scratch", "host_copies", "in_flight")  # what XLA:CPU's devices (the host's memory) hold besides
 _SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}  # float32 slots per parameter
 
 
@@ -54,7 +57,11 @@ class MemoryEstimate:
     ``parameters`` / ``master_copies``: the stored parameters (float32 masters of those computed in half
     precision are ``master_copies``); ``gradients``: one step's gradients, as kept for the optimizer;
     ``optimizer_state``: the optimizer's slots; ``buffers``: buffers and the random stream; ``inputs``: the
-    batch's share; ``temporaries``: the compiled step's working memory. None: not estimated (no batch given).
+    batch's share; ``temporaries``: the compiled step's working memory; ``library_scratch``: what its largest
+    YNNPACK fusion (XLA:CPU) allocates outside that. None: not estimated (no batch given). ``host_copies``: on
+    XLA:CPU, whose devices' memory is the host's, each device's share of the torch module's own values (a module not
+    built on the meta device keeps them). ``in_flight``: on a mesh of CPU devices, the smallest gradient of each of
+    the last steps, which ``jmp.runtime.programs_in_flight`` keeps to wait on.
     ``collectives``: bytes each device sends a step, by collective kind (``collectives.collective_bytes``).
     """
 
@@ -66,6 +73,9 @@ class MemoryEstimate:
     buffers: int
     inputs: int | None = None
     temporaries: int | None = None
+    library_scratch: int | None = None
+    host_copies: int = 0
+    in_flight: int = 0
     method: str = "layout rules"
     collectives: dict[str, dict[str, float]] | None = None
 
@@ -175,18 +185,20 @@ def estimate_memory(
         laid_out = DistributedModel(module)
         tx = _optimizer(optimizer, laid_out)
         layout = dict(laid_out.layout.mesh.shape)
+        device = laid_out.layout.mesh.devices.flat[0]
+        on_host = device.platform == "cpu"  # the devices' memory is the host's (not a GPU target's)
         if batch is None:
-            return _from_layout(laid_out, tx, layout)
+            return _from_layout(laid_out, tx, layout, _host_copies(module, on_host), on_host)
         run = step or _default_step
         arguments = batch if isinstance(batch, tuple) else (batch,)
-        device = laid_out.layout.mesh.devices.flat[0]
         compile_only = device.platform == "gpu" and device not in jax.devices()  # a target, not this host's
         compiled = run.lower(laid_out, *arguments).compile(gpu_target.COMPILER_OPTIONS if compile_only else None)
     memory = compiled.memory_analysis()
     params = per_device_bytes(laid_out.training_state.params)
     rest = per_device_bytes(laid_out.training_state.rest)
     grads_info = compiled.out_info[2] if isinstance(compiled.out_info, (tuple, list)) else None
-    gradients = per_device_bytes(with_shardings(grads_info, laid_out.store.shardings)) if grads_info else 0
+    grads = with_shardings(grads_info, laid_out.store.shardings) if grads_info else None
+    gradients = per_device_bytes(grads) if grads_info else 0
     masters = _master_share(laid_out) * params
     return MemoryEstimate(
         layout=layout,
@@ -197,9 +209,59 @@ def estimate_memory(
         buffers=rest,
         inputs=max(0, memory.argument_size_in_bytes - params - rest),
         temporaries=memory.temp_size_in_bytes,
+        library_scratch=library_scratch(compiled.as_text()),
+        host_copies=_host_copies(module, on_host),
+        in_flight=_kept_in_flight(grads) if on_host else 0,
         method="compiled step",
         collectives=collective_bytes(compiled.as_text(), laid_out.layout.mesh.size),
     )
+
+
+def _host_copies(module: torch.nn.Module, on_host: bool) -> int:
+    """Each local device's share of the values ``module`` holds itself, where the devices' memory is the host's."""
+    if not on_host:
+        return 0
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers()) if not t.is_meta}  # tied ones once
+    return -(-sum(t.numel() * t.element_size() for t in tensors.values()) // jax.local_device_count())
+
+
+def _kept_in_flight(grads: Any) -> int:
+    """Per device, the gradients ``programs_in_flight.admit_update`` keeps: the smallest leaf of each of the last
+    ``limit()`` steps (a pipeline's gradients are whole stage buffers)."""
+    leaves = jax.tree.leaves(grads)
+    return programs_in_flight.limit() * per_device_bytes(min(leaves, key=lambda g: math.prod(g.shape))) if leaves else 0
+
+
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")
+_SLAB_ROWS = 64
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f64": 8, "s64": 8, "u64": 8}
+
+
+def library_scratch(hlo: str) -> int:
+    """Bytes the largest YNNPACK fusion of ``hlo`` (an XLA:CPU program's text) allocates outside XLA's buffers.
+
+    A fusion that feeds a dot into further ops (the logits into log-softmax's max) runs as a slinky pipeline that
+    allocates for the call a packed copy of the weight (not always: an upper bound) and the dot's result in slabs of
+    64 rows (seen for GPT-2's and a Qwen2's logits); a plain dot works in XLA's buffers. Fusions run one at a time.
+    """
+    bodies: dict[str, list[str]] = {}
+    for block in hlo.split("\n\n"):
+        name = block.lstrip().split(" ", 1)[0]
+        bodies[name.removeprefix("ENTRY ")] = block.splitlines()
+    largest = 0
+    for callee in re.findall(r"calls=(%[\w.-]+)[^\n]*\"kind\":\"__ynn_fusion\"", hlo):
+        sizes, dots = {}, []
+        for line in bodies.get(callee, ()):
+            found = _INSTRUCTION.match(line)
+            if found:
+                root, name, dtype, dims = found.groups()
+                shape = [int(d) for d in dims.split(",") if d]
+                sizes[name] = math.prod(shape) * _ITEMSIZE.get(dtype, 4)
+                if " dot(" in line and not root:
+                    slab = sizes[name] * min(1, _SLAB_ROWS / shape[0]) if shape else sizes[name]
+                    dots.append((int(slab), re.findall(r"%([\w.-]+)", line.split(" dot(", 1)[1])[:2]))
+        largest = max(largest, sum(slab + sum(sizes.get(o, 0) for o in operands) for slab, operands in dots))
+    return largest
 
 
 @smp_step
@@ -241,7 +303,9 @@ def _master_share(model: DistributedModel) -> float:
     return half / max(1, sum(sizes.values()))
 
 
-def _from_layout(model: DistributedModel, tx: DistributedOptimizer | None, layout: dict[str, int]) -> MemoryEstimate:
+def _from_layout(
+    model: DistributedModel, tx: DistributedOptimizer | None, layout: dict[str, int], host_copies: int, on_host: bool
+) -> MemoryEstimate:
     params = per_device_bytes(model.training_state.params)
     masters = int(_master_share(model) * params)
     params_shape = model.training_state.params
@@ -254,8 +318,10 @@ def _from_layout(model: DistributedModel, tx: DistributedOptimizer | None, layou
         parameters=params - masters,
         master_copies=masters,
         gradients=per_device_bytes(grads),
+        in_flight=_kept_in_flight(grads) if on_host else 0,
         optimizer_state=per_device_bytes(tx.opt_state) if tx is not None else 0,
         buffers=per_device_bytes(model.training_state.rest),
+        host_copies=host_copies,
     )
 
 

@@ -1,0 +1,306 @@
+"""``smp.estimate_memory`` on the local backend against the process's resident peak of a real training step.
+
+    python -m benchmarks.estimate_peak [--cases gpt2-fsdp8-f32 ...] [--out benchmarks/results/estimate_peak.json]
+
+On XLA:CPU the 8 emulated devices' memory is the host's, so the estimate x 8 devices must bound what the process
+holds. Each case runs in a fresh process (``--worker``): ``smp.init(config)``, the baseline (Python, torch, jax,
+transformers loaded, the mesh made, no model), the model built as a user would (on the meta device with delayed
+initialisation, unless the case says ``eager``), ``smp.estimate_memory(module, None, batch=...)``, then
+``smp.DistributedModel``, ``smp.DistributedOptimizer(torch.optim.AdamW)`` and three steps of ``@smp.step`` +
+``optimizer.step()`` + ``zero_grad()``. The first step compiles; during steps 2 and 3 (step program and update
+measured apart) a thread reads every 1 ms the anonymous resident size (``/proc/self/statm``: resident less
+file-backed, which leaves out the libraries' code pages the kernel can drop) and the bytes malloc has handed out
+(glibc's ``mallinfo2``); the kernel's high-water mark of all resident pages (``VmHWM``, reset through
+``/proc/self/clear_refs``) is kept too.
+
+Compared: ``measured`` = the highest anonymous resident size in steps 2-3 less the baseline's, against
+``estimate.total x devices``; ``ratio`` = estimate / measured (the promise: at least 1, at most 1.1).
+``measured_malloc``: the same for malloc'd bytes (buffers and host objects, without what the allocator keeps
+freed); ``ratio_before``: the estimate without the terms issue 68 added (``NEW_TERMS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+
+MODELS = {
+    "gpt2": dict(kind="GPT2Config", vocab_size=50304, n_embd=512, n_layer=4, n_head=8, n_positions=128,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": dict(kind="LlamaConfig", vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128),
+    "qwen2-8l": dict(kind="Qwen2Config", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                     num_hidden_layers=8, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                     max_position_embeddings=128),
+    "qwen2-24l": dict(kind="Qwen2Config", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                      num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=128),
+}  # fmt: skip
+LAYOUTS = {
+    "fsdp8": {"sharded_data_parallel_degree": 8},
+    "tp2xfsdp4": {"tensor_parallel_degree": 2, "sharded_data_parallel_degree": 4},
+    "pp2xdp4": {"pipeline_parallel_degree": 2, "microbatches": 2},
+}
+DTYPES = {"f32": {}, "bf16": {"bf16": True}}
+BATCH, LENGTH = 8, 128
+PAGE = os.sysconf("SC_PAGE_SIZE")
+# what issue 68 added to the estimate: ``before`` is the total without them
+NEW_TERMS = ("library_scratch", "host_copies", "in_flight")
+
+
+def case_names() -> list[str]:
+    return [f"{m}-{lay}-{d}" for m in ("gpt2", "llama") for lay in LAYOUTS for d in DTYPES] + ["gpt2-fsdp8-f32-eager"]
+
+
+def parse_case(name: str) -> tuple[dict, dict, bool]:
+    parts = name.split("-")
+    eager = parts[-1] == "eager"
+    parts = parts[:-1] if eager else parts
+    model, layout, dtype = "-".join(parts[:-2]), parts[-2], parts[-1]
+    return MODELS[model], {**LAYOUTS[layout], **DTYPES[dtype]}, eager
+
+
+def resident() -> tuple[int, int]:
+    """(all, anonymous) resident bytes: anonymous leaves out file-backed pages (the libraries' code, which the
+    kernel drops and reads again under pressure)."""
+    with open("/proc/self/statm") as f:
+        fields = f.read().split()
+    return int(fields[1]) * PAGE, (int(fields[1]) - int(fields[2])) * PAGE
+
+
+def device_bytes(jax) -> int:
+    """Bytes the devices' live arrays hold (each shard once; no shard views made)."""
+    total = 0
+    for array in jax.live_arrays():
+        if not array.is_deleted():
+            shard = math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
+            total += shard * len(array.addressable_shards)
+    return total
+
+
+def high_water() -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def reset_high_water() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def allocated() -> int:
+    """Bytes malloc has handed out and not had back (glibc's ``mallinfo2``: in use in the arenas + mmapped)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+class Sampler(threading.Thread):
+    """The highest anonymous resident size and malloc'd bytes seen, read every ``period`` seconds while ``on``."""
+
+    def __init__(self, period: float = 0.001):
+        super().__init__(daemon=True)
+        self.period, self.peak, self.malloc_peak, self.on, self.done = period, 0, 0, False, False
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        while not self.done:
+            with self.lock:
+                if self.on:
+                    self.peak = max(self.peak, resident()[1])
+                    self.malloc_peak = max(self.malloc_peak, allocated())
+            time.sleep(self.period)
+
+    def phase(self) -> None:
+        """Start a phase: the peaks from now on."""
+        with self.lock:
+            self.peak, self.malloc_peak, self.on = resident()[1], allocated(), True
+            reset_high_water()
+
+
+def worker(name: str) -> dict:
+    spec, config, eager = parse_case(name)
+    import jax
+    import torch
+    import transformers
+
+    import jmp as smp
+
+    @smp.step
+    def lm_step(model, batch):
+        loss = model(**batch)["loss"]
+        model.backward(loss)
+        return loss
+
+    def build(meta: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        hf = getattr(transformers, spec["kind"])(**{k: v for k, v in spec.items() if k != "kind"})
+        with smp.delay_param_initialization(meta):
+            return transformers.AutoModelForCausalLM.from_config(hf).train()
+
+    ids = torch.randint(0, spec["vocab_size"], (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    smp.init(config)
+    devices = jax.device_count()
+    baseline, baseline_malloc = resident(), allocated()
+    module = build(meta=not eager)  # a module built with values keeps them (the estimate's ``host_copies``)
+    estimate = smp.estimate_memory(module, None, batch=batch)
+    after_estimate = resident()
+
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    sampler = Sampler()
+    sampler.start()
+    phases: dict[str, list[int]] = {k: [] for k in ("step", "update", "step_total", "update_total", "step_malloc",
+                                                     "update_malloc")}  # fmt: skip
+    before_step = {}
+    for i in range(3):
+        measuring = i > 0
+        if measuring:
+            before_step = {
+                "resident": resident(),
+                "malloc": allocated(),
+                "device_arrays": device_bytes(jax),
+            }
+            sampler.phase()
+        loss = lm_step(model, batch)
+        jax.block_until_ready(model.training_state.params)
+        float(loss.reduce_mean())
+        if measuring:
+            phases["step"].append(sampler.peak)
+            phases["step_total"].append(high_water())
+            phases["step_malloc"].append(sampler.malloc_peak)
+            sampler.phase()
+        optimizer.step()
+        optimizer.zero_grad()
+        jax.block_until_ready((model.training_state.params, optimizer.opt_state))
+        if measuring:
+            phases["update"].append(sampler.peak)
+            phases["update_total"].append(high_water())
+            phases["update_malloc"].append(sampler.malloc_peak)
+    sampler.on, sampler.done = False, True
+    peak = max(phases["step"] + phases["update"])
+    measured = peak - baseline[1]
+    total = estimate.total * devices
+    before = (estimate.total - sum(getattr(estimate, t) or 0 for t in NEW_TERMS)) * devices
+    return {
+        "case": name,
+        "config": config,
+        "delayed_init": not eager,
+        "parameters": sum(p.numel() for p in build(meta=True).parameters()),
+        "devices": devices,
+        "estimate": {k: v for k, v in estimate.as_dict().items() if k != "layout"},
+        "estimate_x_devices": total,
+        "before_x_devices": before,
+        "baseline_resident_all_anon": baseline,
+        "resident_after_estimate_all_anon": after_estimate,
+        "before_last_step": before_step,
+        "baseline_malloc": baseline_malloc,
+        "peak_anon_by_phase": {k: phases[k] for k in ("step", "update")},
+        "peak_all_by_phase": {k: phases[k + "_total"] for k in ("step", "update")},
+        "peak_malloc_by_phase": {k: phases[k + "_malloc"] for k in ("step", "update")},
+        "measured_malloc": max(phases["step_malloc"] + phases["update_malloc"]) - baseline_malloc,
+        # the devices' share of the peak: malloc'd bytes at the peak less the host's (all malloc'd bytes before the
+        # last step that are not the devices' arrays)
+        "measured_devices": max(phases["step_malloc"][-1:] + phases["update_malloc"][-1:])
+        - (before_step["malloc"] - before_step["device_arrays"]),
+        "peak_anon": peak,
+        "measured": measured,
+        "ratio": total / measured,
+        "ratio_before": before / measured,
+    }
+
+
+def plan(name: str) -> dict:
+    """Nothing run: the estimate of case ``name`` against this host's memory, and what ``smp.what_fits`` offers
+    in it with each decoder layer checkpointed (the Qwen2 of 494M parameters was killed at 24 GiB)."""
+    spec, config, _ = parse_case(name)
+    import jax
+    import torch
+    import transformers
+
+    import jmp as smp
+
+    hf = getattr(transformers, spec["kind"])(**{k: v for k, v in spec.items() if k != "kind"})
+    with smp.delay_param_initialization(True):
+        module = transformers.AutoModelForCausalLM.from_config(hf)
+    ids = torch.randint(0, spec["vocab_size"], (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    smp.init(config)
+    host = os.sysconf("SC_PHYS_PAGES") * PAGE
+    budget = (host - resident()[1]) // jax.device_count()  # each device's share of what the process may still take
+    estimate = smp.estimate_memory(module, None, batch=batch)
+    precision = {k: v for k, v in config.items() if k == "bf16"}
+    layouts = [{**LAYOUTS[layout], **precision} for layout in ("fsdp8", "tp2xfsdp4")]
+    fitting = smp.what_fits(
+        module, budget, batch=batch, layouts=layouts, activation_checkpointing={"model.layers": "each"}
+    )
+    return {
+        "case": name,
+        "host_bytes": host,
+        "budget_per_device": budget,
+        "estimate": estimate.as_dict(),
+        "fits": estimate.fits(budget),
+        "what_fits_checkpointed": [{"config": c, "estimate": e.as_dict()} for c, e in fitting],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", nargs="*", default=case_names())
+    parser.add_argument("--out", default="benchmarks/results/estimate_peak.json")
+    parser.add_argument("--worker")
+    parser.add_argument("--plan", help="a case to estimate against this host's memory, without running it")
+    args = parser.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker)), flush=True)
+        return
+    if args.plan:
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        result = plan(args.plan)
+        print(json.dumps(result, indent=1), flush=True)
+        saved = json.load(open(args.out)) if os.path.exists(args.out) else {"rows": []}
+        saved.setdefault("plans", {})[args.plan] = result
+        json.dump(saved, open(args.out, "w"), indent=2, default=str)
+        return
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    rows, previous = [], {}
+    if os.path.exists(args.out):
+        saved = json.load(open(args.out))
+        previous = {row["case"]: row for row in saved.get("rows", [])}
+    for name in args.cases:
+        run = subprocess.run([sys.executable, "-m", "benchmarks.estimate_peak", "--worker", name], env=env,
+                             capture_output=True, text=True)  # fmt: skip
+        found = [line[7:] for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+        row = json.loads(found[0]) if found else {"case": name, "error": run.stderr[-2000:]}
+        rows.append(row)
+        if "ratio" in row:
+            gib = 2**30
+            print(f"{name:28s} estimate {row['estimate_x_devices'] / gib:6.3f} GiB  measured "
+                  f"{row['measured'] / gib:6.3f} GiB  ratio {row['ratio']:.3f} (before {row['ratio_before']:.3f})",
+                  flush=True)  # fmt: skip
+        else:
+            print(f"{name}: failed\n{row['error']}", flush=True)
+        previous[name] = row
+    from benchmarks.harness import machine, write_results
+
+    plans = json.load(open(args.out)).get("plans", {}) if os.path.exists(args.out) else {}
+    write_results(args.out, {"machine": machine(), "rows": list(previous.values()), "plans": plans})
+
+
+if __name__ == "__main__":
+    main()
