@@ -49,9 +49,12 @@ from jmp.wrapped_model.distributed_model import DistributedModel, current_trace
 __all__ = ["StepFunction", "StepOutput", "is_tracing", "step"]
 
 
-def _unit_scale_shape(mesh) -> jax.ShapeDtypeStruct:
-    """An abstract model's loss scale without loss scaling: its shape only (its mesh may be compile-only devices)."""
-    return jax.ShapeDtypeStruct((), jax.numpy.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+def _scale(model: DistributedModel, mesh) -> Any:
+    """The loss scale the step runs with, read when it is needed (tracing may bind a GradScaler); an abstract model
+    without loss scaling gets its shape only (its mesh may be of compile-only devices)."""
+    if model.abstract and model.loss_scaling is None:
+        return jax.ShapeDtypeStruct((), jax.numpy.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    return model.loss_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +171,6 @@ class StepFunction:
             model.pipeline is not None, model.abstract,
         )  # fmt: skip
         scaling = model.loss_scaling
-        scale = model.loss_scale if not model.abstract or scaling is not None else _unit_scale_shape(mesh)
         signature = StepSignature(
             spec,
             placed.leaves,
@@ -181,7 +183,7 @@ class StepFunction:
             model.graphdef,
         )
         if model.pipeline is not None and not model.pipeline.ready:
-            self._partition(model, signature, [*placed.arrays, scale])
+            self._partition(model, signature, [*placed.arrays, _scale(model, mesh)])
         model.run_post_partition_hooks()
         key = (self, signature)
         program, traced = model.programs.get(key, lambda: step_program.compile_step(self.fn, model, signature))
@@ -189,13 +191,13 @@ class StepFunction:
             # first call: trace before reading the scale (tracing may bind a GradScaler)
             training = model.training_state
             try:
-                program.trace(training.params, training.rest, [*placed.arrays, scale])  # jax.jit keeps it
+                program.trace(training.params, training.rest, [*placed.arrays, _scale(model, mesh)])  # jax.jit keeps it
             except TracedControlFlowError as error:  # data-dependent shapes: the step runs op by op
                 program, traced = model.programs.replace(key, uncompiled.fall_back(self.fn, model, signature, error))
         share = None
         if jax.process_count() > 1:
             share = ProcessShare(feeding, processes, NamedSharding(mesh, PartitionSpec()))
-        return _Call(model, [*placed.arrays, scale], program, traced, signature.data_shards, share)
+        return _Call(model, [*placed.arrays, _scale(model, mesh)], program, traced, signature.data_shards, share)
 
     def _partition(self, model: DistributedModel, signature: StepSignature, arrays: list) -> None:
         """Cut a pipelined model into stages from this call's forward (its first step), and move its parameters."""
