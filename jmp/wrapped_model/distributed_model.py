@@ -440,12 +440,7 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         groups = stacks.stacked_groups(self.stacks, layout.names, layout.shapes, layout.dtypes, layout.specs)
         if not groups:
             return
-        named = self.store.named(self.training_state.params)
-        self.store = StackStore(layout, groups)
-        if self.abstract:
-            self.training_state.params = with_shardings(jax.eval_shape(self.store.pack, named), self.store.shardings)
-        else:
-            self.training_state.params = self.store.pack(named)
+        self._move_to(StackStore(layout, groups))
 
     def fit_stacks_to(self, labels: Mapping[str, str], per_tensor_optimizer: str | None) -> None:
         """Keep the layer stacks stacked only if an optimizer can update them so: not when it takes a norm per
@@ -474,12 +469,7 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         self.programs.clear()
         if not isinstance(self.store, StackStore):
             return  # per layer already (a pipeline's stage buffers, or stacks never stored stacked)
-        named = self.store.named(self.training_state.params)
-        self.store = TreeStore(self.layout)
-        if self.abstract:
-            self.training_state.params = with_shardings(jax.eval_shape(self.store.pack, named), self.store.shardings)
-        else:
-            self.training_state.params = self.store.pack(named)
+        self._move_to(TreeStore(self.layout))
         for optimizer in self._live_optimizers():
             optimizer.parameters_moved()
 
@@ -489,14 +479,18 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         for optimizer in self._live_optimizers():
             labels = optimizer.param_labels()
         layout = self.pipeline.plan(jaxpr, list(self.layout.names), rest_count, labels)
-        named = self.store.named(self.training_state.params)
-        self.store = StageStore(self.layout, layout)
-        if self.abstract:
-            self.training_state.params = with_shardings(jax.eval_shape(self.store.pack, named), self.store.shardings)
-        else:
-            self.training_state.params = self.store.pack(named)
+        self._move_to(StageStore(self.layout, layout))
         for optimizer in self._live_optimizers():
             optimizer.parameters_moved()
+
+    def _move_to(self, store: ParameterStore) -> None:
+        """Keep the parameters in ``store`` from now on (their shapes and shardings only while abstract)."""
+        named = self.store.named(self.training_state.params)
+        self.store = store
+        if self.abstract:
+            self.training_state.params = with_shardings(jax.eval_shape(store.pack, named), store.shardings)
+        else:
+            self.training_state.params = store.pack(named)
 
     def check_mesh(self) -> None:
         """Fail clearly when ``smp.init`` was called again with another config or mesh since this model was built."""
