@@ -45,6 +45,7 @@ from jmp.torch_bridge import (
     to_state_dict,
     torch_name,
 )
+from jmp.torch_bridge.context_vars import set_within
 from jmp.torch_bridge.interop import array_to_tensor, local_piece, tensor_to_array
 from jmp.torch_bridge.layers.linear import Linear
 from jmp.wrapped_model import delayed_init, sdp_partitions, smp_paths, torch_compile, user_class
@@ -78,15 +79,10 @@ _ABSTRACT: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_abstract_m
 _IN_FORWARD_OVERRIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_forward_override", default=False)
 
 
-@contextlib.contextmanager
-def abstract_models() -> Iterator[None]:
+def abstract_models() -> contextlib.AbstractContextManager[None]:
     """``DistributedModel``s built inside hold shapes and shardings only (``jax.ShapeDtypeStruct``s): their step
     programs can be lowered and compiled for their memory, nothing runs, and they are not the run's models."""
-    token = _ABSTRACT.set(True)
-    try:
-        yield
-    finally:
-        _ABSTRACT.reset(token)
+    return set_within(_ABSTRACT, True)
 
 
 def with_shardings(shapes: Any, shardings: Any) -> Any:
@@ -257,11 +253,8 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         # runs as torch's Module.__call__ would run it; its own call of the class's forward lands below
         override = self.__dict__.get("forward")
         if override is not None and not _IN_FORWARD_OVERRIDE.get():
-            token = _IN_FORWARD_OVERRIDE.set(True)
-            try:
+            with set_within(_IN_FORWARD_OVERRIDE, True):
                 return override(*args, **kwargs)
-            finally:
-                _IN_FORWARD_OVERRIDE.reset(token)
         trace = _TRACE.get()
         if trace is None:
             if DistributedModel.outside_step is None:
@@ -341,14 +334,13 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
     def tracing(self, module: TorchModule, loss_scale: jax.Array | None = None) -> Iterator[Trace]:
         """While a step function is traced with ``module`` (the converted model at that trace's level)."""
         trace = Trace(self, module, loss_scale)
-        token = _TRACE.set(trace)
         scanned = None
         stages = self.pipeline.layer_stages() if self.pipeline is not None else None
         # a step run op by op runs its layers one by one, as does a pipeline cut between layers at module calls
         if self.stacks and not concrete_run.active() and (self.pipeline is None or stages is not None):
             shardings = {name: self.layout.sharding(name) for name in self.layout.names} if stages is None else {}
             scanned = stacks.StackedLayers(self.stacks, shardings, stages)
-        try:
+        with set_within(_TRACE, trace):
             with (
                 call_hooks(self._embedding_hooks()),
                 call_hooks(dict.fromkeys(scanned.paths, scanned) if scanned else {}),  # outermost: remat inside
@@ -357,8 +349,6 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
                 yield trace
             if scanned:
                 scanned.report()
-        finally:
-            _TRACE.reset(token)
 
     def _embedding_hooks(self) -> dict[str, Any]:
         """Embeddings whose tables are split over fsdp give their outputs laid out as the batch
