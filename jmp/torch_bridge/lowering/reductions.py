@@ -83,30 +83,22 @@ def _correction(args, kwargs):
     return dim, correction, keepdim
 
 
-@register_lowering(torch.var, T.var)
-def var(input, *args, **kwargs):
-    dim, correction, keepdim = _correction(args, dict(kwargs))
-    return jnp.var(input, axis=dims(dim, input.ndim), ddof=correction, keepdims=keepdim)
+def _spread(jnp_fn, with_mean: bool):
+    """torch's var / std (``with_mean``: var_mean / std_mean), in any of their argument forms (``_correction``)."""
+
+    def lowering(input, *args, **kwargs):
+        dim, correction, keepdim = _correction(args, dict(kwargs))
+        axes = dims(dim, input.ndim)
+        spread = jnp_fn(input, axis=axes, ddof=correction, keepdims=keepdim)
+        return (spread, jnp.mean(input, axis=axes, keepdims=keepdim)) if with_mean else spread
+
+    return lowering
 
 
-@register_lowering(torch.std, T.std)
-def std(input, *args, **kwargs):
-    dim, correction, keepdim = _correction(args, dict(kwargs))
-    return jnp.std(input, axis=dims(dim, input.ndim), ddof=correction, keepdims=keepdim)
-
-
-@register_lowering(torch.var_mean)
-def var_mean(input, *args, **kwargs):
-    dim, correction, keepdim = _correction(args, dict(kwargs))
-    axes = dims(dim, input.ndim)
-    return (jnp.var(input, axis=axes, ddof=correction, keepdims=keepdim), jnp.mean(input, axis=axes, keepdims=keepdim))
-
-
-@register_lowering(torch.std_mean)
-def std_mean(input, *args, **kwargs):
-    dim, correction, keepdim = _correction(args, dict(kwargs))
-    axes = dims(dim, input.ndim)
-    return (jnp.std(input, axis=axes, ddof=correction, keepdims=keepdim), jnp.mean(input, axis=axes, keepdims=keepdim))
+register_lowering(torch.var, T.var)(_spread(jnp.var, with_mean=False))
+register_lowering(torch.std, T.std)(_spread(jnp.std, with_mean=False))
+register_lowering(torch.var_mean)(_spread(jnp.var, with_mean=True))
+register_lowering(torch.std_mean)(_spread(jnp.std, with_mean=True))
 
 
 def _extremum(jnp_fn, jnp_arg, return_type, pairwise):
