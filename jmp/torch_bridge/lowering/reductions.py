@@ -156,26 +156,16 @@ register_lowering(torch.argmax, T.argmax)(_arg_extremum(jnp.argmax))
 register_lowering(torch.argmin, T.argmin)(_arg_extremum(jnp.argmin))
 
 
-@register_lowering(torch.all, T.all)
+# torch._is_all_true / _is_any_true: all() / any() of a boolean tensor, as torch.distributions' argument
+# validation spells them (``if not torch._is_all_true(valid): raise``)
+@register_lowering(torch.all, T.all, torch._is_all_true)
 def all(input, dim=None, keepdim=False):
     return jnp.all(input, axis=dims(dim, input.ndim), keepdims=keepdim)
 
 
-@register_lowering(torch.any, T.any)
+@register_lowering(torch.any, T.any, torch._is_any_true)
 def any(input, dim=None, keepdim=False):
     return jnp.any(input, axis=dims(dim, input.ndim), keepdims=keepdim)
-
-
-# torch's private spellings of all() / any() on a boolean tensor: torch.distributions' argument validation
-# (``if not torch._is_all_true(valid): raise``) calls them
-@register_lowering(torch._is_all_true)
-def is_all_true(input):
-    return jnp.all(input)
-
-
-@register_lowering(torch._is_any_true)
-def is_any_true(input):
-    return jnp.any(input)
 
 
 @register_lowering(torch.count_nonzero, T.count_nonzero)
