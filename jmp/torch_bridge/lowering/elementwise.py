@@ -62,14 +62,12 @@ def div(input, other, *, rounding_mode=None):
     raise ValueError(f"rounding_mode must be None, 'floor' or 'trunc', not {rounding_mode!r}")
 
 
+register_lowering(torch.true_divide, T.true_divide, inplace=(T.true_divide_,))(div)  # div without rounding_mode
+
+
 def _int_trunc_div(a, b):
     quotient = jnp.floor_divide(a, b)
     return jnp.where((a % b != 0) & ((a < 0) != (b < 0)), quotient + 1, quotient)
-
-
-@register_lowering(torch.true_divide, T.true_divide, inplace=(T.true_divide_,))
-def true_divide(input, other):
-    return div(input, other)
 
 
 @register_lowering(torch.floor_divide, T.floor_divide, T.__floordiv__, inplace=(T.floor_divide_, T.__ifloordiv__))
