@@ -7,6 +7,7 @@ the skipped update and the scale's growth and backoff run on the devices, so not
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,6 +27,11 @@ from jmp.torch_bridge import JaxTensor
 from jmp.wrapped_model.distributed_model import current_trace
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
+
+
+def _setting(field: str, kind: type) -> tuple[Callable[[Any], Any], Callable[[Any, Any], None]]:
+    """torch's ``get_<setting>`` / ``set_<setting>`` methods for one of the scaler's settings (stored as ``kind``)."""
+    return (lambda self: getattr(self, field)), (lambda self, value: setattr(self, field, kind(value)))
 
 
 class GradScaler:
@@ -156,23 +162,9 @@ class GradScaler:
     def is_enabled(self) -> bool:
         return self._enabled
 
-    def get_growth_factor(self) -> float:
-        return self._growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        self._growth_factor = float(new_factor)
-
-    def get_backoff_factor(self) -> float:
-        return self._backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        self._backoff_factor = float(new_factor)
-
-    def get_growth_interval(self) -> int:
-        return self._growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = int(new_interval)
+    get_growth_factor, set_growth_factor = _setting("_growth_factor", float)
+    get_backoff_factor, set_backoff_factor = _setting("_backoff_factor", float)
+    get_growth_interval, set_growth_interval = _setting("_growth_interval", int)
 
     def state_dict(self) -> dict:
         """torch's format: scale, growth_factor, backoff_factor, growth_interval, _growth_tracker."""

@@ -241,7 +241,12 @@ class Recording:
         if lazy.index not in self.results:
             if self.ran:
                 raise StepError("a value of a recorded step was read after its step ran without it")
-            _note_early_read()
+            notices.warn_once(
+                "eager:early-read",
+                "a value of the model's outputs was read before backward(): jmp ran the forward to read it, and "
+                "backward() will run it again with the gradients (a sync and a second forward; read values after "
+                "backward() to avoid both)",
+            )
             self._run_and_keep(None, None)
         result = self.results[lazy.index]
         if isinstance(result, StepOutput):
@@ -287,12 +292,3 @@ def _meta(leaf: Any) -> Any:
 def _is_in_place(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or (name.startswith("__i") and name.endswith("__"))
-
-
-def _note_early_read() -> None:
-    notices.warn_once(
-        "eager:early-read",
-        "a value of the model's outputs was read before backward(): jmp ran the forward to read it, and "
-        "backward() will run it again with the gradients (a sync and a second forward; read values after "
-        "backward() to avoid both)",
-    )

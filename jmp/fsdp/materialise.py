@@ -25,7 +25,7 @@ from jmp.wrapped_model import delayed_init
 
 def is_meta(module: nn.Module, ignored: set[nn.Module]) -> bool:
     """Whether a tensor of ``module`` outside the ignored modules is on the meta device (FSDP's test)."""
-    return any(tensor.is_meta for tensor in _tensors(module, ignored))
+    return any(tensor.is_meta for _, tensor in _named_tensors(module, ignored))
 
 
 def with_init_fns(
@@ -77,10 +77,6 @@ def sync_from_process_zero(module: nn.Module) -> None:
     with torch.no_grad():
         for tensor in (*module.parameters(), *module.buffers()):
             dist.broadcast(tensor.data, src=0)
-
-
-def _tensors(module: nn.Module, ignored: set[nn.Module]) -> Iterable[torch.Tensor]:
-    return (tensor for _, tensor in _named_tensors(module, ignored))
 
 
 def _named_tensors(module: nn.Module, ignored: set[nn.Module]) -> Iterable[tuple[str, torch.Tensor]]:

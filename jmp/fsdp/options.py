@@ -6,8 +6,8 @@ wrapped model as one unit, and takes a policy only as the script's statement of 
 
 from __future__ import annotations
 
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
-from torch.distributed.fsdp import (
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl  # noqa: F401
+from torch.distributed.fsdp import (  # noqa: F401 (re-exported: __all__)
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
@@ -26,7 +26,7 @@ from torch.distributed.fsdp import (
     StateDictSettings,
     StateDictType,
 )
-from torch.distributed.fsdp.wrap import (
+from torch.distributed.fsdp.wrap import (  # noqa: F401 (re-exported: __all__)
     CustomPolicy,
     ModuleWrapPolicy,
     always_wrap_policy,
@@ -35,32 +35,7 @@ from torch.distributed.fsdp.wrap import (
     transformer_auto_wrap_policy,
 )
 
-__all__ = [
-    "BackwardPrefetch",
-    "CPUOffload",
-    "CPUOffloadPolicy",
-    "CheckpointImpl",
-    "CustomPolicy",
-    "FullOptimStateDictConfig",
-    "FullStateDictConfig",
-    "LocalOptimStateDictConfig",
-    "LocalStateDictConfig",
-    "MixedPrecision",
-    "MixedPrecisionPolicy",
-    "ModuleWrapPolicy",
-    "OffloadPolicy",
-    "OptimStateDictConfig",
-    "ShardedOptimStateDictConfig",
-    "ShardedStateDictConfig",
-    "ShardingStrategy",
-    "StateDictConfig",
-    "StateDictSettings",
-    "StateDictType",
-    "always_wrap_policy",
-    "lambda_auto_wrap_policy",
-    "size_based_auto_wrap_policy",
-    "transformer_auto_wrap_policy",
-]
+__all__ = [name for name in dir() if not name.startswith("_") and name != "annotations"]  # the names imported above
 
 # ShardingStrategy._HYBRID_SHARD_ZERO2 by its name (a private member: torch's own spelling of the enum)
 HYBRID_ZERO2 = ShardingStrategy["_HYBRID_SHARD_ZERO2"]

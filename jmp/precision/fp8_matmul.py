@@ -9,11 +9,8 @@ the operands' layout, once Triton's GEMMs are off (``jmp.remat.xla``); elsewhere
 in float32 (an fp8 number times a float32 scale, rounded once). A ``dot_general`` on the fp8 arrays themselves,
 the first way this module wrote it, did not compile in 120 s on an H100 with XLA's defaults, and with autotuning off
 became a cuBLASLt GEMM for a quarter of a Llama's products, the rest generic fp8 dots (an fp8 step 8.7 times
-bf16's). Quantisation is straight through (its clipping passes gradients unchanged), as in TE.
-
-The output gradient's amax arises in the backward, where no forward state can be written: it leaves as the
-cotangent of ``grad_scale`` (a scale has no gradient of its own), and the step records it in the gradient's amax
-history (``jmp.precision.fp8_state.record_gradient_amaxes``).
+bf16's). Quantisation is straight through (its clipping passes gradients unchanged), as in TE. The output
+gradient's amax leaves as the cotangent of ``grad_scale`` (a scale has no gradient of its own; ``fp8_state``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import functools
 import itertools
 import operator
 import os
@@ -77,29 +78,12 @@ def barrier(group: CommGroup = CommGroup.WORLD) -> None:
     _read_by_peers(group, members)
 
 
-def dp_barrier() -> None:
-    """``barrier(CommGroup.DP_GROUP)``."""
-    barrier(CommGroup.DP_GROUP)
-
-
-def mp_barrier() -> None:
-    """``barrier(CommGroup.MP_GROUP)``."""
-    barrier(CommGroup.MP_GROUP)
-
-
-def pp_barrier() -> None:
-    """``barrier(CommGroup.PP_GROUP)``."""
-    barrier(CommGroup.PP_GROUP)
-
-
-def tp_barrier() -> None:
-    """``barrier(CommGroup.TP_GROUP)``."""
-    barrier(CommGroup.TP_GROUP)
-
-
-def rdp_barrier() -> None:
-    """``barrier(CommGroup.RDP_GROUP)``."""
-    barrier(CommGroup.RDP_GROUP)
+# SMP's per-group barriers: smp.dp_barrier() is smp.barrier(smp.DP_GROUP), ...
+dp_barrier = functools.partial(barrier, CommGroup.DP_GROUP)
+mp_barrier = functools.partial(barrier, CommGroup.MP_GROUP)
+pp_barrier = functools.partial(barrier, CommGroup.PP_GROUP)
+tp_barrier = functools.partial(barrier, CommGroup.TP_GROUP)
+rdp_barrier = functools.partial(barrier, CommGroup.RDP_GROUP)
 
 
 def broadcast(obj: Any, group: CommGroup) -> Any:

@@ -12,6 +12,7 @@ collectives instead; these groups are for the host-side tensors scripts hold bet
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 
@@ -87,61 +88,20 @@ def _check(group: str) -> None:
         )
 
 
-# SMP's API: each group as a torch.distributed.ProcessGroup ...
-def get_world_process_group() -> dist.ProcessGroup:
-    """Every process, as a ``torch.distributed`` group (``torch.distributed.group.WORLD``)."""
-    return process_group("WORLD")
-
-
-def get_dp_process_group() -> dist.ProcessGroup:
-    """The processes holding the same model part (data-parallel peers), as a ``torch.distributed`` group."""
-    return process_group("DP_GROUP")
-
-
-def get_rdp_process_group() -> dist.ProcessGroup:
-    """The reduced-data-parallel group (the data-parallel one here), as a ``torch.distributed`` group."""
-    return process_group("RDP_GROUP")
-
-
-def get_mp_process_group() -> dist.ProcessGroup:
-    """The processes holding one model replica together, as a ``torch.distributed`` group."""
-    return process_group("MP_GROUP")
-
-
-def get_pp_process_group() -> dist.ProcessGroup:
-    """The processes holding the pipeline stages of the same model slice, as a ``torch.distributed`` group."""
-    return process_group("PP_GROUP")
-
-
-def get_tp_process_group() -> dist.ProcessGroup:
-    """The processes holding the tensor-parallel slices of the same layers, as a ``torch.distributed`` group."""
-    return process_group("TP_GROUP")
-
-
+# SMP's API: each group (jmp.runtime.comm.CommGroup says which processes it holds) as a torch.distributed
+# ProcessGroup (torch.distributed.group.WORLD for every process) ...
+get_world_process_group = functools.partial(process_group, "WORLD")
+get_dp_process_group = functools.partial(process_group, "DP_GROUP")
+get_rdp_process_group = functools.partial(process_group, "RDP_GROUP")
+get_mp_process_group = functools.partial(process_group, "MP_GROUP")
+get_pp_process_group = functools.partial(process_group, "PP_GROUP")
+get_tp_process_group = functools.partial(process_group, "TP_GROUP")
 # ... and as the list of its ranks (``0 in smp.get_tp_group()``: is rank 0 a tensor-parallel peer?)
-def get_dp_group() -> list[int]:
-    """The ranks of this process's data-parallel group."""
-    return members("DP_GROUP")
-
-
-def get_rdp_group() -> list[int]:
-    """The ranks of this process's reduced-data-parallel group."""
-    return members("RDP_GROUP")
-
-
-def get_mp_group() -> list[int]:
-    """The ranks of this process's model-parallel group."""
-    return members("MP_GROUP")
-
-
-def get_pp_group() -> list[int]:
-    """The ranks of this process's pipeline-parallel group."""
-    return members("PP_GROUP")
-
-
-def get_tp_group() -> list[int]:
-    """The ranks of this process's tensor-parallel group."""
-    return members("TP_GROUP")
+get_dp_group = functools.partial(members, "DP_GROUP")
+get_rdp_group = functools.partial(members, "RDP_GROUP")
+get_mp_group = functools.partial(members, "MP_GROUP")
+get_pp_group = functools.partial(members, "PP_GROUP")
+get_tp_group = functools.partial(members, "TP_GROUP")
 
 
 def _start_torch_distributed() -> None:

@@ -293,14 +293,10 @@ def _apply(entry: registry.Lowering, func: Any, args: tuple, kwargs: dict) -> An
         return out_target
     if args and isinstance(args[0], JaxTensor) and isinstance(result, jax.Array) and result is args[0].value:
         return args[0]  # a no-op (``x.float()`` on float, ``x.contiguous()``) returns self, like torch
-    wrapped = _wrap_result(result)
+    wrapped = _map_arrays(wrap, result)
     if args and isinstance(args[0], JaxTensor) and entry.is_view_call(args, kwargs):
         _link_views(entry, args, kwargs, wrapped)
     return wrapped
-
-
-def _wrap_result(result: Any) -> Any:
-    return _map_arrays(wrap, result)
 
 
 def _map_arrays(fn: Any, result: Any) -> Any:

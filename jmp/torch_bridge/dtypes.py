@@ -7,23 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-_TORCH_TO_JAX = {
-    torch.float32: jnp.float32,
-    torch.float64: jnp.float64,
-    torch.float16: jnp.float16,
-    torch.bfloat16: jnp.bfloat16,
-    torch.int64: jnp.int64,
-    torch.int32: jnp.int32,
-    torch.int16: jnp.int16,
-    torch.int8: jnp.int8,
-    torch.uint8: jnp.uint8,
-    torch.uint16: jnp.uint16,
-    torch.uint32: jnp.uint32,
-    torch.uint64: jnp.uint64,
-    torch.bool: jnp.bool_,
-    torch.complex64: jnp.complex64,
-    torch.complex128: jnp.complex128,
-}
+# the dtypes torch and JAX both have, which they name alike
+_SHARED = "float32 float64 float16 bfloat16 int64 int32 int16 int8 uint8 uint16 uint32 uint64 bool complex64 complex128"
+_TORCH_TO_JAX = {getattr(torch, name): jnp.dtype(name) for name in _SHARED.split()}
 _JAX_TO_TORCH = {np.dtype(v): k for k, v in _TORCH_TO_JAX.items()}
 
 

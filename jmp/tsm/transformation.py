@@ -88,10 +88,8 @@ def _hugging_face_layer_class(model: nn.Module) -> type | None:
     """Hugging Face's base class of decoder layers, for a Hugging Face model (transformers is not jmp's dependency)."""
     if not type(model).__module__.startswith("transformers."):
         return None
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # an older transformers: its layers have no common base class
-        return None
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     return GradientCheckpointingLayer
 
 

@@ -45,6 +45,7 @@ from jmp.torch_bridge import (
     to_state_dict,
     torch_name,
 )
+from jmp.torch_bridge.context_vars import set_within
 from jmp.torch_bridge.interop import array_to_tensor, local_piece, tensor_to_array
 from jmp.torch_bridge.layers.linear import Linear
 from jmp.wrapped_model import delayed_init, sdp_partitions, smp_paths, torch_compile, user_class
@@ -78,15 +79,10 @@ _ABSTRACT: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_abstract_m
 _IN_FORWARD_OVERRIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("jmp_forward_override", default=False)
 
 
-@contextlib.contextmanager
-def abstract_models() -> Iterator[None]:
+def abstract_models() -> contextlib.AbstractContextManager[None]:
     """``DistributedModel``s built inside hold shapes and shardings only (``jax.ShapeDtypeStruct``s): their step
     programs can be lowered and compiled for their memory, nothing runs, and they are not the run's models."""
-    token = _ABSTRACT.set(True)
-    try:
-        yield
-    finally:
-        _ABSTRACT.reset(token)
+    return set_within(_ABSTRACT, True)
 
 
 def with_shardings(shapes: Any, shardings: Any) -> Any:
@@ -257,11 +253,8 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         # runs as torch's Module.__call__ would run it; its own call of the class's forward lands below
         override = self.__dict__.get("forward")
         if override is not None and not _IN_FORWARD_OVERRIDE.get():
-            token = _IN_FORWARD_OVERRIDE.set(True)
-            try:
+            with set_within(_IN_FORWARD_OVERRIDE, True):
                 return override(*args, **kwargs)
-            finally:
-                _IN_FORWARD_OVERRIDE.reset(token)
         trace = _TRACE.get()
         if trace is None:
             if DistributedModel.outside_step is None:
@@ -341,14 +334,13 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
     def tracing(self, module: TorchModule, loss_scale: jax.Array | None = None) -> Iterator[Trace]:
         """While a step function is traced with ``module`` (the converted model at that trace's level)."""
         trace = Trace(self, module, loss_scale)
-        token = _TRACE.set(trace)
         scanned = None
         stages = self.pipeline.layer_stages() if self.pipeline is not None else None
         # a step run op by op runs its layers one by one, as does a pipeline cut between layers at module calls
         if self.stacks and not concrete_run.active() and (self.pipeline is None or stages is not None):
             shardings = {name: self.layout.sharding(name) for name in self.layout.names} if stages is None else {}
             scanned = stacks.StackedLayers(self.stacks, shardings, stages)
-        try:
+        with set_within(_TRACE, trace):
             with (
                 call_hooks(self._embedding_hooks()),
                 call_hooks(dict.fromkeys(scanned.paths, scanned) if scanned else {}),  # outermost: remat inside
@@ -357,8 +349,6 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
                 yield trace
             if scanned:
                 scanned.report()
-        finally:
-            _TRACE.reset(token)
 
     def _embedding_hooks(self) -> dict[str, Any]:
         """Embeddings whose tables are split over fsdp give their outputs laid out as the batch
@@ -440,12 +430,7 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         groups = stacks.stacked_groups(self.stacks, layout.names, layout.shapes, layout.dtypes, layout.specs)
         if not groups:
             return
-        named = self.store.named(self.training_state.params)
-        self.store = StackStore(layout, groups)
-        if self.abstract:
-            self.training_state.params = with_shardings(jax.eval_shape(self.store.pack, named), self.store.shardings)
-        else:
-            self.training_state.params = self.store.pack(named)
+        self._move_to(StackStore(layout, groups))
 
     def fit_stacks_to(self, labels: Mapping[str, str], per_tensor_optimizer: str | None) -> None:
         """Keep the layer stacks stacked only if an optimizer can update them so: not when it takes a norm per
@@ -474,12 +459,7 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         self.programs.clear()
         if not isinstance(self.store, StackStore):
             return  # per layer already (a pipeline's stage buffers, or stacks never stored stacked)
-        named = self.store.named(self.training_state.params)
-        self.store = TreeStore(self.layout)
-        if self.abstract:
-            self.training_state.params = with_shardings(jax.eval_shape(self.store.pack, named), self.store.shardings)
-        else:
-            self.training_state.params = self.store.pack(named)
+        self._move_to(TreeStore(self.layout))
         for optimizer in self._live_optimizers():
             optimizer.parameters_moved()
 
@@ -489,14 +469,18 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         for optimizer in self._live_optimizers():
             labels = optimizer.param_labels()
         layout = self.pipeline.plan(jaxpr, list(self.layout.names), rest_count, labels)
-        named = self.store.named(self.training_state.params)
-        self.store = StageStore(self.layout, layout)
-        if self.abstract:
-            self.training_state.params = with_shardings(jax.eval_shape(self.store.pack, named), self.store.shardings)
-        else:
-            self.training_state.params = self.store.pack(named)
+        self._move_to(StageStore(self.layout, layout))
         for optimizer in self._live_optimizers():
             optimizer.parameters_moved()
+
+    def _move_to(self, store: ParameterStore) -> None:
+        """Keep the parameters in ``store`` from now on (their shapes and shardings only while abstract)."""
+        named = self.store.named(self.training_state.params)
+        self.store = store
+        if self.abstract:
+            self.training_state.params = with_shardings(jax.eval_shape(store.pack, named), store.shardings)
+        else:
+            self.training_state.params = store.pack(named)
 
     def check_mesh(self) -> None:
         """Fail clearly when ``smp.init`` was called again with another config or mesh since this model was built."""

@@ -334,9 +334,7 @@ class StackStore:
             mask.append(bool(held))
         return tuple(mask)
 
-    def held_names(self, process: int) -> set[str]:
-        layout = self.layout
-        return {n for n in layout.names if any(d.process_index == process for d in layout.sharding(n).device_set)}
+    held_names = TreeStore.held_names  # by each parameter's own sharding, which a stacked weight's layers keep
 
     def unpack_present(self, stored: Mapping[str, Any]) -> dict[str, jax.Array]:
         """Stored arrays (any of the keys) -> arrays by torch name in new buffers, each placed by its parameter's

@@ -1,31 +1,10 @@
 """Set-up of every Python process ``python -m jmp.launch`` starts: this directory is first on their
-``PYTHONPATH``, so Python's start-up imports this ``sitecustomize``. It makes SMP v2 scripts run with no edit:
-
-- ``torch.sagemaker`` and the names under it resolve to ``jmp.tsm`` (``jmp.runtime.smp_aliases``). ``torch`` is
-  a real package, so no directory can stand for its ``sagemaker``; a finder answers for these names instead,
-  and imports jmp at the first of them.
-- ``torch.distributed.init_process_group`` takes any backend name (``"smddp"``, ``"nccl"``, ...) and starts
-  gloo: torch.distributed carries the host tensors a script holds between steps (the model's collectives are
-  XLA's, inside the compiled step), and gloo is the backend that carries them on any host. When jmp
-  (``tsm.init`` / ``smp.init``) has started it already, the script's call returns without starting a second
-  default group.
-- PyTorch's FSDP wrapper and activation-checkpointing names resolve to ``jmp.fsdp``'s in a script's modules, as
-  SMP v2's container patches torch's FSDP constructor: ``torch.distributed.fsdp.FullyShardedDataParallel`` and
-  ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``'s ``apply_activation_checkpointing``,
-  ``checkpoint_wrapper``, ``offload_wrapper``; with them ``FSDP.state_dict_type`` and the other class-level calls
-  are jmp's; so is ``torch.nn.parallel.DistributedDataParallel`` (and ``torch.nn.parallel.distributed``'s), FSDP
-  with every parameter replicated; FSDP2's ``fully_shard``, ``init_device_mesh`` and
-  ``torch.distributed.tensor.parallel.parallelize_module`` are jmp's too (tensor-parallel plans as data; the style
-  classes and ``loss_parallel`` stay torch's). ``ShardingStrategy``, ``MixedPrecision``, ``StateDictType``, the
-  wrap policies stay torch's (jmp takes torch's own).
-  And ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict`` takes
-  SMP's ``process_group=``, and ``torch.distributed.checkpoint``'s ``save_state_dict`` / ``load_state_dict`` SMP's
-  global ``coordinator_rank`` (``jmp.fsdp.distributed_checkpoint``); its ``save`` / ``load`` / ``async_save`` write
-  and read a state dict holding jmp's arrays with Orbax (``jmp.fsdp.dcp_orbax``), and
-  ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` / ``set_state_dict`` (and the model / optimizer
-  halves) give and take them for jmp's FSDP models (``jmp.fsdp.dcp_state_dicts``). torch's own modules keep
-  torch's objects (they use FSDP's internals, flat parameters, which jmp's wrapper does not have), and so do jmp's
-  (``JmpNames``).
+``PYTHONPATH``, so Python's start-up imports this ``sitecustomize``. It makes SMP v2 scripts run with no edit
+(docs/running_scripts.md, "SMP v2 and PyTorch FSDP scripts"): ``torch.sagemaker`` resolves to ``jmp.tsm`` (a
+finder: ``torch`` is a real package, so no directory can stand for it), ``init_process_group`` starts gloo for
+any backend (it carries the host tensors a script holds; the model's collectives are XLA's), and the torch FSDP /
+DDP / DCP names in ``AFTER_IMPORT`` resolve to ``jmp.fsdp``'s in a script's modules, as SMP v2's container
+patches torch's. torch's own modules keep torch's objects: they use FSDP's internals (flat parameters).
 
 Then the environment's own ``sitecustomize``, which this one shadows, runs. Standard library only, and nothing
 is imported until the script imports it: torch and jmp load when the script asks for them.

@@ -118,24 +118,18 @@ def tolist(input):
     return np.asarray(input).tolist()
 
 
-@register_lowering(T.__bool__)
-def to_bool(input):
-    return bool(input)
+def _python_conversion(convert):
+    """``bool(x)``, ``int(x)``, ...: concrete values only (under jit they raise a TracedControlFlowError)."""
+
+    def lowering(input):
+        return convert(input)
+
+    return lowering
 
 
-@register_lowering(T.__int__)
-def to_int(input):
-    return int(input)
-
-
-@register_lowering(T.__index__)
-def to_index(input):
-    return int(input)
-
-
-@register_lowering(T.__float__)
-def to_float(input):
-    return float(input)
+_PYTHON_CONVERSIONS = {T.__bool__: bool, T.__int__: int, T.__index__: int, T.__float__: float, T.__complex__: complex}
+for _method, _convert in _PYTHON_CONVERSIONS.items():
+    register_lowering(_method)(_python_conversion(_convert))
 
 
 @register_lowering(T.__format__)
@@ -144,8 +138,3 @@ def format_(input, format_spec):
         return f"JaxTensor(shape={tuple(input.shape)}, dtype={input.dtype}, traced)"
     value = np.asarray(input)
     return format(value.item() if value.size == 1 and value.ndim == 0 else value, format_spec)
-
-
-@register_lowering(T.__complex__)
-def to_complex(input):
-    return complex(input)

@@ -62,19 +62,12 @@ def div(input, other, *, rounding_mode=None):
     raise ValueError(f"rounding_mode must be None, 'floor' or 'trunc', not {rounding_mode!r}")
 
 
+register_lowering(torch.true_divide, T.true_divide, inplace=(T.true_divide_,))(div)  # div without rounding_mode
+
+
 def _int_trunc_div(a, b):
     quotient = jnp.floor_divide(a, b)
     return jnp.where((a % b != 0) & ((a < 0) != (b < 0)), quotient + 1, quotient)
-
-
-@register_lowering(torch.true_divide, T.true_divide, inplace=(T.true_divide_,))
-def true_divide(input, other):
-    return div(input, other)
-
-
-@register_lowering(T.__rtruediv__, method("__rdiv__"))
-def rtruediv(input, other):
-    return div(other, input)
 
 
 @register_lowering(torch.floor_divide, T.floor_divide, T.__floordiv__, inplace=(T.floor_divide_, T.__ifloordiv__))
@@ -82,20 +75,10 @@ def floor_divide(input, other):
     return div(input, other, rounding_mode="floor")
 
 
-@register_lowering(T.__rfloordiv__)
-def rfloordiv(input, other):
-    return floor_divide(other, input)
-
-
 @register_lowering(torch.remainder, T.remainder, T.__mod__, inplace=(T.remainder_, T.__imod__))
 def remainder(input, other):
     a, b = promoted(input, other)
     return jnp.remainder(a, b)
-
-
-@register_lowering(T.__rmod__)
-def rmod(input, other):
-    return remainder(other, input)
 
 
 @register_lowering(torch.fmod, T.fmod, inplace=(T.fmod_,))
@@ -121,9 +104,19 @@ def _small_integral(value) -> bool:
     )
 
 
-@register_lowering(T.__rpow__)
-def rpow(input, other):
-    return pow(other, input)
+def _reflected(forward, *torch_fns):
+    """``forward`` with its operands swapped: ``2 / x`` calls ``x.__rtruediv__(2)``."""
+
+    def lowering(input, other):
+        return forward(other, input)
+
+    register_lowering(*torch_fns)(lowering)
+
+
+_reflected(div, T.__rtruediv__, method("__rdiv__"))
+_reflected(floor_divide, T.__rfloordiv__)
+_reflected(remainder, T.__rmod__)
+_reflected(pow, T.__rpow__)
 
 
 @register_lowering(torch.float_power, T.float_power)

@@ -224,7 +224,7 @@ def masked_scatter(input, mask, source):
     return jnp.where(mask, cast(picked, input.dtype), input.reshape(-1)).reshape(input.shape)
 
 
-@register_lowering(torch.nonzero, T.nonzero)
+@register_lowering(torch.nonzero, T.nonzero, torch.argwhere, T.argwhere)  # argwhere(x) is nonzero(x)
 def nonzero(input, *, as_tuple=False):
     if input.ndim == 0:
         count = int(input != 0)  # data-dependent size: concrete values only
@@ -233,11 +233,6 @@ def nonzero(input, *, as_tuple=False):
     if as_tuple:
         return tuple(f.astype(_INT) for f in found)
     return jnp.stack(found, axis=1).astype(_INT) if found else jnp.zeros((0, 0), _INT)
-
-
-@register_lowering(torch.argwhere, T.argwhere)
-def argwhere(input):
-    return nonzero(input)
 
 
 @register_lowering(F.one_hot)

@@ -83,30 +83,22 @@ def _correction(args, kwargs):
     return dim, correction, keepdim
 
 
-@register_lowering(torch.var, T.var)
-def var(input, *args, **kwargs):
-    dim, correction, keepdim = _correction(args, dict(kwargs))
-    return jnp.var(input, axis=dims(dim, input.ndim), ddof=correction, keepdims=keepdim)
+def _spread(jnp_fn, with_mean: bool):
+    """torch's var / std (``with_mean``: var_mean / std_mean), in any of their argument forms (``_correction``)."""
+
+    def lowering(input, *args, **kwargs):
+        dim, correction, keepdim = _correction(args, dict(kwargs))
+        axes = dims(dim, input.ndim)
+        spread = jnp_fn(input, axis=axes, ddof=correction, keepdims=keepdim)
+        return (spread, jnp.mean(input, axis=axes, keepdims=keepdim)) if with_mean else spread
+
+    return lowering
 
 
-@register_lowering(torch.std, T.std)
-def std(input, *args, **kwargs):
-    dim, correction, keepdim = _correction(args, dict(kwargs))
-    return jnp.std(input, axis=dims(dim, input.ndim), ddof=correction, keepdims=keepdim)
-
-
-@register_lowering(torch.var_mean)
-def var_mean(input, *args, **kwargs):
-    dim, correction, keepdim = _correction(args, dict(kwargs))
-    axes = dims(dim, input.ndim)
-    return (jnp.var(input, axis=axes, ddof=correction, keepdims=keepdim), jnp.mean(input, axis=axes, keepdims=keepdim))
-
-
-@register_lowering(torch.std_mean)
-def std_mean(input, *args, **kwargs):
-    dim, correction, keepdim = _correction(args, dict(kwargs))
-    axes = dims(dim, input.ndim)
-    return (jnp.std(input, axis=axes, ddof=correction, keepdims=keepdim), jnp.mean(input, axis=axes, keepdims=keepdim))
+register_lowering(torch.var, T.var)(_spread(jnp.var, with_mean=False))
+register_lowering(torch.std, T.std)(_spread(jnp.std, with_mean=False))
+register_lowering(torch.var_mean)(_spread(jnp.var, with_mean=True))
+register_lowering(torch.std_mean)(_spread(jnp.std, with_mean=True))
 
 
 def _extremum(jnp_fn, jnp_arg, return_type, pairwise):
@@ -164,26 +156,16 @@ register_lowering(torch.argmax, T.argmax)(_arg_extremum(jnp.argmax))
 register_lowering(torch.argmin, T.argmin)(_arg_extremum(jnp.argmin))
 
 
-@register_lowering(torch.all, T.all)
+# torch._is_all_true / _is_any_true: all() / any() of a boolean tensor, as torch.distributions' argument
+# validation spells them (``if not torch._is_all_true(valid): raise``)
+@register_lowering(torch.all, T.all, torch._is_all_true)
 def all(input, dim=None, keepdim=False):
     return jnp.all(input, axis=dims(dim, input.ndim), keepdims=keepdim)
 
 
-@register_lowering(torch.any, T.any)
+@register_lowering(torch.any, T.any, torch._is_any_true)
 def any(input, dim=None, keepdim=False):
     return jnp.any(input, axis=dims(dim, input.ndim), keepdims=keepdim)
-
-
-# torch's private spellings of all() / any() on a boolean tensor: torch.distributions' argument validation
-# (``if not torch._is_all_true(valid): raise``) calls them
-@register_lowering(torch._is_all_true)
-def is_all_true(input):
-    return jnp.all(input)
-
-
-@register_lowering(torch._is_any_true)
-def is_any_true(input):
-    return jnp.any(input)
 
 
 @register_lowering(torch.count_nonzero, T.count_nonzero)
