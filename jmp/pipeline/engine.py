@@ -230,31 +230,31 @@ class _Engine:
         inputs = StepInputs(rows, tuple(rest), tuple(pieces), tuple(whole), self.microbatches, self.backward)
         stage = jax.lax.axis_index("pp")
         pp = self.layout.pp
-        kept = self.residual_plan(inputs)
+        traced = self.traced_vjps(inputs)
+        kept = residuals.plan(traced) if self.keeps_residuals else residuals.ResidualPlan(((),) * pp, ())
         branches: list[Callable[[Work], Done]] = [
             functools.partial(self.idle_branch, inputs, kept),
-            *(functools.partial(self.forward_branch, inputs, kept, s) for s in range(pp)),
-            *(functools.partial(self.backward_branch, inputs, kept, s) for s in range(pp)),
-        ]
+            *(functools.partial(self.forward_branch, inputs, kept, traced, s) for s in range(pp)),
+            *(functools.partial(self.backward_branch, inputs, kept, traced, s) for s in range(len(traced))),
+        ]  # no backward branches in a step without backward (``traced`` empty)
         plan = self.schedule
         table = np.stack([plan.action, plan.microbatch, plan.received_forward, plan.received_backward], axis=-1)
         tick = functools.partial(self.tick, branches, stage)
         state, _ = jax.lax.scan(tick, self.start(inputs, kept), jnp.asarray(table))
         return [f[None] for f in state.finals], [b[None] for b in state.buffers], state.grads
 
-    def residual_plan(self, inputs: StepInputs) -> residuals.ResidualPlan:
-        """What each stage's forward keeps for its backward (nothing when recomputing or without backward)."""
-        pp = self.layout.pp
-        if not self.keeps_residuals:
-            return residuals.ResidualPlan(((),) * pp, ())
+    def traced_vjps(self, inputs: StepInputs) -> list[residuals.TracedVjp]:
+        """Each stage's ``jax.vjp`` traced once, for its forward and backward ticks (none without backward)."""
+        if not self.backward:
+            return []
         buffers = tuple(inputs.rest[i] for i in self.programs.updated)
         data = (
             self.programs.empty_carry(),
             self.rest_seen(inputs, buffers, 0),
             _microbatch(inputs.pieces, inputs.whole, 0),
         )
-        pullbacks = [lambda w, d, s=s: self.stage_vjp(s, w, *d)[0] for s in range(pp)]
-        return residuals.plan(pullbacks, inputs.rows, data)
+        vjps = [functools.partial(self.stage_vjp, s) for s in range(self.layout.pp)]
+        return [residuals.trace_vjp(vjp, inputs.rows, *data) for vjp in vjps]
 
     def start(self, inputs: StepInputs, kept: residuals.ResidualPlan) -> LoopState:
         slots, depth = self.programs.slots, self.depth
@@ -312,13 +312,13 @@ class _Engine:
             self.programs.empty_carry(), self.zero_ct(), work.buffers, work.grads, self.zero_finals(), kept.zeros()
         )
 
-    def forward_branch(self, inputs: StepInputs, kept: residuals.ResidualPlan, stage: int, work: Work) -> Done:
+    def forward_branch(self, inputs: StepInputs, kept: residuals.ResidualPlan, traced: list, stage: int, work: Work):
         """Run the stage's forward of the microbatch (under ``jax.vjp`` when keeping its residuals)."""
         rest = self.rest_seen(inputs, work.buffers, work.microbatch)
         microbatch = _microbatch(inputs.pieces, inputs.whole, work.microbatch)
         if self.keeps_residuals:
-            pullback, out = self.stage_vjp(stage, inputs.rows, work.carry, rest, microbatch)
-            stored = kept.pack(stage, pullback)
+            out, found = traced[stage].run_forward(inputs.rows, work.carry, rest, microbatch)
+            stored = kept.pack(stage, found)
         else:
             out = self.run_stage(stage, inputs.rows, rest, microbatch, work.carry)
             stored = kept.zeros()
@@ -326,11 +326,11 @@ class _Engine:
         finals = tuple(out.finals) if out.finals is not None else self.zero_finals()
         return Done(out.carry, self.zero_ct(), buffers, work.grads, finals, stored)
 
-    def backward_branch(self, inputs: StepInputs, kept: residuals.ResidualPlan, stage: int, work: Work) -> Done:
+    def backward_branch(self, inputs: StepInputs, kept: residuals.ResidualPlan, traced: list, stage: int, work: Work):
         """Pull the microbatch's output cotangents (the loss's, on the last stage) back through the stage.
 
-        The pullback is traced again here; when keeping residuals the forward's are swapped into it and XLA
-        drops the computation that made them. What runs again (elementwise ops, or the whole forward when
+        The stage's traced forward runs again here; when keeping residuals the forward tick's are swapped in
+        and XLA drops the computation that made them. What runs again (elementwise ops, or the whole forward when
         recomputing) reads the buffers as the microbatch's forward saw them.
         """
         last = stage == self.layout.pp - 1
@@ -338,17 +338,17 @@ class _Engine:
         for i, value in zip(self.programs.held, work.seen):
             rest[i] = value
         microbatch = _microbatch(inputs.pieces, inputs.whole, work.microbatch)
-        pullback, out = self.stage_vjp(stage, inputs.rows, work.carry, rest, microbatch)
-        if self.keeps_residuals:
-            pullback = kept.unpack(stage, pullback, work.residuals)
+        out, found = traced[stage].run_forward(inputs.rows, work.carry, rest, microbatch)
+        found = kept.unpack(stage, found, work.residuals)
         loss = out.finals[0] if last else jnp.zeros((), jnp.float32)
         out_ct = [jnp.zeros_like(c) for c in work.ct] if last else list(work.ct)
-        d_rows, d_carry = pullback((out_ct, jnp.ones_like(loss) if last else jnp.zeros_like(loss)))
+        cotangents = (out_ct, jnp.ones_like(loss) if last else jnp.zeros_like(loss))
+        d_rows, d_carry = traced[stage].run_pullback(found, cotangents)
         grads = self.accumulated(stage, work.grads, d_rows)
         return Done(self.programs.empty_carry(), tuple(d_carry), work.buffers, grads, self.zero_finals(), kept.zeros())
 
     def stage_vjp(self, stage: int, rows: dict, carry: tuple, rest: list, microbatch: list):
-        """``jax.vjp`` of the stage's (carry out, loss) in its parameter rows and carry: (pullback, output)."""
+        """``jax.vjp`` of the stage's (carry out, loss) in its parameter rows and carry: (primal, pullback, output)."""
         last = stage == self.layout.pp - 1
 
         def differentiable(diff_rows, diff_carry):
@@ -369,8 +369,7 @@ class _Engine:
         diff_carry = [carry[i] for i in self.diff_slots]
         if self.keeps_residuals:  # kept: matmul outputs; elementwise ops run again in the backward
             differentiable = jax.checkpoint(differentiable, policy=jax.checkpoint_policies.dots_saveable)
-        _, pullback, out = jax.vjp(differentiable, diff_rows, diff_carry, has_aux=True)
-        return pullback, out
+        return jax.vjp(differentiable, diff_rows, diff_carry, has_aux=True)
 
     # --- helpers of the branches -------------------------------------------------------------------------
 

@@ -1,19 +1,19 @@
 """Keeping a stage's backward residuals from its forward tick to its backward tick.
 
-``jax.vjp`` returns its pullback as a pytree whose array leaves are the residuals the backward reads. A
-stage's forward tick stores the residuals that depend on the microbatch (its activations) in a
-*pool*; its backward tick traces the same ``jax.vjp`` again, swaps the stored residuals in, and XLA drops
-the forward computation that produced them. Residuals computed from the parameters alone (a transposed,
-cast or gathered weight) and residuals that are the stage's own inputs are not stored: the backward tick
-computes them again, so a kept residual never holds a copy of a weight (under sharded data parallelism the
-backward gathers weights again, as FSDP does). Random keys (a checkpointed region keeps its key to draw its
-dropout again) are derived again too: from the step's key folded with the microbatch index, as the forward
-tick derived them.
+``jax.vjp`` returns its pullback as a pytree whose array leaves are the residuals the backward reads. A stage's
+``jax.vjp`` is traced once (``trace_vjp``): its forward tick evaluates the forward and stores the residuals that
+depend on the microbatch (its activations) in a *pool*; its backward tick evaluates the same forward again, swaps
+the stored residuals in, and XLA drops the computation that produced them. Residuals computed from the parameters
+alone (a transposed, cast or gathered weight) and residuals that are the stage's own inputs are not stored: the
+backward tick computes them again, so a kept residual never holds a copy of a weight (under sharded data parallelism
+the backward gathers weights again, as FSDP does). Random keys (a checkpointed region keeps its key to draw its
+dropout again) are derived again too: from the step's key folded with the microbatch index, as the forward tick
+derived them.
 
 Every device runs one stage but the loop's state has one type for all, so the pool is shared: one array of
-``[depth, *shape]`` per residual shape, as many of each shape as the stage needing most of them needs.
-Homogeneous stages (a transformer's layers) share every entry; a device holds one stage's residuals per
-microbatch in flight, not every stage's.
+``[depth, *shape]`` per residual shape, as many of each shape as the stage needing most of them needs. Homogeneous
+stages (a transformer's layers) share every entry; a device holds one stage's residuals per microbatch in flight,
+not every stage's.
 """
 
 from __future__ import annotations
@@ -29,10 +29,61 @@ from jax.extend import core
 
 
 @dataclasses.dataclass(frozen=True)
-class ResidualPlan:
-    """Which pullback leaves each stage stores, and where in the shared pool."""
+class TracedVjp:
+    """A stage's ``jax.vjp`` traced once, as two jaxprs the ticks evaluate: the forward (its output and the
+    pullback's array leaves, the residuals) and the pullback (from those leaves and the output cotangents)."""
 
-    stored: tuple[tuple[tuple[int, int], ...], ...]  # per stage: (pullback leaf index, pool entry)
+    forward: core.ClosedJaxpr
+    pullback: core.ClosedJaxpr
+    out_tree: Any  # the forward's output (``jax.vjp``'s aux)
+    grads_tree: Any
+    weights: int  # how many of the forward's inputs are weights (the first)
+
+    def run_forward(self, *args) -> tuple[Any, list[jax.Array]]:
+        """(the output, the residuals) of the forward on ``args``."""
+        flat = core.jaxpr_as_fun(self.forward)(*jax.tree.leaves(args))
+        outputs = self.out_tree.num_leaves
+        return jax.tree.unflatten(self.out_tree, flat[:outputs]), list(flat[outputs:])
+
+    def run_pullback(self, residuals: Sequence[jax.Array], cotangents: Any) -> Any:
+        return jax.tree.unflatten(
+            self.grads_tree, core.jaxpr_as_fun(self.pullback)(*residuals, *jax.tree.leaves(cotangents))
+        )
+
+
+def trace_vjp(vjp: Callable[..., tuple[Any, Any, Any]], weights: Any, *data: Any) -> TracedVjp:
+    """``vjp(weights, *data)`` (returning ``jax.vjp``'s (primal output, pullback, aux)) traced once."""
+    found: dict[str, Any] = {}
+
+    def forward(weights, *data):
+        primal, pullback, aux = vjp(weights, *data)
+        leaves, found["pullback_tree"] = jax.tree.flatten(pullback)
+        found["leaves"] = tuple(None if isinstance(leaf, jax.Array) else leaf for leaf in leaves)
+        found["cotangents"] = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), primal)
+        return aux, [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
+
+    closed, (aux, residual_shapes) = jax.make_jaxpr(forward, return_shape=True)(weights, *data)
+
+    def pullback(residuals, cotangents):
+        given = iter(residuals)
+        leaves = [next(given) if leaf is None else leaf for leaf in found["leaves"]]
+        return jax.tree.unflatten(found["pullback_tree"], leaves)(cotangents)
+
+    backward, grads = jax.make_jaxpr(pullback, return_shape=True)(residual_shapes, found["cotangents"])
+    return TracedVjp(
+        closed,
+        backward,
+        jax.tree.structure(aux),
+        jax.tree.structure(grads),
+        len(jax.tree.leaves(weights)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualPlan:
+    """Which residuals each stage stores, and where in the shared pool."""
+
+    stored: tuple[tuple[tuple[int, int], ...], ...]  # per stage: (residual index, pool entry)
     pool: tuple[jax.ShapeDtypeStruct, ...]  # each entry's shape (one microbatch's)
 
     def empty(self, depth: int) -> tuple[jax.Array, ...]:
@@ -41,41 +92,34 @@ class ResidualPlan:
     def zeros(self) -> tuple[jax.Array, ...]:
         return tuple(jnp.zeros(e.shape, e.dtype) for e in self.pool)
 
-    def pack(self, stage: int, pullback: Any) -> tuple[jax.Array, ...]:
+    def pack(self, stage: int, residuals: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         """One microbatch's pool entries holding ``stage``'s stored residuals (zeros elsewhere)."""
-        leaves = jax.tree.leaves(pullback)
         entries = list(self.zeros())
         for leaf, entry in self.stored[stage]:
-            entries[entry] = leaves[leaf]
+            entries[entry] = residuals[leaf]
         return tuple(entries)
 
-    def unpack(self, stage: int, pullback: Any, entries: Sequence[jax.Array]) -> Any:
-        """``pullback`` (traced again on the backward tick) with the stored residuals swapped in."""
-        leaves, treedef = jax.tree.flatten(pullback)
+    def unpack(self, stage: int, residuals: Sequence[jax.Array], entries: Sequence[jax.Array]) -> list[jax.Array]:
+        """``residuals`` (computed again on the backward tick) with the stored ones swapped in."""
+        residuals = list(residuals)
         for leaf, entry in self.stored[stage]:
-            leaves[leaf] = entries[entry]
-        return jax.tree.unflatten(treedef, leaves)
+            residuals[leaf] = entries[entry]
+        return residuals
 
 
-def plan(pullbacks: Sequence[Callable[..., Any]], weights: Any, data: Any) -> ResidualPlan:
-    """The residual plan of stages whose ``pullbacks[s](weights, data)`` returns stage *s*'s pullback.
+def plan(stages: Sequence[TracedVjp]) -> ResidualPlan:
+    """Which residuals of each stage's traced ``jax.vjp`` its forward tick stores.
 
-    A residual computed from ``weights`` alone, or equal to an input, is computed again on the backward
+    A residual computed from the weights alone, or equal to an input, is computed again on the backward
     tick; any other is stored.
     """
     stored_shapes = []
-    for pullback in pullbacks:
-        positions: list[int] = []
-
-        def residuals(w, d, pullback=pullback, positions=positions):
-            leaves = jax.tree.leaves(pullback(w, d))
-            positions[:] = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-            return [leaves[i] for i in positions]
-
-        closed = jax.make_jaxpr(residuals)(weights, data)
-        kept = _data_dependent(closed.jaxpr, len(jax.tree.leaves(weights)))
+    for stage in stages:
+        outputs = stage.out_tree.num_leaves
+        kept = _data_dependent(stage.forward.jaxpr, stage.weights)[outputs:]
+        avals = stage.forward.out_avals[outputs:]
         stored_shapes.append(
-            [(i, aval) for i, aval, keep in zip(positions, closed.out_avals, kept) if keep and not _is_key(aval)]
+            [(i, aval) for i, (aval, keep) in enumerate(zip(avals, kept)) if keep and not _is_key(aval)]
         )
     pool: list[jax.ShapeDtypeStruct] = []
     entries_of: dict[tuple, list[int]] = collections.defaultdict(list)

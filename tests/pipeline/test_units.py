@@ -144,17 +144,17 @@ def test_idle_fraction(kind, pp, microbatches):
 def _layer(weights, data):
     """A dense layer: ``x @ w.T`` (jax.vjp keeps the transposed weight, computed from the weight alone)."""
     (x,) = data
-    return jax.vjp(lambda w, x: jnp.tanh(x @ w.T).sum(), weights["w"], x)[1]
+    return jax.vjp(lambda w, x: (jnp.tanh(x @ w.T).sum(), ()), weights["w"], x, has_aux=True)
 
 
 def _head(weights, data):
     (x,) = data
-    return jax.vjp(lambda w, x: jnp.sin(x @ w.T).sum() + jnp.cos(x).sum(), weights["w"], x)[1]
+    return jax.vjp(lambda w, x: (jnp.sin(x @ w.T).sum() + jnp.cos(x).sum(), ()), weights["w"], x, has_aux=True)
 
 
 def test_residuals_store_activations_not_weights_or_inputs():
     weights, data = {"w": jnp.ones((16, 8))}, (jnp.ones((4, 8)),)
-    plan = residuals.plan([_layer, _layer, _head], weights, data)
+    plan = residuals.plan([residuals.trace_vjp(f, weights, data) for f in (_layer, _layer, _head)])
     # tanh's output and 1 - tanh for its derivative; sin's cos and cos's sin; the transposed weight [8, 16]
     # and the input x are derived again
     assert [[plan.pool[e].shape for _, e in stage] for stage in plan.stored] == [[(4, 16)] * 2] * 2 + [
@@ -165,17 +165,18 @@ def test_residuals_store_activations_not_weights_or_inputs():
     assert plan.stored[2][0][1] == plan.stored[0][0][1]
 
 
-def test_a_pullback_with_its_residuals_swapped_in_gives_the_gradient():
+def test_a_traced_pullback_with_its_residuals_swapped_in_gives_the_gradient():
     weights, data = (
         {"w": jax.random.normal(jax.random.key(0), (16, 8))},
         (jax.random.normal(jax.random.key(1), (4, 8)),),
     )
-    plan = residuals.plan([_head], weights, data)
-    kept = jax.jit(lambda w, d: plan.pack(0, _head(w, d)))(weights, data)
+    traced = residuals.trace_vjp(_head, weights, data)
+    plan = residuals.plan([traced])
+    kept = jax.jit(lambda w, d: plan.pack(0, traced.run_forward(w, d)[1]))(weights, data)
 
     @jax.jit
     def backward(w, d, entries):
-        return plan.unpack(0, _head(w, d), entries)(jnp.ones(()))
+        return traced.run_pullback(plan.unpack(0, traced.run_forward(w, d)[1], entries), jnp.ones(()))
 
     expected = jax.grad(lambda w, x: jnp.sin(x @ w.T).sum() + jnp.cos(x).sum(), argnums=(0, 1))(weights["w"], data[0])
     chex.assert_trees_all_close(backward(weights, data, kept), expected, rtol=1e-6)
@@ -183,7 +184,7 @@ def test_a_pullback_with_its_residuals_swapped_in_gives_the_gradient():
     zeroed = backward(weights, data, tuple(jnp.zeros_like(e) for e in kept))
     assert not np.allclose(zeroed[1], expected[1])
     compiled = backward.lower(weights, data, kept).compile().as_text()
-    assert " sine(" not in compiled and " cosine(" not in compiled  # XLA dropped the forward traced again
+    assert " sine(" not in compiled and " cosine(" not in compiled  # XLA dropped the forward evaluated again
 
 
 def test_an_unknown_schedule_is_refused():
