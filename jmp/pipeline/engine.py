@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core
 from jax.sharding import PartitionSpec
 
 from jmp.errors import PipelineError
@@ -289,7 +290,8 @@ class _Engine:
         )
         pp = self.layout.pp
         index = jnp.where(action == FORWARD, 1 + stage, jnp.where(action == BACKWARD, 1 + pp + stage, 0))
-        done = jax.lax.switch(index, branches, work)
+        distinct, branch_of = _distinct_branches(branches, work)
+        done = jax.lax.switch(jnp.asarray(branch_of)[index], distinct, work)
         # what this tick's forward saw and kept, for its backward
         forwarded = jnp.where(action == FORWARD, m, -1)
         held_buffers = _store(
@@ -438,6 +440,32 @@ class _Engine:
 
     def zero_finals(self) -> tuple[jax.Array, ...]:
         return tuple(jnp.zeros(f.shape, f.dtype) for f in self.finals_shape)
+
+
+def _distinct_branches(branches: Sequence[Callable], work: Work) -> tuple[list[Callable], list[int]]:
+    """The branches that compute differently, each traced once, and each branch's index among them.
+
+    Stages of equal layers (a transformer's middle stages) trace to the same program: one copy of it is compiled.
+    """
+    traced = [jax.make_jaxpr(branch, return_shape=True)(work) for branch in branches]
+    distinct: list[tuple[core.ClosedJaxpr, Any]] = []
+    branch_of = []
+    for closed, shape in traced:
+        text = str(closed.jaxpr)
+        same = (
+            i
+            for i, (other, _) in enumerate(distinct)
+            if str(other.jaxpr) == text and all(a is b for a, b in zip(other.consts, closed.consts, strict=True))
+        )
+        branch_of.append(next(same, len(distinct)))
+        if branch_of[-1] == len(distinct):
+            distinct.append((closed, jax.tree.structure(shape)))
+    run = [functools.partial(_evaluate, closed, tree) for closed, tree in distinct]
+    return run, branch_of
+
+
+def _evaluate(closed: core.ClosedJaxpr, tree: Any, *args: Any) -> Any:
+    return jax.tree.unflatten(tree, core.jaxpr_as_fun(closed)(*jax.tree.leaves(args)))
 
 
 def _microbatch(pieces: Sequence, whole: Sequence, m) -> list[jax.Array]:

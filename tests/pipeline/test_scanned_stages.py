@@ -65,8 +65,25 @@ def test_scanned_stages_train_as_pytorch(name, partition, degrees):
         smp.set_partition(module.model.norm, 1)
         smp.set_partition(module.lm_head, 1)
     smp.init(config)
+    trains_as_pytorch(smp.DistributedModel(module), reference)
+
+
+def test_equal_middle_stages_compile_once_and_train_as_pytorch():
+    """pp4 over 8 layers: stages 1 and 2 (two layers each, nothing else) trace to the same program, compiled once:
+    the stage switch holds an idle branch and a forward and a backward for each of the 3 distinct stages, not 4."""
+    reference, module = causal_lm("llama", hidden=32, layers=8), causal_lm("llama", hidden=32, layers=8)
+    smp.init({"pipeline_parallel_degree": 4, "microbatches": 4, "ddp": True})
     model = smp.DistributedModel(module)
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    text = lm_step.lower(model, token_batches(1)[0]).compile().as_text()
+    (branches,) = re.findall(r"conditional\(.*branch_computations=\{([^}]*)\}", text)
+    assert len(branches.split(",")) == 1 + 2 * 3, branches
+    trains_as_pytorch(model, reference, optimizer)
+
+
+def trains_as_pytorch(model: smp.DistributedModel, reference: torch.nn.Module, optimizer=None) -> None:
+    """Three AdamW steps of ``model`` and of PyTorch's ``reference``: the same first gradients and losses."""
+    optimizer = optimizer or smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
     torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3)
     losses, torch_losses, grads, torch_grads = [], [], None, None
     for ids in token_batches(1) * 3:
