@@ -1,20 +1,18 @@
 """``smp.estimate_memory``: the bytes per device a model trains in, under a config, before anything runs.
 
 The model is laid out as ``DistributedModel`` would lay it out, with shapes and shardings only
-(``jmp.wrapped_model.distributed_model.abstract_models``): nothing is initialised or placed, and a model built
-on the meta device works. Parameters, gradients, optimizer state and buffers are counted from their
-shardings (each device's
-shard). Given a batch, the step program is lowered and compiled ahead of time, as a step would compile it,
-and XLA's ``memory_analysis`` gives the rest: the inputs and the temporaries (activations kept for the
-backward, gathered weights, pipeline buffers).
+(``jmp.wrapped_model.distributed_model.abstract_models``): nothing is initialised or placed, and a model built on the
+meta device works. Parameters, gradients, optimizer state and buffers are counted from their shardings (each device's
+shard). Given a batch, the step program is lowered and compiled ahead of time, as a step would compile it, and XLA's
+``memory_analysis`` gives the rest: the inputs and the temporaries (activations kept for the backward, gathered
+weights, pipeline buffers).
 
-With ``target="h100"`` (or another of ``gpu_target.TARGETS``) the step is compiled for that GPU from this host,
-over ``devices`` of them, by JAX's CUDA plugin (``gpu_target``): XLA's GPU temporaries and cuDNN's attention
-instead of this backend's.
+With ``target="h100"`` (or another of ``gpu_target.TARGETS``) the step is compiled for that GPU from this host, over
+``devices`` of them, by JAX's CUDA plugin (``gpu_target``): XLA's GPU temporaries and cuDNN's attention instead.
 
-``estimate_memory(num_params, config)`` is the back-of-envelope figure for a size alone, per parameter:
-4 bytes stored (float32, the masters in mixed precision), gradients in the compute dtype, the optimizer's
-slots in float32, split as the degrees split them.
+``estimate_memory(num_params, config)`` is the back-of-envelope figure for a size alone, per parameter: 4 bytes stored
+(float32, the masters in mixed precision), gradients in the compute dtype, the optimizer's slots in float32, split as
+the degrees split them.
 """
 
 from __future__ import annotations
@@ -60,8 +58,8 @@ class MemoryEstimate:
     batch's share; ``temporaries``: the compiled step's working memory; ``library_scratch``: what its largest
     YNNPACK fusion (XLA:CPU) allocates outside that. None: not estimated (no batch given). ``host_copies``: on
     XLA:CPU, whose devices' memory is the host's, each device's share of the torch module's own values (a module not
-    built on the meta device keeps them). ``in_flight``: on a mesh of CPU devices, the smallest gradient of each of
-    the last steps, which ``jmp.runtime.programs_in_flight`` keeps to wait on.
+    built on the meta device keeps them). ``in_flight``: on a mesh of CPU devices, each device's share of the gradient
+    shards ``jmp.runtime.programs_in_flight`` keeps to wait on.
     ``collectives``: bytes each device sends a step, by collective kind (``collectives.collective_bytes``).
     """
 
@@ -226,10 +224,10 @@ def _host_copies(module: torch.nn.Module, on_host: bool) -> int:
 
 
 def _kept_in_flight(grads: Any) -> int:
-    """Per device, the gradients ``programs_in_flight.admit_update`` keeps: the smallest leaf of each of the last
-    ``limit()`` steps (a pipeline's gradients are whole stage buffers)."""
+    """Each device's share of the gradient shards ``programs_in_flight.admit_update`` keeps (one a step in flight)."""
     leaves = jax.tree.leaves(grads)
-    return programs_in_flight.limit() * per_device_bytes(min(leaves, key=lambda g: math.prod(g.shape))) if leaves else 0
+    kept = programs_in_flight.limit() * per_device_bytes(min(leaves, key=lambda g: math.prod(g.shape))) if leaves else 0
+    return -(-kept // jax.local_device_count())
 
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")

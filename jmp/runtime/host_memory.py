@@ -1,19 +1,18 @@
 """On CPU, glibc's malloc keeps the memory XLA frees for the next step instead of returning it to the system.
 
-XLA:CPU mallocs and frees each run's buffers; above glibc's mmap threshold every step faults in and zeroes
-fresh pages. Raised thresholds keep such blocks on the heap, as a caching allocator would (resident memory then
-stays at its peak between steps). A process whose malloc the user configured (``GLIBC_TUNABLES`` naming
-``glibc.malloc``, ``MALLOC_*_``), or whose C library is not glibc, is left alone.
+XLA:CPU mallocs and frees each run's buffers; above glibc's mmap threshold every step faults in and zeroes fresh pages.
+Raised thresholds keep such blocks on the heap, as a caching allocator would; what a compile frees is given back after
+it (it would stay resident at the next step's peak). A process whose malloc the user configured (``GLIBC_TUNABLES``
+naming ``glibc.malloc``, ``MALLOC_*_``), or whose C library is not glibc, is left alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import os
 
-logger = logging.getLogger("jmp")
+import jax
 
 MMAP_THRESHOLD = 1 << 30  # blocks below this come from the heap (glibc's default moves between 128 KiB and 32 MiB)
 TRIM_THRESHOLD = 1 << 30  # free memory at the heap's top kept up to this
@@ -23,6 +22,7 @@ TOP_PAD = 64 << 20  # each growth of the heap asks the system for this much more
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
 
+_COMPILED = "/jax/core/compile/backend_compile_duration"
 _kept = False
 
 
@@ -39,7 +39,9 @@ def keep_freed_memory() -> bool:
     settings = ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_TOP_PAD, TOP_PAD))
     _kept = all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
     if _kept:
-        logger.debug("malloc keeps freed blocks below %d MiB for reuse (XLA:CPU's buffers)", MMAP_THRESHOLD >> 20)
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda event, *_, **__: event == _COMPILED and libc.malloc_trim(0)
+        )
     return _kept
 
 

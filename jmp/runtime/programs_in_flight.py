@@ -2,8 +2,8 @@
 
 JAX returns before a program runs, so a loop that reads no result queues programs without bound; XLA:CPU
 gang-schedules multi-device programs on a fixed thread pool, and with a few dozen queued a rendezvous waits for
-tasks that never start (``benchmarks/programs_in_flight.py``). After each optimizer update jmp keeps one small
-gradient of the step and waits for the one kept ``limit`` steps before. GPUs and TPUs need no bound.
+tasks that never start (``benchmarks/programs_in_flight.py``). After each optimizer update jmp keeps one shard of a
+small gradient of the step and waits for the one kept ``limit`` steps before. GPUs and TPUs need no bound.
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ def admit(result: Any) -> None:
 
 
 def admit_update(optimizer: Any) -> None:
-    """The step-boundary callback: admit the smallest gradient the update just read (the step program's)."""
+    """The step-boundary callback: admit one shard of the smallest gradient the update read (the step program's)."""
     if not _limit:
         return
     grads, _ = optimizer.model.training_state.kept_grads_as_computed()
     leaves = [leaf for leaf in jax.tree.leaves(grads) if isinstance(leaf, jax.Array)]
     if leaves:
-        admit(min(leaves, key=lambda leaf: leaf.size))
+        admit(min(leaves, key=lambda leaf: leaf.size).addressable_shards[0].data)
