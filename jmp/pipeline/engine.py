@@ -52,6 +52,7 @@ from jmp.pipeline.schedule import BACKWARD, FORWARD, Schedule
 from jmp.pipeline.split import StagePrograms
 from jmp.pipeline.stage_buffers import COPIES, StageLayout
 from jmp.stacks import storage as stacks_storage
+from jmp.stacks.scan import LAYER_INPUT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +153,9 @@ def run(
     return StepOutputs([f[last] for f in finals], jax.tree.unflatten(treedef, rest), grads if inputs.backward else None)
 
 
+_KEPT = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(LAYER_INPUT)
+)
 _PERMUTE_IN_BRANCH = re.compile(r"collective-permute\(.*op_name=\"([^\"]*/cond/[^\"]*)\"")
 
 
@@ -369,8 +373,8 @@ class _Engine:
         names = self.copy_names(stage)
         diff_rows |= self.layout.stage_params(self.copies_of(rows), stage, names, self.copy_axes)
         diff_carry = [carry[i] for i in self.diff_slots]
-        if self.keeps_residuals:  # kept: matmul outputs; elementwise ops run again in the backward
-            differentiable = jax.checkpoint(differentiable, policy=jax.checkpoint_policies.dots_saveable)
+        if self.keeps_residuals:  # kept: matmul outputs and scanned layers' inputs; elementwise ops run again
+            differentiable = jax.checkpoint(differentiable, policy=_KEPT)
         return jax.vjp(differentiable, diff_rows, diff_carry, has_aux=True)
 
     # --- helpers of the branches -------------------------------------------------------------------------

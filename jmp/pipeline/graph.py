@@ -48,6 +48,7 @@ def module_scopes(paths: Iterable[str]) -> Iterator[None]:
         with jax.named_scope(f"{_PREFIX}{path}#{number}"):
             return call(*args, **kwargs)
 
+    hook.names_only = True  # the program is the same: layer stacks scan through it
     with call_hooks({path: hook for path in paths}):
         yield
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import torch
 import torch.utils._pytree as torch_pytree
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core, source_info_util
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -49,6 +50,7 @@ from jmp.torch_bridge.module import TorchModule, binding_versions, hooked_call, 
 from jmp.torch_bridge.state_dict import torch_name
 from jmp.torch_bridge.tensor import JaxTensor
 
+LAYER_INPUT = "jmp_layer_input"
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
@@ -224,7 +226,7 @@ class StackedLayers:
         layer with others (a checkpoint over a group of layers), so the layer is not scanned."""
         signature = []
         for hook in hooks_on(path):
-            if hook is self:
+            if hook is self or getattr(hook, "names_only", False):  # a named scope: the same program
                 continue
             stack_signature = getattr(hook, "stack_signature", None)
             if stack_signature is None:
@@ -442,7 +444,7 @@ class _Chain:
             # the elementwise work between them, as XLA's fusions do for layers run one by one (a scan's
             # backward would keep every intermediate value of every layer instead)
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
-        (_, new_rng), (new_rests, sowns, outputs) = jax.lax.scan(body, carry, xs)
+        (_, new_rng), (new_rests, sowns, outputs) = jax.lax.scan(_named_input(body), carry, xs)
         for sown in sowns:
             side_outputs.sow_all(side_outputs.reduce_stacked(sown))
         new_rng = jax.tree.map(lambda new, old: old if is_key(old) else new, new_rng, rng_state)
@@ -521,6 +523,12 @@ class _Position:
             wrapped.append(leaves[i])
         args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
         return wrapped, leaves, args, kwargs
+
+
+def _named_input(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body`` with each layer's input named ``LAYER_INPUT``: a pipeline stage's checkpoint keeps it, so that its
+    backward recomputes each layer inside the layers' backward loop, not in a loop of its own before it."""
+    return lambda carry, xs: body((checkpoint_name(carry[0], LAYER_INPUT), carry[1]), xs)
 
 
 def _from_jaxpr(closed: Any, out_tree: Any) -> Callable[..., Any]:
