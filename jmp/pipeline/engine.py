@@ -5,27 +5,17 @@ Each device runs its stage (``lax.switch`` on its ``pp`` index) under the schedu
 each per tick. Only ``pp`` is manual: data, sharded-data and tensor parallelism inside a stage stay with
 XLA's SPMD partitioner, as in the rest of jmp.
 
-A stage keeps the inputs (carry) of the microbatches in flight. By default its forward tick runs the
-stage under ``jax.vjp`` and keeps what its backward tick needs (``residuals``): the outputs of its matrix
-multiplications, the residuals that cost FLOPs to compute again (a ``dots_saveable`` checkpoint; the
-elementwise ops between them run again in the backward, reading those outputs, which on a CPU is faster
-than storing and reloading every intermediate). With ``recompute`` the backward tick instead runs the
-whole forward again from the carry under ``jax.vjp`` (as GPipe does), so what a stage holds between a
-microbatch's forward and backward is its carry alone.
-
-Buffers the forward updates thread through the microbatches in order on the stage that owns them
-(``split``); a buffer whose value reaches the stage's output is also kept per microbatch in flight, so
-what the backward computes again sees it as the forward did.
+A stage keeps the inputs (carry) of the microbatches in flight. By default its forward tick runs the stage under
+``jax.vjp`` and keeps what its backward tick needs (``residuals``): its matmul outputs (a ``dots_saveable``
+checkpoint: on a CPU, running the elementwise ops between them again beats storing every intermediate) and its
+scanned layers' inputs. With ``recompute`` the backward tick runs the whole forward again from the carry (as GPipe
+does). Buffers the forward updates thread through the microbatches in order on the stage that owns them
+(``split``); one whose value reaches the stage's output is kept per microbatch in flight for the backward.
 
 Under data parallelism the stages' row-local calls read per-replica copies of their parameters
-(``StepInputs.copy_axes``, ``jmp.compiled_step.replica_gradients``): each replica's gradients stay on its devices
-through the loop and are summed once after it, where otherwise every backward tick would all-reduce its stage's.
-A tick makes its copies from the stage's rows (no data moves: each device's block is its replica) and
-differentiates them as parameters; their gradients, concatenated in buffer order, are added to per-replica sums
-laid out like the buffers. Two other ways measured worse at pp2 x dp4 (``benchmarks/pipeline_3d.py``):
-differentiating copies of whole buffers held 1.25-1.5x the temporaries of the step without copies (the gradients
-of a buffer's slices, padded to its length, were live at once), and adding each parameter's gradient into the sums
-by its own ``dynamic_update_slice`` made GPT-2's step 2.5x slower (each copied the sums inside the stage's branch).
+(``StepInputs.copy_axes``, ``jmp.compiled_step.replica_gradients``), made from the stage's rows without moving data:
+each replica's gradients, concatenated in buffer order, stay on its devices through the loop and are summed once
+after it, instead of every backward tick all-reducing its stage's (``benchmarks/pipeline_3d.py``).
 
 Everything a device carries from tick to tick is one ``LoopState``; each tick (``_Engine.tick``) reads it,
 runs one branch on a ``Work`` and returns the next state.

@@ -1,19 +1,11 @@
 """Keeping a stage's backward residuals from its forward tick to its backward tick.
 
-``jax.vjp`` returns its pullback as a pytree whose array leaves are the residuals the backward reads. A stage's
-``jax.vjp`` is traced once (``trace_vjp``): its forward tick evaluates the forward and stores the residuals that
-depend on the microbatch (its activations) in a *pool*; its backward tick evaluates the same forward again, swaps
-the stored residuals in, and XLA drops the computation that produced them. Residuals computed from the parameters
-alone (a transposed, cast or gathered weight) and residuals that are the stage's own inputs are not stored: the
-backward tick computes them again, so a kept residual never holds a copy of a weight (under sharded data parallelism
-the backward gathers weights again, as FSDP does). Random keys (a checkpointed region keeps its key to draw its
-dropout again) are derived again too: from the step's key folded with the microbatch index, as the forward tick
-derived them.
-
-Every device runs one stage but the loop's state has one type for all, so the pool is shared: one array of
-``[depth, *shape]`` per residual shape, as many of each shape as the stage needing most of them needs. Homogeneous
-stages (a transformer's layers) share every entry; a device holds one stage's residuals per microbatch in flight,
-not every stage's.
+A stage's ``jax.vjp`` is traced once (``trace_vjp``): its forward tick evaluates the forward and stores, in a shared
+*pool*, the pullback's leaves that depend on the microbatch (its activations); its backward tick evaluates the
+forward again with those swapped in, and XLA drops the computation that made them. Leaves computed from the
+weights alone (a transposed, cast or gathered weight: FSDP's backward gathers again), the stage's own inputs and
+random keys (derived again from the step's key and the microbatch index) are not stored. The pool has one array
+``[depth, *shape]`` per residual shape, as many of each as the stage needing most needs: equal stages share entries.
 """
 
 from __future__ import annotations

@@ -443,8 +443,8 @@ class _Chain:
             # without a checkpoint of its own, the body keeps its matmul outputs for the backward and recomputes
             # the elementwise work between them, as XLA's fusions do for layers run one by one (a scan's
             # backward would keep every intermediate value of every layer instead)
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
-        (_, new_rng), (new_rests, sowns, outputs) = jax.lax.scan(_named_input(body), carry, xs)
+            body = _named_input(jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable))
+        (_, new_rng), (new_rests, sowns, outputs) = jax.lax.scan(body, carry, xs)
         for sown in sowns:
             side_outputs.sow_all(side_outputs.reduce_stacked(sown))
         new_rng = jax.tree.map(lambda new, old: old if is_key(old) else new, new_rng, rng_state)
