@@ -1,20 +1,13 @@
 """``python -m jmp.launch [-n N] [--cpu-devices K] [--max-restarts R] [options] [-m module | script.py] [args...]``.
 
 SageMaker's launcher for model-parallel jobs, on one machine: one process per device (SMP's process model: a
-script's batch is per process), with torchrun's environment, so ``smp.init()`` in each joins one JAX
-multi-process run (``jax.distributed``). Without GPUs each process gets ``--cpu-devices`` emulated CPU devices
-(default 1); with GPUs, ``-n`` defaults to their number and each process sees its share. On a cluster use the
-cluster's launcher (torchrun, SLURM, mpirun), which ``smp.init()`` recognises too. In the processes SMP's and
-torch's import paths resolve to jmp (``runtime/smp_import_path``; ``--no-smp-aliases`` turns it off) and
-``SM_HP_MP_PARAMETERS`` / ``SM_FRAMEWORK_PARAMS`` are set as SageMaker sets them, so SMP scripts, and tools that
-detect SMP that way (Hugging Face's ``is_sagemaker_mp_enabled``), run with no edit (docs/running_scripts.md).
+script's batch is per process), with torchrun's environment, SMP's import paths and SageMaker's ``SM_*``
+variables, so an SMP script's ``smp.init()`` joins one JAX multi-process run with no edit (docs/running_scripts.md).
 
 A failed or killed child is seen at once (the launcher is its parent): the others are stopped, then restarted
-with ``--max-restarts`` (torchrun's ``TORCHELASTIC_*`` variables), or the launcher exits with the failed
-child's code (128 + the signal number for a signal). ``--preemption-checkpoint-dir`` and ``--step-timeout``:
-docs/checkpoints.md (the timeout must exceed the longest stretch without an optimizer step: a validation pass,
-a synchronous save). Signals sent to the launcher are passed on and end the run (no restart). It exits 0 only
-when every child does.
+(``--max-restarts``), or the launcher exits with the failed child's code (128 + the signal number for a signal);
+restarts, preemption and ``--step-timeout``: docs/checkpoints.md. Signals sent to the launcher are passed on and
+end the run (no restart). It exits 0 only when every child does.
 
 This file uses the standard library only: running it does not import jmp (torch and JAX).
 """

@@ -1,22 +1,8 @@
-"""``@smp.step``: the user's step function traced into one compiled program per input shape.
+"""``@smp.step``: the user's step function traced into one compiled program per input signature.
 
-Inside the program the batch is split into ``microbatches``; each microbatch runs
-the user's function (forward, loss, ``model.backward(loss)``) on JaxTensors,
-gradients are averaged over microbatches (summed when the model's
-``average_grads_across_microbatches`` is False), and the batch is sharded over the
-data-parallel mesh axes, so XLA inserts the cross-device gradient reduction.
-Every tensor the function returns (also inside lists, dicts and Hugging Face
-``ModelOutput``s) comes back as a ``StepOutput`` holding the per-microbatch values.
-
-The Python body of a step function runs only while it is traced, for each new
-``StepSignature`` (input shapes and dtypes, non-tensor arguments, train/eval mode,
-grad mode, microbatch settings), possibly more than once per trace. Later calls with
-the same signature run the compiled program without running the body;
-``smp.is_tracing()`` is True inside it.
-
-The pieces: ``signature`` (what a program is traced for, the arguments in and out of it), ``microbatches``
-(the batch split and assembled), ``program`` (what the program computes), ``side_outputs`` (values the
-forward sows besides its outputs), ``outputs`` (what a call returns).
+The Python body runs only while it is traced, for each new ``StepSignature`` (input shapes and dtypes,
+non-tensor arguments, train/eval mode, grad mode, microbatch settings), possibly more than once per trace; later
+calls with the same signature run the compiled program. The pieces of ``jmp.compiled_step``: docs/compiled_step.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Compiled segments of a step that runs op by op: the modules whose calls trace are compiled, the rest runs op by op.
 
-A step whose forward needs concrete values runs outside ``jit`` (``jmp.compiled_step.uncompiled``), usually for a
-few lines of one module: BART's classifier counts end-of-sequence tokens with ``unique_consecutive``, DeBERTa's
-loss keeps the labelled rows with ``nonzero``. Everything else (the encoder, the decoder, the heads) traces. So,
-as ``torch.compile`` compiles the graphs between its graph breaks, each module call is first tried as one
-``jax.jit`` program of (its parameters and state, its tensor arguments) -> (its tensor outputs, its new state):
-the outermost module calls that trace are compiled, and a module whose trace needs a value runs its own forward
-op by op, with its children tried in turn. Under the step's gradient the compiled segment is differentiated as
-one program too.
-
-A segment is keyed by the module, its arguments' structure and non-tensor values, and its tensors' dtypes (jit
-adds the shapes); a module that needed a value once runs op by op from then on, as does one called with more than
-``MAX_KEYS_PER_MODULE`` different keys. Arguments other than tensors,
-Python scalars, strings, dtypes and devices (a cache object, a torch tensor on the host) keep a call op by op.
-``JMP_COMPILED_SEGMENTS=0`` runs every module op by op.
+As ``torch.compile`` compiles the graphs between its graph breaks, a step that needs concrete values
+(``jmp.compiled_step.uncompiled``: usually a few lines of one module, BART's ``unique_consecutive``) tries each
+module call as one ``jax.jit`` program of (its parameters and state, its tensor arguments) -> (its tensor outputs,
+its new state); a module whose trace needs a value runs its own forward op by op, its children tried in turn.
+A module that needed a value once runs op by op from then on, as does one called with more than
+``MAX_KEYS_PER_MODULE`` different keys; arguments other than tensors, Python scalars, strings, dtypes and devices
+(a cache object, a torch tensor on the host) keep a call op by op. ``JMP_COMPILED_SEGMENTS=0`` runs every module op
+by op.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """The step of a model whose forward needs concrete values, run op by op instead of as one compiled program.
 
-A forward with data-dependent shapes or branches (DeBERTa's classifier keeps the rows whose label is not -100 with
-``nonzero``; BART-style classifiers count end-of-sequence tokens with ``unique_consecutive``; a Python loop over
-the experts some token was routed to) cannot be traced by ``jax.jit``: the sizes are not known until the data is.
-PyTorch trains such a model, so jmp does too: when tracing a step raises ``TracedControlFlowError``, that step
-runs the same computation (``program.run``: microbatches, gradients, shardings) outside ``jit``, on concrete values
-(``jmp.torch_bridge.concrete_run``), said once per step function. The module calls that trace still run compiled,
-each as one program (``jmp.compiled_step.segments``); the rest is slower (every op dispatched on its own, no
-fusion), and the notice names the call that needed the values, which is where a static formulation would make it
-compile. ``JMP_UNCOMPILED_FALLBACK=0`` raises the tracing error instead.
-
-Runs that cannot run op by op keep the error: pipelined models (stages are cut from the traced program) and
-batches fed by several processes (the per-process step is vectorised).
+A forward with data-dependent shapes or branches (DeBERTa's classifier's ``nonzero``, a Python loop over the
+experts some token was routed to) cannot be traced by ``jax.jit``. PyTorch trains such a model, so jmp does too:
+when tracing a step raises ``TracedControlFlowError``, that step runs ``program.run`` outside ``jit`` on concrete
+values (``jmp.torch_bridge.concrete_run``), its traceable module calls compiled (``jmp.compiled_step.segments``),
+and a notice names the call that needed the values, where a static formulation would make it compile.
+``JMP_UNCOMPILED_FALLBACK=0`` raises the tracing error instead. Pipelined models (stages are cut from the traced
+program) and batches fed by several processes (the per-process step is vectorised) keep the error.
 """
 
 from __future__ import annotations

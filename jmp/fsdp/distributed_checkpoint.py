@@ -1,21 +1,15 @@
 """``load_sharded_optimizer_state_dict`` with SMP v2's ``process_group=``: an FSDP optimizer state read back from a
 ``torch.distributed.checkpoint`` (DCP) checkpoint, for jmp's FSDP wrapper.
 
-SMP v2's scripts call ``load_sharded_optimizer_state_dict(model_state_dict=, optimizer_key=, storage_reader=,
-process_group=model.process_group)``; PyTorch's function has no ``process_group`` (SMP's container adds it) and
-lays the state out as ``ShardedTensor`` chunks over the ranks, which FSDP's ``optim_state_dict_to_load`` takes.
-jmp's FSDP state dicts hold full tensors (``jmp.fsdp.state_dicts``), DCP writes them once (it de-duplicates a
-tensor every rank holds whole) and reads them back on any layout, so here each optimizer tensor is read whole
-by every rank of ``process_group``: what ``FSDP.optim_state_dict_to_load`` of jmp's wrapper takes. Under
-``python -m jmp.launch`` a script's ``torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict``
-is this function (the launcher's ``sitecustomize``); a model state dict holding torch's own sharded tensors
-(``ShardedTensor`` / ``DTensor``: a torch FSDP model's) goes to PyTorch's function.
+PyTorch's function has no ``process_group`` (SMP's container adds it) and lays the state out as ``ShardedTensor``
+chunks. jmp's FSDP state dicts hold full tensors (``jmp.fsdp.state_dicts``), which DCP writes once and reads back on
+any layout, so here every rank of ``process_group`` reads each optimizer tensor whole: what jmp's
+``FSDP.optim_state_dict_to_load`` takes. A model state dict holding torch's own sharded tensors (a torch FSDP
+model's) goes to PyTorch's function.
 
-``save_state_dict`` / ``load_state_dict`` take SMP v2's ``coordinator_rank``: its scripts pass the lowest *global*
-rank of ``process_group`` (``min(get_global_ranks(model.process_group))``, AWS's ``checkpoints.py``), as the
-PyTorch of SMP's containers used it (the ``src`` / ``dst`` of DCP's object collectives, global ranks then); the
-PyTorch here reads it as a rank *in* the group, so a group without global rank 0 (hybrid sharding's second
-replica) failed. A rank that names a member of the group is taken as that member; any other stays torch's.
+``save_state_dict`` / ``load_state_dict`` take SMP v2's ``coordinator_rank``, the lowest *global* rank of
+``process_group`` in its scripts, as SMP's containers' PyTorch read it; the PyTorch here reads a rank *in* the
+group, so a group without global rank 0 (hybrid sharding's second replica) would fail (``group_coordinator``).
 
 ``save`` / ``async_save`` / ``load`` are ``jmp.fsdp.dcp_orbax``'s: Orbax for state dicts holding jmp's arrays
 (``get_state_dict`` of a jmp FSDP model: ``jmp.fsdp.dcp_state_dicts``), torch's own for the rest.
