@@ -73,15 +73,8 @@ def _masked_assign(input, mask, value):
 
 def _along(dim_index, ax, ndim):
     """A full index tuple that puts ``dim_index`` at axis ``ax`` and aranges elsewhere."""
-    parts = []
-    for d in range(ndim):
-        if d == ax:
-            parts.append(dim_index)
-        else:
-            shape = [1] * ndim
-            shape[d] = dim_index.shape[d]
-            parts.append(jnp.arange(dim_index.shape[d]).reshape(shape))
-    return tuple(parts)
+    grids = jnp.indices(dim_index.shape, sparse=True)
+    return tuple(dim_index if d == ax else grids[d] for d in range(ndim))
 
 
 @register_lowering(torch.gather, T.gather)
