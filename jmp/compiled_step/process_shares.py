@@ -1,15 +1,13 @@
 """SMP's ranks inside one program: when several processes feed a step's batch, the step function runs once per
 process, on that process's rows.
 
-Under SMP every data-parallel rank runs the step function on its own microbatch: a loss averaged over the
-batch is that rank's average, ``x.size(0)`` is the rank's microbatch size, a batch norm sees the rank's rows,
-and the gradients are the mean over ranks of each rank's gradients (DDP's all-reduce). jmp compiles one
-program over the whole batch; to keep those meanings, the microbatch is cut into one block per process (its
-rows; see ``microbatches.split``), given a process axis, and the forward is ``jax.vmap``-ped over it. The
-gradient is the mean of the processes' gradients; every returned value carries a leading process axis
-and each process reads its own entry (``outputs.StepOutput``); buffers a forward updates (batch-norm running
-statistics) come from process 0, as DDP broadcasts rank 0's buffers before each forward. Random draws fold
-the process index into their key, so processes draw different dropout masks, as SMP's ranks do.
+jmp compiles one program over the whole batch; to keep SMP's per-rank meanings (docs/running_scripts.md: a mean
+loss is the rank's mean, ``x.size(0)`` its microbatch size, a batch norm sees its rows), the microbatch is cut into
+one block per process (its rows; see ``microbatches.split``), given a process axis, and the forward is
+``jax.vmap``-ped over it. The gradient is the mean of the processes' gradients; every returned value carries a
+leading process axis and each process reads its own entry (``outputs.StepOutput``); buffers a forward updates
+(batch-norm running statistics) come from process 0, as DDP broadcasts rank 0's buffers before each forward.
+Random draws fold the process index into their key, so processes draw different dropout masks, as SMP's ranks do.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""One gradient reduction per step under microbatches, as DDP's ``no_sync`` does.
+"""One gradient reduction per step under microbatches, as DDP's ``no_sync`` does (docs/compiled_step.md).
 
-A replicated parameter's gradient is a sum over the batch's rows, which data parallelism splits over devices.
-GSPMD sums it where each use's backward makes it: inside the loop over microbatches, so the all-reduce runs
-once per microbatch (and XLA does not move it out of the loop). Here the step also hands the forward a stack of
-identical copies of the parameters, one per data-parallel replica, split over the data axes the parameters are
-replicated over (made once, before the loop). The forward's row-local calls read them
-(``jmp.torch_bridge.replica_calls``): each replica's copy gets the gradient of its own rows, which stays on its
-devices. The loop adds those partial gradients on each device; after it, one sum over the replicas (one
-all-reduce) gives the gradients. What the forward computes is unchanged: every call still sees the whole batch,
-so batch norm statistics and a loss's mean are those of the plain loop.
+GSPMD all-reduces a replicated parameter's gradient inside the loop over microbatches, once per microbatch (XLA
+does not move it out of the loop). So the forward's row-local calls (``jmp.torch_bridge.replica_calls``) read one
+identical copy of the parameters per data-parallel replica, made before the loop: each copy's gradient stays on
+its replica's devices, and one sum over the replicas after the loop gives the gradients. Every call still sees the
+whole batch, so batch norm statistics and a loss's mean are those of the plain loop.
 """
 
 from __future__ import annotations

@@ -6,11 +6,10 @@ gradient ``q(grad).T @ q(input)``. Each product is written as XLA's GPU compiler
 ``dot_general`` of dequantised operands, each ``convert(fp8 array) * inverse scale``. On a GPU with fp8 tensor cores
 the compiler folds the converts and scales into one cuBLASLt fp8 GEMM with the scales as its arguments, whatever
 the operands' layout, once Triton's GEMMs are off (``jmp.remat.xla``); elsewhere it multiplies the same fp8 values
-in float32 (an fp8 number times a float32 scale, rounded once). A ``dot_general`` on the fp8 arrays themselves,
-the first way this module wrote it, did not compile in 120 s on an H100 with XLA's defaults, and with autotuning off
-became a cuBLASLt GEMM for a quarter of a Llama's products, the rest generic fp8 dots (an fp8 step 8.7 times
-bf16's). Quantisation is straight through (its clipping passes gradients unchanged), as in TE. The output
-gradient's amax leaves as the cotangent of ``grad_scale`` (a scale has no gradient of its own; ``fp8_state``).
+in float32 (an fp8 number times a float32 scale, rounded once). A ``dot_general`` on the fp8 arrays themselves
+became generic fp8 dots for most of a Llama's products on an H100 (a step 8.7 times bf16's). Quantisation is
+straight through (its clipping passes gradients unchanged), as in TE. The output gradient's amax leaves as the
+cotangent of ``grad_scale`` (a scale has no gradient of its own; ``fp8_state``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where a ``DistributedModel`` keeps its parameters between steps: one interface, two ways of storing.
+"""Where a ``DistributedModel`` keeps its parameters between steps: one interface, three ways of storing.
 
 - ``TreeStore``: the parameter tree itself (an ``nnx.State`` by torch name), each leaf sharded by its spec.
 - ``StageStore``: a pipelined model's parameters packed into its stages' buffers (``jmp.pipeline.stage_buffers``),
@@ -6,9 +6,8 @@
 - ``StackStore``: under ``scan_layers``, each weight of a layer stack kept as one ``[layers, ...]`` array
   (``jmp.stacks.storage``), the other parameters by name, from when the model is built.
 
-A model starts with a ``TreeStore`` and swaps it for a ``StageStore`` once, in ``partition_into_stages``.
-Gradients, optimizer fields and checkpoints read and write through ``model.store``, so nothing else asks
-whether the model is pipelined or packed yet.
+Gradients, optimizer fields and checkpoints read and write through ``model.store``, so nothing else asks how the
+model's parameters are stored.
 """
 
 from __future__ import annotations

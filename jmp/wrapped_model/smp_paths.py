@@ -9,10 +9,9 @@ itself, so these paths are plain attributes that are not submodules: the module 
 - ``module.module`` is a view whose innermost level has no ``module``, so code that unwraps ``.module`` until there
   is none (Hugging Face's ``unwrap_model``) stops, at a view that forwards everything to the model.
 - ``seq_layers`` on every Hugging Face transformer body is its layer list, the same ``nn.ModuleList`` object, so
-  ``set_activation_checkpointing`` and ``set_partition`` act on the real layers. SMP gives these paths with tensor
-  parallelism; here every wrapped model has them, as the activation-checkpointing seed's example reads
-  ``seq_layers`` of a model built without it. Scripts checkpoint ``attention`` / ``output`` one by one (AWS's gpt2
-  script with ``--checkpoint_sublayers``).
+  ``set_activation_checkpointing`` and ``set_partition`` act on the real layers (on every wrapped model, not only
+  under tensor parallelism: docs/running_scripts.md). Scripts checkpoint ``attention`` / ``output`` one by one
+  (AWS's gpt2 script with ``--checkpoint_sublayers``).
 """
 
 from __future__ import annotations
