@@ -257,9 +257,7 @@ def _find_states(tree: Any, state_type: type) -> list:
 
 def _replace_states(tree: Any, state_type: type, fields: dict, index: dict, tensors: dict, load: Any) -> Any:
     if isinstance(tree, state_type):
-        updates = {}
-        for field, torch_name in fields.items():
-            updates[field] = load(getattr(tree, field), torch_name, index, tensors)
+        updates = {field: load(getattr(tree, field), name, index, tensors) for field, name in fields.items()}
         if "started" in tree._fields:  # a loaded momentum buffer is a started one
             updates["started"] = jnp.ones([], jnp.bool_)
         return tree._replace(**updates)

@@ -166,10 +166,8 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
             f"the model ({type(module).__name__})",
             repr([(n, shapes[n], str(self.layout.dtypes[n])) for n in self.layout.names]),
         )
-        self.abstract = _ABSTRACT.get()
-        if (
-            self.abstract
-        ):  # shapes and shardings only (jmp.compiled_step.memory_estimate): nothing is computed or placed
+        self.abstract = _ABSTRACT.get()  # shapes and shardings only (memory_estimate): nothing computed or placed
+        if self.abstract:
             self.training_state = TrainingState(
                 params=with_shardings(jax.eval_shape(masters, params), self.layout.shardings),
                 rest=with_shardings(jax.eval_shape(lambda r: r, rest), self.layout.replicated),
@@ -192,7 +190,9 @@ class DistributedModel(ModuleSurface, torch.nn.Module):
         _log_layout(self.layout.specs, mesh)
         # repeated identical layers run as one scan (jmp.stacks); in a pipeline, one scan a stage
         self.stacks = stacks.find_stacks(module) if config.scan_layers else []
-        self.pipeline = _pipeline_for(module, config, mesh, self.layout.specs, self.stacks)
+        self.pipeline = None
+        if config.pipeline_parallel_degree > 1:
+            self.pipeline = Pipeline(module, config, mesh, self.layout.specs, self.stacks)
         self.store: ParameterStore = TreeStore(self.layout)  # a StageStore once a pipeline's stages are cut
         self._stack_storage()
         sdp_partitions.attach(self)  # p.ds_tensor, as SMP's sharded data parallelism (DeepSpeed's) has it
@@ -655,10 +655,6 @@ def _check_fit(state_dict: dict, variables: dict, strict: bool) -> None:
         if mismatched:
             problems.append(f"shape mismatches: {'; '.join(mismatched)}")
         raise StateDictError("load_state_dict failed (" + " | ".join(problems) + ")")
-
-
-def _pipeline_for(module: torch.nn.Module, config: Any, mesh: Any, specs: dict, stacks: list) -> Pipeline | None:
-    return None if config.pipeline_parallel_degree == 1 else Pipeline(module, config, mesh, specs, stacks)
 
 
 def _is_delayed(module: torch.nn.Module) -> bool:
