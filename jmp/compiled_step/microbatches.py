@@ -5,10 +5,7 @@ tensor parallelism when its processes load different rows); inside the program i
 ``microbatches``, each an equal slice of every shard (as in SMP, where every data-parallel rank splits its
 own part of the batch), and laid out over the data axes, so every device stays busy on every microbatch.
 
-Context parallelism splits each input's sequence too (``jmp.sharding.batch_spec``). XLA's partitioner
-(GSPMD) keeps token-wise work sequence-sharded and inserts the collectives the loss's label shift needs;
-``F.scaled_dot_product_attention`` passes key/value blocks around a ring (``jmp.torch_bridge.lowering.ring_attention``),
-other attention lets XLA gather the keys and values.
+Context parallelism splits each input's sequence too (``jmp.sharding.batch_spec``; docs/parallelism.md).
 """
 
 from __future__ import annotations
