@@ -329,10 +329,6 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _exit_code(code: int) -> int:
-    return 128 - code if code < 0 else code
-
-
 def _is_stopped(pid: int) -> bool:
     """Whether the process is stopped (SIGSTOP, a debugger): its state in /proc is T or t (Linux)."""
     try:
@@ -461,7 +457,7 @@ class _Children:
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 rank, code = failed[0]
-                return _Failure(rank, _describe(code), _exit_code(code))
+                return _Failure(rank, _describe(code), 128 - code if code < 0 else code)
             if all(code == 0 for code in codes):
                 return None
             hung = watchdog.hung() if watchdog is not None else []

@@ -184,7 +184,7 @@ def all_finite(tree: Any) -> jax.Array:
     Checked in each leaf's own dtype (no cast: a large bf16 value is not an fp16 overflow); leaves that are not
     floating are ignored. Under jit the per-leaf checks fuse into one reduction and nothing is read back to the host.
     """
-    checks = [jnp.all(jnp.isfinite(x)) for x in _floating_leaves(tree)]
+    checks = [jnp.all(jnp.isfinite(jnp.asarray(x))) for x in jax.tree.leaves(tree) if _is_floating(x)]
     if not checks:
         return jnp.bool_(True)
     return jnp.all(jnp.stack(checks))
@@ -198,10 +198,6 @@ def unscaled(tree: Any, inv_scale: jax.Array | float) -> Any:
         return jnp.asarray(leaf, jnp.float32) * inv_scale if _is_floating(leaf) else leaf
 
     return jax.tree.map(unscale, tree)
-
-
-def _floating_leaves(tree: Any) -> list[jax.Array]:
-    return [jnp.asarray(leaf) for leaf in jax.tree.leaves(tree) if _is_floating(leaf)]
 
 
 def _is_floating(leaf: Any) -> bool:
