@@ -77,14 +77,12 @@ def floor_divide(input, other):
 
 @register_lowering(torch.remainder, T.remainder, T.__mod__, inplace=(T.remainder_, T.__imod__))
 def remainder(input, other):
-    a, b = promoted(input, other)
-    return jnp.remainder(a, b)
+    return jnp.remainder(*promoted(input, other))
 
 
 @register_lowering(torch.fmod, T.fmod, inplace=(T.fmod_,))
 def fmod(input, other):
-    a, b = promoted(input, other)
-    return jnp.fmod(a, b)
+    return jnp.fmod(*promoted(input, other))
 
 
 @register_lowering(torch.pow, T.pow, T.__pow__, inplace=(T.pow_, T.__ipow__))

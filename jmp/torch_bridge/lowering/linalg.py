@@ -15,8 +15,7 @@ T = torch.Tensor
 
 @register_lowering(torch.matmul, T.matmul, T.__matmul__)
 def matmul(input, other):
-    a, b = promoted(input, other)
-    return jnp.matmul(a, b)
+    return jnp.matmul(*promoted(input, other))
 
 
 @register_lowering(T.__rmatmul__)
@@ -26,26 +25,22 @@ def rmatmul(input, other):
 
 @register_lowering(torch.mm, T.mm, torch.bmm, T.bmm, torch.mv, T.mv)
 def mm(input, mat2):
-    a, b = promoted(input, mat2)
-    return jnp.matmul(a, b)
+    return jnp.matmul(*promoted(input, mat2))
 
 
 @register_lowering(torch.dot, T.dot, torch.inner, T.inner)
 def dot(input, other):
-    a, b = promoted(input, other)
-    return jnp.inner(a, b)
+    return jnp.inner(*promoted(input, other))
 
 
 @register_lowering(torch.vdot, T.vdot)
 def vdot(input, other):
-    a, b = promoted(input, other)
-    return jnp.vdot(a, b)
+    return jnp.vdot(*promoted(input, other))
 
 
 @register_lowering(torch.outer, T.outer, torch.ger, T.ger)
 def outer(input, vec2):
-    a, b = promoted(input, vec2)
-    return jnp.outer(a, b)
+    return jnp.outer(*promoted(input, vec2))
 
 
 def _scaled_sum(input, product, beta, alpha):
