@@ -1,11 +1,9 @@
 """A pipelined step's inputs come from the process of the first pipeline stage, as under SMP.
 
-SMP feeds a pipeline from ``pp_rank() == 0``: the processes of the later stages call the step function too,
-but the tensors they pass are ignored, so scripts give them placeholders (AWS's gpt2 example hands them a
-``DummyDataset`` of empty float tensors where rank 0 passes token ids). jmp builds a step's batch from every
-process's own rows (``microbatches.whole_batch``), so before that each process of a later stage takes the
-tensors of the process holding stage 0 of its model slice (its pipeline group's rank 0): one
-``torch.distributed`` broadcast over SMP's pipeline group, on the host.
+SMP feeds a pipeline from ``pp_rank() == 0``; the later stages' processes pass placeholders (AWS's gpt2 example: a
+``DummyDataset`` of empty float tensors). jmp builds a step's batch from every process's own rows
+(``microbatches.whole_batch``), so before that each later stage's process takes its pipeline group's rank 0's
+tensors: one ``torch.distributed`` broadcast over SMP's pipeline group, on the host.
 
 The later stages must learn the inputs' shapes and dtypes from rank 0 in any case (the program is traced and
 cached by them, and the global array is built from them), so a host exchange per step cannot be avoided; the

@@ -7,10 +7,6 @@ state keyed by parameter name (``FSDP.optim_state_dict`` / ``FSDP.optim_state_di
   what ``torch.distributed.checkpoint`` and ``load_state_dict`` read back on any layout (jmp's own reshardable
   checkpoints are ``smp.save_checkpoint(partial=True)``).
 - ``LOCAL_STATE_DICT``: this process's pieces (``local_state_dict()``), loadable on the same layout.
-
-The optimizer's state dict is torch's format with each parameter index replaced by the parameter's name, as
-FSDP's full and sharded optimizer state dicts are; ``optim_state_dict_to_load`` turns the names back into the
-indices of the optimizer it is given.
 """
 
 from __future__ import annotations
