@@ -5,15 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import numpy as np
-
 
 def sizes(args: Sequence[Any]) -> tuple[int, ...]:
     """Sizes given as varargs or as one sequence, as a tuple of Python ints."""
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
         args = args[0]
-    return tuple(_as_int(a) for a in args)
+    return tuple(int(a) for a in args)  # a traced size raises ConcretizationTypeError -> a clear jmp error
 
 
 def size_arguments(args: Sequence[Any], keywords: dict) -> tuple[int, ...]:
@@ -21,12 +18,6 @@ def size_arguments(args: Sequence[Any], keywords: dict) -> tuple[int, ...]:
     if not args and "size" in keywords:
         args = (keywords.pop("size"),)
     return sizes(args)
-
-
-def _as_int(value: Any) -> int:
-    if isinstance(value, (jax.Array, np.ndarray)):
-        return int(value)  # a traced size raises ConcretizationTypeError -> a clear jmp error
-    return int(value)
 
 
 def dims(dim: Any, ndim: int) -> tuple[int, ...] | None:
