@@ -62,11 +62,14 @@ def case_names() -> list[str]:
 
 
 def parse_case(name: str) -> tuple[dict, dict, bool]:
+    """(model, config, eager) of a case: ``MODEL-LAYOUT-DTYPE``, then ``-eager`` (built with values) or ``-ckpt``
+    (each decoder layer checkpointed, ``config["checkpointed"]``)."""
     parts = name.split("-")
     eager = parts[-1] == "eager"
-    parts = parts[:-1] if eager else parts
+    checkpointed = {"checkpointed": "model.layers"} if parts[-1] == "ckpt" else {}
+    parts = parts[:-1] if eager or checkpointed else parts
     model, layout, dtype = "-".join(parts[:-2]), parts[-2], parts[-1]
-    return MODELS[model], {**LAYOUTS[layout], **DTYPES[dtype]}, eager
+    return MODELS[model], {**LAYOUTS[layout], **DTYPES[dtype], **checkpointed}, eager
 
 
 def resident() -> tuple[int, int]:
@@ -136,6 +139,7 @@ class Sampler(threading.Thread):
 
 def worker(name: str) -> dict:
     spec, config, eager = parse_case(name)
+    checkpointed = config.pop("checkpointed", None)
     import jax
     import torch
     import transformers
@@ -161,10 +165,13 @@ def worker(name: str) -> dict:
     baseline, baseline_malloc = resident(), allocated()
     module = build(meta=not eager)  # a module built with values keeps them: part of the process before the estimate
     built = resident()
-    estimate = smp.estimate_memory(module, None, batch=batch)
+    marks = {checkpointed: "each"} if checkpointed else None
+    estimate = smp.estimate_memory(module, None, batch=batch, activation_checkpointing=marks)
     after_estimate = resident()
 
     model = smp.DistributedModel(module)
+    if checkpointed:  # the user's own submodule, now part of the wrapped model
+        smp.set_activation_checkpointing(module.get_submodule(checkpointed), strategy="each")
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     sampler = Sampler()
     sampler.start()
@@ -204,6 +211,7 @@ def worker(name: str) -> dict:
         "case": name,
         "config": config,
         "delayed_init": not eager,
+        "checkpointed": checkpointed,
         "parameters": sum(p.numel() for p in build(meta=True).parameters()),
         "devices": devices,
         "estimate": {k: v for k, v in estimate.as_dict().items() if k != "layout"},
