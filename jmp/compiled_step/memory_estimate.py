@@ -7,12 +7,8 @@ shard). Given a batch, the step program is lowered and compiled ahead of time, a
 ``memory_analysis`` gives the rest: the inputs and the temporaries (activations kept for the backward, gathered
 weights, pipeline buffers).
 
-With ``target="h100"`` (or another of ``gpu_target.TARGETS``) the step is compiled for that GPU from this host, over
-``devices`` of them, by JAX's CUDA plugin (``gpu_target``): XLA's GPU temporaries and cuDNN's attention instead.
-
-``estimate_memory(num_params, config)`` is the back-of-envelope figure for a size alone, per parameter: 4 bytes stored
-(float32, the masters in mixed precision), gradients in the compute dtype, the optimizer's slots in float32, split as
-the degrees split them.
+With ``target="h100"`` (``gpu_target.TARGETS``) the step is compiled for ``devices`` of that GPU by JAX's CUDA plugin.
+``estimate_memory(num_params, config)``: the per-parameter rule for a size alone (``_rule_of_thumb``).
 """
 
 from __future__ import annotations
@@ -36,15 +32,15 @@ from jmp.compiled_step.function import step as smp_step
 from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.remat import api as remat
+from jmp.runtime import host_memory, programs_in_flight
 from jmp.runtime import mesh_state as state
-from jmp.runtime import programs_in_flight
 from jmp.runtime.config import parse
 from jmp.wrapped_model.distributed_model import DistributedModel, abstract_models, with_shardings
 
 logger = logging.getLogger("jmp")  # one logger: its rank-0 filter (runtime.rank_zero_logging) sees every notice
 
 _FIELDS = ("parameters", "master_copies", "gradients", "optimizer_state", "buffers", "inputs", "temporaries")
-_FIELDS += ("library_scratch", "host_copies", "in_flight")  # what XLA:CPU's devices (the host's memory) hold besides
+_FIELDS += ("library_scratch", "programs", "in_flight")  # what XLA:CPU's devices (the host's memory) hold besides
 _SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}  # float32 slots per parameter
 
 
@@ -56,10 +52,12 @@ class MemoryEstimate:
     precision are ``master_copies``); ``gradients``: one step's gradients, as kept for the optimizer;
     ``optimizer_state``: the optimizer's slots; ``buffers``: buffers and the random stream; ``inputs``: the
     batch's share; ``temporaries``: the compiled step's working memory; ``library_scratch``: what its largest
-    YNNPACK fusion (XLA:CPU) allocates outside that. None: not estimated (no batch given). ``host_copies``: on
-    XLA:CPU, whose devices' memory is the host's, each device's share of the torch module's own values (a module not
-    built on the meta device keeps them). ``in_flight``: on a mesh of CPU devices, each device's share of the gradient
-    shards ``jmp.runtime.programs_in_flight`` keeps to wait on.
+    YNNPACK fusion (XLA:CPU) allocates outside that. None: not estimated (no batch given). ``programs``: on XLA:CPU,
+    whose devices' memory is the host's, each device's share of the host memory programs hold (XLA gives none for a
+    CPU executable): 3x what the estimate's own trace, lowering and compile added to the resident size (what it
+    leaves, training's compile of the same step, and the update's, a smaller program). ``in_flight``: on a mesh of
+    CPU devices, each device's share of the gradient shards ``jmp.runtime.programs_in_flight`` keeps to wait on.
+    On XLA:CPU the total bounds what training adds to the process as it is when the estimate is called.
     ``collectives``: bytes each device sends a step, by collective kind (``collectives.collective_bytes``).
     """
 
@@ -72,7 +70,7 @@ class MemoryEstimate:
     inputs: int | None = None
     temporaries: int | None = None
     library_scratch: int | None = None
-    host_copies: int = 0
+    programs: int = 0
     in_flight: int = 0
     method: str = "layout rules"
     collectives: dict[str, dict[str, float]] | None = None
@@ -179,18 +177,20 @@ def estimate_memory(
             "smp.estimate_memory takes a torch module, a DistributedModel or a parameter count, "
             f"not {type(model).__name__}"
         )
+    before = host_memory.resident_bytes()
     with abstract_models(), remat.planned(module, activation_checkpointing or {}):
         laid_out = DistributedModel(module)
         tx = _optimizer(optimizer, laid_out)
-        layout = dict(laid_out.layout.mesh.shape)
         device = laid_out.layout.mesh.devices.flat[0]
         on_host = device.platform == "cpu"  # the devices' memory is the host's (not a GPU target's)
         if batch is None:
-            return _from_layout(laid_out, tx, layout, _host_copies(module, on_host), on_host)
+            return _from_layout(laid_out, tx, on_host)
         run = step or _default_step
         arguments = batch if isinstance(batch, tuple) else (batch,)
         compile_only = device.platform == "gpu" and device not in jax.devices()  # a target, not this host's
         compiled = run.lower(laid_out, *arguments).compile(gpu_target.COMPILER_OPTIONS if compile_only else None)
+        held = host_memory.resident_bytes() - before if on_host else 0  # the trace, lowering and program, alive
+    programs = -(-3 * max(0, held) // jax.local_device_count())
     memory = compiled.memory_analysis()
     params = per_device_bytes(laid_out.training_state.params)
     rest = per_device_bytes(laid_out.training_state.rest)
@@ -199,7 +199,7 @@ def estimate_memory(
     gradients = per_device_bytes(grads) if grads_info else 0
     masters = _master_share(laid_out) * params
     return MemoryEstimate(
-        layout=layout,
+        layout=dict(laid_out.layout.mesh.shape),
         parameters=params - int(masters),
         master_copies=int(masters),
         gradients=gradients,
@@ -208,19 +208,11 @@ def estimate_memory(
         inputs=max(0, memory.argument_size_in_bytes - params - rest),
         temporaries=memory.temp_size_in_bytes,
         library_scratch=library_scratch(compiled.as_text()),
-        host_copies=_host_copies(module, on_host),
+        programs=programs,
         in_flight=_kept_in_flight(grads) if on_host else 0,
         method="compiled step",
         collectives=collective_bytes(compiled.as_text(), laid_out.layout.mesh.size),
     )
-
-
-def _host_copies(module: torch.nn.Module, on_host: bool) -> int:
-    """Each local device's share of the values ``module`` holds itself, where the devices' memory is the host's."""
-    if not on_host:
-        return 0
-    tensors = {id(t): t for t in (*module.parameters(), *module.buffers()) if not t.is_meta}  # tied ones once
-    return -(-sum(t.numel() * t.element_size() for t in tensors.values()) // jax.local_device_count())
 
 
 def _kept_in_flight(grads: Any) -> int:
@@ -301,9 +293,7 @@ def _master_share(model: DistributedModel) -> float:
     return half / max(1, sum(sizes.values()))
 
 
-def _from_layout(
-    model: DistributedModel, tx: DistributedOptimizer | None, layout: dict[str, int], host_copies: int, on_host: bool
-) -> MemoryEstimate:
+def _from_layout(model: DistributedModel, tx: DistributedOptimizer | None, on_host: bool) -> MemoryEstimate:
     params = per_device_bytes(model.training_state.params)
     masters = int(_master_share(model) * params)
     params_shape = model.training_state.params
@@ -312,14 +302,13 @@ def _from_layout(
         jax.tree.map(lambda p: p.sharding, params_shape),
     )
     return MemoryEstimate(
-        layout=layout,
+        layout=dict(model.layout.mesh.shape),
         parameters=params - masters,
         master_copies=masters,
         gradients=per_device_bytes(grads),
         in_flight=_kept_in_flight(grads) if on_host else 0,
         optimizer_state=per_device_bytes(tx.opt_state) if tx is not None else 0,
         buffers=per_device_bytes(model.training_state.rest),
-        host_copies=host_copies,
     )
 
 

@@ -45,6 +45,17 @@ def keep_freed_memory() -> bool:
     return _kept
 
 
+def resident_bytes() -> int:
+    """The process's anonymous resident bytes once malloc has given its free pages back (0 where not glibc)."""
+    libc = _glibc()
+    if libc is None:
+        return 0
+    libc.malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        _, resident, shared = f.read().split()[:3]  # pages; shared: file-backed (the libraries' code)
+    return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     if name is None:

@@ -93,7 +93,7 @@ def test_estimate_is_within_ten_percent_of_the_built_model_and_its_compiled_step
     for name, value in measured.items():
         assert abs(estimated[name] - value) <= 0.1 * value, (name, estimated[name], value)
     held = sum(measured[n] for n in ("parameters", "gradients", "optimizer_state"))
-    besides = (estimate.library_scratch or 0) + estimate.host_copies + estimate.in_flight  # test_estimate_bounds_peak
+    besides = (estimate.library_scratch or 0) + estimate.programs + estimate.in_flight  # test_estimate_bounds_peak
     assert abs(estimate.total - besides - held - measured["temporaries"]) <= 0.1 * (held + measured["temporaries"])
 
 

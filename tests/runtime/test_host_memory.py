@@ -82,3 +82,34 @@ def test_the_memory_freed_before_a_compile_is_given_back_to_the_system():
     assert done.returncode == 0, done.stderr[-3000:]
     # every whole page of the freed block goes (the compile's own allocations are far smaller than one block)
     assert int(done.stdout.split()[-1]) >= 8 * BLOCK - BLOCK
+
+
+_RESIDENT_BYTES = f"""
+    import ctypes
+    import ctypes.util
+    import jmp as smp
+    from jmp.runtime import host_memory
+
+    smp.init({{}})
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+    before = host_memory.resident_bytes()
+    block = libc.malloc({BLOCK})
+    ctypes.memset(block, 1, {BLOCK})  # every page touched
+    held = host_memory.resident_bytes()
+    libc.free(block)
+    print(held - before, host_memory.resident_bytes() - before)
+"""
+
+
+def test_resident_bytes_counts_a_block_in_use_and_not_one_freed():
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_RESIDENT_BYTES)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    held, freed = (int(n) for n in done.stdout.split()[-2:])
+    # the block's pages, up to the two pages its ends share with other allocations
+    assert abs(held - BLOCK) <= 2 * 4096, held
+    # once freed, malloc_trim gives its whole pages back even though smp.init keeps freed memory
+    assert abs(freed) <= 2 * 4096, freed
