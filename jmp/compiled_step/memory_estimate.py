@@ -14,6 +14,7 @@ With ``target="h100"`` (``gpu_target.TARGETS``) the step is compiled for ``devic
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import html
 import logging
 import math
@@ -41,6 +42,7 @@ logger = logging.getLogger("jmp")  # one logger: its rank-0 filter (runtime.rank
 
 _FIELDS = ("parameters", "master_copies", "gradients", "optimizer_state", "buffers", "inputs", "temporaries")
 _FIELDS += ("library_scratch", "programs", "in_flight")  # what XLA:CPU's devices (the host's memory) hold besides
+_HELD: dict[bytes, int] = {}  # a program text's digest -> the host memory its estimates in this process saw
 _SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}  # float32 slots per parameter
 
 
@@ -190,7 +192,10 @@ def estimate_memory(
         compile_only = device.platform == "gpu" and device not in jax.devices()  # a target, not this host's
         compiled = run.lower(laid_out, *arguments).compile(gpu_target.COMPILER_OPTIONS if compile_only else None)
         held = host_memory.resident_bytes() - before if on_host else 0  # the trace, lowering and program, alive
-    programs = -(-3 * max(0, held) // jax.local_device_count())
+    hlo = compiled.as_text()
+    key = _program_key(hlo)
+    held = _HELD[key] = max(held, _HELD.get(key, 0))  # compiled again in this process, it reuses what it holds
+    programs = -(-3 * held // jax.local_device_count())
     memory = compiled.memory_analysis()
     params = per_device_bytes(laid_out.training_state.params)
     rest = per_device_bytes(laid_out.training_state.rest)
@@ -207,12 +212,19 @@ def estimate_memory(
         buffers=rest,
         inputs=max(0, memory.argument_size_in_bytes - params - rest),
         temporaries=memory.temp_size_in_bytes,
-        library_scratch=library_scratch(compiled.as_text()),
+        library_scratch=library_scratch(hlo),
         programs=programs,
         in_flight=_kept_in_flight(grads) if on_host else 0,
         method="compiled step",
-        collectives=collective_bytes(compiled.as_text(), laid_out.layout.mesh.size),
+        collectives=collective_bytes(hlo, laid_out.layout.mesh.size),
     )
+
+
+def _program_key(hlo: str) -> bytes:
+    """A digest of a program's instructions, without the source locations its text also lists (they change with
+    the calling code's order of files, not with the program)."""
+    instructions = (_METADATA.sub("", line) for line in hlo.splitlines() if _INSTRUCTION.match(line))
+    return hashlib.sha256("\n".join(instructions).encode()).digest()
 
 
 def _kept_in_flight(grads: Any) -> int:
@@ -224,6 +236,7 @@ def _kept_in_flight(grads: Any) -> int:
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")
 _SLAB_ROWS = 64
+_METADATA = re.compile(r", metadata=\{[^}]*\}")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f64": 8, "s64": 8, "u64": 8}
 
 
