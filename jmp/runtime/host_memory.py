@@ -45,15 +45,22 @@ def keep_freed_memory() -> bool:
     return _kept
 
 
-def resident_bytes() -> int:
-    """The process's anonymous resident bytes once malloc has given its free pages back (0 where not glibc)."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def allocated_bytes() -> int:
+    """Bytes malloc has handed out and not had back (glibc's ``mallinfo2``; 0 where not glibc 2.33 or later).
+
+    Unlike the resident size it leaves out the pages malloc keeps free, which depend on what ran before (a compile
+    or a load from JAX's persistent cache leaves different amounts). It locks each arena in turn: not for polling."""
     libc = _glibc()
-    if libc is None:
+    if libc is None or not hasattr(libc, "mallinfo2"):
         return 0
-    libc.malloc_trim(0)
-    with open("/proc/self/statm") as f:
-        _, resident, shared = f.read().split()[:3]  # pages; shared: file-backed (the libraries' code)
-    return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
 
 
 def _glibc() -> ctypes.CDLL | None:

@@ -93,16 +93,22 @@ def test_estimate_is_within_ten_percent_of_the_built_model_and_its_compiled_step
     for name, value in measured.items():
         assert abs(estimated[name] - value) <= 0.1 * value, (name, estimated[name], value)
     held = sum(measured[n] for n in ("parameters", "gradients", "optimizer_state"))
-    besides = (estimate.library_scratch or 0) + estimate.programs + estimate.in_flight  # test_estimate_bounds_peak
+    besides = (estimate.library_scratch or 0) + estimate.programs + estimate.in_flight + estimate.heap_retention
     assert abs(estimate.total - besides - held - measured["temporaries"]) <= 0.1 * (held + measured["temporaries"])
 
 
-def test_estimating_the_same_step_again_in_a_process_gives_the_same_figure():
-    config = {"sharded_data_parallel_degree": 8, "random_seed": 7}  # a program no other test compiled first
+def test_estimating_the_same_step_again_in_a_process_counts_its_programs_again():
+    config = {"sharded_data_parallel_degree": 8}
     first, again = (smp.estimate_memory(_gpt2(meta=True), config, batch=BATCH) for _ in range(2))
-    # the second compile finds the program in JAX's caches and adds nothing; what the first saw it hold still counts
+    # a second compile that finds the program in JAX's caches adds nothing; what an earlier one saw it hold counts
     assert first.programs > 0
-    assert again.as_dict() == first.as_dict()
+    assert again.programs >= first.programs
+    assert {**again.as_dict(), "programs": 0, "heap_retention": 0, "total": 0} == {
+        **first.as_dict(),
+        "programs": 0,
+        "heap_retention": 0,
+        "total": 0,
+    }
 
 
 def test_without_a_batch_the_layout_rules_give_the_state():
