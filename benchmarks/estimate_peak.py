@@ -6,18 +6,20 @@ On XLA:CPU the 8 emulated devices' memory is the host's, so the estimate x 8 dev
 holds. Each case runs in a fresh process (``--worker``): ``smp.init(config)``, the baseline (Python, torch, jax,
 transformers loaded, the mesh made, no model), the model built as a user would (on the meta device with delayed
 initialisation, unless the case says ``eager``), ``smp.estimate_memory(module, None, batch=...)``, then
-``smp.DistributedModel``, ``smp.DistributedOptimizer(torch.optim.AdamW)`` and three steps of ``@smp.step`` +
-``optimizer.step()`` + ``zero_grad()``. The first step compiles; during steps 2 and 3 (step program and update
+``smp.DistributedModel``, ``smp.DistributedOptimizer(torch.optim.AdamW)`` and six steps of ``@smp.step`` +
+``optimizer.step()`` + ``zero_grad()``. The first step compiles; during steps 2 to 6 (step program and update
 measured apart) a thread reads every 1 ms the anonymous resident size (``/proc/self/statm``: resident less
-file-backed, which leaves out the libraries' code pages the kernel can drop) and the bytes malloc has handed out
-(glibc's ``mallinfo2``); the kernel's high-water mark of all resident pages (``VmHWM``, reset through
+file-backed, which leaves out the libraries' code pages the kernel can drop), with ``--malloc`` the bytes malloc has
+handed out (glibc's ``mallinfo2``); the kernel's high-water mark of all resident pages (``VmHWM``, reset through
 ``/proc/self/clear_refs``) is kept too.
 
-Compared: ``measured`` = the highest anonymous resident size in steps 2-3 less the one just after the module was built
-(the estimate bounds what training adds to the process as it stands when ``smp.estimate_memory`` is called: the
-module, its values and its imports are the user's), against ``estimate.total x devices``; ``ratio`` = estimate /
-measured (the promise: at least 1, at most 1.1). ``measured_malloc``: the same for malloc'd bytes (buffers and host
-objects, without what the allocator keeps freed); ``ratio_before``: the estimate without the terms issue 68 added
+Compared: ``measured`` = the highest anonymous resident size in steps 2-6 (malloc's heaps settle over the first few)
+less the one just after the module was built (the estimate bounds what training adds to the process as it stands when
+``smp.estimate_memory`` is called: the module, its values and its imports are the user's), against ``estimate.total x
+devices``; ``ratio`` = estimate / measured (the promise: at least 1, at most 1.1). With ``--malloc``,
+``measured_malloc``: the same for malloc'd bytes (buffers and host objects, without what the allocator keeps freed)
+from the baseline, ``measured_malloc_from_built`` from the build, and ``ratio_live`` the estimate against it (the
+resident peak less malloc's free pages); ``ratio_before``: the estimate without the terms issue 68 added
 (``NEW_TERMS``); ``ratio_from_imports``: against the peak less the baseline before the module was built.
 """
 
@@ -52,9 +54,10 @@ LAYOUTS = {
 }
 DTYPES = {"f32": {}, "bf16": {"bf16": True}}
 BATCH, LENGTH = 8, 128
+STEPS = 6
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # what issue 68 added to the estimate: ``before`` is the total without them
-NEW_TERMS = ("library_scratch", "programs", "in_flight")
+NEW_TERMS = ("library_scratch", "programs", "in_flight", "heap_retention")
 
 
 def case_names() -> list[str]:
@@ -115,11 +118,14 @@ def allocated() -> int:
 
 
 class Sampler(threading.Thread):
-    """The highest anonymous resident size and malloc'd bytes seen, read every ``period`` seconds while ``on``."""
+    """The highest anonymous resident size seen, read every ``period`` seconds while ``on``; with ``malloc``, the
+    highest malloc'd bytes too (``--malloc``: ``mallinfo2`` locks each of malloc's arenas while it walks their free
+    lists, and read every millisecond, or every 20, it starved XLA's threads until a collective timed out: a Llama
+    fsdp8 step aborted in 4 runs of 7, and in none of 4 without it)."""
 
-    def __init__(self, period: float = 0.001):
+    def __init__(self, malloc: bool, period: float = 0.001):
         super().__init__(daemon=True)
-        self.period, self.peak, self.malloc_peak, self.on, self.done = period, 0, 0, False, False
+        self.malloc, self.period, self.peak, self.malloc_peak, self.on, self.done = malloc, period, 0, 0, False, False
         self.lock = threading.Lock()
 
     def run(self) -> None:
@@ -127,7 +133,8 @@ class Sampler(threading.Thread):
             with self.lock:
                 if self.on:
                     self.peak = max(self.peak, resident()[1])
-                    self.malloc_peak = max(self.malloc_peak, allocated())
+                    if self.malloc:
+                        self.malloc_peak = max(self.malloc_peak, allocated())
             time.sleep(self.period)
 
     def phase(self) -> None:
@@ -137,7 +144,7 @@ class Sampler(threading.Thread):
             reset_high_water()
 
 
-def worker(name: str) -> dict:
+def worker(name: str, malloc: bool = False) -> dict:
     spec, config, eager = parse_case(name)
     checkpointed = config.pop("checkpointed", None)
     import jax
@@ -164,7 +171,7 @@ def worker(name: str) -> dict:
     devices = jax.device_count()
     baseline, baseline_malloc = resident(), allocated()
     module = build(meta=not eager)  # a module built with values keeps them: part of the process before the estimate
-    built = resident()
+    built, built_malloc = resident(), allocated()
     marks = {checkpointed: "each"} if checkpointed else None
     estimate = smp.estimate_memory(module, None, batch=batch, activation_checkpointing=marks)
     after_estimate = resident()
@@ -173,12 +180,12 @@ def worker(name: str) -> dict:
     if checkpointed:  # the user's own submodule, now part of the wrapped model
         smp.set_activation_checkpointing(module.get_submodule(checkpointed), strategy="each")
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
-    sampler = Sampler()
+    sampler = Sampler(malloc)
     sampler.start()
     phases: dict[str, list[int]] = {k: [] for k in ("step", "update", "step_total", "update_total", "step_malloc",
                                                      "update_malloc")}  # fmt: skip
     before_step = {}
-    for i in range(3):
+    for i in range(STEPS):
         measuring = i > 0
         if measuring:
             before_step = {
@@ -204,10 +211,11 @@ def worker(name: str) -> dict:
             phases["update_malloc"].append(sampler.malloc_peak)
     sampler.on, sampler.done = False, True
     peak = max(phases["step"] + phases["update"])
+    live = max(phases["step_malloc"] + phases["update_malloc"]) - built_malloc if malloc else None
     measured = peak - built[1]
     total = estimate.total * devices
     before = (estimate.total - sum(getattr(estimate, t) or 0 for t in NEW_TERMS)) * devices
-    return {
+    result = {
         "case": name,
         "config": config,
         "delayed_init": not eager,
@@ -224,12 +232,6 @@ def worker(name: str) -> dict:
         "baseline_malloc": baseline_malloc,
         "peak_anon_by_phase": {k: phases[k] for k in ("step", "update")},
         "peak_all_by_phase": {k: phases[k + "_total"] for k in ("step", "update")},
-        "peak_malloc_by_phase": {k: phases[k + "_malloc"] for k in ("step", "update")},
-        "measured_malloc": max(phases["step_malloc"] + phases["update_malloc"]) - baseline_malloc,
-        # the devices' share of the peak: malloc'd bytes at the peak less the host's (all malloc'd bytes before the
-        # last step that are not the devices' arrays)
-        "measured_devices": max(phases["step_malloc"][-1:] + phases["update_malloc"][-1:])
-        - (before_step["malloc"] - before_step["device_arrays"]),
         "peak_anon": peak,
         "measured": measured,
         "ratio": total / measured,
@@ -237,6 +239,18 @@ def worker(name: str) -> dict:
         "measured_from_imports": peak - baseline[1],
         "ratio_from_imports": total / (peak - baseline[1]),
     }
+    if malloc:
+        result.update(
+            peak_malloc_by_phase={k: phases[k + "_malloc"] for k in ("step", "update")},
+            measured_malloc=max(phases["step_malloc"] + phases["update_malloc"]) - baseline_malloc,
+            measured_malloc_from_built=live,
+            ratio_live=total / live,
+            # the devices' share of the peak: malloc'd bytes at the peak less the host's (all malloc'd bytes before
+            # the last step that are not the devices' arrays)
+            measured_devices=max(phases["step_malloc"][-1:] + phases["update_malloc"][-1:])
+            - (before_step["malloc"] - before_step["device_arrays"]),
+        )
+    return result
 
 
 def plan(name: str) -> dict:
@@ -278,10 +292,11 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=case_names())
     parser.add_argument("--out", default="benchmarks/results/estimate_peak.json")
     parser.add_argument("--worker")
+    parser.add_argument("--malloc", action="store_true", help="also sample malloc's bytes (can stall XLA: Sampler)")
     parser.add_argument("--plan", help="a case to estimate against this host's memory, without running it")
     args = parser.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker)), flush=True)
+        print("RESULT " + json.dumps(worker(args.worker, args.malloc)), flush=True)
         return
     if args.plan:
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -297,15 +312,18 @@ def main() -> None:
         saved = json.load(open(args.out))
         previous = {row["case"]: row for row in saved.get("rows", [])}
     for name in args.cases:
-        run = subprocess.run([sys.executable, "-m", "benchmarks.estimate_peak", "--worker", name], env=env,
+        command = [sys.executable, "-m", "benchmarks.estimate_peak", "--worker", name] + ["--malloc"] * args.malloc
+        run = subprocess.run(command, env=env,
                              capture_output=True, text=True)  # fmt: skip
         found = [line[7:] for line in run.stdout.splitlines() if line.startswith("RESULT ")]
         row = json.loads(found[0]) if found else {"case": name, "error": run.stderr[-2000:]}
         rows.append(row)
         if "ratio" in row:
             gib = 2**30
+            live = f"; to malloc'd bytes {row['ratio_live']:.3f}" if "ratio_live" in row else ""
             print(f"{name:28s} estimate {row['estimate_x_devices'] / gib:6.3f} GiB  measured "
-                  f"{row['measured'] / gib:6.3f} GiB  ratio {row['ratio']:.3f} (before {row['ratio_before']:.3f})",
+                  f"{row['measured'] / gib:6.3f} GiB  ratio {row['ratio']:.3f} "
+                  f"(before {row['ratio_before']:.3f}{live})",
                   flush=True)  # fmt: skip
         else:
             print(f"{name}: failed\n{row['error']}", flush=True)
