@@ -26,7 +26,6 @@ resident peak less malloc's free pages); ``ratio_before``: the estimate without 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import os
@@ -104,17 +103,11 @@ def reset_high_water() -> None:
         f.write("5")
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
-
-
 def allocated() -> int:
-    """Bytes malloc has handed out and not had back (glibc's ``mallinfo2``: in use in the arenas + mmapped)."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
+    """Bytes malloc has handed out and not had back (``jmp.runtime.host_memory.allocated_bytes``)."""
+    from jmp.runtime import host_memory
+
+    return host_memory.allocated_bytes()
 
 
 class Sampler(threading.Thread):
