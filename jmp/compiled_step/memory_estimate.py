@@ -89,14 +89,8 @@ class MemoryEstimate:
         return sum(getattr(self, name) or 0 for name in _FIELDS)
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain values (JSON-ready): the fields, ``total`` and the method."""
-        return {
-            "layout": dict(self.layout),
-            **{n: getattr(self, n) for n in _FIELDS},
-            "total": self.total,
-            "method": self.method,
-            "collectives": self.collectives,
-        }
+        """Plain values (JSON-ready): the fields and ``total``."""
+        return {**dataclasses.asdict(self), "total": self.total}
 
     def fits(self, budget_bytes: int) -> bool:
         return self.total <= budget_bytes
@@ -113,9 +107,7 @@ class MemoryEstimate:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        cells = "".join(
-            f"<tr><td>{html.escape(n)}</td><td style='text-align:right'>{v}</td></tr>" for n, v in self._rows()
-        )
+        cells = "".join(f"<tr><td>{html.escape(n)}</td><td align=right>{v}</td></tr>" for n, v in self._rows())
         return f"<table><caption>{html.escape(repr(self).splitlines()[0])}</caption>{cells}</table>"
 
 
@@ -337,23 +329,17 @@ def _from_layout(model: DistributedModel, tx: DistributedOptimizer | None, on_ho
 
 def _rule_of_thumb(count: int, config: dict[str, Any] | None, optimizer: Any) -> MemoryEstimate:
     parsed = parse(config or {}) if config is not None or not state.is_initialized() else state.get_config()
-    split = (
-        parsed.pipeline_parallel_degree * parsed.tensor_parallel_degree * max(1, parsed.sharded_data_parallel_degree)
-    )
+    pp, tp, ep = parsed.pipeline_parallel_degree, parsed.tensor_parallel_degree, parsed.expert_parallel_degree
+    fsdp = max(1, parsed.sharded_data_parallel_degree)
+    split = pp * tp * fsdp
     mixed = parsed.bf16 or parsed.fp16
     name = getattr(optimizer, "__name__", type(optimizer).__name__).lower() if optimizer is not None else ""
     slots = 0 if optimizer is None else _SLOTS.get(name, 2)
-    dp = max(1, jax.device_count() // (split * parsed.expert_parallel_degree))
+    dp = max(1, jax.device_count() // (split * ep))
     state_split = split * (dp if parsed.shard_optimizer_state else 1)
     stored = 4 * count // split
     return MemoryEstimate(
-        layout={
-            "pp": parsed.pipeline_parallel_degree,
-            "dp": dp,
-            "fsdp": max(1, parsed.sharded_data_parallel_degree),
-            "ep": parsed.expert_parallel_degree,
-            "tp": parsed.tensor_parallel_degree,
-        },  # fmt: skip
+        layout={"pp": pp, "dp": dp, "fsdp": fsdp, "ep": ep, "tp": tp},
         parameters=0 if mixed else stored,
         master_copies=stored if mixed else 0,
         gradients=(2 if mixed else 4) * count // split,
@@ -367,13 +353,8 @@ def candidate_layouts(devices: int, *, max_tp: int = 8) -> Iterable[dict[str, An
     """Configs over ``devices``: tensor and sharded-data degrees that divide them, with and without ZeRO-1."""
     for tp in (d for d in range(1, min(devices, max_tp) + 1) if devices % d == 0):
         for fsdp in (d for d in range(1, devices // tp + 1) if (devices // tp) % d == 0):
-            dp = devices // (tp * fsdp)
-            for zero1 in (False, True) if dp > 1 else (False,):
-                yield {
-                    "tensor_parallel_degree": tp,
-                    "sharded_data_parallel_degree": fsdp,
-                    "shard_optimizer_state": zero1,
-                }
+            for zero1 in (False, True) if devices // (tp * fsdp) > 1 else (False,):
+                yield dict(tensor_parallel_degree=tp, sharded_data_parallel_degree=fsdp, shard_optimizer_state=zero1)
 
 
 def what_fits(
