@@ -21,5 +21,8 @@ if _only_the_launcher():
         return getattr(smp_api, name)
 
 else:
+    from jmp.runtime import host_threads as _host_threads
+
+    _host_threads.reserve()  # before anything makes JAX's CPU devices
     from jmp.smp_api import *  # noqa: F403
     from jmp.smp_api import __all__  # noqa: F401

@@ -26,6 +26,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import jmp  # noqa: E402,F401 (as a user's script: jmp sizes XLA:CPU's thread pool before the report header makes the devices)
+
 
 @pytest.fixture(autouse=True)
 def _seeded():

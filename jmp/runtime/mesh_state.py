@@ -30,6 +30,7 @@ from jmp.runtime import compilation_cache as compilation
 from jmp.runtime import (
     config_no_effect,
     host_memory,
+    host_threads,
     process_groups,
     programs_in_flight,
     rank_zero_logging,
@@ -67,6 +68,7 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
     parsed = parse(config, source)
     config_no_effect.log_once(ALIASES.get(key, key) for key in config or {})
     compilation.configure_cache(parsed.compilation_cache)
+    host_threads.reserve()
     _mark_startup("connecting")
     _start_distributed_runtime()
     if jax.process_count() > 1:
