@@ -283,10 +283,6 @@ def run_one(key: str, timeout_s: int, scan_layers: bool = False) -> dict:
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
-        # XLA:CPU's thread pool has max(cores, devices) threads, and a device may block two of them in two
-        # collectives' rendezvous at once: with 8 threads youtu and solar_open under scan_layers aborted in a
-        # rendezvous in 5 of 7 runs, with 16 in none of 7
-        "PJRT_NPROC": str(max(os.cpu_count() or 1, 2 * DEVICES)),
         "JMP_COMPILATION_CACHE": cache,
         "TRANSFORMERS_VERBOSITY": "error",
         "PYTHONWARNINGS": "ignore",
