@@ -43,9 +43,9 @@ logger = logging.getLogger("jmp")  # one logger: its rank-0 filter (runtime.rank
 
 _FIELDS = ("parameters", "master_copies", "gradients", "optimizer_state", "buffers", "inputs", "temporaries")
 _FIELDS += ("library_scratch", "programs", "in_flight", "heap_retention")  # what XLA:CPU's devices hold besides
-# a step's resident peak was up to 7% above the bytes malloc had handed out (benchmarks/estimate_peak: GPT-2, Llama
-# and Qwen2 cases, steps 2-3), and rose by 1-3% more over the next steps as the heaps settled
-HEAP_RETENTION = 0.10
+# with jmp's pool of 4 threads a device (runtime.host_threads) the resident peaks of 13 GPT-2 and Llama steps were
+# 7-36% above the rest but the scratch (benchmarks/estimate_peak); with one thread a device, 1-6%
+HEAP_RETENTION = 0.36
 _HELD: dict[bytes, int] = {}  # a program text's digest -> the host memory its estimates in this process saw
 _SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}  # float32 slots per parameter
 
