@@ -29,7 +29,7 @@ def reserve(environ: MutableMapping[str, str] = os.environ) -> int | None:
     wanted = LEVELS * devices
     if devices < 2 or wanted <= (os.cpu_count() or 1) or VARIABLE in environ:
         return None
-    if xla_bridge.backends_are_initialized():
+    if getattr(xla_bridge, "backends_are_initialized", lambda: False)():  # gone from a later JAX: set it anyway
         pool = max(devices, os.cpu_count() or 1)
         message = "JAX made %d CPU devices on a pool of %d threads, where collectives can deadlock: set %s=%d before"
         notices.warn_once("host_threads", message + " JAX's first call", devices, pool, VARIABLE, wanted)
