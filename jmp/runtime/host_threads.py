@@ -26,13 +26,12 @@ def reserve(environ: MutableMapping[str, str] = os.environ) -> int | None:
     """``LEVELS`` threads a device unless the cores are more or the user set it; once JAX made its devices, a notice."""
     forced = _FORCED_COUNT.findall(environ.get("XLA_FLAGS", ""))
     devices = jax.config.jax_num_cpu_devices if jax.config.jax_num_cpu_devices > 0 else int((forced or [1])[-1])
-    wanted = LEVELS * devices
-    if devices < 2 or wanted <= (os.cpu_count() or 1) or VARIABLE in environ:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # as XLA counts
+    if devices < 2 or LEVELS * devices <= cores or VARIABLE in environ:
         return None
     if getattr(xla_bridge, "backends_are_initialized", lambda: False)():  # gone from a later JAX: set it anyway
-        pool = max(devices, os.cpu_count() or 1)
-        message = "JAX made %d CPU devices on a pool of %d threads, where collectives can deadlock: set %s=%d before"
-        notices.warn_once("host_threads", message + " JAX's first call", devices, pool, VARIABLE, wanted)
+        said = "JAX made %d CPU devices on %d threads, where collectives can deadlock: set %s=%d before its first call"
+        notices.warn_once("host_threads", said, devices, max(devices, cores), VARIABLE, LEVELS * devices)
         return None
-    environ[VARIABLE] = str(wanted)
-    return wanted
+    environ[VARIABLE] = str(LEVELS * devices)
+    return LEVELS * devices

@@ -41,12 +41,12 @@ def test_the_pool_jax_makes_has_threads_for_collectives_in_nested_loops(devices_
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     devices, threads = map(int, done.stdout.split())
-    assert (devices, threads) == (8, max(host_threads.LEVELS * 8, os.cpu_count()))
+    assert (devices, threads) == (8, max(host_threads.LEVELS * 8, len(os.sched_getaffinity(0))))
 
 
 def test_reserve_asks_for_threads_per_device_where_the_cores_are_fewer(monkeypatch):
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
-    devices = 4 * os.cpu_count()
+    devices = 4 * len(os.sched_getaffinity(0))
     environ = {"XLA_FLAGS": f"--xla_cpu_use_fusion_emitters=false --xla_force_host_platform_device_count={devices}"}
     assert host_threads.reserve(environ) == host_threads.LEVELS * devices
     assert environ[host_threads.VARIABLE] == str(host_threads.LEVELS * devices)
