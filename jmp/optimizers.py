@@ -58,19 +58,11 @@ class FusedAdam(_ApexOptimizer):
     """apex's ``FusedAdam``: Adam, AdamW (``adam_w_mode``, the default)."""
 
     def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        adam_w_mode: bool = True,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        set_grad_none: bool = True,
-        capturable: bool = False,
+        self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
+        weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True, capturable: bool = False,
         master_weights: bool = False,
-    ):
+    ):  # fmt: skip
         _refuse("FusedAdam", amsgrad=amsgrad, capturable=capturable, master_weights=master_weights)
         defaults = dict(
             lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -90,20 +82,11 @@ class FusedLAMB(_ApexOptimizer):
     """
 
     def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.01,
-        amsgrad: bool = False,
-        adam_w_mode: bool = True,
-        grad_averaging: bool = True,
-        set_grad_none: bool = True,
-        max_grad_norm: float = 1.0,
-        use_nvlamb: bool = False,
-    ):
+        self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
+        amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True, set_grad_none: bool = True,
+        max_grad_norm: float = 1.0, use_nvlamb: bool = False,
+    ):  # fmt: skip
         _refuse("FusedLAMB", amsgrad=amsgrad)
         defaults = dict(
             lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -142,20 +125,11 @@ class FusedNovoGrad(_ApexOptimizer):
     """
 
     def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        reg_inside_moment: bool = False,
-        grad_averaging: bool = True,
-        norm_type: int = 2,
-        init_zero: bool = False,
-        set_grad_none: bool = True,
-    ):
+        self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+        amsgrad: bool = False, reg_inside_moment: bool = False, grad_averaging: bool = True, norm_type: int = 2,
+        init_zero: bool = False, set_grad_none: bool = True,
+    ):  # fmt: skip
         _refuse("FusedNovoGrad", amsgrad=amsgrad)
         if norm_type not in (0, 2):
             raise OptimizerError(f"FusedNovoGrad(norm_type={norm_type!r}): use 2 (L2 norm) or 0 (largest magnitude)")

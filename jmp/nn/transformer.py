@@ -39,20 +39,11 @@ class DistributedAttentionLayer(nn.Module):
     """Multi-head self-attention with residual and layer norm(s): SMP's ``smp.nn.DistributedAttentionLayer``."""
 
     def __init__(
-        self,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
-        hidden_size: int = 1024,
-        attention_dropout_prob: float = 0.1,
-        hidden_dropout_prob: float = 0.1,
-        layernorm_epsilon: float = 1e-5,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        cross_attention: bool = False,
-        causal_mask_size: int | None = None,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-    ):
+        self, num_attention_heads: int = 32, attention_head_size: int = 32, hidden_size: int = 1024,
+        attention_dropout_prob: float = 0.1, hidden_dropout_prob: float = 0.1, layernorm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02, use_normal_initialization: bool = False, cross_attention: bool = False,
+        causal_mask_size: int | None = None, pre_layernorm: bool = False, post_layernorm: bool = True,
+    ):  # fmt: skip
         super().__init__()
         _no_cross_attention(cross_attention, "DistributedAttentionLayer")
         self.num_heads, self.head_dim = num_attention_heads, attention_head_size
@@ -93,17 +84,10 @@ class DistributedTransformerOutputLayer(nn.Module):
     """The MLP half of a transformer layer (``fc1`` column-, ``fc2`` row-parallel), with residual and norm(s)."""
 
     def __init__(
-        self,
-        hidden_size: int = 1024,
-        intermediate_size: int = 4096,
-        hidden_dropout_prob: float = 0.1,
-        activation: str = "gelu",
-        layernorm_epsilon: float = 1e-5,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-    ):
+        self, hidden_size: int = 1024, intermediate_size: int = 4096, hidden_dropout_prob: float = 0.1,
+        activation: str = "gelu", layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
+        use_normal_initialization: bool = False, pre_layernorm: bool = False, post_layernorm: bool = True,
+    ):  # fmt: skip
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ArgumentTypeError(f"activation must be one of {sorted(_ACTIVATIONS)}, not {activation!r}")
@@ -125,22 +109,12 @@ class DistributedTransformerLayer(nn.Module):
     """Attention then MLP: SMP's ``DistributedTransformerLayer``; ``forward((hidden, mask)) -> (hidden, mask)``."""
 
     def __init__(
-        self,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
-        hidden_size: int = 1024,
-        intermediate_size: int = 4096,
-        attention_dropout_prob: float = 0.1,
-        hidden_dropout_prob: float = 0.1,
-        activation: str = "gelu",
-        layernorm_epsilon: float = 1e-5,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        causal_mask_size: int | None = None,
-        add_cross_attention: bool = False,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-    ):
+        self, num_attention_heads: int = 32, attention_head_size: int = 32, hidden_size: int = 1024,
+        intermediate_size: int = 4096, attention_dropout_prob: float = 0.1, hidden_dropout_prob: float = 0.1,
+        activation: str = "gelu", layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
+        use_normal_initialization: bool = False, causal_mask_size: int | None = None,
+        add_cross_attention: bool = False, pre_layernorm: bool = False, post_layernorm: bool = True,
+    ):  # fmt: skip
         super().__init__()
         _no_cross_attention(add_cross_attention, "DistributedTransformerLayer")
         norms = {"pre_layernorm": pre_layernorm, "post_layernorm": post_layernorm}
@@ -184,27 +158,13 @@ class DistributedTransformerLMHead(nn.Module):
     """
 
     def __init__(
-        self,
-        num_layers: int = 12,
-        num_attention_heads: int = 32,
-        attention_head_size: int = 32,
-        hidden_size: int = 1024,
-        intermediate_size: int = 4096,
-        vocab_size: int = 30522,
-        num_positions: int = 1024,
-        attention_dropout_prob: float = 0.1,
-        hidden_dropout_prob: float = 0.1,
-        activation: str = "gelu",
-        layernorm_epsilon: float = 1e-5,
-        num_token_types: int = 0,
-        causal_mask_size: int | None = None,
-        add_cross_attention: bool = False,
-        add_lm_head: bool = True,
-        initializer_range: float = 0.02,
-        use_normal_initialization: bool = False,
-        pre_layernorm: bool = False,
-        post_layernorm: bool = True,
-    ):
+        self, num_layers: int = 12, num_attention_heads: int = 32, attention_head_size: int = 32,
+        hidden_size: int = 1024, intermediate_size: int = 4096, vocab_size: int = 30522, num_positions: int = 1024,
+        attention_dropout_prob: float = 0.1, hidden_dropout_prob: float = 0.1, activation: str = "gelu",
+        layernorm_epsilon: float = 1e-5, num_token_types: int = 0, causal_mask_size: int | None = None,
+        add_cross_attention: bool = False, add_lm_head: bool = True, initializer_range: float = 0.02,
+        use_normal_initialization: bool = False, pre_layernorm: bool = False, post_layernorm: bool = True,
+    ):  # fmt: skip
         super().__init__()
         self.add_lm_head = add_lm_head
         self.word_embeddings = nn.Embedding(vocab_size, hidden_size)

@@ -30,19 +30,9 @@ def _one_more_key(mask):
 
 
 def attend(
-    query,
-    key,
-    value,
-    num_heads: int,
-    projections: tuple,
-    out_proj: Callable,
-    *,
-    bias_kv: tuple | None = None,
-    add_zero_attn: bool = False,
-    key_padding_mask=None,
-    attn_mask=None,
-    dropout: Callable | None = None,
-):
+    query, key, value, num_heads: int, projections: tuple, out_proj: Callable, *, bias_kv: tuple | None = None,
+    add_zero_attn: bool = False, key_padding_mask=None, attn_mask=None, dropout: Callable | None = None,
+):  # fmt: skip
     """(output (L, N, E), attention weights (N, H, L, S) after dropout) for (L, N, E) inputs.
 
     ``projections``: ((w_q, w_k, w_v), (b_q, b_k, b_v)); ``out_proj``: the output projection of (L*N, E)."""
@@ -76,32 +66,11 @@ def attend(
 
 @register_lowering(F.multi_head_attention_forward)
 def multi_head_attention_forward(
-    query,
-    key,
-    value,
-    embed_dim_to_check,
-    num_heads,
-    in_proj_weight,
-    in_proj_bias,
-    bias_k,
-    bias_v,
-    add_zero_attn,
-    dropout_p,
-    out_proj_weight,
-    out_proj_bias,
-    training=True,
-    key_padding_mask=None,
-    need_weights=True,
-    attn_mask=None,
-    use_separate_proj_weight=False,
-    q_proj_weight=None,
-    k_proj_weight=None,
-    v_proj_weight=None,
-    static_k=None,
-    static_v=None,
-    average_attn_weights=True,
-    is_causal=False,
-):
+    query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias, bias_k, bias_v, add_zero_attn,
+    dropout_p, out_proj_weight, out_proj_bias, training=True, key_padding_mask=None, need_weights=True,
+    attn_mask=None, use_separate_proj_weight=False, q_proj_weight=None, k_proj_weight=None, v_proj_weight=None,
+    static_k=None, static_v=None, average_attn_weights=True, is_causal=False,
+):  # fmt: skip
     if static_k is not None or static_v is not None:
         raise NotImplementedError("F.multi_head_attention_forward with static_k / static_v is not lowered")
     if is_causal and attn_mask is None:
