@@ -21,8 +21,10 @@ if _only_the_launcher():
         return getattr(smp_api, name)
 
 else:
+    from jmp.runtime import host_memory as _host_memory
     from jmp.runtime import host_threads as _host_threads
 
     _host_threads.reserve()  # before anything makes JAX's CPU devices
+    _host_memory.one_heap()
     from jmp.smp_api import *  # noqa: F403
     from jmp.smp_api import __all__  # noqa: F401

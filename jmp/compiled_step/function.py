@@ -26,9 +26,9 @@ from jmp.compiled_step.signature import StepSignature, place_arguments
 from jmp.errors import StepError, TracedControlFlowError
 from jmp.pipeline import engine
 from jmp.runtime import compilation_cache as compilation
+from jmp.runtime import host_memory, programs_in_flight
 from jmp.runtime import live_models as model_registry
 from jmp.runtime import mesh_state as state
-from jmp.runtime import programs_in_flight
 from jmp.torch_bridge import index_checks
 from jmp.wrapped_model.distributed_model import DistributedModel, current_trace
 
@@ -98,6 +98,7 @@ class StepFunction:
                 return self(*args, **kwargs)
         if not call.traced.has_backward and outputs:  # a forward-only loop (evaluation) has no update to wait at
             programs_in_flight.admit(min(outputs, key=lambda output: output.size))
+            host_memory.give_back_between_steps()
         sown, checks = index_checks.taken_from(sown, call.model)
         call.model.training_state.record_step(rest, grads if call.traced.has_backward else None, sown)
         returned = results(call.traced.output_leaves, outputs, call.shards, call.share, checks)

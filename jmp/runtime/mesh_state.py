@@ -69,6 +69,7 @@ def init(config: dict[str, Any] | None = None, *, devices: list | None = None) -
     config_no_effect.log_once(ALIASES.get(key, key) for key in config or {})
     compilation.configure_cache(parsed.compilation_cache)
     host_threads.reserve()
+    host_memory.one_heap()
     _mark_startup("connecting")
     _start_distributed_runtime()
     if jax.process_count() > 1:

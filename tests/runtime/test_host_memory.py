@@ -112,3 +112,84 @@ def test_allocated_bytes_counts_a_block_in_use_and_not_one_freed():
     assert abs(held - BLOCK) <= 2 * 4096, held
     # freed, it is no longer counted, although smp.init has malloc keep its pages for the next block
     assert abs(freed) <= 2 * 4096, freed
+
+
+_GIVEN_BACK_AFTER_AN_UPDATE = f"""
+    import ctypes
+    import ctypes.util
+    import jmp as smp
+    from jmp.runtime import host_memory, step_boundary
+
+    smp.init({{}})
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+
+    def freed_after_use(size):
+        block = libc.malloc(size)
+        ctypes.memset(block, 1, size)
+        libc.free(block)
+        return host_memory.anonymous_resident_bytes()
+
+    assert host_memory.give_back_between_steps in step_boundary._callbacks
+    kept = freed_after_use({8 * BLOCK})  # what a large step leaves free
+    host_memory.give_back_between_steps()
+    large = kept - host_memory.anonymous_resident_bytes()
+    kept = freed_after_use({BLOCK // 4})  # less than GIVE_BACK_ABOVE: kept for the next step
+    host_memory.give_back_between_steps()
+    print(large, kept - host_memory.anonymous_resident_bytes())
+"""
+
+
+def test_what_a_step_left_free_is_given_back_after_the_update_once_it_is_large():
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_GIVEN_BACK_AFTER_AN_UPDATE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    large, small = (int(n) for n in done.stdout.split()[-2:])
+    assert large >= 7 * BLOCK, large
+    assert abs(small) < BLOCK // 8, small  # the block's pages stay resident, for the next step to reuse
+
+
+_HEAPS_OF_EIGHT_THREADS = """
+    import ctypes
+    import ctypes.util
+    import os
+    import sys
+    import threading
+    import jmp
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+    started = threading.Barrier(8)
+
+    def allocate():
+        started.wait()  # all alive at once: none can take the heap of one that ended
+        libc.free(libc.malloc(1 << 20))
+
+    threads = [threading.Thread(target=allocate) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    sys.stderr.flush()
+    libc.malloc_stats()  # to stderr: one "Arena N:" section a heap
+"""
+
+
+def _heaps(env: dict[str, str]) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_HEAPS_OF_EIGHT_THREADS)],
+        capture_output=True, text=True, timeout=300, env=os.environ | env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr.count("Arena ")
+
+
+def test_importing_jmp_gives_the_threads_one_heap_unless_the_user_configured_malloc():
+    assert _heaps({}) == 1
+    assert _heaps({"GLIBC_TUNABLES": "glibc.malloc.perturb=0"}) > 1  # glibc's default: up to 8 heaps a core
