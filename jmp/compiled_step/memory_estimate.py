@@ -43,9 +43,9 @@ logger = logging.getLogger("jmp")  # one logger: its rank-0 filter (runtime.rank
 
 _FIELDS = ("parameters", "master_copies", "gradients", "optimizer_state", "buffers", "inputs", "temporaries")
 _FIELDS += ("library_scratch", "programs", "in_flight", "heap_retention")  # what XLA:CPU's devices hold besides
-# with jmp's pool of 4 threads a device (runtime.host_threads) the resident peaks of 13 GPT-2 and Llama steps were
-# 7-36% above the rest but the scratch (benchmarks/estimate_peak); with one thread a device, 1-6%
-HEAP_RETENTION = 0.36
+# with malloc's one heap, given back between steps (runtime.host_memory), the resident peaks of 20 steps of 12 GPT-2
+# and Llama layouts were 0.2-10.9% above the rest but the scratch (benchmarks/estimate_peak): the largest share seen
+HEAP_RETENTION = 0.11
 _HELD: dict[bytes, int] = {}  # a program text's digest -> the host memory its estimates in this process saw
 _SLOTS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}  # float32 slots per parameter
 
@@ -63,8 +63,9 @@ class MemoryEstimate:
     CPU executable): 3x the bytes the estimate's own trace, lowering and compile left allocated (what it leaves,
     training's compile of the same step, and the update's, a smaller program). ``in_flight``: on a mesh of
     CPU devices, each device's share of the gradient shards ``jmp.runtime.programs_in_flight`` keeps to wait on.
-    ``heap_retention``: on XLA:CPU, pages glibc's per-thread heaps keep resident once the blocks in them are freed
-    (the top of each thread's heap, which even ``malloc_trim`` leaves): ``HEAP_RETENTION`` of the rest but the scratch.
+    ``heap_retention``: on XLA:CPU, pages glibc's per-thread heaps keep resident once the blocks in them are freed:
+    ``HEAP_RETENTION`` of the rest but the scratch within a step, and up to ``host_memory.GIVE_BACK_ABOVE`` (the
+    process's) kept from one step to the next (``host_memory.give_back_between_steps``).
     On XLA:CPU the total bounds what training adds to the process as it is when the estimate is called.
     ``collectives``: bytes each device sends a step, by collective kind (``collectives.collective_bytes``).
     """
@@ -219,7 +220,8 @@ def estimate_memory(
         collectives=collective_bytes(hlo, laid_out.layout.mesh.size),
     )
     heaped = counted.total - counted.library_scratch  # YNNPACK's scratch is mapped afresh (glibc: blocks over 64 MiB)
-    return dataclasses.replace(counted, heap_retention=int(HEAP_RETENTION * heaped) if on_host else 0)
+    kept = -(-host_memory.GIVE_BACK_ABOVE // jax.local_device_count())
+    return dataclasses.replace(counted, heap_retention=int(HEAP_RETENTION * heaped) + kept if on_host else 0)
 
 
 def _program_key(hlo: str) -> bytes:
