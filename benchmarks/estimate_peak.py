@@ -1,19 +1,20 @@
 """``smp.estimate_memory`` on the local backend against the process's resident peak of a real training step.
 
-    python -m benchmarks.estimate_peak [--cases gpt2-fsdp8-f32 ...] [--out benchmarks/results/estimate_peak.json]
+    python -m benchmarks.estimate_peak [--cases gpt2-fsdp8-f32 ...] [--steps 21] [--out FILE.json]
 
 On XLA:CPU the 8 emulated devices' memory is the host's, so the estimate x 8 devices must bound what the process
 holds. Each case runs in a fresh process (``--worker``): ``smp.init(config)``, the baseline (Python, torch, jax,
 transformers loaded, the mesh made, no model), the model built as a user would (on the meta device with delayed
 initialisation, unless the case says ``eager``), ``smp.estimate_memory(module, None, batch=...)``, then
-``smp.DistributedModel``, ``smp.DistributedOptimizer(torch.optim.AdamW)`` and six steps of ``@smp.step`` +
-``optimizer.step()`` + ``zero_grad()``. The first step compiles; during steps 2 to 6 (step program and update
+``smp.DistributedModel``, ``smp.DistributedOptimizer(torch.optim.AdamW)`` and ``--steps`` steps of ``@smp.step`` +
+``optimizer.step()`` + ``zero_grad()``. The first step compiles; during the others (step program and update
 measured apart) a thread reads every 1 ms the anonymous resident size (``/proc/self/statm``: resident less
 file-backed, which leaves out the libraries' code pages the kernel can drop), with ``--malloc`` the bytes malloc has
 handed out (glibc's ``mallinfo2``); the kernel's high-water mark of all resident pages (``VmHWM``, reset through
 ``/proc/self/clear_refs``) is kept too.
 
-Compared: ``measured`` = the highest anonymous resident size in steps 2-6 (malloc's heaps settle over the first few)
+Compared: ``measured`` = the highest anonymous resident size in steps 2 on (malloc's heaps settle over the first few;
+without ``host_memory.give_back_between_steps`` the peak still rose at step 30)
 less the one just after the module was built (the estimate bounds what training adds to the process as it stands when
 ``smp.estimate_memory`` is called: the module, its values and its imports are the user's), against ``estimate.total x
 devices``; ``ratio`` = estimate / measured (the promise: at least 1, at most 1.1). With ``--malloc``,
@@ -53,7 +54,7 @@ LAYOUTS = {
 }
 DTYPES = {"f32": {}, "bf16": {"bf16": True}}
 BATCH, LENGTH = 8, 128
-STEPS = 6
+STEPS = 21
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # what issue 68 added to the estimate: ``before`` is the total without them
 NEW_TERMS = ("library_scratch", "programs", "in_flight", "heap_retention")
@@ -137,7 +138,7 @@ class Sampler(threading.Thread):
             reset_high_water()
 
 
-def worker(name: str, malloc: bool = False) -> dict:
+def worker(name: str, malloc: bool = False, steps: int = STEPS, keep: bool = False) -> dict:
     spec, config, eager = parse_case(name)
     checkpointed = config.pop("checkpointed", None)
     import jax
@@ -145,6 +146,10 @@ def worker(name: str, malloc: bool = False) -> dict:
     import transformers
 
     import jmp as smp
+    from jmp.runtime import host_memory
+
+    if keep:  # malloc's free pages stay between steps, as before give_back_between_steps
+        host_memory.GIVE_BACK_ABOVE = sys.maxsize
 
     @smp.step
     def lm_step(model, batch):
@@ -177,8 +182,9 @@ def worker(name: str, malloc: bool = False) -> dict:
     sampler.start()
     phases: dict[str, list[int]] = {k: [] for k in ("step", "update", "step_total", "update_total", "step_malloc",
                                                      "update_malloc")}  # fmt: skip
-    before_step = {}
-    for i in range(STEPS):
+    before_step, seconds = {}, []
+    for i in range(steps):
+        started = time.perf_counter()
         measuring = i > 0
         if measuring:
             before_step = {
@@ -202,6 +208,7 @@ def worker(name: str, malloc: bool = False) -> dict:
             phases["update"].append(sampler.peak)
             phases["update_total"].append(high_water())
             phases["update_malloc"].append(sampler.malloc_peak)
+            seconds.append(time.perf_counter() - started)
     sampler.on, sampler.done = False, True
     peak = max(phases["step"] + phases["update"])
     live = max(phases["step_malloc"] + phases["update_malloc"]) - built_malloc if malloc else None
@@ -215,6 +222,9 @@ def worker(name: str, malloc: bool = False) -> dict:
         "checkpointed": checkpointed,
         "parameters": sum(p.numel() for p in build(meta=True).parameters()),
         "devices": devices,
+        "steps": steps,
+        "kept_between_steps": keep,
+        "step_seconds_median": sorted(seconds)[len(seconds) // 2] if seconds else None,
         "estimate": {k: v for k, v in estimate.as_dict().items() if k != "layout"},
         "estimate_x_devices": total,
         "before_x_devices": before,
@@ -284,12 +294,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", nargs="*", default=case_names())
     parser.add_argument("--out", default="benchmarks/results/estimate_peak.json")
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps run, the first (compiling) not measured")
+    parser.add_argument("--keep-between-steps", action="store_true", help="as before: no malloc_trim after updates")
     parser.add_argument("--worker")
     parser.add_argument("--malloc", action="store_true", help="also sample malloc's bytes (can stall XLA: Sampler)")
     parser.add_argument("--plan", help="a case to estimate against this host's memory, without running it")
     args = parser.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.malloc)), flush=True)
+        print("RESULT " + json.dumps(worker(args.worker, args.malloc, args.steps, args.keep_between_steps)), flush=True)
         return
     if args.plan:
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -305,7 +317,8 @@ def main() -> None:
         saved = json.load(open(args.out))
         previous = {row["case"]: row for row in saved.get("rows", [])}
     for name in args.cases:
-        command = [sys.executable, "-m", "benchmarks.estimate_peak", "--worker", name] + ["--malloc"] * args.malloc
+        command = [sys.executable, "-m", "benchmarks.estimate_peak", "--worker", name, "--steps", str(args.steps)]
+        command += ["--malloc"] * args.malloc + ["--keep-between-steps"] * args.keep_between_steps
         run = subprocess.run(command, env=env,
                              capture_output=True, text=True)  # fmt: skip
         found = [line[7:] for line in run.stdout.splitlines() if line.startswith("RESULT ")]
