@@ -35,13 +35,18 @@ _FAULTS_PER_BLOCK = f"""
 """
 
 
-def _faults_per_block(env: dict[str, str]) -> float:
+def _run(script: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``script`` in a process of its own (malloc's settings are the process's), which must succeed."""
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_FAULTS_PER_BLOCK)],
-        capture_output=True, text=True, timeout=300, env=os.environ | env,
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True, text=True, timeout=300, env=os.environ | (env or {}),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return float(done.stdout.split()[-1])
+    return done
+
+
+def _faults_per_block(env: dict[str, str]) -> float:
+    return float(_run(_FAULTS_PER_BLOCK, env).stdout.split()[-1])
 
 
 def test_a_block_freed_is_reused_from_the_heap_unless_the_user_configured_malloc():
@@ -76,10 +81,7 @@ _RESIDENT_AFTER_A_COMPILE = f"""
 
 
 def test_the_memory_freed_before_a_compile_is_given_back_to_the_system():
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_RESIDENT_AFTER_A_COMPILE)], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _run(_RESIDENT_AFTER_A_COMPILE)
     # every whole page of the freed block goes (the compile's own allocations are far smaller than one block)
     assert int(done.stdout.split()[-1]) >= 8 * BLOCK - BLOCK
 
@@ -103,10 +105,7 @@ _ALLOCATED_BYTES = f"""
 
 
 def test_allocated_bytes_counts_a_block_in_use_and_not_one_freed():
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_ALLOCATED_BYTES)], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _run(_ALLOCATED_BYTES)
     held, freed = (int(n) for n in done.stdout.split()[-2:])
     # the block and its header (other threads may allocate a few bytes meanwhile)
     assert abs(held - BLOCK) <= 2 * 4096, held
@@ -142,13 +141,7 @@ _GIVEN_BACK_AFTER_AN_UPDATE = f"""
 
 
 def test_what_a_step_left_free_is_given_back_after_the_update_once_it_is_large():
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_GIVEN_BACK_AFTER_AN_UPDATE)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _run(_GIVEN_BACK_AFTER_AN_UPDATE)
     large, small = (int(n) for n in done.stdout.split()[-2:])
     assert large >= 7 * BLOCK, large
     assert abs(small) < BLOCK // 8, small  # the block's pages stay resident, for the next step to reuse
@@ -182,12 +175,7 @@ _HEAPS_OF_EIGHT_THREADS = """
 
 
 def _heaps(env: dict[str, str]) -> int:
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_HEAPS_OF_EIGHT_THREADS)],
-        capture_output=True, text=True, timeout=300, env=os.environ | env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stderr.count("Arena ")
+    return _run(_HEAPS_OF_EIGHT_THREADS, env).stderr.count("Arena ")
 
 
 def test_importing_jmp_gives_the_threads_one_heap_unless_the_user_configured_malloc():
