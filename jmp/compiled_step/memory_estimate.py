@@ -63,7 +63,7 @@ class MemoryEstimate:
     CPU executable): 3x the bytes the estimate's own trace, lowering and compile left allocated (what it leaves,
     training's compile of the same step, and the update's, a smaller program). ``in_flight``: on a mesh of
     CPU devices, each device's share of the gradient shards ``jmp.runtime.programs_in_flight`` keeps to wait on.
-    ``heap_retention``: on XLA:CPU, pages glibc's per-thread heaps keep resident once the blocks in them are freed:
+    ``heap_retention``: on XLA:CPU, pages malloc's heap keeps resident once the blocks in it are freed:
     ``HEAP_RETENTION`` of the rest but the scratch within a step, and up to ``host_memory.GIVE_BACK_ABOVE`` (the
     process's) kept from one step to the next (``host_memory.give_back_between_steps``).
     On XLA:CPU the total bounds what training adds to the process as it is when the estimate is called.
@@ -219,7 +219,7 @@ def estimate_memory(
         method="compiled step",
         collectives=collective_bytes(hlo, laid_out.layout.mesh.size),
     )
-    heaped = counted.total - counted.library_scratch  # YNNPACK's scratch is mapped afresh (glibc: blocks over 64 MiB)
+    heaped = counted.total - counted.library_scratch  # as HEAP_RETENTION was measured: YNNPACK's scratch left out
     kept = -(-host_memory.GIVE_BACK_ABOVE // jax.local_device_count())
     return dataclasses.replace(counted, heap_retention=int(HEAP_RETENTION * heaped) + kept if on_host else 0)
 
