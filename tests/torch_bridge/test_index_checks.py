@@ -81,6 +81,21 @@ def test_out_of_range_ids_and_labels_raise_torchs_index_error_in_a_step(config):
         out.reduce_mean()
 
 
+_COLLECTIVE = re.compile(r"= ([^\n]*)\b(?:all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)\(")
+
+
+def test_checks_add_no_collective_to_a_step_on_a_split_batch():
+    """Each device's rows are checked where they are: a maximum over the whole batch is one more all-reduce (of
+    the checks' int32 indices), which XLA:CPU ran beside a layer scan's collectives and hung (GPT-2 at tp2 x fsdp4)."""
+    smp.init({"sharded_data_parallel_degree": 8})
+    model = smp.DistributedModel(Tagger())
+    text = train_step.lower(model, *_batch()).compile().as_text()
+    carried = [found.group(1) for found in _COLLECTIVE.finditer(text)]  # the values each collective carries
+    assert carried and not [values for values in carried if "s32" in values]  # the gradients' only
+    with pytest.raises(IndexError, match=r"Target 7 is out of bounds"):  # and the checks still see every row
+        train_step(model, *_batch(bad_label=True)).reduce_mean()
+
+
 def test_an_unread_bad_step_raises_at_the_models_next_step_call():
     smp.init({})
     model = smp.DistributedModel(Tagger())
