@@ -70,7 +70,7 @@ def _largest_by_block(marked: jax.Array) -> jax.Array:
     """The largest of ``marked`` in each of ``jax.device_count()`` blocks of its leading axis (a name's sows all
     have this shape): split over devices along that axis, as a batch is, no collective computes it. A scalar
     maximum is an all-reduce, which XLA:CPU runs beside a layer scan's collectives: GPT-2 at tp2 x fsdp4 hung in
-    5 of 10 runs of ``benchmarks.estimate_peak`` with it, 0 of 4 without (issue 68)."""
+    5 of 10 runs of ``benchmarks.estimate_peak``'s worker with it, 0 of 8 without."""
     devices = jax.device_count()
     if marked.ndim == 0:
         return jnp.broadcast_to(marked, (devices,))
