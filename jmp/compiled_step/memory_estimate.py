@@ -28,7 +28,7 @@ import numpy as np
 import optax
 import torch
 
-from jmp.compiled_step import gpu_target
+from jmp.compiled_step import buffer_assignment, gpu_target
 from jmp.compiled_step.collectives import collective_bytes
 from jmp.compiled_step.function import step as smp_step
 from jmp.errors import ArgumentTypeError, ConfigError
@@ -57,11 +57,11 @@ class MemoryEstimate:
     ``parameters`` / ``master_copies``: the stored parameters (float32 masters of those computed in half
     precision are ``master_copies``); ``gradients``: one step's gradients, as kept for the optimizer;
     ``optimizer_state``: the optimizer's slots; ``buffers``: buffers and the random stream; ``inputs``: the
-    batch's share; ``temporaries``: the compiled step's working memory; ``library_scratch``: what its largest
-    YNNPACK fusion (XLA:CPU) allocates outside that. None: not estimated (no batch given). ``programs``: on XLA:CPU,
-    whose devices' memory is the host's, each device's share of the host memory programs hold (XLA gives none for a
-    CPU executable): 3x the bytes the estimate's own trace, lowering and compile left allocated (what it leaves,
-    training's compile of the same step, and the update's, a smaller program). ``in_flight``: on a mesh of
+    batch's share; ``temporaries``: the compiled step's working memory; ``library_scratch``: the most a YNNPACK
+    fusion (XLA:CPU) adds to them (``_library_scratch``). None: not estimated (no batch given). ``programs``: on
+    XLA:CPU, whose devices' memory is the host's, each device's share of the host memory programs hold (XLA gives
+    none for a CPU executable): 3x the bytes the estimate's own trace, lowering and compile left allocated (what it
+    leaves, training's compile of the same step, and the update's, a smaller program). ``in_flight``: on a mesh of
     CPU devices, each device's share of the gradient shards ``jmp.runtime.programs_in_flight`` keeps to wait on.
     ``heap_retention``: on XLA:CPU, pages malloc's heap keeps resident once the blocks in it are freed:
     ``HEAP_RETENTION`` of the rest but the scratch within a step, and up to ``host_memory.GIVE_BACK_ABOVE`` (the
@@ -213,7 +213,7 @@ def estimate_memory(
         buffers=rest,
         inputs=max(0, memory.argument_size_in_bytes - params - rest),
         temporaries=memory.temp_size_in_bytes,
-        library_scratch=library_scratch(hlo),
+        library_scratch=_library_scratch(hlo, compiled, memory.temp_size_in_bytes, on_host),
         programs=programs,
         in_flight=_kept_in_flight(grads) if on_host else 0,
         method="compiled step",
@@ -244,8 +244,19 @@ _METADATA = re.compile(r", metadata=\{[^}]*\}")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f64": 8, "s64": 8, "u64": 8}
 
 
-def library_scratch(hlo: str) -> int:
-    """Bytes the largest YNNPACK fusion of ``hlo`` (an XLA:CPU program's text) allocates outside XLA's buffers.
+def _library_scratch(hlo: str, compiled: Any, temporaries: int, on_host: bool) -> int:
+    """The most a YNNPACK fusion's scratch (``fusion_scratch``) adds to the step's temporaries. A temporaries block
+    of ``host_memory.MMAP_THRESHOLD`` or more (glibc's own threshold is at most 32 MiB) is mapped afresh each run:
+    only its pages written by then are resident beside the scratch (Qwen2's logits ran with 77% of them)."""
+    scratch = fusion_scratch(hlo)
+    if on_host and scratch and temporaries >= host_memory.MMAP_THRESHOLD:
+        written = buffer_assignment.temporaries_written(compiled)
+        scratch = {name: max(0, written(name) + size - temporaries) for name, size in scratch.items()}
+    return max(scratch.values(), default=0)
+
+
+def fusion_scratch(hlo: str) -> dict[str, int]:
+    """Bytes each YNNPACK fusion of ``hlo`` (an XLA:CPU program's text) allocates outside XLA's buffers, by name.
 
     A fusion that feeds a dot into further ops (the logits into log-softmax's max) runs as a slinky pipeline that
     allocates for the call a packed copy of the weight (not always: an upper bound) and the dot's result in slabs of
@@ -255,8 +266,8 @@ def library_scratch(hlo: str) -> int:
     for block in hlo.split("\n\n"):
         name = block.lstrip().split(" ", 1)[0]
         bodies[name.removeprefix("ENTRY ")] = block.splitlines()
-    largest = 0
-    for callee in re.findall(r"calls=(%[\w.-]+)[^\n]*\"kind\":\"__ynn_fusion\"", hlo):
+    scratch = {}
+    for fusion, callee in re.findall(r"%([\w.-]+) = [^\n]*calls=(%[\w.-]+)[^\n]*\"kind\":\"__ynn_fusion\"", hlo):
         sizes, dots = {}, []
         for line in bodies.get(callee, ()):
             found = _INSTRUCTION.match(line)
@@ -267,8 +278,8 @@ def library_scratch(hlo: str) -> int:
                 if " dot(" in line and not root:
                     slab = sizes[name] * min(1, _SLAB_ROWS / shape[0]) if shape else sizes[name]
                     dots.append((int(slab), re.findall(r"%([\w.-]+)", line.split(" dot(", 1)[1])[:2]))
-        largest = max(largest, sum(slab + sum(sizes.get(o, 0) for o in operands) for slab, operands in dots))
-    return largest
+        scratch[fusion] = sum(slab + sum(sizes.get(o, 0) for o in operands) for slab, operands in dots)
+    return scratch
 
 
 @smp_step
@@ -369,6 +380,7 @@ def what_fits(
     activation_checkpointing: dict[str, str] | None = None,
     target: str | None = None,
     devices: int | None = None,
+    config: dict[str, Any] | None = None,
 ) -> list[tuple[dict[str, Any], MemoryEstimate]]:
     """The layouts under which ``model`` trains in ``budget_bytes`` per device, cheapest communication first.
 
@@ -379,10 +391,11 @@ def what_fits(
     A default candidate the model cannot take (a tensor-parallel degree that does not divide its heads) is
     skipped with an INFO log; one of ``layouts`` given explicitly raises the ``ConfigError``. With a ``target``
     GPU, each is compiled for ``devices`` of them (``estimate_memory``), and a None budget is the GPU's memory.
+    ``config``: the rest of the smp config, which each layout completes (``{"bf16": True}``).
     """
     explicit = layouts is not None
     count = devices or jax.device_count()
-    options = list(layouts if explicit else candidate_layouts(count))
+    options = [{**(config or {}), **layout} for layout in (layouts if explicit else candidate_layouts(count))]
     if target is not None:
         gpu_target.devices(target, count)  # an unknown GPU or a missing plugin stops here, not as a skipped layout
         budget_bytes = gpu_target.get(target).memory_bytes if budget_bytes is None else budget_bytes
