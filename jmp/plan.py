@@ -17,8 +17,6 @@ MaxText's ``train_compile`` is the model for this command.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
 import os
 import pathlib
@@ -28,8 +26,7 @@ import torch
 import transformers
 
 from jmp.compiled_step import gpu_target
-from jmp.compiled_step.memory_estimate import candidate_layouts, estimate_memory
-from jmp.errors import ConfigError
+from jmp.compiled_step.memory_estimate import estimate_memory, what_fits
 
 LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, num_key_value_heads=8)
 MODELS = {  # name -> (model type, its config's values); GPT2Config's defaults are GPT-2 124M's
@@ -77,21 +74,15 @@ def main(argv: list[str] | None = None) -> dict:
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids}
     config = {"bf16": True, **json.loads(args.layout)}
-    estimate = functools.partial(estimate_memory, model, batch=batch, target=gpu, devices=args.devices,
-                                 activation_checkpointing=checkpointing)  # fmt: skip
-    if args.search:  # what_fits's order: cheapest communication first
-        found = []
-        for layout in candidate_layouts(args.devices):
-            with contextlib.suppress(ConfigError):  # a degree the model cannot take
-                found.append((found_config := {**config, **layout}, estimate(found_config)))
-        degrees = ("tensor_parallel_degree", "sharded_data_parallel_degree", "shard_optimizer_state")
-        found = [f for f in found if f[1].total <= gpu.memory_bytes]
-        found.sort(key=lambda f: (*(f[0].get(key, 1) for key in degrees), f[1].total))
+    if args.search:
+        found = what_fits(model, gpu.memory_bytes, batch, activation_checkpointing=checkpointing, target=gpu,
+                          devices=args.devices, config=config)  # fmt: skip
         if not found:
             raise SystemExit(f"no layout of {args.devices} x {gpu.name} fits {args.model}")
         config, memory = found[0]
     else:
-        memory = estimate(config)
+        memory = estimate_memory(model, config, batch, activation_checkpointing=checkpointing, target=gpu,
+                                 devices=args.devices)  # fmt: skip
     sent = memory.collectives
     flops = model_flops(model, args.batch * args.seq, args.seq, checkpointing is not None) / args.devices
     link = sum(k["bytes"] - k["network_bytes"] for k in sent.values())

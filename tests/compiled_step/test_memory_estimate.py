@@ -142,6 +142,10 @@ def test_what_fits_lists_the_layouts_under_the_budget_cheapest_first():
     fitting = smp.what_fits(module, budget, layouts=layouts)
     assert [config for config, _ in fitting] == [layouts[2], layouts[1]]
     assert smp.what_fits(module, needs[1] - 1, layouts=layouts) == []
+    # the rest of the config completes each layout: bf16 keeps float32 masters and halves the gradients
+    (config, mixed), *_ = smp.what_fits(module, 2**40, layouts=layouts[1:2], config={"bf16": True})
+    assert config == {"bf16": True, **layouts[1]}
+    assert mixed.master_copies > 0 and mixed.gradients == fitting[1][1].gradients // 2
 
 
 def test_what_fits_skips_default_layouts_the_model_cannot_take_and_refuses_explicit_ones():
