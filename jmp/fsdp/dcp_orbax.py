@@ -60,15 +60,8 @@ def save(
     """torch's ``save``; for a state dict holding jmp's arrays the Orbax checkpoint described above (returns None
     once it is complete: torch's ``Metadata`` describes torch's own files)."""
     if not holds_jmp_arrays(state_dict):
-        return torch_saver.save(
-            state_dict,
-            checkpoint_id=checkpoint_id,
-            storage_writer=storage_writer,
-            planner=planner,
-            process_group=process_group,
-            no_dist=no_dist,
-            use_collectives=use_collectives,
-        )
+        given = dict(checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner, no_dist=no_dist)
+        return torch_saver.save(state_dict, process_group=process_group, use_collectives=use_collectives, **given)
     _start(state_dict, _directory(checkpoint_id, storage_writer, "save"), planner, process_group).result()
     return None
 
@@ -85,14 +78,8 @@ def async_save(
     """torch's ``async_save``; for a state dict holding jmp's arrays it returns once the values are copied off the
     devices (training may go on), and the Future's ``result()`` waits until the checkpoint is in place."""
     if not holds_jmp_arrays(state_dict):
-        return torch_saver.async_save(
-            state_dict,
-            checkpoint_id=checkpoint_id,
-            storage_writer=storage_writer,
-            planner=planner,
-            process_group=process_group,
-            **torch_options,
-        )
+        given = dict(checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner, **torch_options)
+        return torch_saver.async_save(state_dict, process_group=process_group, **given)
     return _start(state_dict, _directory(checkpoint_id, storage_writer, "async_save"), planner, process_group)
 
 
