@@ -279,9 +279,10 @@ def plan(name: str) -> dict:
     budget = (host - resident()[1]) // jax.device_count()  # each device's share of what the process may still take
     estimate = smp.estimate_memory(module, None, batch=batch)
     precision = {k: v for k, v in config.items() if k == "bf16"}
-    layouts = [{**LAYOUTS[layout], **precision} for layout in ("fsdp8", "tp2xfsdp4")]
+    layouts = [LAYOUTS[layout] for layout in ("fsdp8", "tp2xfsdp4")]
+    checkpointed = {"model.layers": "each"}
     fitting = smp.what_fits(
-        module, budget, batch=batch, layouts=layouts, activation_checkpointing={"model.layers": "each"}
+        module, budget, batch, layouts=layouts, activation_checkpointing=checkpointed, config=precision
     )
     return {
         "case": name,
