@@ -28,9 +28,10 @@ import numpy as np
 import optax
 import torch
 
-from jmp.compiled_step import buffer_assignment, gpu_target
+from jmp.compiled_step import gpu_target
 from jmp.compiled_step.collectives import collective_bytes
 from jmp.compiled_step.function import step as smp_step
+from jmp.compiled_step.library_scratch import library_scratch
 from jmp.errors import ArgumentTypeError, ConfigError
 from jmp.optim.distributed_optimizer import DistributedOptimizer
 from jmp.remat import api as remat
@@ -58,7 +59,7 @@ class MemoryEstimate:
     precision are ``master_copies``); ``gradients``: one step's gradients, as kept for the optimizer;
     ``optimizer_state``: the optimizer's slots; ``buffers``: buffers and the random stream; ``inputs``: the
     batch's share; ``temporaries``: the compiled step's working memory; ``library_scratch``: the most a YNNPACK
-    fusion (XLA:CPU) adds to them (``_library_scratch``). None: not estimated (no batch given). ``programs``: on
+    fusion (XLA:CPU) adds to them (``library_scratch``). None: not estimated (no batch given). ``programs``: on
     XLA:CPU, whose devices' memory is the host's, each device's share of the host memory programs hold (XLA gives
     none for a CPU executable): 3x the bytes the estimate's own trace, lowering and compile left allocated (what it
     leaves, training's compile of the same step, and the update's, a smaller program). ``in_flight``: on a mesh of
@@ -204,6 +205,7 @@ def estimate_memory(
     grads = with_shardings(grads_info, laid_out.store.shardings) if grads_info else None
     gradients = per_device_bytes(grads) if grads_info else 0
     masters = _master_share(laid_out) * params
+    mapped = memory.temp_size_in_bytes >= host_memory.MMAP_THRESHOLD  # afresh each run (glibc's own: 32 MiB at most)
     counted = MemoryEstimate(
         layout=dict(laid_out.layout.mesh.shape),
         parameters=params - int(masters),
@@ -213,7 +215,7 @@ def estimate_memory(
         buffers=rest,
         inputs=max(0, memory.argument_size_in_bytes - params - rest),
         temporaries=memory.temp_size_in_bytes,
-        library_scratch=_library_scratch(hlo, compiled, memory.temp_size_in_bytes, on_host),
+        library_scratch=library_scratch(compiled, mapped) if on_host else 0,
         programs=programs,
         in_flight=_kept_in_flight(grads) if on_host else 0,
         method="compiled step",
@@ -239,47 +241,7 @@ def _kept_in_flight(grads: Any) -> int:
 
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT )?%(\S+) = (\w+)\[([\d,]*)\]")
-_SLAB_ROWS = 64
 _METADATA = re.compile(r", metadata=\{[^}]*\}")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f64": 8, "s64": 8, "u64": 8}
-
-
-def _library_scratch(hlo: str, compiled: Any, temporaries: int, on_host: bool) -> int:
-    """The most a YNNPACK fusion's scratch (``fusion_scratch``) adds to the step's temporaries. A temporaries block
-    of ``host_memory.MMAP_THRESHOLD`` or more (glibc's own threshold is at most 32 MiB) is mapped afresh each run:
-    only its pages written by then are resident beside the scratch (Qwen2's logits ran with 77% of them)."""
-    scratch = fusion_scratch(hlo)
-    if on_host and scratch and temporaries >= host_memory.MMAP_THRESHOLD:
-        written = buffer_assignment.temporaries_written(compiled)
-        scratch = {name: max(0, written(name) + size - temporaries) for name, size in scratch.items()}
-    return max(scratch.values(), default=0)
-
-
-def fusion_scratch(hlo: str) -> dict[str, int]:
-    """Bytes each YNNPACK fusion of ``hlo`` (an XLA:CPU program's text) allocates outside XLA's buffers, by name.
-
-    A fusion that feeds a dot into further ops (the logits into log-softmax's max) runs as a slinky pipeline that
-    allocates for the call a packed copy of the weight (not always: an upper bound) and the dot's result in slabs of
-    64 rows (seen for GPT-2's and a Qwen2's logits); a plain dot works in XLA's buffers. Fusions run one at a time.
-    """
-    bodies: dict[str, list[str]] = {}
-    for block in hlo.split("\n\n"):
-        name = block.lstrip().split(" ", 1)[0]
-        bodies[name.removeprefix("ENTRY ")] = block.splitlines()
-    scratch = {}
-    for fusion, callee in re.findall(r"%([\w.-]+) = [^\n]*calls=(%[\w.-]+)[^\n]*\"kind\":\"__ynn_fusion\"", hlo):
-        sizes, dots = {}, []
-        for line in bodies.get(callee, ()):
-            found = _INSTRUCTION.match(line)
-            if found:
-                root, name, dtype, dims = found.groups()
-                shape = [int(d) for d in dims.split(",") if d]
-                sizes[name] = math.prod(shape) * _ITEMSIZE.get(dtype, 4)
-                if " dot(" in line and not root:
-                    slab = sizes[name] * min(1, _SLAB_ROWS / shape[0]) if shape else sizes[name]
-                    dots.append((int(slab), re.findall(r"%([\w.-]+)", line.split(" dot(", 1)[1])[:2]))
-        scratch[fusion] = sum(slab + sum(sizes.get(o, 0) for o in operands) for slab, operands in dots)
-    return scratch
 
 
 @smp_step
